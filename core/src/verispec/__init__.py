@@ -1,0 +1,13 @@
+"""verispec: speculative decoding as plugins. See DESIGN.md; `verispec.load` is the Python API."""
+from verispec.hookspecs import hookimpl
+from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TargetSpec
+
+__all__ = ["hookimpl", "SpeculatorSpec", "TargetSpec", "DraftFileSpec", "CheckpointSpec", "load"]
+__version__ = "0.1.0"
+
+
+def load(model=None, **options):
+    """Load a model (alias, GGUF path, or the embedded default) into an InferenceEngine."""
+    from verispec.api import load as _load
+
+    return _load(model, **options)
