@@ -79,6 +79,7 @@ class SpeculativeTarget(Protocol):
 
     cache_seq_len: int  # positions [0, cache_seq_len) hold committed KV
     max_context_length: int  # tokens
+    vocab_size: int  # V, the width of every logits row
     spec_feature_size: int  # F
 
     def forward(self, tokens: "torch.Tensor") -> "torch.Tensor":

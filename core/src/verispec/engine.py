@@ -1,0 +1,265 @@
+"""InferenceEngine: one loaded trunk serving requests, with speculation armed when it pays.
+
+A request: render/encode the prompt → reuse the longest cached prefix → chunked prefill →
+decode steps through `SpeculativeExecution` until a stop token, a stop string, max_tokens
+or a full context. Tokens reach the consumer one at a time, in order.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+
+import attrs
+
+from verispec.execution import ExecutionStats, SpeculativeExecution, resolve_draft_window
+from verispec.governor import SpeculationCostGovernor
+from verispec.sampling import Sampler, SamplingParams
+from verispec.seams import ContextOverflow, declared
+from verispec.trunks import LinearSpecTrunk
+from verispec.window import DraftWindow
+
+log = logging.getLogger("verispec")
+
+SPEC_TYPES_BUILTIN = ("auto", "draft-head", "block")
+
+
+@attrs.frozen
+class SpecOptions:
+    """The speculation policy (the --spec* flags); validated at construction."""
+
+    enabled: bool = True
+    #: auto | draft-head | block | <registered name>, e.g. ngram.
+    spec_type: str = "auto"
+    #: explicit --spec-draft (1..64); None = default 8 narrowed by the trunk's preference.
+    draft_window: int | None = attrs.field(default=None)
+    #: explicit --spec-pmin in the algorithm's units (0..1); None = the algorithm's default.
+    min_draft_prob: float | None = attrs.field(default=None)
+    #: --draft-model: a drafter GGUF; its general.architecture decides what it is.
+    draft_model: str | None = None
+    #: --spec-adaptive: False forces drafting (for measurements).
+    adaptive: bool = True
+
+    @draft_window.validator
+    def _check_window(self, attribute, value):
+        if value is not None and not 1 <= value <= 64:
+            raise ValueError(f"--spec-draft {value}: choose 1..64")
+
+    @min_draft_prob.validator
+    def _check_pmin(self, attribute, value):
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ValueError(f"--spec-pmin {value}: choose 0..1")
+
+
+@attrs.frozen
+class TokenEvent:
+    token: int
+    #: text this token completes (may be "" mid-character or inside a held-back stop string).
+    text: str
+
+
+@attrs.define
+class GenerationResult:
+    tokens: list[int]
+    text: str
+    #: "stop" (stop token or string), "length" (max_tokens or a full context).
+    finish_reason: str
+    prompt_tokens: int
+    reused_prefix_tokens: int
+    #: time to first token (prefill of the unreused prompt + the first draw).
+    ttft_ms: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    speculator: str | None
+    spec: ExecutionStats
+    governor: str | None
+
+
+class InferenceEngine:
+    """Serves one trunk. `target.tokenizer` turns text into ids and back."""
+
+    def __init__(self, target, *, registry=None, spec: SpecOptions = SpecOptions(), prefill_chunk: int = 512):
+        self.target = target
+        self.tokenizer = target.tokenizer
+        self.registry = registry
+        self.prefill_chunk = prefill_chunk
+        self._cached: list[int] = []  # tokens whose KV the trunk cache holds, in order
+        self._governors: dict[tuple, SpeculationCostGovernor] = {}
+        self.speculator = None
+        self.choice = None
+        self.update_speculation(spec)
+
+    # -- speculation policy --------------------------------------------------------------
+
+    def update_speculation(self, spec: SpecOptions) -> None:
+        """Swap the speculation policy between requests, without reloading the model.
+
+        Raises SpeculationUnavailable when an explicit --spec-type cannot serve this trunk.
+        """
+        if self.speculator is not None:
+            self.speculator.close()
+        self.spec, self.speculator, self.choice = spec, None, None
+        self.draft_window = resolve_draft_window(spec.draft_window, self.target)
+        refusal = declared(self.target, "speculation_refusal")
+        if not spec.enabled or self.registry is None:
+            return
+        if refusal is not None:
+            log.warning("speculation off: %s", refusal)
+            return
+        draft_head = self._load_draft_head(spec.draft_model)
+        self.choice = self.registry.choose_speculator(
+            spec.spec_type, self.target, draft_head=draft_head, max_draft_tokens=self.draft_window,
+            min_draft_prob=spec.min_draft_prob)
+        self.speculator = self.choice.speculator
+        log.info("speculation: %s", self.choice.reason)
+
+    def _load_draft_head(self, path):
+        if path is None:
+            return getattr(self.target, "draft_head", None)
+        from verispec.gguf_io import read_architecture
+        from verispec.specs import resolve
+
+        spec = self.registry.draft_file_for_architecture(read_architecture(path))
+        return resolve(spec.loader)(path, self.target)
+
+    def governor(self) -> SpeculationCostGovernor:
+        """One governor per (model, drafter, backend), shared by every request."""
+        key = (id(self.target), self.speculator.name if self.speculator else None, "linear")
+        if key not in self._governors:
+            self._governors[key] = SpeculationCostGovernor(enabled=self.spec.adaptive)
+        return self._governors[key]
+
+    # -- requests ------------------------------------------------------------------------
+
+    def encode(self, prompt: str | Sequence[int] | Sequence[dict], *, chat: bool = False) -> list[int]:
+        """Text, token ids, or chat messages ([{"role", "content"}]) → token ids."""
+        if isinstance(prompt, str):
+            if chat:
+                return self.tokenizer.encode(self.tokenizer.render_chat([{"role": "user", "content": prompt}]),
+                                             add_special=False)
+            return self.tokenizer.encode(prompt)
+        if prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.encode(self.tokenizer.render_chat(list(prompt)), add_special=False)
+        return [int(t) for t in prompt]
+
+    def generate(self, prompt, *, max_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
+                 stop: Sequence[str] = (), ignore_eos: bool = False, chat: bool = False) -> "Generation":
+        """Start a request; iterate the returned Generation for TokenEvents, then read `.result`."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens}: ask for at least 1 token")
+        ids = self.encode(prompt, chat=chat)
+        if not ids:
+            raise ValueError("empty prompt: give at least one token")
+        if len(ids) >= self.target.max_context_length:
+            raise ContextOverflow(len(ids) + 1, self.target.max_context_length)
+        return Generation(self, ids, max_tokens, sampling, tuple(stop), ignore_eos)
+
+    def _reuse_prefix(self, trunk: LinearSpecTrunk, ids: list[int]) -> int:
+        """Rewind the cache to the longest prefix shared with the last request (at least one row is re-forwarded)."""
+        common = 0
+        limit = min(len(self._cached), len(ids) - 1)
+        while common < limit and self._cached[common] == ids[common]:
+            common += 1
+        try:
+            trunk.rewind(common)
+        except ValueError:  # recurrent state cannot be rewound: start afresh
+            common = 0
+            self.target.spec_rewind_cache(0)
+        del self._cached[common:]
+        return common
+
+
+class Generation:
+    """Iterator over TokenEvents of one request; `.result` once exhausted."""
+
+    def __init__(self, engine: InferenceEngine, ids: list[int], max_tokens: int, sampling: SamplingParams,
+                 stop: tuple[str, ...], ignore_eos: bool):
+        self.engine, self.ids, self.max_tokens = engine, ids, max_tokens
+        self.sampling, self.stop, self.ignore_eos = sampling, stop, ignore_eos
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        engine, ids = self.engine, self.ids
+        start = time.perf_counter()
+        trunk = LinearSpecTrunk(engine.target)
+        reused = engine._reuse_prefix(trunk, ids)
+        speculator = engine.speculator
+        governor = engine.governor() if speculator is not None else None
+        stop_ids = () if self.ignore_eos else tuple(engine.tokenizer.stop_ids)
+        execution = SpeculativeExecution(
+            trunk, speculator, draft_window=engine.draft_window, stop_token_ids=stop_ids, governor=governor,
+            window=DraftWindow(engine.draft_window) if speculator is not None else None)
+        if reused:
+            execution.seed_committed(ids[:reused])
+        if governor is not None:
+            room = engine.target.max_context_length - len(ids)
+            governor.start_request(min(self.max_tokens, room))
+        state = _StopState(self, engine.tokenizer, stop_ids, len(ids))
+        sampler = Sampler(self.sampling, ids, engine.target.vocab_size)
+        stopped = execution.start(ids[reused:], sampler, state.on_token)
+        first_token_at = time.perf_counter()
+        yield from state.drain()
+        while not stopped:
+            stopped = execution.step(sampler, state.on_token)
+            yield from state.drain()
+        end = time.perf_counter()
+        # the last emitted token is pending: the cache holds the prompt and every token before it
+        engine._cached = (list(ids) + state.tokens[:-1])[:trunk.seq_len]
+        n = len(state.tokens)
+        ttft_s = first_token_at - start
+        self.result = GenerationResult(
+            tokens=state.tokens, text=state.text(), finish_reason=state.finish_reason, prompt_tokens=len(ids),
+            reused_prefix_tokens=reused, ttft_ms=1e3 * ttft_s,
+            prefill_tokens_per_s=(len(ids) - reused) / ttft_s,
+            decode_tokens_per_s=(n - 1) / (end - first_token_at) if n > 1 and end > first_token_at else 0.0,
+            speculator=speculator.name if speculator is not None else None, spec=execution.stats,
+            governor=governor.stats_line() if governor is not None else None)
+
+
+class _StopState:
+    """Decides, token by token, whether generation ends there (stop id, stop string, length)."""
+
+    def __init__(self, generation: Generation, tokenizer, stop_ids, prompt_len: int):
+        from verispec.tokenizer import StreamDecoder
+
+        self.generation, self.stop_ids, self.prompt_len = generation, set(stop_ids), prompt_len
+        self.max_context = generation.engine.target.max_context_length
+        self.decoder = StreamDecoder(tokenizer)
+        self.tokens: list[int] = []
+        self.draws: list = []  # verispec.sampling.Draw per token (logprobs when asked for)
+        self._text = ""
+        self._sent = 0  # characters of _text already handed to the consumer
+        self._pending: list[TokenEvent] = []
+        self.finish_reason = "length"
+
+    def on_token(self, draw) -> bool:
+        token = draw.token
+        self.tokens.append(token)
+        self.draws.append(draw)
+        self._text += self.decoder.feed(token)
+        stop = False
+        if token in self.stop_ids:
+            self.finish_reason, stop = "stop", True
+        for s in self.generation.stop:
+            cut = self._text.find(s)
+            if cut >= 0:
+                self._text, self.finish_reason, stop = self._text[:cut], "stop", True
+        if not stop and (len(self.tokens) >= self.generation.max_tokens
+                         or self.prompt_len + len(self.tokens) >= self.max_context):
+            self.finish_reason, stop = "length", True
+        self._emit(token, final=stop)
+        return stop
+
+    def _emit(self, token: int, *, final: bool) -> None:
+        # Hold back text that could be the start of a stop string until it is decided.
+        hold = 0 if final else max((len(s) - 1 for s in self.generation.stop), default=0)
+        ready = max(self._sent, len(self._text) - hold)
+        self._pending.append(TokenEvent(token, self._text[self._sent:ready]))
+        self._sent = ready
+
+    def drain(self) -> Iterator[TokenEvent]:
+        events, self._pending = self._pending, []
+        return iter(events)
+
+    def text(self) -> str:
+        return self._text

@@ -1,0 +1,238 @@
+"""SpeculativeExecution: the one implementation of draft → verify → accept → rollback → commit.
+
+One step, with the pending token `last` at position p (emitted, not yet in the cache):
+
+1. Draft: `Speculator.propose` gives d1..dK for positions p+1..p+K.
+2. Verify: the trunk forwards [last, d1..dK] as one batch; row i's logits are for position p+1+i.
+3. Accept: the caller's sampler draws row 0, 1, ... in order; a draft is accepted while the
+   drawn token equals it. The first mismatching draw is the *correction*; when every draft
+   passes, row K's draw is the *bonus*. Every drawn token is emitted, so the output is what
+   plain decoding draws (Leviathan et al. 2023, arXiv 2211.17192, with a deterministic
+   drafter and draws keyed by position).
+4. Rollback: rows past the last kept one are dropped (`SpecTrunk.rollback`).
+5. Commit: the kept tokens [last, d1..da] go to the speculator with their hidden rows.
+
+A stop (stop token, stop string, max_tokens; decided by the caller's `on_token`) inside an
+accepted window ends the step at that token: rows past it count as rejected, and the cache
+keeps exactly what a plain run would hold. A window never starts at a stop token.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+
+from verispec.seams import DraftContext, Speculator, declared
+
+if TYPE_CHECKING:
+    from verispec.sampling import Draw
+from verispec.trunks import SpecTrunk
+
+#: steps with an empty proposal after which no-draft steps stop tapping hidden rows.
+NO_DRAFT_STEPS_BEFORE_PLAIN = 2
+#: the --spec-draft default (DESIGN §5).
+DEFAULT_DRAFT_WINDOW = 8
+MAX_DRAFT_WINDOW = 64
+
+#: on_token(draw) -> True to stop generation at draw.token (it is still emitted).
+#: draw is a verispec.sampling.Draw: the token and, when asked for, its logprobs.
+OnToken = Callable[["Draw"], bool]
+
+
+def resolve_draft_window(explicit: int | None, target: object) -> int:
+    """The K ceiling: an explicit --spec-draft wins; else the default narrowed by the trunk's preference."""
+    if explicit is not None:
+        if not 1 <= explicit <= MAX_DRAFT_WINDOW:
+            raise ValueError(f"--spec-draft {explicit}: choose 1..{MAX_DRAFT_WINDOW}")
+        return explicit
+    preferred = declared(target, "spec_preferred_draft_window")
+    return min(DEFAULT_DRAFT_WINDOW, preferred) if preferred else DEFAULT_DRAFT_WINDOW
+
+
+@attrs.define
+class ExecutionStats:
+    """Counters over the life of one execution (vLLM's spec-decode metric names)."""
+
+    num_spec_steps: int = 0  # steps that verified a draft
+    num_no_draft_steps: int = 0  # armed steps whose proposal was empty
+    num_plain_steps: int = 0  # parked / unarmed steps
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+class SpeculativeExecution:
+    """Runs one sequence on a SpecTrunk, speculating with `speculator` when armed.
+
+    sampler: `.draw(logits fp32 [V], pos) -> Draw` and `.accept(token)` (verispec.sampling.Sampler).
+    governor: optional SpeculationCostGovernor (`should_speculate`, `record_*`); None = always armed.
+    window: optional DraftWindow choosing K per step within [1, draft_window].
+    """
+
+    def __init__(self, trunk: SpecTrunk, speculator: Speculator | None, *, draft_window: int = DEFAULT_DRAFT_WINDOW,
+                 stop_token_ids: Sequence[int] = (), governor=None, window=None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.trunk = trunk
+        self.speculator = speculator
+        self.draft_window = draft_window
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.governor = governor
+        self.window = window
+        self.clock = clock
+        self.stats = ExecutionStats()
+        self.last_token: int | None = None
+        self._armed = speculator is not None
+        self._hidden_prev = None
+        self._no_draft_streak = 0
+
+    @property
+    def _needs_hidden(self) -> bool:
+        return self._armed and self.speculator.needs_hidden_state
+
+    # -- sequence set-up ---------------------------------------------------------------
+
+    def prefill(self, tokens: Sequence[int], chunk_size: int = 512):
+        """Append prompt tokens after what the cache holds; returns logits fp32 [V] of the last row."""
+        out = None
+        for start in range(0, len(tokens), chunk_size):
+            base = self.trunk.seq_len
+            chunk = tokens[start:start + chunk_size]
+            out = self.trunk.prefill(chunk, hidden=self._needs_hidden)
+            self._commit(chunk, out.hidden, base)
+        return out.logits[-1]
+
+    def start(self, prompt: Sequence[int], sampler, on_token: OnToken) -> bool:
+        """Prefill the prompt and emit the first new token; returns True when it said stop.
+
+        From an empty cache the speculator starts afresh; after prefix reuse the caller has
+        already called `seed_committed` with the reused tokens.
+        """
+        if self.trunk.seq_len == 0 and self.speculator is not None:
+            self.speculator.reset()
+        logits = self.prefill(prompt)
+        token, stop = self._emit(sampler, logits, self.trunk.seq_len, on_token)
+        self.last_token = token
+        return stop
+
+    def seed_committed(self, tokens: Sequence[int]) -> None:
+        """Arm late over tokens the trunk already holds (positions 0..len-1), e.g. a reused prefix."""
+        if self.speculator is None:
+            return
+        if not self.speculator.can_arm_after_prefix_reuse:
+            self._armed = False  # stays plain for this sequence: it cannot see the reused rows
+            return
+        self.speculator.reset()
+        self.speculator.commit(list(tokens), None, 0)
+        self._armed = True
+
+    def catch_up(self, tokens: Sequence[int], start_pos: int) -> None:
+        """Tokens decoded plainly elsewhere while this context was set aside (a 1 → N → 1 interlude)."""
+        self._commit(tokens, None, start_pos)
+
+    def disarm(self) -> None:
+        self._armed = False
+
+    # -- one step ------------------------------------------------------------------------
+
+    def step(self, sampler, on_token: OnToken) -> bool:
+        """Emit one or more tokens through `on_token`, in order; returns True when it said stop."""
+        if self.last_token is None:
+            raise RuntimeError("step() before the first token: prefill, sample it, and set last_token")
+        k = self._window_size()
+        if k == 0:
+            return self._plain_step(sampler, on_token)
+        start = self.clock()
+        ctx = DraftContext(last_token=self.last_token, pos=self.trunk.seq_len, draft_window=k,
+                           min_draft_prob=self.speculator.min_draft_prob, hidden_prev=self._hidden_prev,
+                           stop_token_ids=self.stop_token_ids)
+        draft = list(self.speculator.propose(ctx))[:k]
+        if draft:
+            self._no_draft_streak = 0
+            return self._speculative_step(draft, sampler, on_token, start)
+        self._no_draft_streak += 1
+        self.stats.num_no_draft_steps += 1
+        stop = self._decode_one(sampler, on_token,
+                                hidden=self._no_draft_streak <= NO_DRAFT_STEPS_BEFORE_PLAIN and self._needs_hidden)
+        if self.governor is not None:
+            self.governor.record_spec_step(self.clock() - start, num_emitted=1, num_accepted=0, num_drafted=0)
+        return stop
+
+    def _window_size(self) -> int:
+        """K for this step: 0 means a plain step (unarmed, parked, at a stop token, or no room)."""
+        if not self._armed or self.last_token in self.stop_token_ids:
+            return 0
+        if self.governor is not None and not self.governor.should_speculate():
+            return 0
+        room = self.trunk.max_context_length - self.trunk.seq_len - 1  # verify writes K+1 rows
+        k = min(self.draft_window, self.speculator.max_draft_tokens, room)
+        if self.window is not None:
+            k = min(k, self.window.next())
+        return max(k, 0)
+
+    def _plain_step(self, sampler, on_token: OnToken) -> bool:
+        start = self.clock()
+        stop = self._decode_one(sampler, on_token, hidden=False)
+        if self.governor is not None:
+            self.governor.record_plain_step(self.clock() - start, num_emitted=1)
+        if self.window is not None:
+            self.window.set_plain_row_s(self.clock() - start)
+        self.stats.num_plain_steps += 1
+        return stop
+
+    def _decode_one(self, sampler, on_token: OnToken, *, hidden: bool) -> bool:
+        base, last = self.trunk.seq_len, self.last_token
+        out = self.trunk.decode(last, hidden=hidden)
+        self._commit([last], out.hidden, base)
+        token, stop = self._emit(sampler, out.logits[-1], base + 1, on_token)
+        self.last_token = token
+        return stop
+
+    def _speculative_step(self, draft: list[int], sampler, on_token: OnToken, start: float) -> bool:
+        base = self.trunk.seq_len
+        rows = [self.last_token, *draft]
+        out = self.trunk.verify(rows, hidden=self._needs_hidden)
+        i = num_accepted = 0
+        while True:
+            token, stop = self._emit(sampler, out.logits[i], base + 1 + i, on_token)
+            matched = i < len(draft) and token == draft[i]
+            num_accepted += matched
+            if stop or not matched:
+                break
+            i += 1
+        num_kept = i + 1  # [last, d1..di] stay in the cache; `token` is the new pending token
+        hidden_rows = self.trunk.rollback(base, rows, num_kept, hidden=self._needs_hidden)
+        if hidden_rows is None and out.hidden is not None:
+            hidden_rows = out.hidden[:num_kept]
+        self._commit(rows[:num_kept], hidden_rows, base)
+        self.last_token = token
+        self._record_spec(len(draft), num_accepted, num_kept, start)
+        return stop
+
+    def _record_spec(self, num_drafted: int, num_accepted: int, num_emitted: int, start: float) -> None:
+        elapsed = self.clock() - start
+        self.stats.num_spec_steps += 1
+        self.stats.num_draft_tokens += num_drafted
+        self.stats.num_accepted_tokens += num_accepted
+        if self.governor is not None:
+            self.governor.record_spec_step(elapsed, num_emitted=num_emitted, num_accepted=num_accepted,
+                                           num_drafted=num_drafted)
+        if self.window is not None:
+            self.window.record(num_drafted, num_accepted, num_drafted + 1, elapsed)
+
+    def _emit(self, sampler, logits_row, pos: int, on_token: OnToken) -> tuple[int, bool]:
+        draw = sampler.draw(logits_row, pos)
+        sampler.accept(draw.token)
+        self.stats.num_emitted_tokens += 1
+        return draw.token, bool(on_token(draw))
+
+    def _commit(self, tokens: Sequence[int], hidden_rows, start_pos: int) -> None:
+        if hidden_rows is not None:
+            self._hidden_prev = hidden_rows[-1]
+        if self.speculator is not None:
+            self.speculator.commit(list(tokens), hidden_rows, start_pos)

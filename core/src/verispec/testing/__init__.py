@@ -1,0 +1,27 @@
+"""Test kit for verispec and its plugins (also a pytest plugin, entry point `pytest11`).
+
+- `TargetConformance`, `SpeculatorConformance`: suites to subclass (see `conformance`).
+- `ToyTarget`, `MarkovTarget`, `ScriptedSpeculator`, `oracle_speculator`: toy trunks and drafters.
+- `fixture_writer`: writes tiny GGUF fixtures with llama.cpp's key and tensor names.
+
+Imports are lazy so that loading the pytest plugin does not import torch.
+"""
+import importlib
+
+_EXPORTS = {
+    "TargetConformance": "verispec.testing.conformance",
+    "SpeculatorConformance": "verispec.testing.conformance",
+    "run_greedy": "verispec.testing.conformance",
+    "ToyTarget": "verispec.testing.toy",
+    "MarkovTarget": "verispec.testing.toy",
+    "ScriptedSpeculator": "verispec.testing.toy",
+    "oracle_speculator": "verispec.testing.toy",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'verispec.testing' has no attribute {name!r}")

@@ -1,0 +1,130 @@
+"""DraftWindow: how many drafts K the next speculative step verifies, within [1, max_window].
+
+The governor decides *whether* to speculate; the window decides *how far*. It picks the K
+that maximises expected emitted tokens per unit of step time:
+
+    K* = argmax over 1 <= K <= max_window of  E(K) / cost(K + 1)     (ties: the smaller K)
+
+E(K) — expected tokens emitted by a step that verifies K drafts, when each draft is accepted
+with probability α independently of the others (Leviathan et al. 2023, arXiv 2211.17192,
+eq. 1), counting the correction or bonus token:
+    E(K) = 1 + α + … + α^K = (1 − α^(K+1)) / (1 − α)
+
+α — the per-draft acceptance rate, estimated from accepted prefixes. A step that accepts a of
+K drafts judged a + 1 drafts when a < K (a passes, then one rejection; the drafts after it were
+never judged) and K drafts when a = K. So α = Σ passes / Σ judged: the maximum-likelihood
+estimate of a geometric run truncated at K (a/K would be biased low). Both sums decay by
+ACCEPT_DECAY per step, so the window follows the text, and start from a prior of
+PRIOR_JUDGED drafts at PRIOR_ACCEPT_RATE.
+
+cost(n) — a speculative step with n = K + 1 verify rows, in units of one plain decode row
+(`set_plain_row_s`). It is not a line: on this CPU (reference/baselines.md §5) an int8 verify
+costs 0.99x at 2 rows, 1.22x at 4, 2.28x at 8, 4.39x at 16 — memory-bound up to ~4 rows, then
+compute-bound (a roofline knee) — while fp32 is concave (1.77x at 2, 2.56x at 16). No single
+per-row cost fits both, so the window keeps what it measured, per row count:
+  - n measured: the running mean (COST_EMA_WEIGHT) of its step seconds / plain row seconds;
+  - n between two measured counts: linear interpolation (n = 1 costs 1 by definition);
+  - n beyond the largest measured count m: cost(m) + prior_row_cost · (n − m). This is
+    optimistic on purpose (the memory-bound slope: int8 1 → 4 rows is 0.07/row), so a longer
+    window is tried once when acceptance makes it worth it, and is then measured.
+Until a plain row time is known every cost is the prior line 1 + prior_row_cost · (n − 1).
+The measured step time includes drafting and rollback, so E/cost is tokens per second.
+"""
+from __future__ import annotations
+
+#: weight kept by the acceptance evidence per step (≈ the last 5 steps count).
+ACCEPT_DECAY = 0.8
+#: prior acceptance rate, worth PRIOR_JUDGED judged drafts of evidence.
+PRIOR_ACCEPT_RATE = 0.5
+PRIOR_JUDGED = 2.0
+#: weight of a new measurement in a row count's (or the plain row's) running mean of seconds.
+COST_EMA_WEIGHT = 0.25
+
+
+class InvalidWindowRecord(ValueError):
+    """A window argument or step report that cannot be used (see the message for which)."""
+
+
+def expected_tokens(alpha: float, num_drafts: int) -> float:
+    """E(K): expected emitted tokens of a step verifying `num_drafts` drafts at acceptance `alpha`."""
+    return sum(alpha ** i for i in range(num_drafts + 1))
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + COST_EMA_WEIGHT * (new - old)
+
+
+class DraftWindow:
+    """Per-step draft length K in [1, max_window] from acceptance and measured verify cost.
+
+    max_window: the K ceiling (--spec-draft, narrowed by the trunk), >= 1.
+    prior_row_cost: cost of one more verify row relative to one plain row, assumed where
+        nothing is measured (default 0.06: the memory-bound int8 slope on this CPU).
+    Raises InvalidWindowRecord for max_window < 1 or prior_row_cost < 0.
+    """
+
+    def __init__(self, max_window: int, prior_row_cost: float = 0.06):
+        if max_window < 1 or prior_row_cost < 0:
+            raise InvalidWindowRecord(f"DraftWindow({max_window=}, {prior_row_cost=}): "
+                                      "give max_window >= 1 and prior_row_cost >= 0")
+        self.max_window = max_window
+        self.prior_row_cost = prior_row_cost
+        self._plain_row_s: float | None = None
+        self._step_s: dict[int, float] = {}  # verify rows n -> running mean of step seconds
+        self.reset()
+
+    def reset(self) -> None:
+        """A new request: forget the acceptance evidence. Measured costs describe the machine, not
+        the text, and are kept."""
+        self._passed = PRIOR_ACCEPT_RATE * PRIOR_JUDGED
+        self._judged = PRIOR_JUDGED
+
+    @property
+    def acceptance_rate(self) -> float:
+        """α, the estimated probability that one draft is accepted."""
+        return self._passed / self._judged
+
+    def set_plain_row_s(self, s: float) -> None:
+        """A measured plain decode step of one row, in seconds (kept as a running mean)."""
+        if s > 0:
+            self._plain_row_s = _ema(self._plain_row_s, s)
+
+    def record(self, num_drafted: int, num_accepted: int, num_rows: int, elapsed_s: float) -> None:
+        """A speculative step verified `num_rows` rows (num_drafted + 1), accepted `num_accepted`
+        drafts and took `elapsed_s` seconds (draft + verify + rollback).
+
+        Raises InvalidWindowRecord unless 0 <= num_accepted <= num_drafted, num_rows >= 1, elapsed_s >= 0.
+        """
+        if not 0 <= num_accepted <= num_drafted or num_rows < 1 or elapsed_s < 0:
+            raise InvalidWindowRecord(f"record({num_drafted=}, {num_accepted=}, {num_rows=}, {elapsed_s=}): "
+                                      "report 0 <= accepted <= drafted, rows >= 1 and seconds >= 0")
+        if num_drafted > 0:
+            judged = num_accepted + (num_accepted < num_drafted)
+            self._passed = ACCEPT_DECAY * self._passed + num_accepted
+            self._judged = ACCEPT_DECAY * self._judged + judged
+        if num_rows >= 2:
+            self._step_s[num_rows] = _ema(self._step_s.get(num_rows), elapsed_s)
+
+    def row_cost(self, num_rows: int) -> float:
+        """cost(n): a speculative step with `num_rows` verify rows, in plain one-row steps."""
+        if self._plain_row_s is None or not self._step_s:
+            return 1.0 + self.prior_row_cost * (num_rows - 1)
+        measured = {1: 1.0} | {n: s / self._plain_row_s for n, s in self._step_s.items()}
+        if num_rows in measured:
+            return measured[num_rows]
+        below = max(n for n in measured if n < num_rows)
+        above = [n for n in measured if n > num_rows]
+        if not above:
+            return measured[below] + self.prior_row_cost * (num_rows - below)
+        hi = min(above)
+        return measured[below] + (measured[hi] - measured[below]) * (num_rows - below) / (hi - below)
+
+    def next(self) -> int:
+        """K for the next speculative step: argmax of E(K) / cost(K + 1), the smaller K on ties."""
+        alpha = self.acceptance_rate
+        best_k, best = 1, expected_tokens(alpha, 1) / self.row_cost(2)
+        for k in range(2, self.max_window + 1):
+            value = expected_tokens(alpha, k) / self.row_cost(k + 1)
+            if value > best:
+                best_k, best = k, value
+        return best_k

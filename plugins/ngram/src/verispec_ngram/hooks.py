@@ -1,0 +1,17 @@
+"""Entry point of verispec-ngram: registers the `ngram` speculator (no torch here)."""
+from verispec.hookspecs import hookimpl
+from verispec.specs import SpeculatorSpec
+
+
+@hookimpl
+def register_speculators(register):
+    register(SpeculatorSpec(
+        name="ngram",
+        summary="n-gram lookup: proposes what followed the last 1-4 tokens earlier in the sequence; no weights",
+        factory="verispec_ngram.speculator:create",
+        requires_draft_head=False,
+        needs_hidden_state=False,
+        can_arm_after_prefix_reuse=True,
+        default_min_draft_prob=0.0,
+        priority=10,
+    ))

