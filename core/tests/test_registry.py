@@ -132,7 +132,8 @@ def test_factory_gets_window_gate_and_head(registry):
     choice = registry.choose_speculator("auto", Trunk(), draft_head=head, max_draft_tokens=5,
                                         min_draft_prob=None)
     assert choice.name == "headed"
-    assert choice.speculator.kwargs == dict(max_draft_tokens=5, min_draft_prob=0.15, draft_head=head)
+    assert choice.speculator.kwargs == {"max_draft_tokens": 5, "min_draft_prob": 0.15,
+                                        "draft_head": head}
     explicit = registry.choose_speculator("headed", Trunk(), draft_head=head, max_draft_tokens=3,
                                           min_draft_prob=0.5)
     assert explicit.speculator.kwargs["min_draft_prob"] == 0.5
@@ -293,6 +294,14 @@ def test_broken_plugins_are_isolated():
     assert list(registry.speculators) == ["fine"] and list(registry.targets) == ["model"]
 
 
+def test_one_object_under_two_plugin_names_is_an_error():
+    toy = Toy(spec("once"))
+    registry = Registry.from_plugins({"first": toy, "again": toy})
+    assert registry.speculators["once"].plugin == "first"
+    [error] = registry.errors
+    assert error.plugin == "again" and "already registered as plugin 'first'" in error.error
+
+
 def test_hooks_of_later_plugins_still_run_after_a_raising_one():
     registry = Registry.from_plugins({
         "a": Toy(spec("a")),
@@ -344,10 +353,10 @@ def test_plugin_rows_and_table():
     rows = registry.plugin_rows()
     assert json.loads(json.dumps(rows)) == rows
     by_kind = {row["kind"]: row for row in rows}
-    assert by_kind["speculator"] == dict(
-        distribution=None, version=None, plugin="m", kind="speculator", name="lookup", summary="toy lookup",
-        requires_draft_head=False, can_arm_after_prefix_reuse=True, needs_hidden_state=False,
-        default_min_draft_prob=0.0, priority=3)
+    assert by_kind["speculator"] == {
+        "distribution": None, "version": None, "plugin": "m", "kind": "speculator", "name": "lookup",
+        "summary": "toy lookup", "requires_draft_head": False, "can_arm_after_prefix_reuse": True,
+        "needs_hidden_state": False, "default_min_draft_prob": 0.0, "priority": 3}
     assert by_kind["target"]["architectures"] == ["gemma3"]
     assert (by_kind["checkpoint"]["pip_install"], by_kind["checkpoint"]["is_default"],
             by_kind["checkpoint"]["size_bytes"]) == ("tiny-gguf", True, 1234)
@@ -388,13 +397,22 @@ def test_discover_isolates_an_import_failure(tmp_path, monkeypatch):
                group="verispec_test")
     write_dist(tmp_path, "toy-broken", "0.0.1", {"broken": "toy_broken_inproc"},
                {"toy_broken_inproc": BROKEN_HOOKS}, group="verispec_test")
+    later = tmp_path / "later"  # after tmp_path on sys.path, so its entry points come second
+    later.mkdir()
+    write_dist(later, "toy-dup", "9.0", {"good": "toy_dup_inproc"},
+               {"toy_dup_inproc": GOOD_HOOKS.format(name="dup-lookup", module="toy_dup_inproc")},
+               group="verispec_test")
+    monkeypatch.syspath_prepend(str(later))
     monkeypatch.syspath_prepend(str(tmp_path))
     registry = Registry.discover(group="verispec_test")
+    assert list(registry.speculators) == ["good-lookup"]
     entry = registry.speculators["good-lookup"]
     assert (entry.plugin, entry.distribution, entry.version) == ("good", "toy-good", "1.2.3")
-    [error] = registry.errors
-    assert (error.plugin, error.distribution, error.version) == ("broken", "toy-broken", "0.0.1")
-    assert error.error == "import failed: ImportError: needs libtoy 2.0"
+    errors = {e.distribution: e for e in registry.errors}
+    assert (errors["toy-broken"].plugin, errors["toy-broken"].version) == ("broken", "0.0.1")
+    assert errors["toy-broken"].error == "import failed: ImportError: needs libtoy 2.0"
+    assert errors["toy-dup"].error == "plugin name 'good' is already taken by plugin 'good' (toy-good 1.2.3)"
+    assert "toy_dup_inproc" not in sys.modules  # a duplicate name is refused before its import
 
 
 def test_discover_lists_plugins_without_importing_torch(tmp_path):
@@ -406,14 +424,15 @@ def test_discover_lists_plugins_without_importing_torch(tmp_path):
             "print(json.dumps(r.plugin_rows())); print('torch' in sys.modules)")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                            timeout=120)
+                            timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     rows_line, torch_line = result.stdout.strip().splitlines()
     rows = {row["plugin"]: row for row in json.loads(rows_line)}
-    assert rows["toygood"] == dict(
-        distribution="toy-good", version="1.2.3", plugin="toygood", kind="speculator", name="toy-lookup",
-        summary="toy lookup", requires_draft_head=True, can_arm_after_prefix_reuse=True,
-        needs_hidden_state=False, default_min_draft_prob=0.25, priority=7)
+    assert rows["toygood"] == {
+        "distribution": "toy-good", "version": "1.2.3", "plugin": "toygood", "kind": "speculator",
+        "name": "toy-lookup", "summary": "toy lookup", "requires_draft_head": True,
+        "can_arm_after_prefix_reuse": True, "needs_hidden_state": False, "default_min_draft_prob": 0.25,
+        "priority": 7}
     broken = rows["toybroken"]
     assert (broken["kind"], broken["distribution"], broken["version"]) == ("error", "toy-broken", "0.0.1")
     assert "needs libtoy 2.0" in broken["error"]

@@ -84,7 +84,7 @@ class InferenceEngine:
         self.registry = registry
         self.prefill_chunk = prefill_chunk
         self._cached: list[int] = []  # tokens whose KV the trunk cache holds, in order
-        self._governors: dict[tuple, SpeculationCostGovernor] = {}
+        self._governors: dict[tuple, tuple[SpeculationCostGovernor, DraftWindow]] = {}
         self.speculator = None
         self.choice = None
         self.update_speculation(spec)
@@ -122,12 +122,15 @@ class InferenceEngine:
         spec = self.registry.draft_file_for_architecture(read_architecture(path))
         return resolve(spec.loader)(path, self.target)
 
-    def governor(self) -> SpeculationCostGovernor:
-        """One governor per (model, drafter, backend), shared by every request."""
-        key = (id(self.target), self.speculator.name if self.speculator else None, "linear")
+    def governor(self) -> tuple[SpeculationCostGovernor, DraftWindow]:
+        """One governor and draft-window model per (model, drafter, backend), shared by every request."""
+        key = (id(self.target), self.speculator.name, self.spec.adaptive, self.draft_window, "linear")
         if key not in self._governors:
-            self._governors[key] = SpeculationCostGovernor(enabled=self.spec.adaptive)
-        return self._governors[key]
+            self._governors[key] = (SpeculationCostGovernor(enabled=self.spec.adaptive),
+                                    DraftWindow(self.draft_window))
+        governor, window = self._governors[key]
+        window.reset()  # acceptance is per request; measured row costs carry over
+        return governor, window
 
     # -- requests ------------------------------------------------------------------------
 
@@ -184,16 +187,15 @@ class Generation:
         trunk = LinearSpecTrunk(engine.target)
         reused = engine._reuse_prefix(trunk, ids)
         speculator = engine.speculator
-        governor = engine.governor() if speculator is not None else None
+        governor, window = engine.governor() if speculator is not None else (None, None)
         stop_ids = () if self.ignore_eos else tuple(engine.tokenizer.stop_ids)
-        execution = SpeculativeExecution(
-            trunk, speculator, draft_window=engine.draft_window, stop_token_ids=stop_ids, governor=governor,
-            window=DraftWindow(engine.draft_window) if speculator is not None else None)
+        execution = SpeculativeExecution(trunk, speculator, draft_window=engine.draft_window,
+                                         stop_token_ids=stop_ids, governor=governor, window=window)
         if reused:
             execution.seed_committed(ids[:reused])
         if governor is not None:
             room = engine.target.max_context_length - len(ids)
-            governor.start_request(min(self.max_tokens, room))
+            governor.start_request(min(self.max_tokens, room) - 1)  # the first token comes from prefill
         state = _StopState(self, engine.tokenizer, stop_ids, len(ids))
         sampler = Sampler(self.sampling, ids, engine.target.vocab_size)
         stopped = execution.start(ids[reused:], sampler, state.on_token)

@@ -180,8 +180,8 @@ class SpeculativeExecution:
         stop = self._decode_one(sampler, on_token, hidden=False)
         if self.governor is not None:
             self.governor.record_plain_step(self.clock() - start, num_emitted=1)
-        if self.window is not None:
-            self.window.set_plain_row_s(self.clock() - start)
+        if self.window is not None and self.governor is not None and self.governor.stats.plain_ms_per_token:
+            self.window.set_plain_row_s(self.governor.stats.plain_ms_per_token / 1e3)
         self.stats.num_plain_steps += 1
         return stop
 

@@ -170,7 +170,8 @@ class SpeculationCostGovernor:
         """Asked before each step: True to take a speculative step, False for a plain one."""
         return self._armed and self._state in (GovernorState.PROBE, GovernorState.WATCH, GovernorState.OFF)
 
-    def record_spec_step(self, elapsed_s: float, num_emitted: int, num_accepted: int, num_drafted: int) -> None:
+    def record_spec_step(self, elapsed_s: float, num_emitted: int, num_accepted: int,
+                         num_drafted: int) -> None:
         """A speculative step took `elapsed_s` seconds and emitted `num_emitted` tokens.
 
         A step that drafted nothing is (elapsed_s, 1, 0, 0): a speculative sample of one token.
@@ -224,7 +225,8 @@ class SpeculationCostGovernor:
 
     @property
     def stats(self) -> GovernorStats:
-        return GovernorStats(plain_ms_per_token=self._plain.ms_per_token, spec_ms_per_token=self._spec.ms_per_token,
+        return GovernorStats(plain_ms_per_token=self._plain.ms_per_token,
+                             spec_ms_per_token=self._spec.ms_per_token,
                              wins=self._wins, losses=self._losses, parked_tokens=self._parked_tokens,
                              state=self._state)
 

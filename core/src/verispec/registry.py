@@ -67,6 +67,10 @@ class Entry:
     def name(self) -> str:
         return self.spec.alias if self.kind == "checkpoint" else self.spec.name
 
+    @property
+    def origin(self) -> tuple[str, str | None, str | None]:
+        return self.plugin, self.distribution, self.version
+
 
 @attrs.frozen
 class PluginError:
@@ -259,8 +263,8 @@ class Registry:
     def plugin_rows(self) -> list[dict]:
         """One JSON-ready row per registered spec, plus one kind="error" row per broken plugin."""
         rows = [_row(entry) for kind in KINDS for entry in self._entries[kind].values()]
-        rows += [dict(distribution=e.distribution, version=e.version, plugin=e.plugin, kind="error",
-                      name=None, summary=None, error=e.error) for e in self._errors]
+        rows += [{"distribution": e.distribution, "version": e.version, "plugin": e.plugin, "kind": "error",
+                  "name": None, "summary": None, "error": e.error} for e in self._errors]
         order = {kind: i for i, kind in enumerate((*KINDS, "error"))}
         return sorted(rows, key=lambda r: (r["distribution"] or "", r["plugin"], order[r["kind"]],
                                            r["name"] or ""))
@@ -318,32 +322,44 @@ class _Builder:
         self.pm.add_hookspecs(hookspecs)
         self.entries: dict[str, dict[str, Entry]] = {kind: {} for kind in KINDS}
         self.errors: list[PluginError] = []
+        #: plugin name -> (plugin, distribution, version) of each plugin kept.
+        self.origins: dict[str, tuple] = {}
 
     def build(self) -> Registry:
         entries = {kind: MappingProxyType(named) for kind, named in self.entries.items()}
         return Registry(MappingProxyType(entries), tuple(self.errors))
 
     def add(self, name: str, load: Callable[[], Any], distribution: str | None, version: str | None) -> None:
+        origin = (name, distribution, version)
+        problem = self._add(origin, load)
+        if problem:
+            logger.warning("verispec plugin %s skipped: %s", _origin(origin), problem)
+            self.errors.append(PluginError(name, distribution, version, problem))
+
+    def _add(self, origin: tuple, load: Callable[[], Any]) -> str | None:
+        """Load, register and call one plugin; returns why it was kept out, or None."""
+        name = origin[0]
+        if self.pm.has_plugin(name):
+            return f"plugin name {name!r} is already taken by {_origin(self.origins[name])}"
         try:
             plugin = load()
-        except Exception as exc:
-            return self._fail(name, distribution, version, f"import failed: {_text(exc)}")
+        except Exception as exc:  # noqa: BLE001 - a broken plugin is reported, never fatal
+            return f"import failed: {_text(exc)}"
+        if self.pm.is_registered(plugin):
+            return f"{plugin!r} is already registered as plugin {self.pm.get_name(plugin)!r}"
         try:
             self.pm.register(plugin, name=name)
-        except Exception as exc:  # a hook with arguments its spec lacks; a name or object taken
-            return self._fail(name, distribution, version, f"rejected by pluggy: {_text(exc)}")
+        except Exception as exc:  # noqa: BLE001 - pluggy rejects a hook taking arguments its spec lacks
+            return f"rejected by pluggy: {_text(exc)}"
         staged: list[Entry] = []
-        origin = (name, distribution, version)
         problem = self._unknown_hooks(plugin) or self._call_hooks(plugin, origin, staged)
         if problem:
             self.pm.unregister(plugin)
-            return self._fail(name, distribution, version, problem)
+            return problem
+        self.origins[name] = origin
         for entry in staged:
             self.entries[entry.kind][entry.name] = entry
-
-    def _fail(self, name, distribution, version, error: str) -> None:
-        logger.warning("verispec plugin %r (%s %s) skipped: %s", name, distribution, version, error)
-        self.errors.append(PluginError(name, distribution, version, error))
+        return None
 
     def _unknown_hooks(self, plugin) -> str | None:
         """pluggy's check_pending for one plugin: a misspelt hook would otherwise register nothing."""
@@ -363,7 +379,7 @@ class _Builder:
                     continue
                 try:  # pluggy checked at register() that impl.argnames is a subset of the spec's
                     impl.function(**{name: args[name] for name in impl.argnames})
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - whatever the hook raised is its plugin's error
                     return problems[0] if problems else f"{hook} raised {_text(exc)}"
                 if problems:  # the plugin swallowed what `register` raised: still all or nothing
                     return problems[0]
@@ -389,15 +405,15 @@ class _Builder:
             if other.kind != entry.kind:
                 continue
             if other.name == entry.name:
-                return f"{entry.kind} name {entry.name!r} is already taken by {_origin(other)}"
+                return f"{entry.kind} name {entry.name!r} is already taken by {_origin(other.origin)}"
             shared = sorted(set(getattr(entry.spec, "architectures", ()))
                             & set(getattr(other.spec, "architectures", ())))
             if shared:
                 return (f"{entry.kind} {entry.name!r}: architecture {', '.join(shared)} is already loaded by "
-                        f"{entry.kind} {other.name!r} from {_origin(other)}")
+                        f"{entry.kind} {other.name!r} from {_origin(other.origin)}")
             if getattr(entry.spec, "is_default", False) and other.spec.is_default:
                 return (f"checkpoint {entry.name!r}: the default is already {other.name!r} "
-                        f"from {_origin(other)}")
+                        f"from {_origin(other.origin)}")
         return None
 
 
@@ -417,7 +433,7 @@ def format_plugin_table(rows: list[dict]) -> str:
     table = [("DISTRIBUTION", "VERSION", "PLUGIN", "KIND", "NAME", "DETAILS")]
     for row in rows:
         if row["kind"] == "error":
-            details = f"ERROR {row['error']}"
+            details = "ERROR " + " ".join(row["error"].split())  # pluggy's messages span lines
         else:
             declarations = ", ".join(f"{k}={_show(v)}" for k, v in row.items() if k not in _ROW_KEYS)
             details = f"{row['summary']} ({declarations})"
@@ -432,9 +448,9 @@ def _show(value) -> str:
     return ",".join(value) if isinstance(value, list) else str(value)
 
 
-def _origin(entry: Entry) -> str:
-    dist = f" ({entry.distribution} {entry.version})" if entry.distribution else ""
-    return f"plugin {entry.plugin!r}{dist}"
+def _origin(origin: tuple) -> str:
+    plugin, distribution, version = origin
+    return f"plugin {plugin!r}" + (f" ({distribution} {version})" if distribution else "")
 
 
 def _names(names) -> str:

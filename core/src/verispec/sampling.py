@@ -132,11 +132,6 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
-    @property
-    def has_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0)
-
 
 @attrs.frozen
 class Draw:
@@ -220,72 +215,98 @@ class Sampler:
         x = self._penalised(logits.float())  # fp32 [V]
         if self.params.is_greedy:
             return self._draw_greedy(x, pos)
-        x = x / self.params.temperature
-        ids, kept = self._filtered(x, pos)  # int64 [m] ascending | None (= all), fp32 [m]
-        probs = torch.softmax(kept.double(), dim=0)  # float64 [m]
-        cdf = torch.cumsum(probs, dim=0)  # float64 [m]
+        ids, kept, top = self._filtered(x / self.params.temperature, pos)  # [m] | None, fp32 [m]
+        shifted = kept.double() - top  # float64 [m], max 0
+        cdf = torch.cumsum(torch.exp(shifted), dim=0)  # float64 [m], unnormalised
+        total = cdf[-1]
         u = keyed_uniform(self.seed, pos)
-        i = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
-        # u < 1, but u * total can round up to total: fall back to the last token with mass.
-        i = min(i, int(torch.searchsorted(cdf, cdf[-1])))
+        i = int(torch.searchsorted(cdf, u * total, right=True))
+        # u < 1, yet u * total can round up to total: then take the last token with mass.
+        i = min(i, int(torch.searchsorted(cdf, total)))
         token = i if ids is None else int(ids[i])
         if self.params.logprobs is None:
             return Draw(token)
-        logp = torch.log(probs)  # float64 [m]
+        logp = shifted - torch.log(total)  # float64 [m]
         order = torch.sort(logp, descending=True, stable=True).indices[: self.params.logprobs]
-        top = tuple((j if ids is None else int(ids[j]), float(logp[j])) for j in order.tolist())
-        return Draw(token, float(logp[i]), top)
+        top_logprobs = tuple((j if ids is None else int(ids[j]), float(logp[j])) for j in order.tolist())
+        return Draw(token, float(logp[i]), top_logprobs)
 
     def _draw_greedy(self, x: torch.Tensor, pos: int) -> Draw:
-        token = int(torch.argmax(x))  # first maximum -> ties go to the lowest id
-        if not math.isfinite(float(x[token])):  # argmax returns a NaN's index first
-            raise InvalidLogits(pos, f"argmax logit is {float(x[token])}")
+        value, index = torch.max(x, dim=0)  # ties -> first maximum, i.e. the lowest id; NaN wins
+        if not math.isfinite(float(value)):
+            raise InvalidLogits(pos, f"max logit after penalties is {float(value)}")
+        token = int(index)
         if self.params.logprobs is None:
             return Draw(token)
         logp = torch.log_softmax(x.double(), dim=0)  # float64 [V]
-        n = min(self.params.logprobs, self.vocab_size)
-        values, indices = torch.topk(logp, n)
-        top = tuple(sorted(zip(indices.tolist(), values.tolist()), key=lambda t: (-t[1], t[0])))
-        return Draw(token, float(logp[token]), top)
+        values, indices = torch.topk(logp, min(self.params.logprobs, self.vocab_size))
+        top_logprobs = tuple(sorted(zip(indices.tolist(), values.tolist()), key=lambda t: (-t[1], t[0])))
+        return Draw(token, float(logp[token]), top_logprobs)
 
     def _penalised(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 [V] -> fp32 [V]: repetition, then frequency + presence (vLLM `apply_penalties`)."""
         if self._in_context is not None:
-            seen = self._in_context.to(x.device)
+            self._in_context = self._in_context.to(x.device)  # follows the logits once, then a no-op
             rp = self.params.repetition_penalty
-            x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+            x = torch.where(self._in_context, torch.where(x > 0, x / rp, x * rp), x)
         if self._penalty_offset is not None:
-            x = x - self._penalty_offset.to(x.device)
+            self._penalty_offset = self._penalty_offset.to(x.device)
+            x = x - self._penalty_offset
         return x
 
-    def _filtered(self, x: torch.Tensor, pos: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """top-k -> top-p -> min-p on fp32 [V] logits (already / T).
+    def _filtered(self, y: torch.Tensor, pos: int) -> tuple[torch.Tensor | None, torch.Tensor, float]:
+        """top-k -> top-p -> min-p on the tempered logits y, fp32 [V].
 
-        Returns the kept ids int64 [m] in ascending order (None: all V kept) and their logits [m].
+        Returns the kept ids, int64 [m] ascending (None: all V kept), their logits fp32 [m],
+        and the largest logit (always kept).
         """
         p = self.params
-        top = float(x.max())  # NaN-propagating
+        top = float(y.max())  # NaN-propagating
         if not math.isfinite(top):
             raise InvalidLogits(pos, f"max logit after penalties and temperature is {top}")
-        ids, kept = None, x
+        ids, kept = None, y
         if 0 < p.top_k < self.vocab_size:
-            # Ties with the k-th value are kept (HF TopKLogitsWarper: remove scores < k-th).
-            kth = torch.topk(x, p.top_k, sorted=False).values.min()
-            ids = torch.nonzero(x >= kth).squeeze(1)  # [m]
-            kept = x[ids]
+            values, indices = torch.topk(y, p.top_k + 1)  # sorted, descending
+            if values[-1] < values[-2]:
+                ids = torch.sort(indices[:-1]).values
+            else:  # a tie with the k-th survives, as in HF TopKLogitsWarper (drops scores < k-th)
+                ids = torch.nonzero(y >= values[-2]).squeeze(1)
+            kept = y[ids]
         if p.top_p < 1.0:
-            order = torch.sort(kept, descending=True, stable=True).indices  # [m], ties by lower id
-            probs = torch.softmax(kept[order].double(), dim=0)
-            mass_before = torch.cumsum(probs, dim=0) - probs
-            keep = mass_before < p.top_p
-            keep[0] = True
-            ids, kept = self._keep(ids, kept, torch.sort(order[keep]).values)
+            ids, kept = _keep(ids, kept, _nucleus(kept, p.top_p))
         if p.min_p > 0.0:
-            probs = torch.softmax(kept.double(), dim=0)
-            ids, kept = self._keep(ids, kept, torch.nonzero(probs >= p.min_p * probs.max()).squeeze(1))
-        return ids, kept
+            # p_i >= min_p * p_max  <=>  y_i - y_max >= log(min_p) (HF MinPLogitsWarper, in logit space)
+            ids, kept = _keep(ids, kept, torch.nonzero(kept.double() - top >= math.log(p.min_p)).squeeze(1))
+        return ids, kept, top
 
-    @staticmethod
-    def _keep(ids, kept, where):
-        """Restrict (ids | None, kept [m]) to the ascending positions `where` [m']."""
-        return (where if ids is None else ids[where]), kept[where]
+
+def _keep(ids: torch.Tensor | None, kept: torch.Tensor, where: torch.Tensor):
+    """Restrict (ids [m] | None meaning arange, kept [m]) to the ascending positions `where` [m']."""
+    return (where if ids is None else ids[where]), kept[where]
+
+
+def _nucleus(y: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Ascending positions in y [m] of the top-p nucleus.
+
+    Walking tokens from most to least likely (ties: lower position first), a token is kept
+    while the mass before it is < top_p, so the most likely token always is; this is HF
+    TopPLogitsWarper's set (it drops tokens whose ascending cumulative mass is <= 1 - top_p).
+    Instead of sorting all m tokens, grow a top-n set until its mass reaches top_p: every
+    token outside it is less likely than all inside, so it has >= top_p mass before it.
+    """
+    y64 = y.double()
+    log_total = torch.logsumexp(y64, dim=0)
+    inside = torch.arange(y.numel(), device=y.device)  # [m]
+    n = 256
+    while n < y.numel():
+        threshold = torch.topk(y, n).values[-1]
+        top_n = torch.nonzero(y >= threshold).squeeze(1)  # [n'], n' >= n with ties, ascending
+        if float(torch.logsumexp(y64[top_n], dim=0) - log_total) >= math.log(top_p):
+            inside = top_n
+            break
+        n *= 4
+    order = inside[torch.sort(y[inside], descending=True, stable=True).indices]  # most likely first
+    probs = torch.exp(y64[order] - log_total)
+    keep = torch.cumsum(probs, dim=0) - probs < top_p
+    keep[0] = True
+    return torch.sort(order[keep]).values

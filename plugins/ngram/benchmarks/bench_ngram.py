@@ -2,9 +2,10 @@
 
 For each length it commits a seeded random-ish history (prompt-sized chunks of 4096 ids,
 a vocabulary of 32k with copied spans so matches happen), then times a decode-like loop:
-propose for the pending token, commit that one token. Prints the best of 10 timed runs (the machine is shared), µs/token.
+propose for the pending token, commit that one token. Prints µs/token, the best of 10
+timed runs (the machine is shared), and the mean draft length.
 
-    python plugins/ngram/benchmarks/bench_ngram.py [--lengths 1000 10000 100000 1000000] [--steps 20000]
+    python plugins/ngram/benchmarks/bench_ngram.py [--lengths 1000 10000 100000 1000000] [--steps 5000]
 """
 from __future__ import annotations
 

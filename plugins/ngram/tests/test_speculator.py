@@ -220,6 +220,20 @@ def test_declarations_and_factory():
     assert create(None, max_draft_tokens=3, min_draft_prob=0.5, draft_head=None).min_draft_prob == 0.5
 
 
+def test_close_forgets_the_history():
+    spec = seeded([A, B, C, A])
+    spec.close()
+    assert spec.propose(ctx(B, 0)) == []
+
+
+def test_scalar_like_last_token_is_read_as_an_int():
+    class Scalar(int):  # a numpy/torch scalar stand-in whose `|` with a big int would misbehave
+        def __ror__(self, other):
+            raise OverflowError("Python int too large to convert")
+
+    assert seeded([A, B, C, A]).propose(ctx(Scalar(B), 4, window=1)) == [C]
+
+
 def test_hook_registers_a_valid_spec():
     specs = []
     hooks.register_speculators(specs.append)

@@ -7,7 +7,7 @@ from verispec.specs import SpeculatorSpec
 def register_speculators(register):
     register(SpeculatorSpec(
         name="ngram",
-        summary="n-gram lookup: proposes what followed the last 1-4 tokens earlier in the sequence; no weights",
+        summary="n-gram lookup: drafts what followed the last 1-4 tokens earlier in the sequence; no weights",
         factory="verispec_ngram.speculator:create",
         requires_draft_head=False,
         needs_hidden_state=False,

@@ -19,7 +19,7 @@ Self-overlap, same settings: S = x a a a | a (L=4). n=4 [a a a a]: the only wind
 ending before 4 is [x a a a], no. n=3 [a a a] ends at j=3 -> S[4] = a (the pending token),
 then S[5], S[6] come from the draft itself -> [a, a, a].
 
-The gate (--spec-pmin, ctx.min_draft_prob in [0, 1]) sets the shortest order accepted:
+The gate (--spec-pmin, ctx.min_draft_prob, clamped to [0, 1]) sets the shortest order accepted:
 required = min_order + floor(pmin * (max_order - min_order) + 0.5); with orders 1..4 that
 is 1 for pmin < 1/6, 2 below 1/2, 3 below 5/6, else 4. The default orders 1..4 are
 llama.cpp's lookup range (LLAMA_NGRAM_MIN/MAX in common/ngram-cache.h).
@@ -31,10 +31,11 @@ cost O(1) per token whatever the history length. A candidate is checked against 
 actual tokens before it is used: a key collision (only possible for ids outside that
 range) costs a lookup, never a wrong draft.
 
-Guards: a commit at a position the drafter cannot account for (start_pos != tokens seen),
-or a ctx.pos that disagrees with its history, makes it propose nothing; it stays silent
-until `reset()` and a commit from position 0 (the loop's `seed_committed`). With
-VERISPEC_NGRAM_DEBUG=1 every guard decision is printed to stderr.
+Guards: it never drafts from a history that disagrees with the trunk. A commit at a
+position it cannot account for (start_pos != tokens seen) makes it silent, and it ignores
+commits, until `reset()` and a commit from position 0 (the loop's `seed_committed`); a
+ctx.pos other than the number of tokens seen gets no draft for that step. A pending stop
+token gets no draft. With VERISPEC_NGRAM_DEBUG=1 every guard decision goes to stderr.
 """
 from __future__ import annotations
 
@@ -113,16 +114,21 @@ class NGramSpeculator(Speculator):
         self._tail = tail
 
     def propose(self, ctx: DraftContext) -> list[int]:
-        """Draft ids for positions ctx.pos+1 .. (module docstring has the rule); may be empty."""
+        """Draft ids for positions ctx.pos+1 .., at most min(max_draft_tokens, ctx.draft_window).
+
+        The rule is in the module docstring; the gate is ctx.min_draft_prob (the loop fills it
+        from --spec-pmin). Empty when nothing matches or a guard refuses (see `_refusal`).
+        """
         refusal = self._refusal(ctx)
         if refusal is not None:
             self._say(refusal)
             return []
-        j = self._find(ctx.last_token, self.required_order(ctx.min_draft_prob))
+        last = int(ctx.last_token)  # a numpy/torch scalar would overflow the packed key
+        j = self._find(last, self.required_order(ctx.min_draft_prob))
         if j is None:
             return []
         num_draft = min(self.max_draft_tokens, ctx.draft_window)
-        return self._copy_after(j, ctx.last_token, num_draft, ctx.stop_token_ids)
+        return self._copy_after(j, last, num_draft, ctx.stop_token_ids)
 
     def _refusal(self, ctx: DraftContext) -> str | None:
         """Why this step gets no draft whatever the history holds, or None."""
@@ -161,6 +167,7 @@ class NGramSpeculator(Speculator):
             print(f"verispec-ngram: {message}", file=sys.stderr)
 
 
-def create(target, *, max_draft_tokens: int, min_draft_prob: float | None, draft_head=None) -> NGramSpeculator:
+def create(target, *, max_draft_tokens: int, min_draft_prob: float | None,
+           draft_head=None) -> NGramSpeculator:
     """SpeculatorSpec factory: the n-gram drafter needs nothing from the trunk, so it serves every one."""
     return NGramSpeculator(max_draft_tokens=max_draft_tokens, min_draft_prob=min_draft_prob)

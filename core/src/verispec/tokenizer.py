@@ -1,0 +1,316 @@
+"""The tokenizer and chat template a GGUF carries in its own metadata (`tokenizers`, jinja2).
+
+`Tokenizer.from_gguf(file)` builds a `tokenizers.Tokenizer` from the `tokenizer.ggml.*` keys
+with transformers' GGUF converter (`transformers.integrations.gguf.gguf_tokenizer_mapping.
+convert_gguf_tokenizer`), fed with our parsed metadata instead of its own reader. That covers
+`tokenizer.ggml.model` "llama" (SentencePiece-style BPE; Gemma gets its respelled-space and
+file-order merge fixes), "gpt2" (byte-level BPE; the `tokenizer.ggml.pre` split regex, e.g.
+qwen2, llama3), "gemma4" and "t5". The result is cached as tokenizer.json under
+`cache_dir("tokenizers")`, keyed by a hash of the raw `tokenizer.ggml.*` metadata bytes, the
+architecture and the transformers version, so only the first start imports transformers
+(Gemma's 262k vocabulary: ~3.5 s cold, ~1 s warm).
+
+BOS/EOS follow llama.cpp: `tokenizer.ggml.add_bos_token` (default: on for "llama"
+vocabularies, off otherwise) and `add_eos_token`. Text passed to `encode` may contain
+special tokens ("<start_of_turn>", "<|im_start|>"); they are matched whole, as llama.cpp does
+with parse_special. Encode a rendered chat with `add_special=False`: templates write BOS.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from verispec.gguf_io import GGUFFile
+
+__all__ = ["Tokenizer", "StreamDecoder", "TokenizerError", "UnsupportedTokenizer", "NoChatTemplate",
+           "DEFAULT_CHAT_TEMPLATES"]
+
+# bump when the way the backend is built changes: old cache entries are then ignored
+_BUILD_VERSION = 1
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+# End-of-turn spellings that also end generation when the vocabulary has them
+# (llama.cpp's end-of-generation set, ggml-org/llama.cpp:src/llama-vocab.cpp).
+_END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
+                "<|return|>", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
+
+# Gemma's turn format (Gemma 2/3 instruction-tuned models; the Gemma 3 GGUFs carry no
+# template): BOS, `<start_of_turn>{user|model}\n{text}<end_of_turn>\n`, the system text
+# prepended to the first user turn, turn content trimmed, as in Google's HF chat template.
+_GEMMA_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}"
+    "{%- set ns.system = ns.system + message['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "{%- if message['role'] not in ('user', 'assistant', 'model') -%}"
+    "{{- raise_exception('Gemma knows the roles system, user and assistant, not ' + message['role']) -}}"
+    "{%- endif -%}"
+    "{%- set role = 'user' if message['role'] == 'user' else 'model' -%}"
+    "{{- '<start_of_turn>' + role + '\n' + (ns.system if role == 'user' else '')"
+    " + message['content'] | trim + '<end_of_turn>\n' -}}"
+    "{%- if role == 'user' -%}{%- set ns.system = '' -%}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"
+)
+
+#: chat templates used only when the GGUF has no `tokenizer.chat_template`, by architecture.
+DEFAULT_CHAT_TEMPLATES: Mapping[str, str] = {"gemma": _GEMMA_TEMPLATE, "gemma2": _GEMMA_TEMPLATE,
+                                             "gemma3": _GEMMA_TEMPLATE}
+
+
+class TokenizerError(Exception):
+    """A tokenizer cannot be built from, or used with, this file."""
+
+
+class UnsupportedTokenizer(TokenizerError):
+    def __init__(self, model: str, architecture: str, reason: str):
+        self.model, self.architecture = model, architecture
+        super().__init__(f"cannot build the {model!r} tokenizer of a {architecture!r} GGUF: {reason}")
+
+
+class NoChatTemplate(TokenizerError):
+    def __init__(self, architecture: str):
+        self.architecture = architecture
+        super().__init__(
+            f"this {architecture!r} GGUF has no tokenizer.chat_template and verispec has no default for "
+            f"the family (defaults: {', '.join(sorted(DEFAULT_CHAT_TEMPLATES))}); "
+            "send plain text (no --chat), or use a GGUF converted with its chat template")
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template and stop tokens."""
+
+    def __init__(self, backend, *, architecture: str, tokens: Sequence[str], bos_id: int | None,
+                 eos_id: int | None, add_bos: bool, add_eos: bool, stop_ids: Sequence[int],
+                 chat_template: str | None):
+        #: the `tokenizers.Tokenizer` doing the work.
+        self.backend = backend
+        self.architecture = architecture
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.add_bos, self.add_eos = add_bos, add_eos
+        #: ids that end generation: EOS, EOT/EOM ids and end-of-turn tokens in the vocabulary.
+        self.stop_ids: tuple[int, ...] = tuple(stop_ids)
+        #: `tokenizer.chat_template` from the GGUF, or None.
+        self.chat_template = chat_template
+        #: number of token ids the model's vocabulary has (the GGUF's token list).
+        self.vocab_size = len(tokens)
+        self._tokens = tokens
+        self._compiled: dict[str, Any] = {}
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile | str | os.PathLike, *, use_cache: bool = True) -> Tokenizer:
+        """Build (or load from the cache) the tokenizer described by a GGUF's metadata.
+
+        Raises MissingKey (no tokenizer.ggml.model / tokens), UnsupportedTokenizer.
+        """
+        if not isinstance(gguf, GGUFFile):
+            gguf = GGUFFile.open(gguf)
+        md = gguf.metadata
+        model = gguf.require("tokenizer.ggml.model")
+        tokens = gguf.require("tokenizer.ggml.tokens")
+        backend = _load_or_build(gguf, model, use_cache)
+        bos_id = md.get("tokenizer.ggml.bos_token_id")
+        eos_id = md.get("tokenizer.ggml.eos_token_id")
+        return cls(backend, architecture=gguf.architecture, tokens=tokens, bos_id=bos_id, eos_id=eos_id,
+                   add_bos=bool(md.get("tokenizer.ggml.add_bos_token", model == "llama")) and bos_id is not None,
+                   add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None,
+                   stop_ids=_stop_ids(md, tokens), chat_template=md.get("tokenizer.chat_template"))
+
+    # -- ids --
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids of `text`; with add_special, BOS/EOS as the file asks (add_bos_token)."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos:
+            ids = [self.bos_id, *ids]
+        if add_special and self.add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """Text of `ids`; control tokens (BOS, EOS, <end_of_turn>, ...) are left out unless
+        skip_special=False, as llama.cpp renders them."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary entry as the GGUF spells it."""
+        return self._tokens[token_id]
+
+    # -- chat --
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs) -> str:
+        """The prompt text for `messages` ([{"role", "content"}]) through the GGUF's chat template
+        (jinja2, sandboxed, HF's variables: messages, add_generation_prompt, bos_token,
+        eos_token, raise_exception, strftime_now, plus **kwargs such as tools), or the family
+        default in DEFAULT_CHAT_TEMPLATES when the file has none. Encode the result with
+        add_special=False. Raises NoChatTemplate, jinja2.TemplateError (incl. raise_exception).
+        """
+        source = self.chat_template or DEFAULT_CHAT_TEMPLATES.get(self.architecture)
+        if source is None:
+            raise NoChatTemplate(self.architecture)
+        if source not in self._compiled:
+            self._compiled[source] = _jinja_env().from_string(source)
+        special = {name: self._tokens[i] if i is not None else ""
+                   for name, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id))}
+        return self._compiled[source].render(messages=list(messages),
+                                             add_generation_prompt=add_generation_prompt,
+                                             **special, **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({self.architecture}, vocab_size={self.vocab_size}, bos={self.bos_id}, "
+                f"eos={self.eos_id}, stop_ids={list(self.stop_ids)})")
+
+
+class StreamDecoder:
+    """Incremental detokenizer: `feed(id)` returns the text that id adds, holding back
+    bytes of a UTF-8 character split across tokens until it is complete.
+
+    It decodes a short window of recent ids, (prefix, read], and emits the new suffix, so
+    tokenizers whose decoders look at neighbours (SentencePiece's leading space, byte
+    fallback, byte-level BPE) come out as `decode(all ids)` does. `context` seeds the window
+    with the last prompt ids so the first generated token gets its leading space right.
+    The concatenation of all deltas plus `flush()` equals `tokenizer.decode(ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = True, context: Sequence[int] = ()):
+        self.tokenizer, self.skip_special = tokenizer, skip_special
+        self._ids: list[int] = [int(i) for i in context[-4:]]
+        self._prefix = 0  # window start
+        self._read = len(self._ids)  # ids before this are already emitted
+
+    def feed(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        done = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        if len(text) > len(done) and not text.endswith("\ufffd"):
+            delta = text[len(done):]
+            self._prefix, self._read = self._read, len(self._ids)
+            # keep the window short: decode cost stays O(1) per token
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character decodes as U+FFFD)."""
+        done = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return text[len(done):]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special=self.skip_special) if ids else ""
+
+
+# --- building and caching the backend ---------------------------------------------------
+
+def _load_or_build(gguf: GGUFFile, model: str, use_cache: bool):
+    from tokenizers import Tokenizer as Backend
+
+    path = None
+    if use_cache:
+        from verispec.checkpoints import cache_dir
+
+        path = cache_dir("tokenizers") / f"{_cache_key(gguf)}.json"
+        if path.is_file():
+            try:
+                return Backend.from_file(str(path))
+            except Exception:  # a damaged cache entry is rebuilt, never trusted
+                path.unlink(missing_ok=True)
+    backend = _build(gguf, model)
+    if path is not None:
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        backend.save(str(tmp))
+        os.replace(tmp, path)
+    return backend
+
+
+def _cache_key(gguf: GGUFFile) -> str:
+    import hashlib
+
+    from importlib_metadata import PackageNotFoundError, version
+
+    try:
+        converter = version("transformers")
+    except PackageNotFoundError:
+        converter = "none"
+    head = json.dumps([_BUILD_VERSION, gguf.architecture, converter, gguf.metadata_digest("tokenizer.ggml.")])
+    return hashlib.sha256(head.encode()).hexdigest()[:32]
+
+
+def _build(gguf: GGUFFile, model: str):
+    """A `tokenizers.Tokenizer` from the file's tokenizer metadata, via transformers' converter."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+    except ImportError as e:
+        raise UnsupportedTokenizer(model, gguf.architecture,
+                                   f"building it the first time needs transformers ({e}); "
+                                   "pip install 'transformers>=5.23'") from None
+    md = gguf.metadata
+    spec = {name: md[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+            if f"tokenizer.{key}" in md}
+    for name in ("scores", "token_type"):  # the converter zips and compares them as Python values
+        if name in spec:
+            spec[name] = spec[name].tolist()
+    try:
+        backend, _ = convert_gguf_tokenizer(gguf.architecture, spec)
+    except ValueError as e:
+        raise UnsupportedTokenizer(model, gguf.architecture, str(e)) from None
+    _set_unknown_token(backend, md)
+    return backend
+
+
+def _set_unknown_token(backend, md: Mapping[str, Any]) -> None:
+    """Byte-level BPE gets no unknown token from the converter, so a byte missing from the
+    vocabulary would vanish silently. Real vocabularies hold all 256 bytes and never reach
+    this; trimmed fixture vocabularies (verispec.testing.fixture_writer) map it to <unk>."""
+    from tokenizers.models import BPE
+
+    unk_id = md.get("tokenizer.ggml.unknown_token_id")
+    if isinstance(backend.model, BPE) and backend.model.unk_token is None and unk_id is not None:
+        backend.model.unk_token = md["tokenizer.ggml.tokens"][unk_id]
+
+
+def _stop_ids(md: Mapping[str, Any], tokens: Sequence[str]) -> list[int]:
+    ids = [md.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    types = md.get("tokenizer.ggml.token_type")
+    wanted = set(_END_OF_TURN)
+    for i, token in enumerate(tokens):
+        if token in wanted and (types is None or int(types[i]) in (_CONTROL, _USER_DEFINED)):
+            ids.append(i)
+    return sorted({i for i in ids if i is not None})
+
+
+# --- chat templates ---------------------------------------------------------------------
+
+def _jinja_env():
+    """The environment HF renders chat templates in: sandboxed, trim_blocks, lstrip_blocks,
+    loop controls, a `tojson` that keeps non-ASCII and does not HTML-escape."""
+    from datetime import datetime
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env

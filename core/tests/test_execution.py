@@ -1,0 +1,276 @@
+"""SpeculativeExecution rules beyond the conformance suite: stops, context clipping,
+no-draft steps, late arming, sampling under speculation, and the seams no shipped plugin uses."""
+import random
+
+import pytest
+import torch
+
+from verispec.execution import SpeculativeExecution, resolve_draft_window
+from verispec.sampling import Sampler, SamplingParams
+from verispec.seams import DraftContext, UnsupportedTap
+from verispec.testing import MarkovTarget, ScriptedSpeculator, ToyTarget, oracle_speculator, run_greedy
+from verispec.trunks import LinearSpecTrunk
+
+PROMPT = [1, 5, 9, 2, 7, 3, 11, 4]
+
+
+def generate(target, speculator, *, max_tokens=32, params=SamplingParams(), stop_ids=(), draft_window=8,
+             governor=None, stop_when=None):
+    """Run the loop like the engine does; returns (draws, execution)."""
+    target.spec_rewind_cache(0)
+    ex = SpeculativeExecution(LinearSpecTrunk(target), speculator, draft_window=draft_window,
+                              stop_token_ids=stop_ids, governor=governor)
+    sampler = Sampler(params, PROMPT, target.vocab_size)
+    draws = []
+
+    def on_token(draw):
+        draws.append(draw)
+        return (len(draws) >= max_tokens or draw.token in stop_ids
+                or (stop_when is not None and stop_when(draws)))
+
+    stop = ex.start(PROMPT, sampler, on_token)
+    while not stop:
+        stop = ex.step(sampler, on_token)
+    return draws, ex
+
+
+@pytest.fixture
+def toy():
+    return ToyTarget(vocab_size=32, recurrent=True)
+
+
+def plain_stream(target, n=48):
+    return run_greedy(target, PROMPT, n)[0]
+
+
+def test_max_tokens_inside_an_accepted_window(toy):
+    plain = plain_stream(toy)
+    draws, ex = generate(toy, oracle_speculator(PROMPT + plain, vocab_size=32), max_tokens=5)
+    assert [d.token for d in draws] == plain[:5]
+    assert ex.trunk.seq_len == len(PROMPT) + 4  # the 5th token is pending, never written
+
+
+def test_stop_token_accepted_mid_window_ends_the_step_there(toy):
+    plain = plain_stream(toy)
+    stop = plain[3]
+    draws, ex = generate(toy, oracle_speculator(PROMPT + plain, vocab_size=32), stop_ids=(stop,))
+    tokens = [d.token for d in draws]
+    assert tokens == plain[:plain.index(stop) + 1]
+    # the stop row and rows past it were rejected: usage counts emitted tokens only
+    assert ex.stats.num_emitted_tokens == len(tokens)
+
+
+def test_a_window_never_starts_at_a_stop_token(toy):
+    plain = plain_stream(toy)
+    stop = plain[2]
+    seen = []
+
+    def script(ctx):
+        seen.append(ctx.last_token)
+        return list((PROMPT + plain)[ctx.pos + 1:ctx.pos + 1 + ctx.draft_window])
+
+    # stop ids are passed, but on_token ignores them (like --ignore-eos with a stop id in the vocabulary)
+    target = toy
+    target.spec_rewind_cache(0)
+    ex = SpeculativeExecution(LinearSpecTrunk(target), ScriptedSpeculator(script), stop_token_ids=(stop,))
+    sampler = Sampler(SamplingParams(), PROMPT, 32)
+    out = []
+    done = ex.start(PROMPT, sampler, lambda d: out.append(d.token) or len(out) >= 24)
+    while not done:
+        done = ex.step(sampler, lambda d: out.append(d.token) or len(out) >= 24)
+    assert out == plain[:24]
+    assert stop not in seen
+
+
+def test_draft_window_is_clipped_to_the_context():
+    for spare in (0, 1, 2, 3):
+        target = ToyTarget(vocab_size=32, recurrent=True, max_context_length=len(PROMPT) + 8 + spare)
+        plain = run_greedy(target, PROMPT, 8 + spare)[0]
+        rows = []
+        orig = target.spec_forward
+        target.spec_forward = lambda t, **kw: rows.append(target.cache_seq_len + len(t)) or orig(t, **kw)
+        draws, ex = generate(target, oracle_speculator(PROMPT + plain, vocab_size=32),
+                             stop_when=lambda d: len(PROMPT) + len(d) >= target.max_context_length)
+        assert [d.token for d in draws] == plain[:len(draws)]
+        assert ex.trunk.seq_len <= target.max_context_length
+        assert max(rows) <= target.max_context_length  # no verify writes past the context
+        assert len(PROMPT) + len(draws) == target.max_context_length  # and decoding ran up to it
+
+
+def test_empty_proposals_decode_with_the_models_own_forward(toy):
+    calls = {"forward": 0, "spec_hidden": 0}
+    orig_forward, orig_spec = toy.forward, toy.spec_forward
+    toy.forward = lambda t: calls.__setitem__("forward", calls["forward"] + 1) or orig_forward(t)
+
+    def spec(t, *, hidden, all_logits):
+        calls["spec_hidden"] += hidden
+        return orig_spec(t, hidden=hidden, all_logits=all_logits)
+
+    toy.spec_forward = spec
+    speculator = ScriptedSpeculator(lambda ctx: [], needs_hidden_state=True)
+    draws, ex = generate(toy, speculator, max_tokens=10)
+    toy.forward, toy.spec_forward = orig_forward, orig_spec
+    assert [d.token for d in draws] == plain_stream(toy)[:10]
+    assert ex.stats.num_no_draft_steps == 9 and ex.stats.num_spec_steps == 0
+    # prefill + the first two no-draft steps tap hidden rows; later ones use the plain path
+    assert calls["spec_hidden"] == 3
+
+
+def test_seed_committed_respects_can_arm_after_prefix_reuse(toy):
+    plain = plain_stream(toy)
+    speculator = oracle_speculator(PROMPT + plain, vocab_size=32)
+    speculator.can_arm_after_prefix_reuse = False
+    ex = SpeculativeExecution(LinearSpecTrunk(toy), speculator)
+    ex.seed_committed(PROMPT)
+    assert ex._window_size() == 0
+    speculator.can_arm_after_prefix_reuse = True
+    ex.seed_committed(PROMPT)
+    assert speculator.committed == PROMPT
+
+
+def test_catch_up_commits_tokens_decoded_elsewhere(toy):
+    speculator = ScriptedSpeculator(lambda ctx: [])
+    ex = SpeculativeExecution(LinearSpecTrunk(toy), speculator)
+    ex.seed_committed(PROMPT)
+    ex.catch_up([4, 4, 4], start_pos=len(PROMPT))
+    assert speculator.committed == PROMPT + [4, 4, 4]
+
+
+def test_resolve_draft_window_narrows_only_the_default():
+    class Prefers3:
+        spec_preferred_draft_window = 3
+    assert resolve_draft_window(None, Prefers3()) == 3
+    assert resolve_draft_window(12, Prefers3()) == 12
+    assert resolve_draft_window(None, object()) == 8
+    with pytest.raises(ValueError, match="1..64"):
+        resolve_draft_window(65, object())
+
+
+def test_parked_governor_means_plain_steps(toy):
+    class Parked:
+        def should_speculate(self): return False
+        def record_plain_step(self, elapsed_s, num_emitted=1): self.plain = getattr(self, "plain", 0) + 1
+        def record_spec_step(self, *a, **k): raise AssertionError("parked: no speculative step")
+
+    governor = Parked()
+    draws, ex = generate(toy, oracle_speculator(PROMPT + plain_stream(toy), vocab_size=32), governor=governor,
+                         max_tokens=12)
+    assert ex.stats.num_spec_steps == 0 and governor.plain == 11
+
+
+# -- sampling under speculation -------------------------------------------------------------
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, seed=7, frequency_penalty=1.5, presence_penalty=0.5),
+    SamplingParams(temperature=1.0, seed=3, repetition_penalty=1.3, top_k=8, logprobs=3),
+    SamplingParams(temperature=0.0, frequency_penalty=2.0, logprobs=2),
+])
+def test_penalties_and_logprobs_are_applied_per_emitted_token_inside_windows(toy, params):
+    plain, _ = generate(toy, None, max_tokens=40, params=params)
+    reference = PROMPT + [d.token for d in plain]
+    spec, ex = generate(toy, oracle_speculator(reference, vocab_size=32, rng=random.Random(1)), max_tokens=40,
+                        params=params)
+    assert [d.token for d in spec] == [d.token for d in plain]
+    assert [d.logprob for d in spec] == [d.logprob for d in plain]
+    assert [d.top_logprobs for d in spec] == [d.top_logprobs for d in plain]
+    assert ex.stats.num_accepted_tokens > 0
+    unpenalised, _ = generate(toy, None, max_tokens=40, params=SamplingParams(temperature=params.temperature,
+                                                                               seed=params.seed))
+    assert [d.token for d in unpenalised] != [d.token for d in plain]
+
+
+def _markov_table(vocab=6, seed=0):
+    return torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(seed)) * 1.5
+
+
+def _transition_counts(target, params, speculator_factory, num_tokens, seed0):
+    vocab = target.vocab_size
+    counts = torch.zeros(vocab, vocab, dtype=torch.long)
+    streams = []
+    per_seq = 2000
+    for s in range(num_tokens // per_seq):
+        target.spec_rewind_cache(0)
+        p = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed0 + s)
+        ex = SpeculativeExecution(LinearSpecTrunk(target), speculator_factory())
+        sampler = Sampler(p, [0], vocab)
+        out = []
+        done = ex.start([0], sampler, lambda d: out.append(d.token) or len(out) >= per_seq)
+        while not done:
+            done = ex.step(sampler, lambda d: out.append(d.token) or len(out) >= per_seq)
+        seq = [0] + out
+        for a, b in zip(seq, seq[1:]):
+            counts[a, b] += 1
+        streams.append(out)
+    return counts, streams
+
+
+def _filtered_probs(row, params):
+    x = row / params.temperature
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if params.top_k:
+        keep &= x >= torch.topk(x, params.top_k).values[-1]
+    p = torch.softmax(torch.where(keep, x, torch.tensor(-float("inf"))), 0)
+    if params.top_p < 1.0:
+        order = torch.argsort(p, descending=True)
+        cum = torch.cumsum(p[order], 0)
+        drop = order[(cum - p[order]) >= params.top_p]
+        p[drop] = 0
+        p = p / p.sum()
+    return p
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.3, top_k=4),
+                                    SamplingParams(temperature=1.0, top_k=5, top_p=0.9)])
+def test_speculative_sampling_is_distribution_exact(params):
+    """>=100k draws with and without speculation: chi-square against the filtered softmax,
+    and the two empirical transition distributions agree; same seed => same stream."""
+    from scipy.stats import chi2_contingency, chisquare
+
+    table = _markov_table()
+    target = MarkovTarget(table)
+    greedy_next = table.argmax(1).tolist()
+
+    def drafter():  # proposes the greedy chain: often right at T=0.3, often wrong at T=1
+        return ScriptedSpeculator(lambda ctx: _chain(greedy_next, ctx.last_token, ctx.draft_window), max_draft_tokens=4)
+
+    n = 100_000
+    plain_counts, plain_streams = _transition_counts(target, params, lambda: None, n, seed0=1000)
+    other_counts, _ = _transition_counts(target, params, drafter, n, seed0=5000)
+    _, spec_streams = _transition_counts(target, params, drafter, 10_000, seed0=1000)
+    assert spec_streams == plain_streams[:len(spec_streams)]  # same seed => same stream, token for token
+    for a in range(table.shape[0]):
+        probs = _filtered_probs(table[a], params)
+        support = probs > 0
+        for counts in (plain_counts, other_counts):
+            row = counts[a]
+            assert row[~support].sum() == 0, "a filtered-out token was drawn"
+            if row.sum() > 200:
+                p = probs[support].double()
+                expected = p / p.sum() * row.sum()
+                assert chisquare(row[support].double().numpy(), expected.numpy()).pvalue > 1e-4
+        pair = torch.stack([plain_counts[a], other_counts[a]])
+        pair = pair[:, pair.sum(0) >= 10]  # chi-square needs populated cells
+        if pair.sum() > 400 and pair.shape[1] > 1:
+            assert chi2_contingency(pair.numpy()).pvalue > 1e-4
+
+
+def _chain(next_of, token, k):
+    out = []
+    for _ in range(k):
+        token = next_of[token]
+        out.append(token)
+    return out
+
+
+# -- seams no shipped plugin uses yet -----------------------------------------------------
+
+def test_drafter_requested_hidden_taps(toy):
+    toy.spec_set_hidden_taps([0, 1])
+    assert toy.spec_feature_size == 2 * toy.dim
+    speculator = ScriptedSpeculator(lambda ctx: [], needs_hidden_state=True)
+    generate(toy, speculator, max_tokens=3)
+    assert speculator.hidden_rows[0].shape == (2 * toy.dim,)
+    with pytest.raises(UnsupportedTap, match="layers 0..1"):
+        toy.spec_set_hidden_taps([5])
+    toy.spec_set_hidden_taps(None)
+    assert toy.spec_feature_size == toy.dim
