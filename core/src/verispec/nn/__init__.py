@@ -1,0 +1,12 @@
+"""Shared torch building blocks every model package reuses (DESIGN.md §2, STYLE.md §2.4).
+
+- `norm.RMSNorm`: multiplies by the stored weight (no `1 + w` offset flag).
+- `rope.RotaryEmbedding`: neox | normal pairing, partial `rotary_dim`, frequency scaling hooks.
+- `kv_cache.LinearKVCache`, `kv_cache.RingKVCache`, `kv_cache.ModelKVCache`: position-addressed
+  caches; rewind moves an integer.
+- `attention.attend`: causal / sliding-window GQA over a cache, batch-invariant on CPU.
+- `quant`: the weight-dtype choice (float32 | bfloat16 | int8) as a linear-module swap.
+- `mlp.GatedMLP`: down(act(gate(x)) * up(x)).
+
+Activations between modules are fp32; only the linears see bf16 (see `quant`).
+"""

@@ -1,0 +1,35 @@
+"""RMSNorm that multiplies by the stored weight.
+
+Families differ in what they store, not in how the norm runs: gemma/gemma2/gemma3 and
+qwen35 GGUFs already hold `1 + w` (llama.cpp's converter adds the 1), gemma4 holds `w`,
+llama holds `w`. So there is no offset flag here; the difference lives in each family's
+HF -> GGUF conversion (reference/gemma4.md §2.1, §8.1).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x², last dim) + eps) · weight, computed in fp32.
+
+    x: [..., dim] any float dtype -> fp32 [..., dim]. `with_weight=False` gives the plain
+    normalisation (Gemma 4's v_norm and router norm have no weight).
+    Per-row: a row's result never depends on the other rows (batch-invariant).
+    Source: transformers Gemma3RMSNorm (normalise in fp32, then scale; PR #29402).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, with_weight: bool = True):
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False) if with_weight else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y if self.weight is None else y * self.weight
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, with_weight={self.weight is not None}"
