@@ -263,33 +263,35 @@ def test_top_p_over_a_large_vocab_matches_a_full_sort(size, scale, top_p, data_s
 
 # -- penalties ---------------------------------------------------------------------------------
 
-def penalised_logprobs(logits, context, output, rep=1.0, freq=0.0, pres=0.0):
-    """log_softmax of the logits after HF's repetition penalty over context + output, then
-    OpenAI's frequency and presence penalties over the output."""
+def penalised_logprobs(logits, context, output, rep=1.0, freq=0.0, pres=0.0, temperature=1.0):
+    """log_softmax of (logits after HF's repetition penalty over context + output, then
+    OpenAI's frequency and presence penalties over the output) / temperature."""
     seen = set(context) | set(output)
     x = []
-    for t, v in enumerate(logits):
+    for t, v in enumerate(torch.tensor(logits, dtype=torch.float32).tolist()):
         if t in seen:
             v = v / rep if v > 0 else v * rep
         n = output.count(t)
-        x.append(v - freq * n - pres * (n > 0))
+        x.append((v - freq * n - pres * (n > 0)) / temperature)
     z = max(x)
     log_total = z + math.log(sum(math.exp(v - z) for v in x))
     return {t: v - log_total for t, v in enumerate(x)}
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
 @pytest.mark.parametrize("rep, freq, pres", [(1.0, 0.5, 0.0), (1.0, 0.0, 0.7), (1.0, -0.4, 0.3),
                                              (1.3, 0.0, 0.0), (0.8, 0.0, 0.0), (1.3, 0.5, 0.7)])
-def test_penalties_follow_their_formulas(rep, freq, pres):
+def test_penalties_follow_their_formulas(rep, freq, pres, temperature):
+    """Penalties act on the raw logits, before temperature (HF/vLLM order)."""
     prompt, output = [0, 1, 1], [3, 3, 5, 3, 2]
     logits = [0.4, -0.3, 0.9, 0.1, 0.6, -0.8, 0.75, 0.0]
-    params = SamplingParams(temperature=1.0, repetition_penalty=rep, frequency_penalty=freq,
+    params = SamplingParams(temperature=temperature, repetition_penalty=rep, frequency_penalty=freq,
                             presence_penalty=pres, seed=0, logprobs=8)
     sampler = Sampler(params, prompt, 8)
     for t in output:
         sampler.accept(t)
     draw = sampler.draw(torch.tensor(logits), pos=8)
-    expected = penalised_logprobs(logits, prompt, output, rep, freq, pres)
+    expected = penalised_logprobs(logits, prompt, output, rep, freq, pres, temperature)
     assert dict(draw.top_logprobs) == pytest.approx(expected, abs=1e-6)
     assert draw.logprob == pytest.approx(expected[draw.token], abs=1e-6)
 
@@ -381,9 +383,9 @@ def test_greedy_logprobs_are_those_of_the_penalised_logits():
     draw = sampler.draw(torch.tensor(logits), pos=1)
     expected = penalised_logprobs(logits, [], [2], pres=0.5)
     assert draw.token == 6
-    assert draw.logprob == pytest.approx(expected[6], abs=1e-9)
+    assert draw.logprob == pytest.approx(expected[6], abs=1e-6)  # the sampler penalises in fp32
     assert [t for t, _ in draw.top_logprobs] == [6, 4, 2]
-    assert dict(draw.top_logprobs) == pytest.approx({t: expected[t] for t in (6, 4, 2)}, abs=1e-9)
+    assert dict(draw.top_logprobs) == pytest.approx({t: expected[t] for t in (6, 4, 2)}, abs=1e-6)
 
 
 def test_logprobs_off_returns_the_token_only():

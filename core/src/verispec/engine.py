@@ -226,7 +226,7 @@ class _StopState:
 
         self.generation, self.stop_ids, self.prompt_len = generation, set(stop_ids), prompt_len
         self.max_context = generation.engine.target.max_context_length
-        self.decoder = StreamDecoder(tokenizer)
+        self.decoder = StreamDecoder(tokenizer, context=generation.ids)
         self.tokens: list[int] = []
         self.draws: list = []  # verispec.sampling.Draw per token (logprobs when asked for)
         self._text = ""
@@ -239,16 +239,19 @@ class _StopState:
         self.tokens.append(token)
         self.draws.append(draw)
         self._text += self.decoder.feed(token)
-        stop = False
+        stop = True
         if token in self.stop_ids:
-            self.finish_reason, stop = "stop", True
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.generation.max_tokens or self.prompt_len + len(self.tokens) >= self.max_context:
+            self.finish_reason = "length"
+        else:
+            stop = False
+        if stop:
+            self._text += self.decoder.flush()  # bytes of an unfinished character, as decode() shows them
         for s in self.generation.stop:
             cut = self._text.find(s)
             if cut >= 0:
                 self._text, self.finish_reason, stop = self._text[:cut], "stop", True
-        if not stop and (len(self.tokens) >= self.generation.max_tokens
-                         or self.prompt_len + len(self.tokens) >= self.max_context):
-            self.finish_reason, stop = "length", True
         self._emit(token, final=stop)
         return stop
 

@@ -185,3 +185,27 @@ def oracle_speculator(reference: Sequence[int], *, correct: int | None = None, v
             rng.randint(0, len(want)) if rng is not None else min(correct, len(want)))
         return want[:n_right] + [(t + 1) % vocab_size for t in want[n_right:]]
     return ScriptedSpeculator(script, max_draft_tokens=max_draft_tokens)
+
+
+def write_toy_gguf(path, *, vocab_size: int = 300, dim: int = 16, recurrent: bool = True, seed: int = 0,
+                   context_length: int = 512) -> str:
+    """A GGUF (architecture "toy", no tensors: weights come from `seed`) with a byte-level
+    vocabulary, so the real load path (registry → loader → tokenizer → engine) runs on it."""
+    from verispec.testing.fixture_writer import write_gguf
+
+    metadata = {"toy.vocab_size": vocab_size, "toy.embedding_length": dim, "toy.recurrent": recurrent,
+                "toy.seed": seed, "toy.context_length": context_length}
+    return write_gguf(path, arch="toy", metadata=metadata, tensors={}, vocab="byte-level", vocab_size=vocab_size)
+
+
+def load_toy_gguf(path, *, dtype=None, context_length=None) -> ToyTarget:
+    """TargetSpec loader for `write_toy_gguf` files."""
+    from verispec.gguf_io import GGUFFile
+    from verispec.tokenizer import Tokenizer
+
+    gguf = GGUFFile.open(path)
+    target = ToyTarget(gguf.require("toy.vocab_size"), gguf.require("toy.embedding_length"),
+                       recurrent=bool(gguf.require("toy.recurrent")), seed=gguf.require("toy.seed"),
+                       max_context_length=context_length or gguf.require("toy.context_length"))
+    target.tokenizer = Tokenizer.from_gguf(gguf, use_cache=False)
+    return target

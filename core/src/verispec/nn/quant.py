@@ -1,0 +1,173 @@
+"""The weight-dtype choice, as a module swap (gpt-fast's quantize.py idea).
+
+A model is built with plain `nn.Linear`s (HF names); `swap_linears(model, dtype)` replaces
+each by the class for `dtype`, so the modeling file never branches on dtype. Every class
+takes and returns fp32 activations [n, in] -> [n, out]; only the matmul sees bf16.
+
+| dtype    | weight                         | matmul                                     | batch-invariant |
+|----------|--------------------------------|--------------------------------------------|-----------------|
+| float32  | fp32 [out, in]                 | F.linear fp32 (MKL gemm)                    | no: ~2e-7..5e-5 row drift |
+| bfloat16 | bf16 [out, in]                 | F.linear bf16, bf16 out                     | yes for n <= 32 rows (AVX-512/AMX: not from 33) |
+| int8     | int8 [out, in] + bf16 scale [out] | aten._weight_int8pack_mm, bf16 act/out  | yes             |
+
+int8 is symmetric per output channel: w ≈ q · scale, q in [-127, 127], scale =
+max|w_row| / 127 rounded up to bf16 (the kernel takes bf16 scales; rounding up means no
+weight clips). Its output, like bf16's, is bf16-rounded (8 significant bits) before it
+returns to fp32. Invariance and costs measured for this project: reference/cpu-kernel-facts.md,
+baselines.md §5.
+
+`rows(ids)` gathers fp32 rows of the weight, so a tied embedding table and LM head are one
+module (one int8 copy of Gemma's 262k x 640 table, not two).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
+
+_ROW_CHUNK = 16384  # rows quantised at a time: bounds the fp32 temporaries
+
+
+class UnknownWeightDtype(ValueError):
+    def __init__(self, dtype: object):
+        self.dtype = dtype
+        super().__init__(f"weight dtype {dtype!r} is not offered; choose one of {', '.join(WEIGHT_DTYPES)}")
+
+
+class Float32Linear(nn.Module):
+    """fp32 weight [out, in]; the parity reference."""
+
+    batch_invariant = False
+
+    def __init__(self, in_features: int, out_features: int, *, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, device=device))
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Float32Linear:
+        module = cls(weight.shape[1], weight.shape[0], device="meta")
+        module.weight = weight.float().contiguous()
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids]
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}"
+
+
+class BFloat16Linear(Float32Linear):
+    """bf16 weight [out, in]; bf16 activations into the matmul, fp32 out."""
+
+    batch_invariant = True
+
+    def __init__(self, in_features: int, out_features: int, *, device=None):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.bfloat16, device=device))
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> BFloat16Linear:
+        module = cls(weight.shape[1], weight.shape[0], device="meta")
+        module.weight = weight.to(torch.bfloat16).contiguous()
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), self.weight).float()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids].float()
+
+
+class Int8Linear(Float32Linear):
+    """int8 weight [out, in] + bf16 per-output-channel scales [out]; bf16 activations."""
+
+    batch_invariant = True
+
+    def __init__(self, in_features: int, out_features: int, *, device=None):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.empty(out_features, dtype=torch.bfloat16, device=device))
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Int8Linear:
+        module = cls(weight.shape[1], weight.shape[0], device="meta")
+        module.weight, module.scales = quantize_int8(weight)
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales).float()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids].float() * self.scales[ids].float()[:, None]
+
+
+LINEAR_CLASSES: dict[str, type[Float32Linear]] = {
+    "float32": Float32Linear, "bfloat16": BFloat16Linear, "int8": Int8Linear,
+}
+
+
+def linear_class(dtype: str) -> type[Float32Linear]:
+    """The linear module class for a weight dtype name; raises UnknownWeightDtype."""
+    try:
+        return LINEAR_CLASSES[dtype]
+    except (KeyError, TypeError):
+        raise UnknownWeightDtype(dtype) from None
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [out, in] -> (int8 [out, in], bf16 scales [out]), symmetric per output channel."""
+    weight = weight.float()
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty(weight.shape[0], dtype=torch.bfloat16)
+    for start in range(0, weight.shape[0], _ROW_CHUNK):
+        w = weight[start:start + _ROW_CHUNK]
+        wanted = w.abs().amax(dim=1).clamp(min=1e-30) / 127  # [rows]
+        s = wanted.to(torch.bfloat16)
+        s = torch.where(s.float() < wanted, torch.nextafter(s, torch.tensor(float("inf"), dtype=torch.bfloat16)), s)
+        q[start:start + _ROW_CHUNK] = torch.round(w / s.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        scales[start:start + _ROW_CHUNK] = s
+    return q, scales
+
+
+def swap_linears(model: nn.Module, dtype: str) -> nn.Module:
+    """Replace every nn.Linear / verispec linear in `model` by `dtype`'s class, in place.
+
+    A linear with real weights is converted (`from_float`); one on the meta device becomes
+    an empty module of the new class on meta, to be filled by `load_state_dict(assign=True)`.
+    Shared modules stay shared (a tied embedding and LM head remain one module).
+    """
+    cls = linear_class(dtype)
+    swapped: dict[int, nn.Module] = {}
+
+    def convert(old: nn.Module) -> nn.Module:
+        if id(old) not in swapped:
+            weight = old.weight
+            if weight.is_meta:
+                swapped[id(old)] = cls(weight.shape[1], weight.shape[0], device="meta")
+            else:
+                dense = old.rows(torch.arange(weight.shape[0])) if isinstance(old, Float32Linear) else weight
+                swapped[id(old)] = cls.from_float(dense.detach())
+        return swapped[id(old)]
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, (nn.Linear, Float32Linear)):
+                setattr(parent, name, convert(child))
+    for name, value in list(vars(model).items()):  # plain attributes that alias a swapped module
+        if isinstance(value, nn.Module) and id(value) in swapped:
+            setattr(model, name, swapped[id(value)])
+    return model
+
+
+def module_batch_invariant(model: nn.Module) -> bool:
+    """True when every linear in `model` uses a batch-invariant kernel."""
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, Float32Linear))]
+    return all(getattr(m, "batch_invariant", False) for m in linears)

@@ -1,0 +1,96 @@
+"""Rotary position embeddings (RoPE), one module for every family.
+
+- `style="neox"` (rotate-half; HF's layout, llama.cpp NEOX): dim i pairs with i + r/2.
+- `style="normal"` (GPT-J interleaved; llama.cpp NORM, for GGUF llama Q/K left permuted):
+  dim 2i pairs with 2i + 1.
+- Partial rotary: only the first `rotary_dim` = 2·len(inv_freq) dims rotate, the rest pass
+  through (qwen35's partial_rotary_factor).
+- Frequencies are data: build `inv_freq` with `default_inv_freq` / `proportional_inv_freq`
+  and reshape them with a scaling hook (`linear_scaling`, `freq_factors`; llama3-style
+  scaling plugs in the same way).
+
+Angles are pos · inv_freq in fp32, cos/sin in fp32, as transformers computes them
+(`modeling_rope_utils`, `apply_rotary_pos_emb`), so fp32 parity is not spoiled by a
+more accurate but different angle.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+InvFreqScaling = Callable[[torch.Tensor], torch.Tensor]
+
+
+def default_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
+    """fp32 [rotary_dim/2]: theta^(-2i/rotary_dim). Source: transformers compute_default_rope_parameters."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return 1.0 / (theta ** exponents)
+
+
+def proportional_inv_freq(head_dim: int, theta: float, partial_rotary_factor: float) -> torch.Tensor:
+    """fp32 [head_dim/2]: Gemma 4's full-layer RoPE. The first `factor·head_dim/2` pairs get
+    theta^(-2i/head_dim) (denominator: the *whole* head dim), the others frequency 0 (identity).
+    Source: transformers _compute_proportional_rope_parameters; reference/gemma4.md §3.3."""
+    rope_angles = int(partial_rotary_factor * head_dim // 2)
+    exponents = torch.arange(0, 2 * rope_angles, 2, dtype=torch.int64).float() / head_dim
+    rotated = 1.0 / (theta ** exponents)
+    return torch.cat([rotated, torch.zeros(head_dim // 2 - rope_angles)])
+
+
+def linear_scaling(factor: float) -> InvFreqScaling:
+    """Position interpolation: pos / factor (Gemma 3 4B+ global layers use factor 8)."""
+    return lambda inv_freq: inv_freq / factor
+
+
+def freq_factors(factors: Sequence[float] | torch.Tensor) -> InvFreqScaling:
+    """llama.cpp's `rope_freqs` tensor: each frequency divided by its factor (1e30 ≈ off)."""
+    factors = torch.as_tensor(factors, dtype=torch.float32)
+    return lambda inv_freq: inv_freq / factors
+
+
+class RotaryEmbedding(nn.Module):
+    """Apply RoPE to [n, H, Dh] rows at absolute positions.
+
+    inv_freq: fp32 [r/2]; rotates dims [0, r) of each head (r = rotary_dim <= Dh).
+    Usage: `cos, sin = rope.cos_sin(positions)` once per forward, then
+    `rope(x, cos, sin)` for q and k. cos/sin: fp32 [n, r/2].
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, *, style: str = "neox", scaling: InvFreqScaling | None = None):
+        super().__init__()
+        if style not in ("neox", "normal"):
+            raise ValueError(f"RoPE style={style!r}: use 'neox' (rotate-half) or 'normal' (interleaved pairs)")
+        inv_freq = inv_freq.float()
+        if scaling is not None:
+            inv_freq = scaling(inv_freq).float()
+        self.style = style
+        self.rotary_dim = 2 * inv_freq.numel()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @classmethod
+    def default(cls, rotary_dim: int, theta: float, *, style: str = "neox",
+                scaling: InvFreqScaling | None = None) -> RotaryEmbedding:
+        return cls(default_inv_freq(rotary_dim, theta), style=style, scaling=scaling)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: int64 [n] -> (cos, sin) fp32 [n, r/2]."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [n, r/2]
+        return angles.cos(), angles.sin()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: fp32 [n, H, Dh] -> fp32 [n, H, Dh] (new tensor)."""
+        r = self.rotary_dim
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [n, 1, r/2]
+        rot, rest = x[..., :r], x[..., r:]
+        if self.style == "neox":
+            x1, x2 = rot[..., : r // 2], rot[..., r // 2:]
+            rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        return rotated if rest.shape[-1] == 0 else torch.cat([rotated, rest], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"rotary_dim={self.rotary_dim}, style={self.style!r}"

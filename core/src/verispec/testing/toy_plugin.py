@@ -1,0 +1,117 @@
+"""A complete toy plugin: a target family, a BLOCK draft head loaded from its own drafter
+file (`DraftFileSpec`), and a block speculator that asks the trunk for layer taps.
+
+It exercises the seams no shipped plugin uses yet, and doubles as a worked example for
+plugin authors. Register it with an entry point `toy = "verispec.testing.toy_plugin"` or
+`Registry.from_plugins({"toy": toy_plugin})`.
+"""
+from __future__ import annotations
+
+from verispec.hookspecs import hookimpl
+from verispec.seams import DraftHeadKind, Speculator
+from verispec.specs import DraftFileSpec, SpeculatorSpec, TargetSpec
+
+#: layers whose entering residuals the toy block head reads (concatenated: F = 2·D).
+TAP_LAYERS = (0, 1)
+
+
+class DrafterMismatch(ValueError):
+    """A drafter file bound to another trunk (vocabulary, width or taps differ)."""
+
+
+@hookimpl
+def register_targets(register):
+    register(TargetSpec(name="toy", summary="toy trunk for tests (one recurrent + one attention layer)",
+                        architectures=("toy",), loader="verispec.testing.toy:load_toy_gguf"))
+
+
+@hookimpl
+def register_draft_files(register):
+    register(DraftFileSpec(name="toy-block", summary="toy BLOCK drafter file", architectures=("toy-block-drafter",),
+                           loader="verispec.testing.toy_plugin:load_block_drafter"))
+
+
+@hookimpl
+def register_speculators(register):
+    register(SpeculatorSpec(name="toy-block", summary="drafts a block from a BLOCK head (toy)",
+                            factory="verispec.testing.toy_plugin:create_block_speculator",
+                            requires_draft_head=True, needs_hidden_state=True, can_arm_after_prefix_reuse=False,
+                            default_min_draft_prob=0.35, priority=5))
+
+
+class ToyBlockHead:
+    """BLOCK head: drafts the trunk's bigram-greedy chain (argmax of lm_head · embed[t]),
+    with confidences 0.9^i; reads the tapped rows [F = 2·D] it asked the trunk for."""
+
+    draft_head_kind = DraftHeadKind.BLOCK
+    draft_head_resumes_after_gap = True
+
+    def __init__(self, target, block_size: int = 4):
+        import torch
+
+        target.spec_set_hidden_taps(list(TAP_LAYERS))
+        self.feature_size = target.spec_feature_size
+        self.draft_block_size = block_size
+        self.next_of = torch.argmax(target.embed @ target.lm_head.T, dim=1).tolist()  # [V]
+        self.num_caught_up = 0
+        self.h_shapes: set[tuple[int, ...]] = set()
+
+    def draft_block(self, last_token, h_prev, pos):
+        if h_prev is not None:
+            self.h_shapes.add(tuple(h_prev.shape))
+        ids, token = [], last_token
+        for _ in range(self.draft_block_size):
+            token = self.next_of[token]
+            ids.append(token)
+        return ids, [0.9 ** (i + 1) for i in range(len(ids))]
+
+    def draft_step(self, token, h_prev, pos):
+        raise NotImplementedError("a BLOCK head drafts whole blocks")
+
+    def draft_catch_up(self, tokens, h_rows, start_pos):
+        self.num_caught_up += len(tokens)
+
+
+def load_block_drafter(path, target) -> ToyBlockHead:
+    """DraftFileSpec loader: refuses a drafter made for another vocabulary."""
+    from verispec.gguf_io import GGUFFile
+
+    vocab = GGUFFile.open(path).require("toy-block-drafter.vocab_size")
+    if vocab != target.vocab_size:
+        raise DrafterMismatch(f"{path}: drafter vocabulary {vocab} != trunk vocabulary {target.vocab_size}; "
+                              "use the drafter trained for this model")
+    return ToyBlockHead(target)
+
+
+def write_block_drafter(path, vocab_size: int) -> str:
+    from verispec.testing.fixture_writer import write_gguf
+
+    return write_gguf(path, arch="toy-block-drafter", metadata={"toy-block-drafter.vocab_size": vocab_size},
+                      tensors={}, vocab=None)
+
+
+class BlockSpeculator(Speculator):
+    """Proposes a BLOCK head's draft, cut where the cumulative confidence drops below the gate."""
+
+    name = "toy-block"
+    needs_hidden_state = True
+    can_arm_after_prefix_reuse = False
+    default_min_draft_prob = 0.35
+
+    def __init__(self, head, **kwargs):
+        super().__init__(**kwargs)
+        self.head = head
+
+    def propose(self, ctx):
+        ids, confidences = self.head.draft_block(ctx.last_token, ctx.hidden_prev, ctx.pos)
+        keep = [t for t, c in zip(ids, confidences) if c >= ctx.min_draft_prob]
+        return keep[:ctx.draft_window]
+
+    def commit(self, tokens, hidden_rows, start_pos):
+        self.head.draft_catch_up(tokens, hidden_rows, start_pos)
+
+
+def create_block_speculator(target, *, max_draft_tokens, min_draft_prob, draft_head):
+    if draft_head.draft_head_kind is not DraftHeadKind.BLOCK:
+        return None
+    return BlockSpeculator(draft_head, max_draft_tokens=max_draft_tokens, min_draft_prob=min_draft_prob)

@@ -1,0 +1,171 @@
+"""InferenceEngine and the Python API end to end, on the toy plugin's GGUF (real load path:
+registry → TargetSpec loader → tokenizer from GGUF → engine), with toy speculators."""
+import pytest
+
+from verispec import api
+from verispec.engine import InferenceEngine, SpecOptions
+from verispec.hookspecs import hookimpl
+from verispec.registry import Registry, SpeculationUnavailable, UnknownArchitecture
+from verispec.sampling import SamplingParams
+from verispec.seams import ContextOverflow, Speculator
+from verispec.specs import SpeculatorSpec
+from verispec.testing import toy_plugin
+from verispec.testing.toy import write_toy_gguf
+
+PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
+
+
+class EchoSpeculator(Speculator):
+    """Proposes what followed the previous occurrence of the pending token (a 1-gram lookup)."""
+
+    name = "echo"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.history: list[int] = []
+
+    def propose(self, ctx):
+        seq = self.history + [ctx.last_token]
+        for i in range(len(seq) - 2, -1, -1):
+            if seq[i] == ctx.last_token:
+                return seq[i + 1:i + 1 + ctx.draft_window]
+        return []
+
+    def commit(self, tokens, hidden_rows, start_pos):
+        del self.history[start_pos:]
+        self.history.extend(tokens)
+
+    def reset(self):
+        self.history.clear()
+
+
+class EchoPlugin:
+    @hookimpl
+    def register_speculators(self, register):
+        register(SpeculatorSpec(name="echo", summary="1-gram echo (test)", factory=lambda t, **kw: EchoSpeculator(
+            max_draft_tokens=kw["max_draft_tokens"]), priority=10))
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return Registry.from_plugins({"toy": toy_plugin, "echo": EchoPlugin()})
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return write_toy_gguf(tmp_path_factory.mktemp("toy") / "toy.gguf", vocab_size=110, recurrent=False, seed=3)  # printable ASCII bytes only
+
+
+def run(engine, prompt=PROMPT, **kw):
+    generation = engine.generate(prompt, **kw)
+    events = list(generation)
+    return generation.result, events
+
+
+def test_load_resolves_the_architecture_through_the_registry(model_path, registry):
+    engine = api.load(model_path, registry=registry, spec_type="echo")
+    assert isinstance(engine, InferenceEngine)
+    assert engine.choice.name == "echo"
+
+
+def test_unknown_architecture_names_the_fix(tmp_path, registry):
+    from verispec.testing.fixture_writer import write_gguf
+
+    path = write_gguf(tmp_path / "x.gguf", arch="mamba9", metadata={}, tensors={}, vocab=None)
+    with pytest.raises(UnknownArchitecture, match="pip install"):
+        api.load(str(path), registry=registry)
+
+
+def test_speculative_stream_equals_plain_and_events_arrive_one_token_at_a_time(model_path, registry):
+    engine = api.load(model_path, registry=registry, spec_type="echo", adaptive=False)
+    spec, events = run(engine, max_tokens=48)
+    engine.update_speculation(SpecOptions(enabled=False))
+    plain, _ = run(engine, max_tokens=48)
+    assert spec.tokens == plain.tokens and spec.text == plain.text
+    assert [e.token for e in events] == spec.tokens
+    assert "".join(e.text for e in events) == spec.text
+    assert spec.spec.num_accepted_tokens > 0 and plain.speculator is None
+    assert spec.governor.startswith("governor plain=")
+
+
+def test_stop_string_spanning_tokens_truncates_text_and_says_stop(model_path, registry):
+    engine = api.load(model_path, registry=registry, spec_type="echo", adaptive=False)
+    full, _ = run(engine, max_tokens=40, ignore_eos=True)
+    start = next(i for i in range(len(full.text) - 3) if "\ufffd" not in full.text[i:i + 3] and i > 2)
+    stop = full.text[start:start + 3]  # three characters: more than one byte-level token
+    got, events = run(engine, max_tokens=40, stop=[stop], ignore_eos=True)
+    assert got.finish_reason == "stop"
+    assert got.text == full.text[:full.text.find(stop)]
+    assert "".join(e.text for e in events) == got.text
+    assert got.tokens == full.tokens[:len(got.tokens)] and len(got.tokens) < 40
+
+
+def test_max_tokens_and_usage(model_path, registry):
+    engine = api.load(model_path, registry=registry, spec_type="echo", adaptive=False)
+    got, events = run(engine, max_tokens=7, ignore_eos=True)
+    assert len(got.tokens) == len(events) == 7 and got.finish_reason == "length"
+
+
+def test_prompt_longer_than_the_context_is_refused(model_path, registry):
+    engine = api.load(model_path, registry=registry, context_length=32)
+    with pytest.raises(ContextOverflow, match="shorten the prompt"):
+        engine.generate("x" * 40)
+
+
+def test_generation_stops_at_a_full_context(model_path, registry):
+    engine = api.load(model_path, registry=registry, context_length=64, spec_type="echo", adaptive=False)
+    ids = engine.encode(PROMPT)
+    got, _ = run(engine, max_tokens=500, ignore_eos=True)
+    assert got.finish_reason == "length" and len(ids) + len(got.tokens) == 64
+
+
+def test_second_turn_reuses_the_prefix_and_matches_a_fresh_engine(model_path, registry):
+    engine = api.load(model_path, registry=registry, spec_type="echo", adaptive=False)
+    first, _ = run(engine, max_tokens=16, ignore_eos=True)
+    second_prompt = engine.encode(PROMPT) + first.tokens + engine.encode(" and the dog")
+    second, _ = run(engine, second_prompt, max_tokens=16, ignore_eos=True)
+    assert second.reused_prefix_tokens == len(engine.encode(PROMPT)) + len(first.tokens) - 1
+    fresh = api.load(model_path, registry=registry, spec=SpecOptions(enabled=False))
+    expected, _ = run(fresh, second_prompt, max_tokens=16, ignore_eos=True)
+    assert second.tokens == expected.tokens
+    assert second.spec.num_spec_steps > 0  # echo declares can_arm_after_prefix_reuse
+
+
+def test_seeded_sampling_is_identical_with_and_without_speculation(model_path, registry):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, frequency_penalty=0.3)
+    engine = api.load(model_path, registry=registry, spec_type="echo", adaptive=False)
+    spec, _ = run(engine, max_tokens=40, sampling=params, ignore_eos=True)
+    engine.update_speculation(SpecOptions(enabled=False))
+    plain, _ = run(engine, max_tokens=40, sampling=params, ignore_eos=True)
+    assert spec.tokens == plain.tokens
+
+
+def test_explicit_type_that_cannot_serve_is_an_error(model_path, registry):
+    with pytest.raises(SpeculationUnavailable, match="draft head"):
+        api.load(model_path, registry=registry, spec_type="toy-block")
+
+
+def test_block_head_from_a_draft_file_with_drafter_requested_taps(model_path, registry, tmp_path):
+    drafter = toy_plugin.write_block_drafter(tmp_path / "drafter.gguf", vocab_size=110)
+    engine = api.load(model_path, registry=registry, spec_type="block", draft_model=drafter, adaptive=False)
+    assert engine.choice.name == "toy-block"
+    spec, _ = run(engine, max_tokens=32, ignore_eos=True)
+    head = engine.speculator.head
+    assert head.h_shapes == {(2 * 16,)}  # the taps it asked for, [F = 2·D]
+    assert head.num_caught_up >= len(engine.encode(PROMPT))
+    engine.update_speculation(SpecOptions(enabled=False))
+    plain, _ = run(engine, max_tokens=32, ignore_eos=True)
+    assert spec.tokens == plain.tokens
+
+
+def test_drafter_bound_to_another_trunk_is_refused(model_path, registry, tmp_path):
+    drafter = toy_plugin.write_block_drafter(tmp_path / "drafter.gguf", vocab_size=111)
+    with pytest.raises(toy_plugin.DrafterMismatch, match="111 != trunk vocabulary 110"):
+        api.load(model_path, registry=registry, spec_type="block", draft_model=drafter)
+
+
+def test_spec_options_validate_ranges():
+    with pytest.raises(ValueError, match="--spec-draft 0"):
+        SpecOptions(draft_window=0)
+    with pytest.raises(ValueError, match="--spec-pmin 1.5"):
+        SpecOptions(min_draft_prob=1.5)
