@@ -212,7 +212,7 @@ class Sampler:
         """
         if logits.shape != (self.vocab_size,):
             raise InvalidLogits(pos, f"shape {tuple(logits.shape)}, expected ({self.vocab_size},)")
-        x = self._penalised(logits.float() / (1.0 if self.params.is_greedy else self.params.temperature)) * (1.0 if self.params.is_greedy else self.params.temperature)
+        x = self._penalised(logits.float())  # fp32 [V]
         if self.params.is_greedy:
             return self._draw_greedy(x, pos)
         ids, kept, top = self._filtered(x / self.params.temperature, pos)  # [m] | None, fp32 [m]
