@@ -169,3 +169,21 @@ def test_spec_options_validate_ranges():
         SpecOptions(draft_window=0)
     with pytest.raises(ValueError, match="--spec-pmin 1.5"):
         SpecOptions(min_draft_prob=1.5)
+
+
+def test_bench_compares_plain_and_speculative_on_every_scenario(model_path, registry):
+    from verispec.bench import compare, format_table, load_scenarios
+
+    scenarios = load_scenarios()
+    assert {"prose", "quote-code", "quote-text", "echo-own", "json-edit", "one-word"} <= {s["name"] for s in scenarios}
+    engine = api.load(model_path, registry=registry, spec_type="echo", adaptive=False)
+    single = next(s for s in scenarios if "prompt" in s)
+    multi = next(s for s in scenarios if s.get("turns"))
+    rows = [compare(engine, {**s, "max_new_tokens": 12}, SpecOptions(spec_type="echo", adaptive=False))
+            for s in (single, multi)]
+    for row, turns in zip(rows, (1, len(multi["turns"]))):
+        assert row["identical"] is True and row["new_tokens"] == 12 * turns
+        assert row["plain_decode_tps"] > 0 and row["spec_decode_tps"] > 0
+    assert "identical" in format_table(rows)
+    with pytest.raises(ValueError, match="unknown scenario"):
+        load_scenarios(["nope"])

@@ -15,7 +15,6 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-
 from verispec.sampling import Draw, InvalidLogits, Sampler, SamplingParams, keyed_uniform, mix64
 
 # Ids deliberately out of probability order, so an id-order / rank-order mix-up shows.
@@ -116,7 +115,7 @@ def test_keyed_uniform_is_uniform_and_independent():
     assert all(0.0 <= x < 1.0 for x in u)
     assert chi_square_pvalue(counts([int(x * 64) for x in u[:n]], 64), [n / 64] * 64) > P_MIN
     # consecutive positions, and the same position under neighbouring seeds, are independent
-    pairs = [int(a * 8) * 8 + int(b * 8) for a, b in zip(u[:n], u[1:])]
+    pairs = [int(a * 8) * 8 + int(b * 8) for a, b in itertools.pairwise(u)]
     assert chi_square_pvalue(counts(pairs, 64), [n / 64] * 64) > P_MIN
     other = [int(u[pos] * 8) * 8 + int(keyed_uniform(8, pos) * 8) for pos in range(20_000)]
     assert chi_square_pvalue(counts(other, 64), [20_000 / 64] * 64) > P_MIN
@@ -303,8 +302,8 @@ def test_every_accepted_token_counts():
     assert sampler.sample(logits, 0) == 2
     sampler.accept(2)
     assert sampler.sample(logits, 1) == 2  # 3.0 - 1.5 = 1.5 still leads 1.0
-    sampler.accept(2)
-    assert sampler.sample(logits, 2) == 3  # 3.0 - 3.0 = 0.0 now trails 1.0
+    sampler.accept(torch.tensor(2))  # a 0-d tensor from the loop counts the same
+    assert sampler.sample(logits, torch.tensor(2)) == 3  # 3.0 - 3.0 = 0.0 now trails 1.0
 
 
 def test_penalty_after_accept_changes_seeded_draws():

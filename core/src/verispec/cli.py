@@ -87,7 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compare", choices=["transformers"], help="also run a peer system side by side")
     _add_model_args(bench)
     _add_spec_args(bench)
-    bench.add_argument("--max-tokens", type=_ranged(int, 1, 1 << 16, "--max-tokens"), default=128)
+    bench.add_argument("--max-tokens", type=_ranged(int, 1, 1 << 16, "--max-tokens"),
+                       help="new tokens per turn (default: each scenario's own)")
+    bench.add_argument("--repeats", type=_ranged(int, 1, 100, "--repeats"), default=1,
+                       help="plain/spec pairs per scenario; speeds are medians")
 
     cache = sub.add_parser("cache", help="show or clear assembled checkpoints and converted weights")
     cache.add_argument("--clear", action="store_true")

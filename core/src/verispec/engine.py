@@ -122,6 +122,11 @@ class InferenceEngine:
         spec = self.registry.draft_file_for_architecture(read_architecture(path))
         return resolve(spec.loader)(path, self.target)
 
+    def reset_cache(self) -> None:
+        """Forget the cached prefix: the next request prefills from an empty cache."""
+        self.target.spec_rewind_cache(0)
+        self._cached = []
+
     def governor(self) -> tuple[SpeculationCostGovernor, DraftWindow]:
         """One governor and draft-window model per (model, drafter, backend), shared by every request."""
         key = (id(self.target), self.speculator.name, self.spec.adaptive, self.draft_window, "linear")

@@ -31,6 +31,7 @@ returns for a greedy request).
 from __future__ import annotations
 
 import math
+import operator
 import secrets
 from collections.abc import Sequence
 
@@ -62,7 +63,7 @@ def keyed_uniform(seed: int, pos: int) -> float:
     (pre-mixing the seed decorrelates nearby seeds); its top 53 bits make a float64 multiple
     of 2^-53. Pure integer arithmetic: no RNG state, same value in any process or call order.
     """
-    state = (mix64(seed) + (pos + 1) * _GOLDEN_GAMMA) & _MASK64
+    state = (mix64(operator.index(seed)) + (operator.index(pos) + 1) * _GOLDEN_GAMMA) & _MASK64
     return (mix64(state) >> 11) * 2.0**-53
 
 
@@ -189,6 +190,7 @@ class Sampler:
 
     def accept(self, token: int) -> None:
         """Record an emitted token: it now counts for every penalty of later draws."""
+        token = operator.index(token)  # an int, or a 0-d integer tensor
         if not 0 <= token < self.vocab_size:
             raise ValueError(f"accept({token!r}): token ids lie in [0, {self.vocab_size})")
         count = self._output_counts.get(token, 0) + 1
@@ -213,7 +215,7 @@ class Sampler:
         if logits.shape != (self.vocab_size,):
             raise InvalidLogits(pos, f"shape {tuple(logits.shape)}, expected ({self.vocab_size},)")
         x = self._penalised(logits.float())  # fp32 [V]
-        if self.params.is_greedy:
+        if self.params.is_greedy:  # every filter keeps the argmax, so greedy skips them
             return self._draw_greedy(x, pos)
         ids, kept, top = self._filtered(x / self.params.temperature, pos)  # [m] | None, fp32 [m]
         shifted = kept.double() - top  # float64 [m], max 0

@@ -1,0 +1,141 @@
+"""`verispec bench`: plain vs speculative decoding on named scenarios, side by side in one process.
+
+Per scenario, greedy, stop tokens ignored so both runs decode the same number of tokens:
+the cache is emptied, a plain run decodes, the cache is emptied again, a speculative run
+decodes; `identical` compares the two token streams (our own plain greedy, same process,
+same dtype). Speeds are ratios from the same run, never absolute claims. Multi-turn
+scenarios send each turn after the model's previous answer, so the second turn reuses the
+cached prefix as a chat would. Chat models (a GGUF with a chat template) get each prompt
+rendered through it.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from importlib import resources
+
+import attrs
+
+from verispec.engine import SpecOptions
+
+COLUMNS = ("prompt_tokens", "new_tokens", "ttft_ms", "plain_decode_tps", "spec_decode_tps", "speedup",
+           "drafted", "accepted", "identical", "governor")
+
+
+def load_scenarios(names=None) -> list[dict]:
+    """The bundled scenarios (verispec/scenarios/*.json), all or those named; unknown names are an error."""
+    folder = resources.files("verispec") / "scenarios"
+    scenarios = {s["name"]: s for s in (json.loads(p.read_text()) for p in folder.iterdir() if p.name.endswith(".json"))}
+    if names:
+        unknown = sorted(set(names) - set(scenarios))
+        if unknown:
+            raise ValueError(f"unknown scenario(s) {unknown}; choose from {sorted(scenarios)}")
+        return [scenarios[n] for n in names]
+    return [scenarios[n] for n in sorted(scenarios)]
+
+
+@attrs.define
+class RunStats:
+    tokens: list[int]
+    prompt_tokens: int
+    ttft_ms: float
+    decode_s: float
+    drafted: int
+    accepted: int
+    governor: str | None
+
+    @property
+    def decode_tps(self) -> float:
+        return (len(self.tokens) - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def run_scenario(engine, scenario: dict) -> RunStats:
+    """Decode a scenario from an empty cache; multi-turn answers feed the next turn."""
+    engine.reset_cache()
+    chat = engine.tokenizer.chat_template is not None
+    turns = scenario.get("turns") or [scenario["prompt"]]
+    messages, text, tokens = [], "", []
+    stats = RunStats([], 0, 0.0, 0.0, 0, 0, None)
+    for i, turn in enumerate(turns):
+        if chat:
+            messages.append({"role": "user", "content": turn})
+            prompt = messages
+        else:
+            text += turn
+            prompt = text
+        generation = engine.generate(prompt, max_tokens=scenario["max_new_tokens"], ignore_eos=True)
+        for _ in generation:
+            pass
+        r = generation.result
+        if chat:
+            messages.append({"role": "assistant", "content": r.text})
+        else:
+            text += r.text
+        tokens += r.tokens
+        if i == 0:
+            stats.prompt_tokens, stats.ttft_ms = r.prompt_tokens, r.ttft_ms
+        if r.decode_tokens_per_s:
+            stats.decode_s += (len(r.tokens) - 1) / r.decode_tokens_per_s
+        stats.drafted += r.spec.num_draft_tokens
+        stats.accepted += r.spec.num_accepted_tokens
+        stats.governor = r.governor
+    stats.tokens = tokens
+    return stats
+
+
+def compare(engine, scenario: dict, spec: SpecOptions, repeats: int = 1) -> dict:
+    """One row of the bench: plain then speculative, `repeats` times, medians of speeds."""
+    plain_runs, spec_runs = [], []
+    for _ in range(repeats):
+        engine.update_speculation(SpecOptions(enabled=False))
+        plain_runs.append(run_scenario(engine, scenario))
+        engine.update_speculation(spec)
+        spec_runs.append(run_scenario(engine, scenario))
+    plain, fast = plain_runs[0], spec_runs[-1]
+    plain_tps = statistics.median(r.decode_tps for r in plain_runs)
+    spec_tps = statistics.median(r.decode_tps for r in spec_runs)
+    return {
+        "scenario": scenario["name"], "kind": scenario["kind"], "prompt_tokens": plain.prompt_tokens,
+        "new_tokens": len(fast.tokens), "ttft_ms": round(statistics.median(r.ttft_ms for r in spec_runs), 1),
+        "plain_decode_tps": round(plain_tps, 2), "spec_decode_tps": round(spec_tps, 2),
+        "speedup": round(spec_tps / plain_tps, 3) if plain_tps else None,
+        "drafted": fast.drafted, "accepted": fast.accepted,
+        "identical": all(r.tokens == plain.tokens for r in plain_runs + spec_runs),
+        "governor": fast.governor,
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ("scenario", "prompt", "new", "ttft ms", "plain tok/s", "spec tok/s", "speedup", "drafted",
+              "accepted", "identical")
+    lines = [" | ".join(header)]
+    for r in rows:
+        lines.append(" | ".join(str(x) for x in (
+            r["scenario"], r["prompt_tokens"], r["new_tokens"], r["ttft_ms"], r["plain_decode_tps"],
+            r["spec_decode_tps"], r["speedup"], r["drafted"], r["accepted"], r["identical"])))
+    lines += [f"{r['scenario']}: {r['governor']}" for r in rows if r["governor"]]
+    return "\n".join(lines)
+
+
+def run_bench(args) -> int:
+    """CLI entry: load once, warm up, compare every scenario, print a table or JSON."""
+    from verispec.api import load
+    from verispec.cli import spec_options
+
+    spec = spec_options(args)
+    scenarios = load_scenarios(args.scenario)
+    engine = load(args.model, dtype=args.dtype, threads=args.threads, context_length=args.context_length, spec=spec)
+    warm = {"name": "warm-up", "kind": "short", "max_new_tokens": 8, "prompt": "Warm up."}
+    compare(engine, warm, spec)
+    rows = []
+    for scenario in scenarios:
+        if args.max_tokens:
+            scenario = {**scenario, "max_new_tokens": args.max_tokens}
+        rows.append(compare(engine, scenario, spec, repeats=args.repeats))
+        if not args.json:
+            print(format_table(rows[-1:]).splitlines()[1], flush=True)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(format_table(rows))
+    return 0 if all(r["identical"] for r in rows) else 3

@@ -1,0 +1,241 @@
+"""Gemma 3 text trunk (math only; `loader.py` does the file I/O).
+
+References: transformers 5.24 `models/gemma3/modeling_gemma3.py` (Gemma3TextModel,
+Gemma3ForCausalLM) and llama.cpp's gemma3 graph; the forward is reference/gemma4.md §3.2.
+
+Shape legend: n rows in a forward, D hidden size, H / Hkv query / KV heads, Dh head dim,
+F MLP width, V vocabulary, L layers.
+
+Per layer (pre + post norms around both blocks):
+    x = x + post_attention_layernorm(attn(input_layernorm(x)))
+    x = x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))
+Attention: QK-norm, RoPE (local base 1e4 on sliding layers, global base + optional linear
+scaling on full layers), scale query_pre_attn_scalar^-0.5, sliding window 0 <= q-k < W on
+5 of every 6 layers. MLP: GeGLU (gelu-tanh). Tied embeddings scaled by sqrt(D); optional
+final logit softcap. Norm weights are used as stored: gemma3 GGUFs hold 1 + w already.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from verispec.nn.attention import attend
+from verispec.nn.kv_cache import LinearKVCache, ModelKVCache, RingKVCache
+from verispec.nn.mlp import GatedMLP
+from verispec.nn.norm import RMSNorm
+from verispec.nn.quant import swap_linears
+from verispec.nn.rope import RotaryEmbedding, linear_scaling
+from verispec.nn.trunk import KVTrunk
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@attrs.frozen
+class Gemma3Config:
+    vocab_size: int
+    hidden_size: int  # D
+    intermediate_size: int  # F
+    num_hidden_layers: int  # L
+    num_attention_heads: int  # H
+    num_key_value_heads: int  # Hkv
+    head_dim: int  # Dh
+    #: per layer: "sliding_attention" | "full_attention".
+    layer_types: tuple[str, ...] = attrs.field(converter=tuple)
+    #: window W of sliding layers (positions visible, the query's own included).
+    sliding_window: int = 512
+    rms_norm_eps: float = 1e-6
+    #: RoPE base of full layers (GGUF rope.freq_base) and of sliding layers (llama.cpp hard-codes 1e4).
+    rope_theta: float = 1_000_000.0
+    rope_local_base_freq: float = 10_000.0
+    #: linear RoPE scaling of full layers only (4B/12B/27B: 8); None = off.
+    rope_scaling_factor: float | None = None
+    #: attention scale = query_pre_attn_scalar^-0.5; head_dim except the 27B (D / H).
+    query_pre_attn_scalar: float = 256.0
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    max_position_embeddings: int = 32768
+
+    @classmethod
+    def from_gguf_metadata(cls, md: Mapping[str, Any], *, vocab_size: int) -> Gemma3Config:
+        """Config from GGUF metadata (`{arch}.` keys), with llama.cpp's gemma3 defaults for what
+        the file omits (reference/gemma4.md §2.1). `vocab_size` comes from token_embd's rows."""
+        arch = md["general.architecture"]
+
+        def key(suffix, default=...):
+            name = f"{arch}.{suffix}"
+            if name in md:
+                return md[name]
+            if default is ...:
+                raise KeyError(name)
+            return default
+
+        num_layers = int(key("block_count"))
+        hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+        head_dim = int(key("attention.key_length", hidden // heads))
+        window = int(key("attention.sliding_window", 0) or 0)
+        pattern = key("attention.sliding_window_pattern", 6)
+        if not window:
+            layer_types = [FULL] * num_layers  # non-SWA derivatives
+        elif isinstance(pattern, (int, float)):
+            layer_types = [SLIDING if (i + 1) % int(pattern) else FULL for i in range(num_layers)]
+        else:  # newer converters: a bool per layer, true = sliding
+            layer_types = [SLIDING if bool(p) else FULL for p in pattern]
+        scaling = None
+        if key("rope.scaling.type", None) == "linear":
+            scaling = float(key("rope.scaling.factor"))
+        return cls(
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(key("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            layer_types=layer_types,
+            sliding_window=window or 512,
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(key("rope.freq_base", 1_000_000.0)),
+            rope_local_base_freq=float(key("rope.freq_base_swa", 10_000.0)),
+            rope_scaling_factor=scaling,
+            # llama.cpp: the 27B (62 layers) scales by (D/H)^-0.5, every other size by Dh^-0.5
+            query_pre_attn_scalar=float(hidden // heads if num_layers == 62 else head_dim),
+            final_logit_softcapping=key("final_logit_softcapping", None) or None,
+            attn_logit_softcapping=key("attn_logit_softcapping", None) or None,
+            max_position_embeddings=int(key("context_length", 32768)),
+        )
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: Gemma3Config, layer_idx: int, device=None):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.is_sliding = c.layer_types[layer_idx] == SLIDING
+        self.sliding_window = c.sliding_window if self.is_sliding else None
+        self.scaling = c.query_pre_attn_scalar ** -0.5
+        self.softcap = c.attn_logit_softcapping
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False, device=device)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False, device=device)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False, device=device)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False, device=device)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, start_pos: int, cache, rope: RotaryEmbedding,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [n, H, Dh]
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, Dh]
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, Dh]
+        q = rope(self.q_norm(q), cos, sin)
+        k = rope(self.k_norm(k), cos, sin)
+        cache.write(start_pos, k, v)
+        out = attend(q, cache, start_pos, scaling=self.scaling, sliding_window=self.sliding_window,
+                     softcap=self.softcap)  # [n, H, Dh]
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))  # [n, D]
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: Gemma3Config, layer_idx: int, device=None):
+        super().__init__()
+        c = config
+        self.is_sliding = c.layer_types[layer_idx] == SLIDING
+        self.self_attn = Gemma3Attention(c, layer_idx, device)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, "gelu_tanh", device=device)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.pre_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, start_pos, cache, rope, cos, sin):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), start_pos, cache, rope, cos, sin))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3TextModel(nn.Module):
+    """embed_tokens (also the tied LM head), layers, final norm — HF's submodule names."""
+
+    def __init__(self, config: Gemma3Config, device=None):
+        super().__init__()
+        c = config
+        self.embed_tokens = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device=device)  # weight [V, D]
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(c, i, device) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary_local = RotaryEmbedding.default(c.head_dim, c.rope_local_base_freq)
+        scaling = linear_scaling(c.rope_scaling_factor) if c.rope_scaling_factor else None
+        self.rotary_global = RotaryEmbedding.default(c.head_dim, c.rope_theta, scaling=scaling)
+        # x0 = E[ids] · sqrt(D) in fp32. HF rounds sqrt(D) to the weight dtype first
+        # (Gemma3TextScaledWordEmbedding: 25.25 instead of 25.298 in bf16); we keep fp32, as llama.cpp.
+        self.embed_scale = math.sqrt(c.hidden_size)
+
+
+class Gemma3ForCausalLM(KVTrunk):
+    """The Gemma 3 trunk: a `SpeculativeTarget` (see verispec.nn.trunk.KVTrunk for the seam).
+
+    dtype: weight dtype ("float32" | "bfloat16" | "int8", see verispec.nn.quant).
+    max_rows_per_forward: longer inputs are split into chunks this long; the sliding-window
+      rings hold window + max_rows_per_forward - 1 slots, so any verify of at most this many
+      rows rolls back by rewinding. At most 32 keeps bf16 batch-invariant (nn.quant).
+    key_block: attention key-length granularity (nn.kv_cache).
+    context_length: max positions (default: the GGUF's context_length).
+    Built on the meta device; `load_state_dict(state, assign=True)` fills the weights.
+    """
+
+    # Measured on the real 270M, int8, 2 threads (see models/gemma4/README / report): a k-row
+    # verify costs ~1.0x one row at k=2 and rises steeply past 4 rows, so short windows win.
+    spec_preferred_draft_window = 4
+
+    def __init__(self, config: Gemma3Config, *, dtype: str = "int8", max_rows_per_forward: int = 16,
+                 key_block: int = 64, context_length: int | None = None, device="meta"):
+        super().__init__()
+        c = self.config = config
+        self.dtype = dtype
+        self.vocab_size, self.hidden_size, self.num_layers = c.vocab_size, c.hidden_size, c.num_hidden_layers
+        self.max_context_length = int(context_length or c.max_position_embeddings)
+        self.max_rows_per_forward = max_rows_per_forward
+        self.model = Gemma3TextModel(c, device)
+        swap_linears(self, dtype)
+        self.kv_cache = ModelKVCache([self._make_cache(layer, key_block) for layer in self.model.layers])
+
+    def _make_cache(self, layer: Gemma3DecoderLayer, key_block: int):
+        c = self.config
+        if layer.is_sliding:
+            return RingKVCache(c.num_key_value_heads, c.head_dim, window=c.sliding_window,
+                               max_rows=self.max_rows_per_forward, key_block=key_block)
+        return LinearKVCache(c.num_key_value_heads, c.head_dim, key_block=key_block,
+                             max_positions=self.max_context_length)
+
+    @property
+    def lm_head(self):
+        return self.model.embed_tokens  # tied (gemma3 GGUFs carry no output.weight)
+
+    def _forward_chunk(self, tokens, start_pos, *, logit_rows, hidden):
+        m = self.model
+        n = tokens.numel()
+        positions = torch.arange(start_pos, start_pos + n)
+        x = m.embed_tokens.rows(tokens) * m.embed_scale  # [n, D] fp32
+        cos_sin = {SLIDING: m.rotary_local.cos_sin(positions), FULL: m.rotary_global.cos_sin(positions)}
+        taps = {}  # layer index -> residual rows entering it [n, D]
+        for i, layer in enumerate(m.layers):
+            taps[i] = x
+            rope = m.rotary_local if layer.is_sliding else m.rotary_global
+            cos, sin = cos_sin[SLIDING if layer.is_sliding else FULL]
+            x = layer(x, start_pos, self.kv_cache[i], rope, cos, sin)
+        taps[self.num_layers] = x
+        normed = m.norm(x)  # [n, D]
+        logits = None
+        if logit_rows is not None:
+            logits = self.lm_head(normed if logit_rows == "all" else normed[-1:])  # [n | 1, V]
+            if self.config.final_logit_softcapping:
+                cap = self.config.final_logit_softcapping
+                logits = torch.tanh(logits / cap) * cap
+        if not hidden:
+            return logits, None
+        if self.hidden_tap_layers is None:
+            return logits, normed
+        return logits, torch.cat([taps[i] for i in self.hidden_tap_layers], dim=-1)  # [n, D·taps]
