@@ -176,7 +176,7 @@ def test_bench_compares_plain_and_speculative_on_every_scenario(model_path, regi
 
     scenarios = load_scenarios()
     assert {"prose", "quote-code", "quote-text", "echo-own", "json-edit", "one-word"} <= {s["name"] for s in scenarios}
-    engine = api.load(model_path, registry=registry, spec_type="echo", adaptive=False)
+    engine = api.load(model_path, registry=registry, spec_type="echo", adaptive=False, context_length=4096)
     single = next(s for s in scenarios if "prompt" in s)
     multi = next(s for s in scenarios if s.get("turns"))
     rows = [compare(engine, {**s, "max_new_tokens": 12}, SpecOptions(spec_type="echo", adaptive=False))

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
+#: other spellings accepted for the same dtypes (the CLI's --dtype uses the short ones).
+DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "i8": "int8"}
 
 _ROW_CHUNK = 16384  # rows quantised at a time: bounds the fp32 temporaries
 
@@ -33,7 +35,16 @@ _ROW_CHUNK = 16384  # rows quantised at a time: bounds the fp32 temporaries
 class UnknownWeightDtype(ValueError):
     def __init__(self, dtype: object):
         self.dtype = dtype
-        super().__init__(f"weight dtype {dtype!r} is not offered; choose one of {', '.join(WEIGHT_DTYPES)}")
+        super().__init__(f"weight dtype {dtype!r} is not offered; choose one of {', '.join(WEIGHT_DTYPES)} "
+                         f"(or {', '.join(DTYPE_ALIASES)})")
+
+
+def canonical_dtype(dtype: str) -> str:
+    """"bf16" -> "bfloat16", "fp32" -> "float32"; raises UnknownWeightDtype."""
+    name = DTYPE_ALIASES.get(dtype, dtype)
+    if name not in WEIGHT_DTYPES:
+        raise UnknownWeightDtype(dtype)
+    return name
 
 
 class Float32Linear(nn.Module):
@@ -116,10 +127,7 @@ LINEAR_CLASSES: dict[str, type[Float32Linear]] = {
 
 def linear_class(dtype: str) -> type[Float32Linear]:
     """The linear module class for a weight dtype name; raises UnknownWeightDtype."""
-    try:
-        return LINEAR_CLASSES[dtype]
-    except (KeyError, TypeError):
-        raise UnknownWeightDtype(dtype) from None
+    return LINEAR_CLASSES[canonical_dtype(dtype)]
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
