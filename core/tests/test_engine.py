@@ -187,3 +187,14 @@ def test_bench_compares_plain_and_speculative_on_every_scenario(model_path, regi
     assert "identical" in format_table(rows)
     with pytest.raises(ValueError, match="unknown scenario"):
         load_scenarios(["nope"])
+
+
+def test_recurrent_trunk_starts_afresh_instead_of_reusing_a_prefix(tmp_path, registry):
+    path = write_toy_gguf(tmp_path / "rec.gguf", vocab_size=110, recurrent=True, seed=3)
+    engine = api.load(path, registry=registry, spec_type="echo", adaptive=False)
+    first, _ = run(engine, max_tokens=8, ignore_eos=True)
+    second_prompt = engine.encode(PROMPT) + first.tokens
+    second, _ = run(engine, second_prompt, max_tokens=8, ignore_eos=True)
+    assert second.reused_prefix_tokens == 0
+    fresh = api.load(path, registry=registry, spec=SpecOptions(enabled=False))
+    assert second.tokens == run(fresh, second_prompt, max_tokens=8, ignore_eos=True)[0].tokens

@@ -209,3 +209,36 @@ def load_toy_gguf(path, *, dtype=None, context_length=None) -> ToyTarget:
                        max_context_length=context_length or gguf.require("toy.context_length"))
     target.tokenizer = Tokenizer.from_gguf(gguf, use_cache=False)
     return target
+
+
+class ToyBatchedTarget:
+    """BatchedSpeculativeTarget over B slots, each its own ToyTarget state (same weights).
+
+    The toy has no paged cache; it exists so `BatchedSpecTrunk` and the batched seam are
+    exercised before a real model ships one.
+    """
+
+    spec_batch_invariant = True
+    spec_verify_persists_accepted_kv = True
+
+    def __init__(self, num_slots: int, **toy_kwargs):
+        self.slots = [ToyTarget(**toy_kwargs) for _ in range(num_slots)]
+        first = self.slots[0]
+        self.max_context_length, self.vocab_size = first.max_context_length, first.vocab_size
+        self.spec_feature_size = first.spec_feature_size
+        self.spec_has_recurrent_state = first.spec_has_recurrent_state
+
+    def spec_slot_seq_len(self, slot):
+        return self.slots[slot].cache_seq_len
+
+    def spec_forward_batch(self, slots, tokens, *, hidden, all_logits):
+        return [self.slots[s].spec_forward(t, hidden=hidden, all_logits=all_logits) for s, t in zip(slots, tokens)]
+
+    def spec_rewind_slot(self, slot, length):
+        self.slots[slot].spec_rewind_cache(length)
+
+    def spec_snapshot_slot(self, slot):
+        self.slots[slot].spec_snapshot_recurrent_state()
+
+    def spec_restore_slot(self, slot):
+        self.slots[slot].spec_restore_recurrent_state()

@@ -59,11 +59,15 @@ class Gemma3Config:
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
     max_position_embeddings: int = 32768
+    #: the LM head is the embedding table (every gemma3 GGUF: no output.weight).
+    tie_word_embeddings: bool = True
 
     @classmethod
-    def from_gguf_metadata(cls, md: Mapping[str, Any], *, vocab_size: int) -> Gemma3Config:
+    def from_gguf_metadata(cls, md: Mapping[str, Any], *, vocab_size: int,
+                           tie_word_embeddings: bool = True) -> Gemma3Config:
         """Config from GGUF metadata (`{arch}.` keys), with llama.cpp's gemma3 defaults for what
-        the file omits (reference/gemma4.md §2.1). `vocab_size` comes from token_embd's rows."""
+        the file omits (reference/gemma4.md §2.1). `vocab_size` comes from token_embd's rows,
+        `tie_word_embeddings` from whether the file has output.weight."""
         arch = md["general.architecture"]
 
         def key(suffix, default=...):
@@ -107,6 +111,7 @@ class Gemma3Config:
             final_logit_softcapping=key("final_logit_softcapping", None) or None,
             attn_logit_softcapping=key("attn_logit_softcapping", None) or None,
             max_position_embeddings=int(key("context_length", 32768)),
+            tie_word_embeddings=tie_word_embeddings,
         )
 
 
@@ -199,6 +204,8 @@ class Gemma3ForCausalLM(KVTrunk):
         self.max_context_length = int(context_length or c.max_position_embeddings)
         self.max_rows_per_forward = max_rows_per_forward
         self.model = Gemma3TextModel(c, device)
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False,
+                                                                    device=device)
         swap_linears(self, dtype)
         self.kv_cache = ModelKVCache([self._make_cache(layer, key_block) for layer in self.model.layers])
 
@@ -209,10 +216,6 @@ class Gemma3ForCausalLM(KVTrunk):
                                max_rows=self.max_rows_per_forward, key_block=key_block)
         return LinearKVCache(c.num_key_value_heads, c.head_dim, key_block=key_block,
                              max_positions=self.max_context_length)
-
-    @property
-    def lm_head(self):
-        return self.model.embed_tokens  # tied (gemma3 GGUFs carry no output.weight)
 
     def _forward_chunk(self, tokens, start_pos, *, logit_rows, hidden):
         m = self.model
@@ -230,7 +233,8 @@ class Gemma3ForCausalLM(KVTrunk):
         normed = m.norm(x)  # [n, D]
         logits = None
         if logit_rows is not None:
-            logits = self.lm_head(normed if logit_rows == "all" else normed[-1:])  # [n | 1, V]
+            head = self.model.embed_tokens if self.lm_head is None else self.lm_head  # tied unless output.weight
+            logits = head(normed if logit_rows == "all" else normed[-1:])  # [n | 1, V]
             if self.config.final_logit_softcapping:
                 cap = self.config.final_logit_softcapping
                 logits = torch.tanh(logits / cap) * cap
