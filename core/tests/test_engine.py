@@ -189,12 +189,17 @@ def test_bench_compares_plain_and_speculative_on_every_scenario(model_path, regi
         load_scenarios(["nope"])
 
 
-def test_recurrent_trunk_starts_afresh_instead_of_reusing_a_prefix(tmp_path, registry):
+def test_recurrent_trunk_reuses_only_an_exact_continuation(tmp_path, registry):
     path = write_toy_gguf(tmp_path / "rec.gguf", vocab_size=110, recurrent=True, seed=3)
     engine = api.load(path, registry=registry, spec_type="echo", adaptive=False)
-    first, _ = run(engine, max_tokens=8, ignore_eos=True)
-    second_prompt = engine.encode(PROMPT) + first.tokens
-    second, _ = run(engine, second_prompt, max_tokens=8, ignore_eos=True)
-    assert second.reused_prefix_tokens == 0
     fresh = api.load(path, registry=registry, spec=SpecOptions(enabled=False))
-    assert second.tokens == run(fresh, second_prompt, max_tokens=8, ignore_eos=True)[0].tokens
+    first, _ = run(engine, max_tokens=8, ignore_eos=True)
+    prompt = engine.encode(PROMPT)
+    continuation = prompt + first.tokens  # the cache holds exactly prompt + first.tokens[:-1]
+    second, _ = run(engine, continuation, max_tokens=8, ignore_eos=True)
+    assert second.reused_prefix_tokens == len(continuation) - 1
+    assert second.tokens == run(fresh, continuation, max_tokens=8, ignore_eos=True)[0].tokens
+    diverged = prompt[:-3] + engine.encode("dog")  # would need a rewind: recurrent state cannot
+    third, _ = run(engine, diverged, max_tokens=8, ignore_eos=True)
+    assert third.reused_prefix_tokens == 0
+    assert third.tokens == run(fresh, diverged, max_tokens=8, ignore_eos=True)[0].tokens

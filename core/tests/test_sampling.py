@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+
 from verispec.sampling import Draw, InvalidLogits, Sampler, SamplingParams, keyed_uniform, mix64
 
 # Ids deliberately out of probability order, so an id-order / rank-order mix-up shows.
