@@ -6,11 +6,13 @@ from verispec.testing import TargetConformance, ToyTarget
 
 class TestToyRecurrent(TargetConformance):
     @pytest.fixture(scope="class")
-    def target(self):
+    @classmethod
+    def target(cls):
         return ToyTarget(vocab_size=32, recurrent=True)
 
 
 class TestToyAttentionOnly(TargetConformance):
     @pytest.fixture(scope="class")
-    def target(self):
+    @classmethod
+    def target(cls):
         return ToyTarget(vocab_size=32, recurrent=False)

@@ -247,15 +247,20 @@ def test_unsupported_version(fixture_path, version, hint):
     assert e.value.version == version and hint in str(e.value)
 
 
+def _read(path):
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
 def _tensor_entry_offset(path, name):
     """Byte offset of the (n_dims, dims, type, offset) fields after `name` in the tensor table."""
-    data = open(path, "rb").read()
+    data = _read(path)
     return data.index(struct.pack("<Q", len(name)) + name.encode()) + 8 + len(name)
 
 
 def test_unknown_tensor_type(fixture_path):
     pos = _tensor_entry_offset(fixture_path, "blk.0.attn_q.weight")
-    (n_dims,) = struct.unpack_from("<I", open(fixture_path, "rb").read(), pos)
+    (n_dims,) = struct.unpack_from("<I", _read(fixture_path), pos)
     _patch(fixture_path, pos + 4 + 8 * n_dims, struct.pack("<I", 99))
     with pytest.raises(UnsupportedTensorType) as e:
         GGUFFile.open(fixture_path)
@@ -264,7 +269,7 @@ def test_unknown_tensor_type(fixture_path):
 
 def test_misaligned_tensor_offset(fixture_path):
     pos = _tensor_entry_offset(fixture_path, "blk.0.attn_norm.weight")
-    data = open(fixture_path, "rb").read()
+    data = _read(fixture_path)
     (n_dims,) = struct.unpack_from("<I", data, pos)
     off_pos = pos + 4 + 8 * n_dims + 4
     (offset,) = struct.unpack_from("<Q", data, off_pos)
@@ -273,16 +278,51 @@ def test_misaligned_tensor_offset(fixture_path):
         GGUFFile.open(fixture_path)
 
 
+def _dims_offset(path, name):
+    return _tensor_entry_offset(path, name) + 4
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("row_not_whole_blocks", "block size"),
+    ("too_many_dims", "dimensions"),
+    ("absurd_tensor_count", "claims"),
+    ("duplicate_name", "twice"),
+    ("unknown_value_type", "unknown value type"),
+    ("not_utf8", "not UTF-8"),
+])
+def test_corrupt_header(fixture_path, damage, message):
+    data = _read(fixture_path)
+    if damage == "row_not_whole_blocks":  # Q8_0 rows of 96 -> 95 values
+        _patch(fixture_path, _dims_offset(fixture_path, "blk.0.ffn_up.weight"), struct.pack("<Q", 95))
+    elif damage == "too_many_dims":
+        _patch(fixture_path, _tensor_entry_offset(fixture_path, "blk.0.ffn_up.weight"), struct.pack("<I", 9))
+    elif damage == "absurd_tensor_count":
+        _patch(fixture_path, 8, struct.pack("<Q", 2**60))
+    elif damage == "duplicate_name":  # same length, so the table layout is unchanged
+        _patch(fixture_path, data.index(b"blk.0.conv.weight"), b"token_embd.weight")
+    elif damage == "unknown_value_type":
+        key = b"general.name"
+        _patch(fixture_path, data.index(key) + len(key), struct.pack("<I", 99))
+    elif damage == "not_utf8":
+        _patch(fixture_path, data.index("ünïcode".encode()), b"\xff")
+    with pytest.raises(CorruptGGUF, match=message) as e:
+        GGUFFile.open(fixture_path)
+    assert "re-download or re-convert" in str(e.value)
+
+
+def test_alignment_must_be_a_power_of_two(tmp_path):
+    path = write_gguf(tmp_path / "a.gguf", arch=ARCH, metadata={"general.alignment": 24}, tensors={}, vocab=None)
+    with pytest.raises(CorruptGGUF, match="power of two"):
+        GGUFFile.open(path)
+
+
 def test_missing_architecture(tmp_path):
     # GGUFWriter always writes general.architecture, so drop it by writing under another key
     path = write_gguf(tmp_path / "noarch.gguf", arch=ARCH, metadata={}, tensors={}, vocab=None)
-    data = bytearray(open(path, "rb").read())
-    key = b"general.architecture"
-    data[data.index(key):data.index(key) + len(key)] = b"general.architecturY"  # same length
-    open(path, "wb").write(bytes(data))
+    _patch(path, _read(path).index(b"general.architecture"), b"general.architecturY")  # same length
     f = GGUFFile.open(path)
     with pytest.raises(MissingKey, match="general.architecture"):
-        f.architecture
+        _ = f.architecture
     with pytest.raises(MissingKey):
         read_architecture(path)
 

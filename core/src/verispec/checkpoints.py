@@ -23,8 +23,16 @@ import importlib_metadata
 
 from verispec.specs import CheckpointSpec
 
-__all__ = ["CheckpointNotInstalled", "ChecksumMismatch", "CacheEntry", "cache_dir", "assemble",
-           "locate_pieces", "list_cache", "clear_cache"]
+__all__ = [
+    "CacheEntry",
+    "CheckpointNotInstalled",
+    "ChecksumMismatch",
+    "assemble",
+    "cache_dir",
+    "clear_cache",
+    "list_cache",
+    "locate_pieces",
+]
 
 _MARKER = ".verispec-cache"  # clear_cache only empties a directory that carries this file
 _CHUNK_BYTES = 8 << 20

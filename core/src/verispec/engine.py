@@ -56,6 +56,10 @@ class TokenEvent:
     token: int
     #: text this token completes (may be "" mid-character or inside a held-back stop string).
     text: str
+    #: the token's processed logprob (verispec.sampling), when SamplingParams.logprobs is set; else None.
+    logprob: float | None = None
+    #: (token, logprob) of the SamplingParams.logprobs most likely tokens, most likely first.
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @attrs.define
@@ -257,14 +261,14 @@ class _StopState:
             cut = self._text.find(s)
             if cut >= 0:
                 self._text, self.finish_reason, stop = self._text[:cut], "stop", True
-        self._emit(token, final=stop)
+        self._emit(draw, final=stop)
         return stop
 
-    def _emit(self, token: int, *, final: bool) -> None:
+    def _emit(self, draw, *, final: bool) -> None:
         # Hold back text that could be the start of a stop string until it is decided.
         hold = 0 if final else max((len(s) - 1 for s in self.generation.stop), default=0)
         ready = max(self._sent, len(self._text) - hold)
-        self._pending.append(TokenEvent(token, self._text[self._sent:ready]))
+        self._pending.append(TokenEvent(draw.token, self._text[self._sent:ready], draw.logprob, draw.top_logprobs))
         self._sent = ready
 
     def drain(self) -> Iterator[TokenEvent]:

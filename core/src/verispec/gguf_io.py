@@ -33,9 +33,18 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "GGUFError", "NotGGUF", "TruncatedGGUF", "UnsupportedGGUFVersion", "CorruptGGUF",
-    "MissingKey", "MissingTensor", "BadTensorShape", "UnsupportedTensorType",
-    "TensorInfo", "GGUFFile", "read_architecture",
+    "BadTensorShape",
+    "CorruptGGUF",
+    "GGUFError",
+    "GGUFFile",
+    "MissingKey",
+    "MissingTensor",
+    "NotGGUF",
+    "TensorInfo",
+    "TruncatedGGUF",
+    "UnsupportedGGUFVersion",
+    "UnsupportedTensorType",
+    "read_architecture",
 ]
 
 _MAGIC = b"GGUF"
@@ -182,22 +191,28 @@ class _Cursor:
         (length,) = self.unpack(_U64, what)
         self.need(length, what)
         start, self.pos = self.pos, self.pos + length
-        return str(self.buf[start:self.pos], "utf-8")
+        try:
+            return str(self.buf[start:self.pos], "utf-8")
+        except UnicodeDecodeError:
+            raise CorruptGGUF(self.path, f"{what} at byte {start} is not UTF-8 text") from None
 
     def string_array(self, count: int, what: str) -> list[str]:
         # the hot loop of a 262k vocabulary: locals only, bounds checked once per string
         buf, pos, size, unpack_u64 = self.buf, self.pos, self.size, _U64.unpack_from
         out: list[str] = []
         append = out.append
-        for _ in range(count):
-            if pos + 8 > size:
-                raise TruncatedGGUF(self.path, pos + 8, size, what)
-            (length,) = unpack_u64(buf, pos)
-            pos += 8
-            if pos + length > size:
-                raise TruncatedGGUF(self.path, pos + length, size, what)
-            append(str(buf[pos:pos + length], "utf-8"))
-            pos += length
+        try:
+            for _ in range(count):
+                if pos + 8 > size:
+                    raise TruncatedGGUF(self.path, pos + 8, size, what)
+                (length,) = unpack_u64(buf, pos)
+                pos += 8
+                if pos + length > size:
+                    raise TruncatedGGUF(self.path, pos + length, size, what)
+                append(str(buf[pos:pos + length], "utf-8"))
+                pos += length
+        except UnicodeDecodeError:
+            raise CorruptGGUF(self.path, f"{what}, entry {len(out)} at byte {pos}, is not UTF-8 text") from None
         self.pos = pos
         return out
 

@@ -9,7 +9,8 @@ must also reset recurrent state). Optionally override `prompt` (valid token ids)
 
     class TestMyTrunk(TargetConformance):
         @pytest.fixture(scope="class")
-        def target(self):
+        @classmethod
+        def target(cls):
             return load_my_tiny_model()
 
 A speculator plugin subclasses `SpeculatorConformance` and provides `make_speculator`, a

@@ -38,7 +38,7 @@ from gguf.constants import GGMLQuantizationType, GGUFValueType, TokenType
 from gguf.gguf_writer import GGUFValue
 from gguf.quants import quantize
 
-__all__ = ["write_gguf", "byte_level_vocab", "bytes_to_unicode", "SPECIAL_TOKENS"]
+__all__ = ["SPECIAL_TOKENS", "byte_level_vocab", "bytes_to_unicode", "write_gguf"]
 
 #: the control tokens every byte-level fixture vocabulary starts with, at ids 0..3.
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")

@@ -188,14 +188,16 @@ def oracle_speculator(reference: Sequence[int], *, correct: int | None = None, v
 
 
 def write_toy_gguf(path, *, vocab_size: int = 300, dim: int = 16, recurrent: bool = True, seed: int = 0,
-                   context_length: int = 512) -> str:
+                   context_length: int = 512, chat_template: str | None = None) -> str:
     """A GGUF (architecture "toy", no tensors: weights come from `seed`) with a byte-level
-    vocabulary, so the real load path (registry → loader → tokenizer → engine) runs on it."""
-    from verispec.testing.fixture_writer import write_gguf
+    vocabulary, so the real load path (registry → loader → tokenizer → engine) runs on it.
+    chat_template: stored as `tokenizer.chat_template` (jinja2), for chat requests."""
+    from verispec.testing.fixture_writer import byte_level_vocab, write_gguf
 
     metadata = {"toy.vocab_size": vocab_size, "toy.embedding_length": dim, "toy.recurrent": recurrent,
                 "toy.seed": seed, "toy.context_length": context_length}
-    return write_gguf(path, arch="toy", metadata=metadata, tensors={}, vocab="byte-level", vocab_size=vocab_size)
+    return write_gguf(path, arch="toy", metadata=metadata, tensors={},
+                      vocab=byte_level_vocab(vocab_size, chat_template=chat_template))
 
 
 def load_toy_gguf(path, *, dtype=None, context_length=None) -> ToyTarget:

@@ -1,0 +1,320 @@
+"""Llama and Qwen2 dense trunks: GQA attention, SwiGLU MLP, RMSNorm, tied or untied LM head.
+
+Shape letters: n rows in a forward, V vocabulary, D model width, I FFN width, H / Hkv query /
+KV heads, Dh head dim, L layers, F hidden-tap width.
+
+One forward chunk, per layer (pre-norm residual, as transformers LlamaDecoderLayer):
+    h = h + o_proj(attend(rope(q_proj(norm(h)) + bq), rope(k_proj(norm(h)) + bk), v_proj(...) + bv))
+    h = h + down_proj(silu(gate_proj(norm(h))) * up_proj(norm(h)))
+then logits = lm_head(norm(h)). The two architectures differ only in data:
+- RoPE pairing follows the GGUF layout, not HF's. llama.cpp's converter permutes the rows of
+  llama's attn_q/attn_k (and their biases) so that each head's rotate-half pairs (i, i + Dh/2)
+  become adjacent (2i, 2i + 1), and llama.cpp then applies LLAMA_ROPE_TYPE_NORM; qwen2 is left
+  unpermuted and uses LLAMA_ROPE_TYPE_NEOX (ggml-org/llama.cpp: convert_hf_to_gguf.py
+  LlamaModel.permute, src/llama-model.cpp llama_model_rope_type). Attention scores are
+  invariant to the same permutation of q and k, so the output equals HF's.
+- Biases on q/k/v (qwen2 always; llama when converted with attention_bias) and on o (llama
+  with attention_bias) exist when the file has the tensors.
+- Tied embeddings: no `output.weight`, the LM head is the embedding module itself.
+
+All activations are fp32; only the linears see the weight dtype (`verispec.nn.quant`). With
+int8 or bf16 weights every op is per row, so a row inside an n-row verify is bitwise the row
+computed alone (`spec_batch_invariant`, declared by `KVTrunk` from the linears).
+Sources: transformers models/llama/modeling_llama.py, models/qwen2/modeling_qwen2.py (5.24);
+llama.cpp src/models/llama.cpp, src/models/qwen2.cpp.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import torch
+from torch import nn
+
+from verispec.gguf_io import MissingKey, MissingTensor
+from verispec.nn.attention import attend
+from verispec.nn.kv_cache import LinearKVCache, ModelKVCache
+from verispec.nn.mlp import GatedMLP
+from verispec.nn.norm import RMSNorm
+from verispec.nn.quant import linear_class, swap_linears
+from verispec.nn.rope import RotaryEmbedding, default_inv_freq, freq_factors, linear_scaling
+from verispec.nn.trunk import KVTrunk
+
+__all__ = ["LlamaConfig", "LlamaForCausalLM", "UnsupportedLlamaVariant", "ROPE_STYLES",
+           "PREFERRED_DRAFT_WINDOW"]
+
+#: GGUF general.architecture -> RoPE pairing of its q/k rows (see the module docstring).
+ROPE_STYLES = {"llama": "normal", "qwen2": "neox"}
+
+#: Default draft window per weight dtype, from the k-row verify cost measured on
+#: SmolLM2-135M (2 threads, ~450 cached positions; see README.md "Verify cost"): the largest
+#: K whose (K+1)-row verify stays under ~1.6x one row (int8), or the fp32 sweet spot.
+PREFERRED_DRAFT_WINDOW = {"int8": 4, "float32": 8, "bfloat16": 1}
+
+
+class UnsupportedLlamaVariant(ValueError):
+    """The GGUF is a llama/qwen2 file whose math this package does not implement."""
+
+    def __init__(self, source: str, what: str, fix: str):
+        self.source, self.what = source, what
+        super().__init__(f"{source}: {what}; {fix}")
+
+
+@attrs.frozen
+class LlamaConfig:
+    """The whole math of one trunk; sizes read from GGUF metadata and its tensor table."""
+
+    #: "llama" | "qwen2" (picks the RoPE pairing, ROPE_STYLES).
+    architecture: str
+    vocab_size: int  # V: rows of token_embd (can exceed the tokenizer's list)
+    hidden_size: int  # D
+    intermediate_size: int  # I
+    num_hidden_layers: int  # L
+    num_attention_heads: int  # H
+    num_key_value_heads: int  # Hkv
+    head_dim: int  # Dh
+    rms_norm_eps: float
+    rope_theta: float
+    #: rotary dims per head (llama.cpp n_rot); == head_dim for every known file.
+    rotary_dim: int
+    #: the context length the model was trained for (the default max_context_length).
+    max_position_embeddings: int
+    #: q/k/v carry biases (qwen2; llama converted with attention_bias).
+    attention_bias: bool = False
+    #: o_proj carries a bias (llama converted with attention_bias).
+    attention_out_bias: bool = False
+    tie_word_embeddings: bool = True
+    #: position interpolation ("linear" rope scaling): positions divided by this.
+    rope_linear_factor: float = 1.0
+    #: llama.cpp `rope_freqs` (llama3-style scaling baked in by the converter): each
+    #: frequency divided by its factor. None when the file has no such tensor.
+    rope_freq_factors: tuple[float, ...] | None = None
+
+    @property
+    def rope_style(self) -> str:
+        return ROPE_STYLES[self.architecture]
+
+    @classmethod
+    def from_gguf(cls, metadata: Mapping, tensor_shapes: Mapping[str, tuple[int, ...]], *,
+                  source: str = "the GGUF") -> LlamaConfig:
+        """Read `{arch}.*` keys (block_count, embedding_length, feed_forward_length,
+        attention.head_count[_kv], attention.layer_norm_rms_epsilon, rope.freq_base,
+        context_length, rope scaling) and which optional tensors exist (biases, output).
+
+        tensor_shapes: GGUF tensor name -> torch-order shape (V comes from token_embd).
+        Raises MissingKey, UnsupportedLlamaVariant. `rope_freq_factors` is data, not metadata:
+        the loader fills it in from the `rope_freqs` tensor.
+        """
+        arch = metadata.get("general.architecture")
+        if arch not in ROPE_STYLES:
+            raise UnsupportedLlamaVariant(source, f"general.architecture is {arch!r}",
+                                          f"this package loads {', '.join(ROPE_STYLES)}")
+
+        def key(suffix, default=...):
+            name = f"{arch}.{suffix}"
+            if name in metadata:
+                return metadata[name]
+            if default is ...:
+                raise MissingKey(name, arch, source)
+            return default
+
+        if key("expert_count", 0):
+            raise UnsupportedLlamaVariant(source, f"{arch}.expert_count={key('expert_count')} (a mixture of experts)",
+                                          "only dense llama/qwen2 files are supported")
+        hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+        head_dim = int(key("attention.key_length", hidden // heads))
+        if int(key("attention.value_length", head_dim)) != head_dim:
+            raise UnsupportedLlamaVariant(source, "attention key and value head sizes differ",
+                                          "only equal K/V head sizes are supported")
+        if "token_embd.weight" not in tensor_shapes:
+            raise MissingTensor("token_embd.weight", arch, source)
+        return cls(
+            architecture=arch,
+            vocab_size=int(tensor_shapes["token_embd.weight"][0]),
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_hidden_layers=int(key("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(key("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(key("rope.freq_base", 10000.0)),  # llama.cpp's default when absent
+            rotary_dim=int(key("rope.dimension_count", head_dim)),
+            max_position_embeddings=int(key("context_length")),
+            attention_bias="blk.0.attn_q.bias" in tensor_shapes,
+            attention_out_bias="blk.0.attn_output.bias" in tensor_shapes,
+            tie_word_embeddings="output.weight" not in tensor_shapes,
+            rope_linear_factor=_rope_linear_factor(key, source),
+        )
+
+
+def _rope_linear_factor(key, source: str) -> float:
+    """Linear position interpolation from `rope.scaling.type/factor` (or the older
+    `rope.scale_linear`); other scalings change more than the frequencies and are refused."""
+    kind = key("rope.scaling.type", "none")
+    if kind in ("none", ""):
+        return float(key("rope.scale_linear", 1.0))
+    if kind == "linear":
+        return float(key("rope.scaling.factor", 1.0))
+    raise UnsupportedLlamaVariant(source, f"rope scaling type {kind!r}",
+                                  "supported: none, linear, and llama3-style rope_freqs factors")
+
+
+class LlamaAttention(nn.Module):
+    """GQA self-attention over this layer's `LinearKVCache`. x: fp32 [n, D] -> fp32 [n, D]."""
+
+    def __init__(self, config: LlamaConfig, *, device=None):
+        super().__init__()
+        d, h, hkv, dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, dh
+        self.scaling = dh ** -0.5
+        self.q_proj = nn.Linear(d, h * dh, bias=False, device=device)
+        self.k_proj = nn.Linear(d, hkv * dh, bias=False, device=device)
+        self.v_proj = nn.Linear(d, hkv * dh, bias=False, device=device)
+        self.o_proj = nn.Linear(h * dh, d, bias=False, device=device)
+        # Biases sit beside the linears: `quant.swap_linears` swaps weight-only modules.
+        self.q_bias = _bias(h * dh, config.attention_bias)
+        self.k_bias = _bias(hkv * dh, config.attention_bias)
+        self.v_bias = _bias(hkv * dh, config.attention_bias)
+        self.o_bias = _bias(d, config.attention_out_bias)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LinearKVCache, start_pos: int) -> torch.Tensor:
+        n = x.shape[0]
+        q = _add(self.q_proj(x), self.q_bias).view(n, self.num_heads, self.head_dim)  # [n, H, Dh]
+        k = _add(self.k_proj(x), self.k_bias).view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, Dh]
+        v = _add(self.v_proj(x), self.v_bias).view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, Dh]
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        cache.write(start_pos, k, v)
+        out = attend(q, cache, start_pos, scaling=self.scaling)  # [n, H, Dh]
+        return _add(self.o_proj(out.reshape(n, self.num_heads * self.head_dim)), self.o_bias)  # [n, D]
+
+
+def _bias(size: int, present: bool) -> nn.Parameter | None:
+    return nn.Parameter(torch.zeros(size), requires_grad=False) if present else None
+
+
+def _add(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x if bias is None else x + bias
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, *, device=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, device=device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "silu", device=device)
+
+    def forward(self, hidden_states: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LinearKVCache, start_pos: int) -> torch.Tensor:
+        """hidden_states: fp32 [n, D] -> fp32 [n, D]."""
+        attn = self.self_attn(self.input_layernorm(hidden_states), rope, cos, sin, cache, start_pos)
+        hidden_states = hidden_states + attn
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LlamaForCausalLM(KVTrunk):
+    """The llama/qwen2 trunk: a `KVTrunk` (the SpeculativeTarget seam) over this math.
+
+    Built empty on the meta device with `dtype`'s linear modules; fill it with
+    `load_state_dict(state, assign=True)` (the loader does). Module names are transformers'
+    without the `model.` prefix: embed_tokens, layers.{i}.self_attn.{q,k,v,o}_proj,
+    layers.{i}.mlp.{gate,up,down}_proj, input_layernorm, post_attention_layernorm, norm,
+    lm_head; biases are self_attn.{q,k,v,o}_bias.
+    """
+
+    def __init__(self, config: LlamaConfig, *, dtype: str = "int8", max_context_length: int | None = None,
+                 max_rows_per_forward: int = 128):
+        super().__init__()
+        _check_int8_shapes(config, dtype)
+        self.config = config
+        self.weight_dtype = dtype
+        self.vocab_size = config.vocab_size
+        self.hidden_size = config.hidden_size
+        self.num_layers = config.num_hidden_layers
+        self.max_context_length = max_context_length or config.max_position_embeddings
+        self.max_rows_per_forward = max_rows_per_forward
+        # The embedding table is a linear [V, D] read by rows, so a tied LM head is the same
+        # module (one copy in any weight dtype).
+        self.embed_tokens = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, device="meta") for _ in range(self.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else \
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+        self.rotary_emb = RotaryEmbedding(default_inv_freq(config.rotary_dim, config.rope_theta),
+                                          style=config.rope_style, scaling=_rope_scaling(config))
+        self.kv_cache = ModelKVCache([
+            LinearKVCache(config.num_key_value_heads, config.head_dim, max_positions=self.max_context_length)
+            for _ in range(self.num_layers)])
+        swap_linears(self, dtype)
+
+    @property
+    def spec_preferred_draft_window(self) -> int:
+        return PREFERRED_DRAFT_WINDOW[self.weight_dtype]
+
+    def _forward_chunk(self, tokens: torch.Tensor, start_pos: int, *, logit_rows: str | None, hidden: bool):
+        """tokens int64 [n] at positions start_pos..; returns (logits fp32 [1 | n, V] or None,
+        hidden taps fp32 [n, F] or None). Taps: final-normed rows, or the residual rows
+        entering `hidden_tap_layers` (index L = after the last layer), concatenated."""
+        n = tokens.numel()
+        cos, sin = self.rotary_emb.cos_sin(torch.arange(start_pos, start_pos + n))  # [n, r/2]
+        hidden_states = self.embed_tokens.rows(tokens)  # [n, D]
+        taps = self.hidden_tap_layers if hidden else None
+        entering: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if taps is not None and i in taps:
+                entering[i] = hidden_states
+            hidden_states = layer(hidden_states, self.rotary_emb, cos, sin, self.kv_cache[i], start_pos)
+        entering[self.num_layers] = hidden_states
+        normed = self.norm(hidden_states)  # [n, D]
+        if logit_rows is None:
+            logits = None
+        else:
+            logits = self.lm_head(normed if logit_rows == "all" else normed[-1:])  # [n | 1, V]
+        if not hidden:
+            return logits, None
+        return logits, normed if taps is None else torch.cat([entering[i] for i in taps], dim=-1)  # [n, F]
+
+
+def _rope_scaling(config: LlamaConfig):
+    scalings = []
+    if config.rope_linear_factor != 1.0:
+        scalings.append(linear_scaling(config.rope_linear_factor))
+    if config.rope_freq_factors is not None:
+        scalings.append(freq_factors(config.rope_freq_factors))
+    if not scalings:
+        return None
+    return lambda inv_freq: _chain(scalings, inv_freq)
+
+
+def _chain(scalings, inv_freq: torch.Tensor) -> torch.Tensor:
+    for scale in scalings:
+        inv_freq = scale(inv_freq)
+    return inv_freq
+
+
+# int8 weight-only: torch.ops.aten._weight_int8pack_mm (torch 2.13 CPU, AVX2) segfaults when
+# in_features is not a multiple of 16 (measured: 16, 32, 48, 64, 80 work; 8, 24, 36, 37, 40
+# crash the process). Belongs in verispec.nn.quant.Int8Linear; checked here until it is.
+_INT8_IN_FEATURES_MULTIPLE = 16
+
+
+class Int8ShapeUnsupported(ValueError):
+    def __init__(self, sizes: dict[str, int]):
+        self.sizes = sizes
+        listed = ", ".join(f"{name}={size}" for name, size in sizes.items())
+        super().__init__(f"int8 weights need every linear's input width to be a multiple of "
+                         f"{_INT8_IN_FEATURES_MULTIPLE} (torch's int8 kernel crashes otherwise); this model has "
+                         f"{listed}; load it with dtype='float32' or 'bfloat16'")
+
+
+def _check_int8_shapes(config: LlamaConfig, dtype: str) -> None:
+    linear_class(dtype)  # raises UnknownWeightDtype naming the choices
+    if dtype != "int8":
+        return
+    sizes = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+             "num_attention_heads*head_dim": config.num_attention_heads * config.head_dim}
+    bad = {name: size for name, size in sizes.items() if size % _INT8_IN_FEATURES_MULTIPLE}
+    if bad:
+        raise Int8ShapeUnsupported(bad)
