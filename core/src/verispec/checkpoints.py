@@ -171,7 +171,8 @@ def _verified_sha(sidecar: Path, path: Path) -> str | None:
     """The sha256 recorded for `path`, if the sidecar's stamp still matches the file."""
     try:
         record = json.loads(sidecar.read_text())
-        return record["sha256"] if {k: record[k] for k in ("path", "size", "mtime_ns")} == _stamp(path) else None
+        stamp = {k: record[k] for k in ("path", "size", "mtime_ns")}
+        return record["sha256"] if stamp == _stamp(path) else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -94,6 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     cache = sub.add_parser("cache", help="show or clear assembled checkpoints and converted weights")
     cache.add_argument("--clear", action="store_true")
+
+    chat = sub.add_parser("chat", help="interactive chat on stdin (one line per turn; /reset; Ctrl-D exits)")
+    _add_model_args(chat)
+    _add_spec_args(chat)
+    _add_sampling_args(chat)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    serve.add_argument("--port", type=_ranged(int, 0, 65535, "--port"), default=8000)
+    _add_model_args(serve)
+    _add_spec_args(serve)
     return parser
 
 
@@ -155,6 +166,33 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+def cmd_chat(args) -> int:
+    from verispec.api import load
+    from verispec.chat import run_chat
+    from verispec.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                              repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                              presence_penalty=args.presence_penalty, seed=args.seed)
+    engine = load(args.model, dtype=args.dtype, threads=args.threads, context_length=args.context_length,
+                  spec=spec_options(args))
+    return run_chat(engine, sampling=sampling, max_tokens=args.max_tokens, stop=args.stop,
+                    ignore_eos=args.ignore_eos)
+
+
+def cmd_serve(args) -> int:
+    try:
+        from verispec.server import serve
+    except ImportError as e:
+        raise CliError(f"verispec serve needs FastAPI and uvicorn ({e}); pip install 'verispec[serve]'") from None
+    from verispec.api import load
+
+    engine = load(args.model, dtype=args.dtype, threads=args.threads, context_length=args.context_length,
+                  spec=spec_options(args))
+    serve(engine, host=args.host, port=args.port, model_name=args.model or "default")
+    return 0
+
+
 def cmd_cache(args) -> int:
     from verispec import checkpoints
 
@@ -166,7 +204,8 @@ def cmd_cache(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "plugins": cmd_plugins, "bench": cmd_bench, "cache": cmd_cache}
+COMMANDS = {"generate": cmd_generate, "plugins": cmd_plugins, "bench": cmd_bench, "cache": cmd_cache,
+            "chat": cmd_chat, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

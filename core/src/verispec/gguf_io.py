@@ -1,8 +1,8 @@
 """Open and validate a GGUF file: typed metadata, tensor table, tensors as torch.
 
 The file is memory-mapped once; parsing the header walks it with `struct` and decodes
-string arrays (a 262k-token vocabulary) in one pass, which is ~100x faster than
-`gguf.GGUFReader`, whose per-field numpy views cost ~24 s on Gemma's vocabulary.
+string arrays (a 262k-token vocabulary) in one pass: 0.1 s for Gemma 3 270M, where
+`gguf.GGUFReader` builds a numpy view per vocabulary entry and takes 9-24 s.
 Tensor data stays in the map until asked for: `raw_tensor` returns a read-only view of
 the stored bytes, `tensor` dequantises through `gguf.quants.dequantize`.
 
@@ -212,7 +212,8 @@ class _Cursor:
                 append(str(buf[pos:pos + length], "utf-8"))
                 pos += length
         except UnicodeDecodeError:
-            raise CorruptGGUF(self.path, f"{what}, entry {len(out)} at byte {pos}, is not UTF-8 text") from None
+            detail = f"{what}, entry {len(out)} at byte {pos}, is not UTF-8 text"
+            raise CorruptGGUF(self.path, detail) from None
         self.pos = pos
         return out
 

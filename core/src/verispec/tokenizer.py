@@ -122,9 +122,10 @@ class Tokenizer:
         backend = _load_or_build(gguf, model, use_cache)
         bos_id = md.get("tokenizer.ggml.bos_token_id")
         eos_id = md.get("tokenizer.ggml.eos_token_id")
+        add_bos = bool(md.get("tokenizer.ggml.add_bos_token", model == "llama")) and bos_id is not None
+        add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
         return cls(backend, architecture=gguf.architecture, tokens=tokens, bos_id=bos_id, eos_id=eos_id,
-                   add_bos=bool(md.get("tokenizer.ggml.add_bos_token", model == "llama")) and bos_id is not None,
-                   add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None,
+                   add_bos=add_bos, add_eos=add_eos,
                    stop_ids=_stop_ids(md, tokens), chat_template=md.get("tokenizer.chat_template"))
 
     # -- ids --

@@ -221,7 +221,7 @@ class LlamaForCausalLM(KVTrunk):
     `load_state_dict(state, assign=True)` (the loader does). Module names are transformers'
     without the `model.` prefix: embed_tokens, layers.{i}.self_attn.{q,k,v,o}_proj,
     layers.{i}.mlp.{gate,up,down}_proj, input_layernorm, post_attention_layernorm, norm,
-    lm_head; biases are self_attn.{q,k,v,o}_bias.
+    lm_head (None when tied to embed_tokens); biases are self_attn.{q,k,v,o}_bias.
     """
 
     def __init__(self, config: LlamaConfig, *, dtype: str = "int8", max_context_length: int | None = None,
@@ -240,7 +240,9 @@ class LlamaForCausalLM(KVTrunk):
         self.embed_tokens = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, device="meta") for _ in range(self.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else \
+        # None when tied: the LM head is embed_tokens (a second registration of one module
+        # would hide it from swap_linears and duplicate it in the state dict).
+        self.lm_head = None if config.tie_word_embeddings else \
             nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
         self.rotary_emb = RotaryEmbedding(default_inv_freq(config.rotary_dim, config.rope_theta),
                                           style=config.rope_style, scaling=_rope_scaling(config))
@@ -271,7 +273,8 @@ class LlamaForCausalLM(KVTrunk):
         if logit_rows is None:
             logits = None
         else:
-            logits = self.lm_head(normed if logit_rows == "all" else normed[-1:])  # [n | 1, V]
+            head = self.embed_tokens if self.lm_head is None else self.lm_head
+            logits = head(normed if logit_rows == "all" else normed[-1:])  # [n | 1, V]
         if not hidden:
             return logits, None
         return logits, normed if taps is None else torch.cat([entering[i] for i in taps], dim=-1)  # [n, F]

@@ -1,0 +1,80 @@
+"""`verispec chat`: an interactive conversation on stdin, one user turn per line.
+
+The conversation is kept and sent whole each turn, rendered through the model's chat
+template, so the engine reuses the cached prefix (every earlier turn) and prefills only the
+new one. Commands: `/reset` starts a new conversation; end of input (Ctrl-D) exits. After
+each answer a summary line (and the governor's line when speculating) goes to stderr.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+from jinja2 import TemplateError
+
+from verispec.engine import InferenceEngine
+from verispec.sampling import SamplingParams
+from verispec.tokenizer import TokenizerError
+
+HELP = "/reset starts a new conversation; end of input (Ctrl-D) exits"
+
+
+def run_chat(engine: InferenceEngine, *, sampling: SamplingParams = SamplingParams(), max_tokens: int = 512,
+             stop: Sequence[str] = (), ignore_eos: bool = False, stdin: TextIO | None = None,
+             stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    """Read user turns from `stdin` until it ends; stream each answer to `stdout`.
+
+    Returns the exit status: 0, or 2 when the model has no chat template. A turn the
+    engine rejects (e.g. the conversation outgrew the context) is reported on stderr and
+    left out of the conversation.
+    """
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    try:
+        engine.tokenizer.render_chat([{"role": "user", "content": ""}])
+    except TokenizerError as e:
+        print(f"verispec: error: {e}", file=stderr)
+        return 2
+    interactive = stdin.isatty()
+    if interactive:
+        print(f"[{HELP}]", file=stderr)
+    messages: list[dict[str, str]] = []
+    while True:
+        if interactive:
+            print("> ", end="", file=stderr, flush=True)
+        line = stdin.readline()
+        if not line:
+            return 0
+        text = line.rstrip("\r\n")
+        if not text.strip():
+            continue
+        if text.strip() == "/reset":
+            messages.clear()
+            print("[new conversation]", file=stderr)
+            continue
+        if text.startswith("/"):
+            print(f"[unknown command {text.split()[0]}: {HELP}]", file=stderr)
+            continue
+        answer = _turn(engine, messages + [{"role": "user", "content": text}], sampling=sampling,
+                       max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, stdout=stdout, stderr=stderr)
+        if answer is not None:
+            messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+
+
+def _turn(engine, messages, *, sampling, max_tokens, stop, ignore_eos, stdout, stderr) -> str | None:
+    """Stream one answer; returns its text, or None when the engine refused the turn."""
+    try:
+        generation = engine.generate(messages, max_tokens=max_tokens, sampling=sampling, stop=stop,
+                                     ignore_eos=ignore_eos)
+    except (ValueError, TemplateError) as e:  # ContextOverflow, a template's raise_exception
+        print(f"verispec: error: {e} (/reset starts a new conversation)", file=stderr)
+        return None
+    for event in generation:
+        print(event.text, end="", file=stdout, flush=True)
+    print(file=stdout, flush=True)
+    r = generation.result
+    print(f"[{len(r.tokens)} tokens, finish={r.finish_reason}, reused {r.reused_prefix_tokens}/{r.prompt_tokens} "
+          f"prompt tokens, ttft {r.ttft_ms:.0f} ms, decode {r.decode_tokens_per_s:.1f} tok/s, "
+          f"speculator={r.speculator}, drafted={r.spec.num_draft_tokens} accepted={r.spec.num_accepted_tokens}]"
+          + (f"\n[{r.governor}]" if r.governor else ""), file=stderr)
+    return r.text

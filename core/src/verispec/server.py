@@ -1,0 +1,374 @@
+"""OpenAI-compatible HTTP server over one InferenceEngine (FastAPI): `verispec serve`.
+
+  POST /v1/completions        `prompt`: text or token ids
+  POST /v1/chat/completions   `messages`, rendered through the model's chat template
+  GET  /v1/models             the one loaded model
+  GET  /health                {"status": "ok", "speculator": name | null}
+
+One request at a time: the engine holds a single sequence (its KV cache and the prefix the
+next request may reuse), so an asyncio.Lock admits one generation and the others wait their
+turn. The engine runs in a worker thread, so /health answers meanwhile; a client that leaves
+mid-stream frees the engine after the token being computed. Speculation is the server's policy (the --spec* flags of `verispec serve`), never a request's.
+
+Request fields, as OpenAI's API: max_tokens (completions: 16 by default, as OpenAI; chat:
+until a stop or a full context; `max_completion_tokens` is its newer name), temperature
+(1 by default, as OpenAI; 0 is greedy), top_p, seed, stop (a string or a list),
+frequency_penalty, presence_penalty, logprobs (completions: N; chat: true + top_logprobs N),
+stream, stream_options.include_usage. Extensions, spelled as vLLM does: top_k, min_p,
+repetition_penalty, ignore_eos. `model` is accepted and ignored: one model is loaded.
+Fields that would change the output but are not supported (n > 1, best_of, echo, suffix,
+logit_bias, tools, a non-text response_format) answer 400, never a silent ignore.
+
+Responses carry `usage` (prompt_tokens, completion_tokens, total_tokens), the engine's
+finish_reason ("stop" | "length"), and an extension object `verispec` (reused prefix,
+time to first token, speculator, drafted/accepted tokens, governor line).
+
+Errors: a request the engine or the sampler rejects (a prompt longer than the context, a
+sampling value out of range, no chat template, malformed JSON) answers HTTP 400 with
+OpenAI's error body {"error": {"message", "type", "param", "code"}}; the message says the fix.
+
+Streaming is Server-Sent Events: one `data: {chunk}` per token the engine emits (its text
+may be "" while a split character or a possible stop string is held back), then a chunk
+carrying finish_reason, then, with include_usage, a chunk carrying usage, then
+`data: [DONE]`. The chunks' texts concatenate to the non-streamed text.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
+from pydantic import BaseModel, ConfigDict, Field
+
+from verispec.engine import Generation, InferenceEngine, TokenEvent
+from verispec.sampling import SamplingParams
+from verispec.seams import ContextOverflow
+from verispec.tokenizer import TokenizerError
+
+#: most top logprobs a request may ask for (OpenAI's chat limit; vLLM's default max_logprobs).
+MAX_TOP_LOGPROBS = 20
+#: JSON has no -inf: an impossible token's logprob is reported as this (vLLM does the same).
+MIN_LOGPROB = -9999.0
+ASSISTANT = "assistant"
+
+
+class RequestRejected(ValueError):
+    """A request the server refuses before generating; its message says the fix."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        self.param, self.code = param, code
+        super().__init__(message)
+
+
+# -- request bodies --------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Body(BaseModel):
+    """Fields both endpoints share; ranges are checked by SamplingParams (one source of truth)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logit_bias: dict[str, float] | None = None
+
+    def sampling(self, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              seed=self.seed, frequency_penalty=self.frequency_penalty,
+                              presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
+                              logprobs=logprobs)
+
+    def limit(self, max_context_length: int) -> int:
+        """max_tokens for the engine; None runs until a stop or a full context."""
+        return self.max_tokens if self.max_tokens is not None else max_context_length
+
+    def stops(self) -> tuple[str, ...]:
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if "" in stops:
+            raise RequestRejected("stop strings must be non-empty; leave the empty one out", "stop")
+        return stops
+
+    def unsupported(self) -> dict[str, bool]:
+        """Field -> whether this request uses it in a way the server cannot honour."""
+        return {"n": self.n != 1, "logit_bias": bool(self.logit_bias)}
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's completions limit
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self):
+        return {**super().unsupported(), "echo": self.echo, "suffix": bool(self.suffix),
+                "best_of": self.best_of not in (None, 1)}
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    #: text, or OpenAI content parts of which only {"type": "text", "text": ...} are supported.
+    content: str | list[dict[str, Any]] | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        if self.content is None or isinstance(self.content, str):
+            return {"role": self.role, "content": self.content or ""}
+        if any(part.get("type") != "text" for part in self.content):
+            raise RequestRejected("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported; "
+                                  "this model reads text", "messages")
+        return {"role": self.role, "content": "".join(str(part.get("text", "")) for part in self.content)}
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def limit(self, max_context_length):
+        chosen = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return chosen if chosen is not None else max_context_length
+
+    def unsupported(self):
+        return {**super().unsupported(), "tools": bool(self.tools),
+                "response_format": (self.response_format or {}).get("type", "text") != "text"}
+
+
+# -- the app ---------------------------------------------------------------------------------
+
+def create_app(engine: InferenceEngine, *, model_name: str = "verispec") -> FastAPI:
+    """The FastAPI app serving `engine` (call it with uvicorn, or fastapi.testclient.TestClient).
+
+    model_name: the id /v1/models lists and responses echo.
+    """
+    app = FastAPI(title="verispec", description="OpenAI-compatible speculative decoding server")
+    served = _Served(engine, model_name)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(request: Request, exc: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
+        return _error(f"invalid request: {problems}")
+
+    @app.exception_handler(ValueError)  # ContextOverflow, SamplingParams, RequestRejected, jinja2 / tokenizer below
+    async def _rejected(request: Request, exc: ValueError):
+        return _error(str(exc), getattr(exc, "param", None), getattr(exc, "code", None))
+
+    @app.get("/health")
+    async def health():
+        speculator = engine.speculator
+        return {"status": "ok", "speculator": speculator.name if speculator is not None else None}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": served.created,
+                                            "owned_by": "verispec"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody):
+        if isinstance(body.prompt, list):
+            served.check_token_ids(body.prompt)
+        return await served.respond(body, body.prompt, body.logprobs, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise RequestRejected("top_logprobs needs \"logprobs\": true", "top_logprobs")
+        messages = [m.as_dict() for m in body.messages]
+        return await served.respond(body, messages, (body.top_logprobs or 0) if body.logprobs else None, chat=True)
+
+    return app
+
+
+def serve(engine: InferenceEngine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "verispec") -> None:
+    """Run the server with uvicorn until interrupted."""
+    import uvicorn
+
+    uvicorn.run(create_app(engine, model_name=model_name), host=host, port=port)
+
+
+def _error(message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                   "code": code}}, status_code=400)
+
+
+class _Served:
+    """The engine, its lock, and the OpenAI response shapes for both endpoints."""
+
+    def __init__(self, engine: InferenceEngine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+        self.lock = asyncio.Lock()
+        self.created = int(time.time())
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        vocab_size = self.engine.target.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestRejected(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab_size}); "
+                                  "send ids from this model's tokenizer", "prompt")
+
+    def start(self, body: _Body, prompt, logprobs: int | None, param: str) -> Generation:
+        """Validate and encode (no engine state is touched): every rejection happens here, before a 200."""
+        for field, used in body.unsupported().items():
+            if used:
+                raise RequestRejected(f"{field} is not supported by this server; leave it out", field)
+        try:
+            return self.engine.generate(prompt, max_tokens=body.limit(self.engine.target.max_context_length),
+                                        sampling=body.sampling(logprobs), stop=body.stops(),
+                                        ignore_eos=body.ignore_eos)
+        except ContextOverflow as e:
+            raise RequestRejected(
+                f"the prompt needs {e.required_len} positions (its tokens and one new token) but the context "
+                f"holds {e.max_context_length}; shorten the prompt, or start `verispec serve` with a larger "
+                "--context-length", param, "context_length_exceeded") from e
+        except (TokenizerError, TemplateError) as e:  # NoChatTemplate, a template's raise_exception
+            raise RequestRejected(f"cannot render the messages: {e}", param) from e
+
+    async def respond(self, body: _Body, prompt, logprobs: int | None, *, chat: bool):
+        generation = self.start(body, prompt, logprobs, "messages" if chat else "prompt")
+        shape = _Shape(self, chat=chat, logprobs=logprobs is not None)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return _EventStream(self._sse(shape, generation, usage), media_type="text/event-stream")
+        async with self.lock:
+            events = await anyio.to_thread.run_sync(list, generation)
+        return shape.response(events, generation.result)
+
+    async def _sse(self, shape: _Shape, generation: Generation, usage: bool) -> AsyncIterator[str]:
+        async with self.lock:
+            if shape.chat:
+                yield _sse(shape.chunk({"role": ASSISTANT, "content": ""}))
+            # A client gone mid-step: the step finishes, then the lock is let go (see _EventStream);
+            # the engine's prefix record stays valid for a generation left half-way.
+            iterator = iter(generation)
+            while (event := await anyio.to_thread.run_sync(next, iterator, None)) is not None:
+                yield _sse(shape.token_chunk(event))
+        result = generation.result
+        yield _sse(shape.chunk({} if shape.chat else "", finish_reason=result.finish_reason))
+        if usage:
+            yield _sse({**shape.header(), "choices": [], **_usage(result)})
+        yield "data: [DONE]\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that closes its body generator however the stream ends.
+
+    When the client leaves while a chunk is being sent, Starlette stops iterating, and the
+    generator, suspended at `yield` inside `async with lock`, would hold the engine until
+    garbage collection got to it; closing it here lets go of the lock at once.
+    """
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+class _Shape:
+    """OpenAI's JSON for one request: text_completion or chat.completion, whole or in chunks."""
+
+    def __init__(self, served: _Served, *, chat: bool, logprobs: bool):
+        self.chat, self.logprobs = chat, logprobs
+        self.tokenizer = served.engine.tokenizer
+        self.model_name = served.model_name
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self._offset = 0  # characters of completion text the engine emitted before the next token
+
+    def header(self, *, chunk: bool = True) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name}
+
+    def chunk(self, delta, *, finish_reason: str | None = None, logprobs=None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta}
+        return {**self.header(), "choices": [{**choice, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+    def token_chunk(self, event: TokenEvent) -> dict[str, Any]:
+        return self.chunk({"content": event.text} if self.chat else event.text,
+                          logprobs=self.logprobs_of([event]) if self.logprobs else None)
+
+    def response(self, events: list[TokenEvent], result) -> dict[str, Any]:
+        logprobs = self.logprobs_of(events) if self.logprobs else None
+        if self.chat:
+            choice = {"index": 0, "message": {"role": ASSISTANT, "content": result.text}}
+        else:
+            choice = {"index": 0, "text": result.text}
+        return {**self.header(chunk=False), "choices": [{**choice, "logprobs": logprobs,
+                                                         "finish_reason": result.finish_reason}],
+                **_usage(result)}
+
+    def logprobs_of(self, events: list[TokenEvent]) -> dict[str, Any]:
+        """Chat: {"content": [{token, logprob, bytes, top_logprobs}]}; completions: the legacy
+        parallel lists (tokens, token_logprobs, top_logprobs, text_offset)."""
+        if self.chat:
+            return {"content": [{**self._entry(e.token, e.logprob),
+                                 "top_logprobs": [self._entry(t, lp) for t, lp in e.top_logprobs]} for e in events]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in events:
+            text = self._text(e.token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_finite(e.logprob))
+            top: dict[str, float] = {}
+            for t, lp in e.top_logprobs:
+                top.setdefault(self._text(t), _finite(lp))  # two ids may read alike: the likelier wins
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self._offset)
+            self._offset += len(e.text)
+        return out
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self._text(token)
+        # a token holding part of a UTF-8 character decodes to U+FFFD: its bytes are unknown here
+        return {"token": text, "logprob": _finite(logprob),
+                "bytes": None if "\ufffd" in text else list(text.encode("utf-8"))}
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special=False)
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+def _usage(result) -> dict[str, Any]:
+    n = len(result.tokens)
+    return {"usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": n,
+                      "total_tokens": result.prompt_tokens + n},
+            "verispec": {"reused_prefix_tokens": result.reused_prefix_tokens, "ttft_ms": result.ttft_ms,
+                         "speculator": result.speculator, "num_draft_tokens": result.spec.num_draft_tokens,
+                         "num_accepted_tokens": result.spec.num_accepted_tokens, "governor": result.governor}}
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -1,0 +1,361 @@
+"""The OpenAI-compatible server (verispec.server) over the toy plugin's GGUF, through
+fastapi.testclient (no socket); expected outputs come from the engine called directly.
+One test runs the real `verispec serve` process on a free localhost port."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import anyio
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from verispec import api
+from verispec.engine import SpecOptions
+from verispec.registry import Registry
+from verispec.sampling import SamplingParams
+from verispec.server import create_app
+from verispec.testing import toy_plugin
+from verispec.testing.toy import write_toy_gguf
+
+#: the assistant turn renders as the generation prompt plus the answer, so a conversation's
+#: next turn starts with the tokens the previous one left in the cache.
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                 "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+PROMPT = "the cat sat on the mat. the cat"
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "where is the cat?"}]
+CONTEXT = 128
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return Registry.from_plugins({"toy": toy_plugin})
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return write_toy_gguf(tmp_path_factory.mktemp("toy") / "toy.gguf", vocab_size=110, recurrent=False, seed=3,
+                          chat_template=CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def engine(model_path, registry):
+    return api.load(model_path, registry=registry, context_length=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    return TestClient(create_app(engine, model_name="toy"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_path, registry):
+    """A second engine on the same file: what the server should answer."""
+    engine = api.load(model_path, registry=registry, context_length=CONTEXT, spec=SpecOptions(enabled=False))
+
+    def run(prompt, **kw):
+        generation = engine.generate(prompt, **kw)
+        events = list(generation)
+        return generation.result, events
+    run.engine = engine
+    return run
+
+
+def sse_payloads(response) -> list:
+    """The `data:` payloads of an SSE body, parsed; the [DONE] marker kept as a string."""
+    assert response.headers["content-type"].startswith("text/event-stream")
+    lines = [line for line in response.text.split("\n\n") if line]
+    assert all(line.startswith("data: ") for line in lines)
+    return [p if p == "[DONE]" else json.loads(p) for p in (line[len("data: "):] for line in lines)]
+
+
+def test_completion_equals_the_engine_with_usage_and_finish_reason(client, reference):
+    r = client.post("/v1/completions", json={"model": "anything", "prompt": PROMPT, "max_tokens": 12,
+                                             "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    expected, _ = reference(PROMPT, max_tokens=12, ignore_eos=True)
+    assert body["object"] == "text_completion" and body["model"] == "toy" and body["id"].startswith("cmpl-")
+    assert body["choices"][0]["text"] == expected.text
+    assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["logprobs"] is None
+    assert body["usage"] == {"prompt_tokens": expected.prompt_tokens, "completion_tokens": 12,
+                             "total_tokens": expected.prompt_tokens + 12}
+
+
+def test_token_id_prompt_equals_the_text_prompt(client, reference):
+    ids = reference.engine.encode(PROMPT)
+    text = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0}).json()
+    by_ids = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 8, "temperature": 0}).json()
+    assert by_ids["choices"][0]["text"] == text["choices"][0]["text"]
+    assert by_ids["usage"] == text["usage"]
+
+
+def test_a_repeated_prompt_reuses_the_cached_prefix(client):
+    request = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    first = client.post("/v1/completions", json=request).json()
+    second = client.post("/v1/completions", json=request).json()
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert second["verispec"]["reused_prefix_tokens"] == second["usage"]["prompt_tokens"] - 1
+
+
+def test_chat_completion_renders_the_chat_template(client, reference):
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 10, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    expected, _ = reference(MESSAGES, max_tokens=10)
+    rendered = reference.engine.tokenizer.render_chat(MESSAGES)
+    assert rendered.startswith("<system>be brief\n<user>where is the cat?\n") and rendered.endswith("<assistant>")
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": expected.text}
+    assert body["choices"][0]["finish_reason"] == expected.finish_reason
+    assert body["usage"]["prompt_tokens"] == len(reference.engine.encode(MESSAGES))
+
+
+def test_chat_accepts_text_content_parts_and_max_completion_tokens(client, reference):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "where is "}, {"type": "text", "text": "the cat?"}]}]
+    body = client.post("/v1/chat/completions", json={"messages": parts, "max_completion_tokens": 5,
+                                                     "max_tokens": 50, "temperature": 0, "ignore_eos": True}).json()
+    expected, _ = reference([{"role": "user", "content": "where is the cat?"}], max_tokens=5, ignore_eos=True)
+    assert body["choices"][0]["message"]["content"] == expected.text and body["usage"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_chunks_concatenate_to_the_non_streamed_text(client, chat):
+    path, key = ("/v1/chat/completions", "messages") if chat else ("/v1/completions", "prompt")
+    request = {key: MESSAGES if chat else PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    whole = client.post(path, json=request).json()
+    r = client.post(path, json={**request, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200
+    *chunks, finish, usage, done = sse_payloads(r)
+    assert done == "[DONE]"
+    if chat:
+        assert chunks.pop(0)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert finish["choices"][0]["delta"] == {}
+        texts = [c["choices"][0]["delta"]["content"] for c in chunks]
+        expected = whole["choices"][0]["message"]["content"]
+    else:
+        assert finish["choices"][0]["text"] == ""
+        texts = [c["choices"][0]["text"] for c in chunks]
+        expected = whole["choices"][0]["text"]
+    assert "".join(texts) == expected
+    assert len(chunks) == 20  # one chunk per token
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    assert len({c["id"] for c in (*chunks, finish, usage)}) == 1
+
+
+def test_stream_without_include_usage_ends_with_finish_then_done(client):
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "stream": True})
+    *chunks, finish, done = sse_payloads(r)
+    assert len(chunks) == 3 and finish["choices"][0]["finish_reason"] == "length" and done == "[DONE]"
+    assert "usage" not in finish
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_stop_strings_truncate_the_text_streamed_or_not(client, as_list):
+    request = {"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    full = client.post("/v1/completions", json=request).json()["choices"][0]["text"]
+    stop = full[10:13]
+    request["stop"] = [stop, "never appears"] if as_list else stop
+    body = client.post("/v1/completions", json=request).json()
+    assert body["choices"][0] == {"index": 0, "text": full[:full.find(stop)], "logprobs": None,
+                                  "finish_reason": "stop"}
+    *chunks, finish, _ = sse_payloads(client.post("/v1/completions", json={**request, "stream": True}))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == body["choices"][0]["text"]
+    assert finish["choices"][0]["finish_reason"] == "stop"
+
+
+def test_seeded_sampling_is_reproducible_across_requests_and_equals_the_engine(client, reference):
+    request = {"prompt": PROMPT, "max_tokens": 24, "temperature": 1.5, "top_p": 0.95, "top_k": 40, "min_p": 0.01,
+               "seed": 1234, "frequency_penalty": 0.2, "presence_penalty": 0.1, "repetition_penalty": 1.1,
+               "ignore_eos": True}
+    first, second = (client.post("/v1/completions", json=request).json() for _ in range(2))
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    params = SamplingParams(temperature=1.5, top_p=0.95, top_k=40, min_p=0.01, seed=1234, frequency_penalty=0.2,
+                            presence_penalty=0.1, repetition_penalty=1.1)
+    expected, _ = reference(PROMPT, max_tokens=24, sampling=params, ignore_eos=True)
+    assert first["choices"][0]["text"] == expected.text
+
+
+def test_completion_logprobs_are_the_engines_draws(client, reference):
+    body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                                "logprobs": 3, "ignore_eos": True}).json()
+    logprobs = body["choices"][0]["logprobs"]
+    _, events = reference(PROMPT, max_tokens=6, sampling=SamplingParams(logprobs=3), ignore_eos=True)
+    decode = reference.engine.tokenizer.decode
+    assert logprobs["tokens"] == [decode([e.token], skip_special=False) for e in events]
+    assert logprobs["token_logprobs"] == pytest.approx([e.logprob for e in events])
+    assert [len(top) for top in logprobs["top_logprobs"]] == [3] * 6
+    for top, e in zip(logprobs["top_logprobs"], events):
+        assert max(top.values()) == pytest.approx(e.logprob)  # greedy: the drawn token is the likeliest
+    offsets = [sum(len(x.text) for x in events[:i]) for i in range(6)]
+    assert logprobs["text_offset"] == offsets
+
+
+def test_chat_logprobs_streamed_and_whole(client, reference):
+    request = {"messages": MESSAGES, "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+               "ignore_eos": True}
+    whole = client.post("/v1/chat/completions", json=request).json()["choices"][0]["logprobs"]["content"]
+    _, events = reference(MESSAGES, max_tokens=5, sampling=SamplingParams(logprobs=2), ignore_eos=True)
+    assert [entry["logprob"] for entry in whole] == pytest.approx([e.logprob for e in events])
+    for entry, e in zip(whole, events):
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx([lp for _, lp in e.top_logprobs])
+        assert entry["bytes"] == list(entry["token"].encode())
+    chunks = sse_payloads(client.post("/v1/chat/completions", json={**request, "stream": True}))[1:-2]
+    assert [c["choices"][0]["logprobs"]["content"][0] for c in chunks] == whole
+    without = client.post("/v1/chat/completions", json={**request, "logprobs": False, "top_logprobs": None}).json()
+    assert without["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("path,request_body", [
+    ("/v1/completions", {"prompt": "x" * 200}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 200}]}),
+])
+def test_a_prompt_longer_than_the_context_is_a_400_naming_the_fix(client, path, request_body):
+    r = client.post(path, json=request_body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert "shorten the prompt" in error["message"] and f"holds {CONTEXT}" in error["message"]
+    assert error["code"] == "context_length_exceeded" and error["type"] == "invalid_request_error"
+    assert error["param"] == ("prompt" if "prompt" in request_body else "messages")
+
+
+@pytest.mark.parametrize("path,request_body,message", [
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature=-1.0: must be in [0, inf); use 0 for greedy"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_p": 0}, "top_p=0.0: must be in (0, 1]"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature: Input should be a valid number"),
+    ("/v1/completions", {"temperature": 0}, "prompt: Field required"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens=0: ask for at least 1 token"),
+    ("/v1/completions", {"prompt": ""}, "empty prompt"),
+    ("/v1/completions", {"prompt": [5, 110]}, "[110] lie outside the vocabulary [0, 110)"),
+    ("/v1/completions", {"prompt": "x", "stop": ["ok", ""]}, "stop strings must be non-empty"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs: Input should be less than or equal to 5"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, "n is not supported"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of is not supported"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, "echo is not supported"),
+    ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix is not supported"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 100}}, "logit_bias is not supported"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools is not supported"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+     "response_format is not supported"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 'top_logprobs needs "logprobs": true'),
+    ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs: Input should be less than or equal to 20"),
+    ("/v1/chat/completions", {"messages": []}, "messages: List should have at least 1 item"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "only text content parts"),
+])
+def test_rejected_requests_are_400_with_an_openai_error(client, path, request_body, message):
+    r = client.post(path, json={"max_tokens": 2, **request_body})
+    assert r.status_code == 400, r.text
+    assert set(r.json()) == {"error"} and message in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_model_without_a_chat_template_refuses_chat_requests(tmp_path, registry):
+    engine = api.load(write_toy_gguf(tmp_path / "plain.gguf", vocab_size=110), registry=registry)
+    r = TestClient(create_app(engine)).post("/v1/chat/completions", json={"messages": MESSAGES})
+    assert r.status_code == 400 and "has no tokenizer.chat_template" in r.json()["error"]["message"]
+
+
+def test_models_and_health(client, engine):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["toy"]
+    assert client.get("/health").json() == {"status": "ok", "speculator": None}
+
+
+def test_a_client_leaving_mid_stream_frees_the_engine_and_leaves_it_exact(tmp_path, registry):
+    path = write_toy_gguf(tmp_path / "rec.gguf", vocab_size=110, recurrent=True, seed=5)
+    app = create_app(api.load(path, registry=registry, spec=SpecOptions(enabled=False)))
+    request = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    sent = []
+
+    async def leave_after_three_tokens_then_ask_again():
+        three_tokens = anyio.Event()
+        body = [{"type": "http.request", "body": json.dumps({**request, "stream": True}).encode()}]
+
+        async def receive():
+            if body:
+                return body.pop()
+            await three_tokens.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                sent.append(message["body"])  # one token chunk each
+                if len(sent) == 3:
+                    three_tokens.set()
+                    await anyio.sleep(0.5)  # the client leaves while the server is sending
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        with anyio.fail_after(30):
+            await app(scope, receive, send)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            with anyio.fail_after(30):  # the engine's lock was let go
+                return (await client.post("/v1/completions", json={**request, "max_tokens": 10})).json()
+
+    got = anyio.run(leave_after_three_tokens_then_ask_again)
+    assert len(sent) == 3
+    fresh = api.load(path, registry=registry, spec=SpecOptions(enabled=False))
+    generation = fresh.generate(PROMPT, max_tokens=10, ignore_eos=True)
+    list(generation)
+    assert got["choices"][0]["text"] == generation.result.text
+
+
+# -- the real process --------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _toy_site(root) -> dict:
+    """An environment in which the toy plugin is installed (an on-disk dist-info folder)."""
+    info = root / "verispec_toy-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: verispec-toy\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[verispec]\ntoy = verispec.testing.toy_plugin\n")
+    return {**os.environ, "PYTHONPATH": str(root)}
+
+
+def test_verispec_serve_answers_on_localhost(tmp_path, model_path):
+    port = _free_port()
+    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    process = subprocess.Popen([sys.executable, "-c", code, "serve", "--model", str(model_path), "--port", str(port),
+                                "--no-spec"], env=_toy_site(tmp_path), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "verispec serve did not answer within 60 s"
+                time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+                       json={"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["model"] == str(model_path)
+        assert r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_verispec_serve_without_fastapi_names_the_extra(monkeypatch, capsys):
+    from verispec import cli
+
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # import fastapi -> ImportError
+    monkeypatch.delitem(sys.modules, "verispec.server")
+    assert cli.main(["serve"]) == 2
+    assert "pip install 'verispec[serve]'" in capsys.readouterr().err

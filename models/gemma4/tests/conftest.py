@@ -1,0 +1,34 @@
+"""Fixtures for the gemma tests; the helpers they use live in `tiny_gemma.py`.
+
+Test modules import `tiny_gemma` directly: this directory is put on sys.path here because
+the workspace runs pytest with --import-mode=importlib (no rootdir-relative imports).
+"""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_gemma import make_hf_gemma3, write_gemma3_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3():
+    return make_hf_gemma3()
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(hf_gemma3, tmp_path_factory):
+    return write_gemma3_gguf(tmp_path_factory.mktemp("gemma3") / "tiny-gemma3.gguf", hf_gemma3)
+
+
+@pytest.fixture(scope="session")
+def load_tiny(gemma3_gguf):
+    """load_tiny(dtype, **loader_options) -> a fresh trunk from the tiny gemma3 GGUF (no weight cache)."""
+    from verispec_gemma4.loader import load
+
+    def _load(dtype="int8", **options):
+        return load(gemma3_gguf, dtype=dtype, use_cache=False, tokenizer=False, **options)
+
+    return _load
