@@ -19,13 +19,8 @@ from verispec.registry import Registry
 from verispec.sampling import SamplingParams
 from verispec.server import create_app
 from verispec.testing import toy_plugin
-from verispec.testing.toy import write_toy_gguf
+from verispec.testing.toy import CHAT_TEMPLATE, write_toy_gguf
 
-#: the assistant turn renders as the generation prompt plus the answer, so a conversation's
-#: next turn starts with the tokens the previous one left in the cache.
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
-                 "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
 PROMPT = "the cat sat on the mat. the cat"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "where is the cat?"}]
 CONTEXT = 128

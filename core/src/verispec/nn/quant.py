@@ -97,27 +97,37 @@ class BFloat16Linear(Float32Linear):
 
 
 class Int8Linear(Float32Linear):
-    """int8 weight [out, in] + bf16 per-output-channel scales [out]; bf16 activations."""
+    """int8 weight [out, in'] + bf16 per-output-channel scales [out]; bf16 activations.
+
+    in' is `in` rounded up to a multiple of 16 with zero columns: the kernel crashes on
+    other row lengths once n >= 2 (torch 2.13 CPU); real models never need the padding.
+    """
 
     batch_invariant = True
+    k_multiple = 16
 
     def __init__(self, in_features: int, out_features: int, *, device=None):
         nn.Module.__init__(self)
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.padded_in = -(-in_features // self.k_multiple) * self.k_multiple
+        self.register_buffer("weight", torch.empty(out_features, self.padded_in, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.empty(out_features, dtype=torch.bfloat16, device=device))
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int8Linear:
         module = cls(weight.shape[1], weight.shape[0], device="meta")
-        module.weight, module.scales = quantize_int8(weight)
+        q, module.scales = quantize_int8(weight)
+        module.weight = F.pad(q, (0, module.padded_in - module.in_features)).contiguous()
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales).float()
+        x = x.to(torch.bfloat16)
+        if self.padded_in != self.in_features:
+            x = F.pad(x, (0, self.padded_in - self.in_features))
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales).float()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight[ids].float() * self.scales[ids].float()[:, None]
+        return self.weight[ids, :self.in_features].float() * self.scales[ids].float()[:, None]
 
 
 LINEAR_CLASSES: dict[str, type[Float32Linear]] = {

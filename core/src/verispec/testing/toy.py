@@ -187,6 +187,14 @@ def oracle_speculator(reference: Sequence[int], *, correct: int | None = None, v
     return ScriptedSpeculator(script, max_draft_tokens=max_draft_tokens)
 
 
+#: a minimal chat template for toy GGUFs (`write_toy_gguf(..., chat_template=CHAT_TEMPLATE)`):
+#: `<role>content` lines; an assistant turn renders as the generation prompt, the answer and
+#: EOS, so a conversation's next turn starts with the tokens the previous one left in the cache.
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                 "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
 def write_toy_gguf(path, *, vocab_size: int = 300, dim: int = 16, recurrent: bool = True, seed: int = 0,
                    context_length: int = 512, chat_template: str | None = None) -> str:
     """A GGUF (architecture "toy", no tensors: weights come from `seed`) with a byte-level
