@@ -119,12 +119,11 @@ def format_table(rows: list[dict]) -> str:
 
 def run_bench(args) -> int:
     """CLI entry: load once, warm up, compare every scenario, print a table or JSON."""
-    from verispec.api import load
-    from verispec.cli import spec_options
+    from verispec.cli import load_engine, spec_options
 
     spec = spec_options(args)
     scenarios = load_scenarios(args.scenario)
-    engine = load(args.model, dtype=args.dtype, threads=args.threads, context_length=args.context_length, spec=spec)
+    engine = load_engine(args)
     warm = {"name": "warm-up", "kind": "short", "max_new_tokens": 8, "prompt": "Warm up."}
     compare(engine, warm, spec)
     rows = []

@@ -20,16 +20,19 @@ from verispec.tokenizer import TokenizerError
 HELP = "/reset starts a new conversation; end of input (Ctrl-D) exits"
 
 
-def run_chat(engine: InferenceEngine, *, sampling: SamplingParams = SamplingParams(), max_tokens: int = 512,
+def run_chat(engine: InferenceEngine, *, sampling: SamplingParams | None = None, max_tokens: int = 512,
              stop: Sequence[str] = (), ignore_eos: bool = False, stdin: TextIO | None = None,
              stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     """Read user turns from `stdin` until it ends; stream each answer to `stdout`.
+
+    sampling: how every turn draws (default greedy); max_tokens, stop, ignore_eos: per turn.
 
     Returns the exit status: 0, or 2 when the model has no chat template. A turn the
     engine rejects (e.g. the conversation outgrew the context) is reported on stderr and
     left out of the conversation.
     """
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    sampling = sampling or SamplingParams()
     try:
         engine.tokenizer.render_chat([{"role": "user", "content": ""}])
     except TokenizerError as e:

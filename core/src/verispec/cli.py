@@ -123,6 +123,21 @@ def spec_options(args):
                        adaptive=args.spec_adaptive == "on")
 
 
+def sampling_params(args):
+    from verispec.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                          presence_penalty=args.presence_penalty, seed=args.seed)
+
+
+def load_engine(args):
+    from verispec.api import load
+
+    return load(args.model, dtype=args.dtype, threads=args.threads, context_length=args.context_length,
+                spec=spec_options(args))
+
+
 def cmd_plugins(args) -> int:
     from verispec.registry import Registry, format_plugin_table
 
@@ -132,14 +147,8 @@ def cmd_plugins(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from verispec.api import load
-    from verispec.sampling import SamplingParams
-
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                              repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                              presence_penalty=args.presence_penalty, seed=args.seed)
-    engine = load(args.model, dtype=args.dtype, threads=args.threads, context_length=args.context_length,
-                  spec=spec_options(args))
+    sampling = sampling_params(args)
+    engine = load_engine(args)
     generation = engine.generate(args.prompt, max_tokens=args.max_tokens, sampling=sampling, stop=args.stop,
                                  ignore_eos=args.ignore_eos, chat=args.chat)
     for event in generation:
@@ -167,15 +176,10 @@ def cmd_bench(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from verispec.api import load
     from verispec.chat import run_chat
-    from verispec.sampling import SamplingParams
 
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                              repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                              presence_penalty=args.presence_penalty, seed=args.seed)
-    engine = load(args.model, dtype=args.dtype, threads=args.threads, context_length=args.context_length,
-                  spec=spec_options(args))
+    sampling = sampling_params(args)
+    engine = load_engine(args)
     return run_chat(engine, sampling=sampling, max_tokens=args.max_tokens, stop=args.stop,
                     ignore_eos=args.ignore_eos)
 
@@ -185,10 +189,8 @@ def cmd_serve(args) -> int:
         from verispec.server import serve
     except ImportError as e:
         raise CliError(f"verispec serve needs FastAPI and uvicorn ({e}); pip install 'verispec[serve]'") from None
-    from verispec.api import load
 
-    engine = load(args.model, dtype=args.dtype, threads=args.threads, context_length=args.context_length,
-                  spec=spec_options(args))
+    engine = load_engine(args)
     serve(engine, host=args.host, port=args.port, model_name=args.model or "default")
     return 0
 

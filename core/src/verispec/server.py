@@ -8,7 +8,8 @@
 One request at a time: the engine holds a single sequence (its KV cache and the prefix the
 next request may reuse), so an asyncio.Lock admits one generation and the others wait their
 turn. The engine runs in a worker thread, so /health answers meanwhile; a client that leaves
-mid-stream frees the engine after the token being computed. Speculation is the server's policy (the --spec* flags of `verispec serve`), never a request's.
+mid-stream frees the engine once the step under way ends. Speculation is the server's policy
+(the --spec* flags of `verispec serve`), never a request's.
 
 Request fields, as OpenAI's API: max_tokens (completions: 16 by default, as OpenAI; chat:
 until a stop or a full context; `max_completion_tokens` is its newer name), temperature
@@ -21,7 +22,8 @@ logit_bias, tools, a non-text response_format) answer 400, never a silent ignore
 
 Responses carry `usage` (prompt_tokens, completion_tokens, total_tokens), the engine's
 finish_reason ("stop" | "length"), and an extension object `verispec` (reused prefix,
-time to first token, speculator, drafted/accepted tokens, governor line).
+time to first token, speculator, drafted/accepted tokens, governor line). Logprobs are the
+engine's processed logprobs (verispec.sampling); a token's text is its own decoding.
 
 Errors: a request the engine or the sampler rejects (a prompt longer than the context, a
 sampling value out of range, no chat template, malformed JSON) answers HTTP 400 with
@@ -179,7 +181,7 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec") -> Fast
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
         return _error(f"invalid request: {problems}")
 
-    @app.exception_handler(ValueError)  # ContextOverflow, SamplingParams, RequestRejected, jinja2 / tokenizer below
+    @app.exception_handler(ValueError)  # RequestRejected, SamplingParams, the engine (max_tokens, empty prompt)
     async def _rejected(request: Request, exc: ValueError):
         return _error(str(exc), getattr(exc, "param", None), getattr(exc, "code", None))
 

@@ -31,9 +31,9 @@ def test_fp32_logits_match_transformers(load_tiny, hf_logits):
     torch.testing.assert_close(ours, hf_logits, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("dtype, atol", [("bfloat16", 0.15), ("int8", 0.15)])
+@pytest.mark.parametrize("dtype, atol", [("bfloat16", 0.15), ("int8", 0.3)])
 def test_reduced_precision_stays_near_fp32(load_tiny, hf_logits, dtype, atol):
-    # bf16-rounded matmul inputs/outputs and int8 weights: a loose sanity bound, not parity
+    # bf16-rounded matmul inputs/outputs and int8 weights: a loose sanity bound (logits span ±5), not parity
     ours = _our_logits(load_tiny(dtype))
     torch.testing.assert_close(ours, hf_logits, atol=atol, rtol=0)
 

@@ -14,7 +14,7 @@ import torch
 TINY_GEMMA3 = dict(vocab_size=131, hidden_size=48, intermediate_size=37, num_hidden_layers=7,
                    num_attention_heads=3, num_key_value_heads=1, head_dim=16, sliding_window=8,
                    query_pre_attn_scalar=16,  # llama.cpp scales by head_dim^-0.5 (no GGUF key for it)
-                   max_position_embeddings=160, rms_norm_eps=1e-6)
+                   max_position_embeddings=512, rms_norm_eps=1e-6)
 
 # HF parameter name (layer i) -> GGUF tensor name.
 GEMMA3_HF_TO_GGUF = {

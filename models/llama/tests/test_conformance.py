@@ -29,7 +29,7 @@ class TestLlamaConformance(TargetConformance):
 
 def test_declarations_are_truthful(loaded):
     assert isinstance(loaded, SpeculativeTarget)
-    assert declared(loaded, "spec_batch_invariant") == (loaded.weight_dtype != "float32")
+    assert declared(loaded, "spec_batch_invariant") == (loaded.dtype != "float32")
     assert declared(loaded, "spec_has_recurrent_state") is False
     assert declared(loaded, "spec_verify_persists_accepted_kv") is True
     assert declared(loaded, "speculation_refusal") is None

@@ -36,12 +36,12 @@ from verispec.nn.attention import attend
 from verispec.nn.kv_cache import LinearKVCache, ModelKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
-from verispec.nn.quant import linear_class, swap_linears
+from verispec.nn.quant import canonical_dtype, swap_linears
 from verispec.nn.rope import RotaryEmbedding, default_inv_freq, freq_factors, linear_scaling
 from verispec.nn.trunk import KVTrunk
 
-__all__ = ["LlamaConfig", "LlamaForCausalLM", "UnsupportedLlamaVariant", "ROPE_STYLES",
-           "PREFERRED_DRAFT_WINDOW"]
+__all__ = ["LlamaConfig", "LlamaModel", "LlamaForCausalLM", "UnsupportedLlamaVariant", "Int8ShapeUnsupported",
+           "ROPE_STYLES", "PREFERRED_DRAFT_WINDOW"]
 
 #: GGUF general.architecture -> RoPE pairing of its q/k rows (see the module docstring).
 ROPE_STYLES = {"llama": "normal", "qwen2": "neox"}
@@ -214,70 +214,78 @@ class LlamaDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
-class LlamaForCausalLM(KVTrunk):
-    """The llama/qwen2 trunk: a `KVTrunk` (the SpeculativeTarget seam) over this math.
+class LlamaModel(nn.Module):
+    """embed_tokens (also the tied LM head), layers, final norm, RoPE: HF's submodule names."""
 
-    Built empty on the meta device with `dtype`'s linear modules; fill it with
-    `load_state_dict(state, assign=True)` (the loader does). Module names are transformers'
-    without the `model.` prefix: embed_tokens, layers.{i}.self_attn.{q,k,v,o}_proj,
-    layers.{i}.mlp.{gate,up,down}_proj, input_layernorm, post_attention_layernorm, norm,
-    lm_head (None when tied to embed_tokens); biases are self_attn.{q,k,v,o}_bias.
+    def __init__(self, config: LlamaConfig, *, device=None):
+        super().__init__()
+        c = config
+        # The embedding table is a linear [V, D] read by rows, so a tied LM head is this same
+        # module (one copy in any weight dtype).
+        self.embed_tokens = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device=device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, device=device) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(default_inv_freq(c.rotary_dim, c.rope_theta), style=c.rope_style,
+                                          scaling=_rope_scaling(c))
+
+
+class LlamaForCausalLM(KVTrunk):
+    """The llama/qwen2 trunk: a `SpeculativeTarget` (see verispec.nn.trunk.KVTrunk for the seam).
+
+    dtype: weight dtype ("int8" | "bfloat16" | "float32", see verispec.nn.quant).
+    max_rows_per_forward: longer inputs run in chunks this long (exact for batch-invariant
+      dtypes; at most 32 keeps bf16 invariant on AVX-512 machines, nn.quant).
+    context_length: max positions (default: the GGUF's context_length).
+    Built on the meta device; `load_state_dict(state, assign=True)` fills the weights. Module
+    names are transformers' (model.embed_tokens, model.layers.{i}.self_attn.q_proj, ...,
+    lm_head); lm_head is None when tied; biases are model.layers.{i}.self_attn.{q,k,v,o}_bias.
     """
 
-    def __init__(self, config: LlamaConfig, *, dtype: str = "int8", max_context_length: int | None = None,
-                 max_rows_per_forward: int = 128):
+    def __init__(self, config: LlamaConfig, *, dtype: str = "int8", max_rows_per_forward: int = 32,
+                 context_length: int | None = None, device="meta"):
         super().__init__()
+        dtype = canonical_dtype(dtype)
         _check_int8_shapes(config, dtype)
-        self.config = config
-        self.weight_dtype = dtype
-        self.vocab_size = config.vocab_size
-        self.hidden_size = config.hidden_size
-        self.num_layers = config.num_hidden_layers
-        self.max_context_length = max_context_length or config.max_position_embeddings
+        c = self.config = config
+        self.dtype = dtype
+        self.vocab_size, self.hidden_size, self.num_layers = c.vocab_size, c.hidden_size, c.num_hidden_layers
+        self.max_context_length = int(context_length or c.max_position_embeddings)
         self.max_rows_per_forward = max_rows_per_forward
-        # The embedding table is a linear [V, D] read by rows, so a tied LM head is the same
-        # module (one copy in any weight dtype).
-        self.embed_tokens = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, device="meta") for _ in range(self.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # None when tied: the LM head is embed_tokens (a second registration of one module
-        # would hide it from swap_linears and duplicate it in the state dict).
-        self.lm_head = None if config.tie_word_embeddings else \
-            nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
-        self.rotary_emb = RotaryEmbedding(default_inv_freq(config.rotary_dim, config.rope_theta),
-                                          style=config.rope_style, scaling=_rope_scaling(config))
-        self.kv_cache = ModelKVCache([
-            LinearKVCache(config.num_key_value_heads, config.head_dim, max_positions=self.max_context_length)
-            for _ in range(self.num_layers)])
+        self.model = LlamaModel(c, device=device)
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False,
+                                                                    device=device)
         swap_linears(self, dtype)
+        self.kv_cache = ModelKVCache([
+            LinearKVCache(c.num_key_value_heads, c.head_dim, max_positions=self.max_context_length)
+            for _ in range(self.num_layers)])
 
     @property
     def spec_preferred_draft_window(self) -> int:
-        return PREFERRED_DRAFT_WINDOW[self.weight_dtype]
+        return PREFERRED_DRAFT_WINDOW[self.dtype]
 
     def _forward_chunk(self, tokens: torch.Tensor, start_pos: int, *, logit_rows: str | None, hidden: bool):
         """tokens int64 [n] at positions start_pos..; returns (logits fp32 [1 | n, V] or None,
         hidden taps fp32 [n, F] or None). Taps: final-normed rows, or the residual rows
         entering `hidden_tap_layers` (index L = after the last layer), concatenated."""
+        m = self.model
         n = tokens.numel()
-        cos, sin = self.rotary_emb.cos_sin(torch.arange(start_pos, start_pos + n))  # [n, r/2]
-        hidden_states = self.embed_tokens.rows(tokens)  # [n, D]
-        taps = self.hidden_tap_layers if hidden else None
-        entering: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            if taps is not None and i in taps:
-                entering[i] = hidden_states
-            hidden_states = layer(hidden_states, self.rotary_emb, cos, sin, self.kv_cache[i], start_pos)
-        entering[self.num_layers] = hidden_states
-        normed = self.norm(hidden_states)  # [n, D]
-        if logit_rows is None:
-            logits = None
-        else:
-            head = self.embed_tokens if self.lm_head is None else self.lm_head
+        cos, sin = m.rotary_emb.cos_sin(torch.arange(start_pos, start_pos + n))  # [n, r/2]
+        x = m.embed_tokens.rows(tokens)  # [n, D] fp32
+        taps = {}  # layer index -> residual rows entering it [n, D]
+        for i, layer in enumerate(m.layers):
+            taps[i] = x
+            x = layer(x, m.rotary_emb, cos, sin, self.kv_cache[i], start_pos)
+        taps[self.num_layers] = x
+        normed = m.norm(x)  # [n, D]
+        logits = None
+        if logit_rows is not None:
+            head = m.embed_tokens if self.lm_head is None else self.lm_head
             logits = head(normed if logit_rows == "all" else normed[-1:])  # [n | 1, V]
         if not hidden:
             return logits, None
-        return logits, normed if taps is None else torch.cat([entering[i] for i in taps], dim=-1)  # [n, F]
+        if self.hidden_tap_layers is None:
+            return logits, normed
+        return logits, torch.cat([taps[i] for i in self.hidden_tap_layers], dim=-1)  # [n, D·taps]
 
 
 def _rope_scaling(config: LlamaConfig):
@@ -313,7 +321,6 @@ class Int8ShapeUnsupported(ValueError):
 
 
 def _check_int8_shapes(config: LlamaConfig, dtype: str) -> None:
-    linear_class(dtype)  # raises UnknownWeightDtype naming the choices
     if dtype != "int8":
         return
     sizes = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
