@@ -10,7 +10,18 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import torch  # noqa: E402
 from tiny_gemma import make_hf_gemma3, write_gemma3_gguf  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared 2-core box OpenMP's spin-waits
+    make each forward ~100x slower while other processes run; restored after each module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

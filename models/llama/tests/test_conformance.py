@@ -49,3 +49,20 @@ def test_rewind_to_zero_empties_the_cache(loaded):
     assert torch.equal(loaded.forward(torch.tensor([3, 4, 5])), first)
     loaded.reset()
     assert loaded.cache_seq_len == 0
+
+
+def test_long_prefill_rows_equal_one_row_decodes(loaded):
+    """A prefill longer than max_rows_per_forward (several chunks) gives each row the bits of
+    a one-row decode when the dtype is declared batch-invariant."""
+    import torch
+
+    tokens = torch.randint(0, loaded.vocab_size, (loaded.max_rows_per_forward + 9,),
+                           generator=torch.Generator().manual_seed(3))
+    loaded.spec_rewind_cache(0)
+    together = loaded.spec_forward(tokens, hidden=False, all_logits=True).logits
+    loaded.spec_rewind_cache(0)
+    alone = torch.stack([loaded.forward(tokens[i:i + 1]) for i in range(tokens.numel())])
+    if declared(loaded, "spec_batch_invariant"):
+        assert torch.equal(together, alone)
+    else:
+        torch.testing.assert_close(together, alone, atol=1e-4, rtol=0)

@@ -1,9 +1,9 @@
-"""GGUF -> config -> module for gemma3 (and gemma4) files: I/O only, no math beyond dequantise.
+"""GGUF -> config -> module for gemma3 and gemma4 files: I/O only, no math beyond dequantise.
 
 `load(path, dtype=..., context_length=...)` is the TargetSpec loader. Steps:
 1. `GGUFFile.open` (verispec.gguf_io): metadata and the tensor table.
-2. `Gemma3Config.from_gguf_metadata` and a model on the meta device.
-3. Weights: one name table (GGUF name -> HF-style parameter name); each tensor dequantised
+2. `Gemma3Config` / `Gemma4Config.from_gguf_metadata` and a model on the meta device.
+3. Weights: one name table per family (GGUF name -> HF-style parameter name); each tensor dequantised
    to fp32 (gguf.quants), shape-checked, converted to the chosen weight dtype one at a time
    (nn.quant), then `load_state_dict(assign=True)`.
    Dequantising Q4_K/Q5_0 and requantising takes seconds, so the converted state is saved
@@ -18,13 +18,14 @@ import os
 import time
 from pathlib import Path
 
+import attrs
 import torch
 
-from verispec.gguf_io import BadTensorShape, GGUFFile, MissingTensor
-from verispec.nn.norm import RMSNorm
+from verispec.gguf_io import GGUFFile, MissingTensor
 from verispec.nn.quant import Float32Linear, canonical_dtype
 
 from verispec_gemma4.modeling_gemma3 import Gemma3Config, Gemma3ForCausalLM
+from verispec_gemma4.modeling_gemma4 import Gemma4Config, Gemma4ForCausalLM
 
 #: weight dtype when the caller does not choose one. int8 weight-only: batch-invariant (a
 #: verify row is bitwise the one-row decode), the fastest decode and the cheapest k-row verify
@@ -52,6 +53,46 @@ GEMMA3_TENSOR_NAMES = {
     "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
 }
 
+#: gemma4 (llama.cpp src/models/gemma4 loader, gguf-py MODEL_TENSORS[GEMMA4]; reference/gemma4.md §2.3).
+#: Norms are stored as w (no +1). KV-shared layers have no attn_k/attn_v/attn_k_norm; full layers
+#: of K=V models no attn_v (the model then builds no v_proj, so neither is looked up).
+#: Source syntax: "name[e]" = expert e's slice of a 3-D tensor [E, ...]; "a+b" = a and b stacked
+#: along rows; "x or y" = y when x is absent; a trailing "?" = optional (the module's default, 1).
+GEMMA4_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output.weight": "lm_head.weight",
+    "output_norm.weight": "model.norm.weight",
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+    "blk.{i}.layer_output_scale.weight?": "model.layers.{i}.layer_scalar",
+    "blk.{i}.inp_gate.weight": "model.layers.{i}.per_layer_input_gate.weight",
+    "blk.{i}.proj.weight": "model.layers.{i}.per_layer_projection.weight",
+    "blk.{i}.post_norm.weight": "model.layers.{i}.post_per_layer_input_norm.weight",
+    "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.router.proj.weight",
+    "blk.{i}.ffn_gate_inp.scale": "model.layers.{i}.router.scale",
+    "blk.{i}.ffn_down_exps.scale?": "model.layers.{i}.router.per_expert_scale",
+    "blk.{i}.pre_ffw_norm_2.weight": "model.layers.{i}.pre_feedforward_layernorm_2.weight",
+    "blk.{i}.post_ffw_norm_1.weight": "model.layers.{i}.post_feedforward_layernorm_1.weight",
+    "blk.{i}.post_ffw_norm_2.weight": "model.layers.{i}.post_feedforward_layernorm_2.weight",
+    "blk.{i}.ffn_gate_up_exps.weight[e] or blk.{i}.ffn_gate_exps.weight[e]+blk.{i}.ffn_up_exps.weight[e]":
+        "model.layers.{i}.experts.gate_up_proj.{e}.weight",
+    "blk.{i}.ffn_down_exps.weight[e]": "model.layers.{i}.experts.down_proj.{e}.weight",
+}
+
 _CACHE_FORMAT = 1  # bump when the converted layout changes: old cache files are then ignored
 _CACHE_MIN_SECONDS = 1.0  # conversions faster than this are not worth a cache file
 
@@ -65,10 +106,11 @@ class UnsupportedArchitecture(ValueError):
 def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: int | None = None,
          threads: int | None = None, max_rows_per_forward: int = 16, use_cache: bool = True,
          tokenizer: bool = True, progress: bool | None = None):
-    """Load a gemma3 GGUF as a `Gemma3ForCausalLM` trunk.
+    """Load a gemma3 or gemma4 GGUF as a `Gemma3ForCausalLM` / `Gemma4ForCausalLM` trunk.
 
     dtype: "int8" (default) | "bfloat16"/"bf16" | "float32"/"fp32".
     context_length: max positions (default: the file's context_length).
+    max_rows_per_forward: chunk length and ring slack (see Gemma3ForCausalLM).
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
     Raises gguf_io errors (MissingTensor, BadTensorShape, ...), UnsupportedArchitecture,
@@ -80,14 +122,17 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
         torch.set_num_threads(threads)
     gguf = GGUFFile.open(path)
     arch = gguf.architecture
-    if arch != "gemma3":
+    options = dict(dtype=dtype, context_length=context_length, max_rows_per_forward=max_rows_per_forward)
+    if arch == "gemma3":
+        config = Gemma3Config.from_gguf_metadata(gguf.metadata, vocab_size=_rows(gguf, "token_embd.weight"),
+                                                 tie_word_embeddings="output.weight" not in gguf)
+        model, table = Gemma3ForCausalLM(config, **options), GEMMA3_TENSOR_NAMES
+    elif arch == "gemma4":
+        config = _gemma4_config(gguf)
+        model, table = Gemma4ForCausalLM(config, **options), GEMMA4_TENSOR_NAMES
+    else:
         raise UnsupportedArchitecture(path, arch)
-    vocab_size = gguf.tensor_info("token_embd.weight").shape[0]
-    config = Gemma3Config.from_gguf_metadata(gguf.metadata, vocab_size=vocab_size,
-                                             tie_word_embeddings="output.weight" not in gguf)
-    model = Gemma3ForCausalLM(config, dtype=dtype, context_length=context_length,
-                              max_rows_per_forward=max_rows_per_forward)
-    names = expand_names(GEMMA3_TENSOR_NAMES, config.num_hidden_layers)
+    names = expand_names(table, config.num_hidden_layers, getattr(config, "num_experts", 0))
     model.load_state_dict(_converted_state(gguf, model, names, dtype, use_cache, progress), assign=True)
     model.eval()
     if tokenizer:
@@ -97,44 +142,100 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     return model
 
 
-def expand_names(table: dict[str, str], num_layers: int) -> dict[str, str]:
-    """Our parameter name -> GGUF tensor name, with "{i}" expanded for every layer."""
+def _rows(gguf: GGUFFile, name: str) -> int:
+    return gguf.tensor_info(name).shape[0]
+
+
+def _gemma4_config(gguf: GGUFFile) -> Gemma4Config:
+    """Metadata plus what only the tensor table says (vocab sizes, rope_freqs, K=V, tying)."""
+    config = Gemma4Config.from_gguf_metadata(gguf.metadata, vocab_size=_rows(gguf, "token_embd.weight"))
+    full = [i for i, t in enumerate(config.layer_types) if t == "full_attention" and i < config.first_kv_shared_layer]
+    return attrs.evolve(
+        config,
+        full_rope_freq_factors=tuple(gguf.tensor("rope_freqs.weight").tolist()) if "rope_freqs.weight" in gguf else None,
+        vocab_size_per_layer_input=_rows(gguf, "per_layer_token_embd.weight") if "per_layer_token_embd.weight" in gguf else 0,
+        attention_k_eq_v=bool(full) and f"blk.{full[0]}.attn_v.weight" not in gguf,
+        tie_word_embeddings="output.weight" not in gguf,
+    )
+
+
+def expand_names(table: dict[str, str], num_layers: int, num_experts: int = 0) -> dict[str, str]:
+    """Our parameter name -> GGUF source, "{i}" expanded per layer and "{e}" per expert
+    (source "name[e]" = expert e's slice of a 3-D tensor)."""
     out = {}
     for gguf_name, ours in table.items():
-        if "{i}" in gguf_name:
-            for i in range(num_layers):
-                out[ours.format(i=i)] = gguf_name.format(i=i)
-        else:
-            out[ours] = gguf_name
+        for i in range(num_layers) if "{i}" in gguf_name else [None]:
+            for e in range(num_experts) if "{e}" in ours else [None]:
+                source = gguf_name.replace("{i}", str(i)).replace("[e]", f"[{e}]")
+                out[ours.format(i=i, e=e)] = source
     return out
 
 
 def convert_state(gguf: GGUFFile, model: torch.nn.Module, names: dict[str, str],
                   progress: bool | None = None) -> dict[str, torch.Tensor]:
     """The model's state dict read from `gguf`: each linear converted to its module's weight
-    dtype, each norm weight fp32 as stored. Raises MissingTensor, BadTensorShape."""
+    dtype (nn.quant), every other tensor (norms, scalars) fp32 as stored.
+    Raises MissingTensor, BadTensorShape."""
     from tqdm.auto import tqdm
 
-    expected = {}  # parameter name -> (module, torch-order shape)
-    for prefix, module in model.named_modules():
-        if isinstance(module, (Float32Linear, RMSNorm)) and getattr(module, "weight", None) is not None:
-            shape = (module.out_features, module.in_features) if isinstance(module, Float32Linear) else (module.dim,)
-            expected[f"{prefix}.weight"] = (module, shape)
+    linears = {prefix: m for prefix, m in model.named_modules() if isinstance(m, Float32Linear)}
+    defaults = model.state_dict()
+    jobs = {f"{prefix}.weight": (m, (m.out_features, m.in_features)) for prefix, m in linears.items()}
+    for name, value in defaults.items():
+        if name.rsplit(".", 1)[0] not in linears:
+            jobs[name] = (None, tuple(value.shape))
+    reader = _TensorReader(gguf)
     state = {}
-    arch = gguf.architecture
-    for name, (module, shape) in tqdm(expected.items(), desc="converting weights", unit="tensor",
+    for name, (module, shape) in tqdm(jobs.items(), desc="converting weights", unit="tensor",
                                       disable=None if progress is None else not progress, delay=1.0):
-        if name not in names:
-            raise MissingTensor(f"<no GGUF name for {name}>", arch, gguf.path)
-        info = gguf.expect_shape(names[name], shape)
-        tensor = gguf.tensor(info.name)
-        if isinstance(module, Float32Linear):
+        source = names.get(name)
+        if source is None:
+            raise MissingTensor(f"<no GGUF name for {name}>", gguf.architecture, gguf.path)
+        tensor = reader.read(source, shape)
+        if tensor is None:  # optional and absent: keep the module's default
+            state[name] = defaults[name].clone()
+        elif module is not None:
             prefix = name.rsplit(".", 1)[0]
             for key, value in type(module).from_float(tensor).state_dict().items():
                 state[f"{prefix}.{key}"] = value
         else:
             state[name] = tensor.float()
     return state
+
+
+class _TensorReader:
+    """Reads one table source (syntax above) as fp32 in torch order, shape-checked."""
+
+    def __init__(self, gguf: GGUFFile):
+        self.gguf = gguf
+        self._stacked: dict[str, torch.Tensor] = {}  # the last 3-D expert tensor, dequantised once
+
+    def read(self, source: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        optional = source.endswith("?")
+        alternatives = source.rstrip("?").split(" or ")
+        for alternative in alternatives:
+            parts = alternative.split("+")
+            if all(self._base(p) in self.gguf for p in parts):
+                if len(parts) == 1:
+                    return self._part(parts[0], shape)
+                rows = shape[0] // len(parts)
+                return torch.cat([self._part(p, (rows, *shape[1:])) for p in parts])
+        if optional:
+            return None
+        raise MissingTensor(self._base(alternatives[0].split("+")[0]), self.gguf.architecture, self.gguf.path)
+
+    @staticmethod
+    def _base(part: str) -> str:
+        return part.split("[")[0]
+
+    def _part(self, part: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if not part.endswith("]"):
+            return self.gguf.tensor(self.gguf.expect_shape(part, shape).name)
+        base, index = part[:-1].split("[")
+        if base not in self._stacked:
+            self.gguf.expect_shape(base, (self.gguf.tensor_info(base).shape[0], *shape))
+            self._stacked = {base: self.gguf.tensor(base)}
+        return self._stacked[base][int(index)]
 
 
 def _converted_state(gguf: GGUFFile, model, names, dtype: str, use_cache: bool, progress):

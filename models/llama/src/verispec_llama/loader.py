@@ -68,12 +68,13 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
 def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: int | None = None,
-         threads: int | None = None, max_rows_per_forward: int = 32, use_cache: bool = True,
+         threads: int | None = None, max_rows_per_forward: int | None = None, use_cache: bool = True,
          tokenizer: bool = True, progress: bool | None = None) -> LlamaForCausalLM:
     """Load a llama or qwen2 GGUF as a `LlamaForCausalLM` trunk.
 
     dtype: "int8" (default) | "bfloat16"/"bf16" | "float32"/"fp32".
     context_length: max positions (default: the file's context_length).
+    max_rows_per_forward: forward chunk (default: modeling_llama.MAX_ROWS_PER_FORWARD[dtype]).
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
     Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...),

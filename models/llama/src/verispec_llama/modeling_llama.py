@@ -41,7 +41,7 @@ from verispec.nn.rope import RotaryEmbedding, default_inv_freq, freq_factors, li
 from verispec.nn.trunk import KVTrunk
 
 __all__ = ["LlamaConfig", "LlamaModel", "LlamaForCausalLM", "UnsupportedLlamaVariant", "Int8ShapeUnsupported",
-           "ROPE_STYLES", "PREFERRED_DRAFT_WINDOW"]
+           "ROPE_STYLES", "PREFERRED_DRAFT_WINDOW", "MAX_ROWS_PER_FORWARD"]
 
 #: GGUF general.architecture -> RoPE pairing of its q/k rows (see the module docstring).
 ROPE_STYLES = {"llama": "normal", "qwen2": "neox"}
@@ -50,6 +50,12 @@ ROPE_STYLES = {"llama": "normal", "qwen2": "neox"}
 #: SmolLM2-135M (2 threads, ~450 cached positions; see README.md "Verify cost"): the largest
 #: K whose (K+1)-row verify stays under ~1.6x one row (int8), or the fp32 sweet spot.
 PREFERRED_DRAFT_WINDOW = {"int8": 4, "float32": 8, "bfloat16": 1}
+
+
+#: Rows per forward chunk. bf16 F.linear is batch-invariant only up to 32 rows (measured here,
+#: AVX2: 33+ rows change the bits); int8pack_mm is invariant at any row count, and fp32 is not
+#: invariant anyway, so they take 64 (prefill of 450 rows: 64-row chunks ~13 % faster than 32).
+MAX_ROWS_PER_FORWARD = {"bfloat16": 32, "int8": 64, "float32": 64}
 
 
 class UnsupportedLlamaVariant(ValueError):
@@ -234,14 +240,14 @@ class LlamaForCausalLM(KVTrunk):
 
     dtype: weight dtype ("int8" | "bfloat16" | "float32", see verispec.nn.quant).
     max_rows_per_forward: longer inputs run in chunks this long (exact for batch-invariant
-      dtypes; at most 32 keeps bf16 invariant on AVX-512 machines, nn.quant).
+      dtypes); default MAX_ROWS_PER_FORWARD[dtype].
     context_length: max positions (default: the GGUF's context_length).
     Built on the meta device; `load_state_dict(state, assign=True)` fills the weights. Module
     names are transformers' (model.embed_tokens, model.layers.{i}.self_attn.q_proj, ...,
     lm_head); lm_head is None when tied; biases are model.layers.{i}.self_attn.{q,k,v,o}_bias.
     """
 
-    def __init__(self, config: LlamaConfig, *, dtype: str = "int8", max_rows_per_forward: int = 32,
+    def __init__(self, config: LlamaConfig, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
                  context_length: int | None = None, device="meta"):
         super().__init__()
         dtype = canonical_dtype(dtype)
@@ -250,7 +256,7 @@ class LlamaForCausalLM(KVTrunk):
         self.dtype = dtype
         self.vocab_size, self.hidden_size, self.num_layers = c.vocab_size, c.hidden_size, c.num_hidden_layers
         self.max_context_length = int(context_length or c.max_position_embeddings)
-        self.max_rows_per_forward = max_rows_per_forward
+        self.max_rows_per_forward = max_rows_per_forward or MAX_ROWS_PER_FORWARD[dtype]
         self.model = LlamaModel(c, device=device)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False,
                                                                     device=device)

