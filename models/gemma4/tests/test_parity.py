@@ -6,7 +6,6 @@ The sequence (70 tokens) crosses the sliding window (8), the rings (8 + 16 - 1 s
 import pytest
 import torch
 from tiny_gemma import TINY_GEMMA3, make_hf_gemma3, token_ids, write_gemma3_gguf
-
 from verispec.gguf_io import BadTensorShape, MissingTensor
 
 NUM_PREFILL, NUM_DECODE = 60, 10
@@ -87,7 +86,6 @@ def test_missing_tensor_names_the_tensor(tmp_path, hf_gemma3):
 
 def test_wrong_shape_names_the_tensor(tmp_path, hf_gemma3):
     from tiny_gemma import gemma3_gguf_metadata, gemma3_gguf_tensors
-
     from verispec.testing.fixture_writer import write_gguf
     from verispec_gemma4.loader import load
 

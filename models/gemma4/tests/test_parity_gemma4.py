@@ -6,7 +6,6 @@ layer scalars, final softcap). 70 tokens cross the window (8) and the full layer
 import pytest
 import torch
 from tiny_gemma import TINY_GEMMA4_MOE, TINY_GEMMA4_PLE, make_hf_gemma4, token_ids, write_gemma4_gguf
-
 from verispec_gemma4.loader import load
 
 NUM_PREFILL, NUM_DECODE = 60, 10
@@ -25,7 +24,8 @@ def tiny(request, tmp_path_factory):
 
 
 def _load(path, dtype, **options):
-    return load(path, dtype=dtype, use_cache=False, tokenizer=False, **options)
+    rows = {"max_rows_per_forward": 16, "max_verify_rows": 16}  # rings of 23 slots: wrapped by 70 tokens
+    return load(path, dtype=dtype, use_cache=False, tokenizer=False, **{**rows, **options})
 
 
 def test_fp32_logits_match_transformers(tiny):
@@ -54,7 +54,7 @@ def test_verify_rows_are_bitwise_one_row_decodes(tiny, dtype):
 
 def test_rollback_past_the_window_equals_a_plain_run(tiny):
     path, ids, _, _ = tiny
-    model = _load(path, "int8", max_rows_per_forward=9)
+    model = _load(path, "int8", max_rows_per_forward=9, max_verify_rows=9)
     model.forward(ids[:30])
     wrong = (ids[31:39] + 1) % model.vocab_size
     model.spec_forward(torch.cat([ids[30:31], wrong]), hidden=False, all_logits=True)

@@ -114,7 +114,7 @@ def test_float32_matches_transformers(gguf_path, prompt, hf_reference):
 @pytest.mark.parametrize("dtype, atol", [("bfloat16", 1.0), ("int8", 3.0)])
 def test_reduced_precision_stays_close_to_transformers(gguf_path, prompt, hf_reference, dtype, atol):
     hf_logits, continuation, hf_decodes = hf_reference
-    logits, last, decodes = _ours(gguf_path, prompt, dtype, continuation[:-1])
+    logits, _, decodes = _ours(gguf_path, prompt, dtype, continuation[:-1])
     max_diff, same_argmax = _report(torch.cat([logits, decodes]), torch.cat([hf_logits, hf_decodes]))
     assert max_diff <= atol, f"max |Δlogit| {max_diff:.3g}"
     assert same_argmax >= 0.9, f"argmax agrees on only {same_argmax:.0%} of rows"

@@ -11,10 +11,10 @@ import torch
 
 # Odd, distinct sizes; 7 layers with llama.cpp's period-6 pattern give sliding layers on both
 # sides of a full one (layer 5). Window 8 is crossed by every test sequence.
-TINY_GEMMA3 = dict(vocab_size=131, hidden_size=48, intermediate_size=37, num_hidden_layers=7,
-                   num_attention_heads=3, num_key_value_heads=1, head_dim=16, sliding_window=8,
-                   query_pre_attn_scalar=16,  # llama.cpp scales by head_dim^-0.5 (no GGUF key for it)
-                   max_position_embeddings=512, rms_norm_eps=1e-6)
+TINY_GEMMA3 = {"vocab_size": 131, "hidden_size": 48, "intermediate_size": 37, "num_hidden_layers": 7,
+               "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 16, "sliding_window": 8,
+               "query_pre_attn_scalar": 16,  # llama.cpp scales by head_dim^-0.5 (no GGUF key for it)
+               "max_position_embeddings": 512, "rms_norm_eps": 1e-6}
 
 # HF parameter name (layer i) -> GGUF tensor name.
 GEMMA3_HF_TO_GGUF = {
@@ -99,18 +99,18 @@ S, FL = "sliding_attention", "full_attention"
 
 # E2B-like: per-layer embeddings, KV sharing (the last 3 layers reuse layers 4 / 3), double-wide
 # MLP on the shared layers, proportional RoPE on full layers (head dim 32, 4 of 16 pairs rotate).
-TINY_GEMMA4_PLE = dict(vocab_size=131, hidden_size=48, intermediate_size=37, num_hidden_layers=8,
-                       num_attention_heads=3, num_key_value_heads=1, head_dim=16, global_head_dim=32,
-                       sliding_window=8, layer_types=[S, S, S, FL, S, S, S, FL], hidden_size_per_layer_input=8,
-                       vocab_size_per_layer_input=131, num_kv_shared_layers=3, use_double_wide_mlp=True,
-                       final_logit_softcapping=3.0, max_position_embeddings=512, rms_norm_eps=1e-6)
+TINY_GEMMA4_PLE = {"vocab_size": 131, "hidden_size": 48, "intermediate_size": 37, "num_hidden_layers": 8,
+                   "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 16, "global_head_dim": 32,
+                   "sliding_window": 8, "layer_types": [S, S, S, FL, S, S, S, FL], "hidden_size_per_layer_input": 8,
+                   "vocab_size_per_layer_input": 131, "num_kv_shared_layers": 3, "use_double_wide_mlp": True,
+                   "final_logit_softcapping": 3.0, "max_position_embeddings": 512, "rms_norm_eps": 1e-6}
 # 26B-like: MoE beside the dense MLP, K=V full layers with their own KV-head count, no PLE.
-TINY_GEMMA4_MOE = dict(vocab_size=131, hidden_size=48, intermediate_size=37, num_hidden_layers=6,
-                       num_attention_heads=4, num_key_value_heads=1, head_dim=16, global_head_dim=32,
-                       num_global_key_value_heads=2, attention_k_eq_v=True, sliding_window=8,
-                       layer_types=[S, S, FL, S, S, FL], hidden_size_per_layer_input=0, enable_moe_block=True,
-                       num_experts=4, top_k_experts=2, moe_intermediate_size=13, final_logit_softcapping=3.0,
-                       max_position_embeddings=512, rms_norm_eps=1e-6)
+TINY_GEMMA4_MOE = {"vocab_size": 131, "hidden_size": 48, "intermediate_size": 37, "num_hidden_layers": 6,
+                   "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, "global_head_dim": 32,
+                   "num_global_key_value_heads": 2, "attention_k_eq_v": True, "sliding_window": 8,
+                   "layer_types": [S, S, FL, S, S, FL], "hidden_size_per_layer_input": 0, "enable_moe_block": True,
+                   "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 13, "final_logit_softcapping": 3.0,
+                   "max_position_embeddings": 512, "rms_norm_eps": 1e-6}
 
 # HF parameter name -> GGUF tensor name (llama.cpp gemma4 loader names). Norms NOT shifted.
 GEMMA4_HF_TO_GGUF = {

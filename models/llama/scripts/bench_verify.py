@@ -49,10 +49,39 @@ def timed(fn, reps):
     return min(times), statistics.median(times), quiet
 
 
+def bench(path, dtype: str, ks: list[int], ctx: int, reps: int) -> None:
+    from verispec_llama.loader import load
+
+    model = load(path, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    context = torch.randint(100, model.vocab_size - 100, (ctx,), generator=g)
+    new = torch.randint(100, model.vocab_size - 100, (max(ks),), generator=g)
+    model.spec_rewind_cache(0)
+    wait_quiet()
+    t = time.perf_counter()
+    model.forward(context)
+    prefill_s = time.perf_counter() - t
+
+    def decode():
+        model.forward(new[:1])
+        model.spec_rewind_cache(ctx)
+
+    base = timed(decode, reps)
+    print(f"{dtype:9s} prefill {ctx} rows {prefill_s:.2f} s | decode 1 row: min {base[0]:.1f} ms, "
+          f"median {base[1]:.1f} ms ({base[2]}/{reps} quiet)", flush=True)
+    for k in ks:
+        def verify(k=k):
+            model.spec_forward(new[:k], hidden=False, all_logits=True)
+            model.spec_rewind_cache(ctx)
+
+        r = timed(verify, reps)
+        print(f"{dtype:9s} verify k={k}: min {r[0]:.1f} ms ({r[0] / base[0]:.2f}x), median {r[1]:.1f} ms "
+              f"({r[2]}/{reps} quiet)", flush=True)
+
+
 def main():
     from verispec.api import resolve_model_path
     from verispec.registry import Registry
-    from verispec_llama.loader import load
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -64,33 +93,8 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     path = resolve_model_path(a.model, Registry.discover())
-    g = torch.Generator().manual_seed(0)
     for dtype in a.dtypes.split(","):
-        model = load(path, dtype=dtype)
-        ctx = torch.randint(100, model.vocab_size - 100, (a.ctx,), generator=g)
-        model.spec_rewind_cache(0)
-        wait_quiet()
-        t = time.perf_counter()
-        model.forward(ctx)
-        prefill_s = time.perf_counter() - t
-        new = torch.randint(100, model.vocab_size - 100, (max(int(k) for k in a.ks.split(",")),), generator=g)
-
-        def decode():
-            model.forward(new[:1])
-            model.spec_rewind_cache(a.ctx)
-
-        base = timed(decode, a.reps)
-        print(f"{dtype:9s} prefill {a.ctx} rows {prefill_s:.2f} s | decode 1 row: min {base[0]:.1f} ms, "
-              f"median {base[1]:.1f} ms ({base[2]}/{a.reps} quiet)", flush=True)
-        for k in (int(k) for k in a.ks.split(",")):
-            def verify(k=k):
-                model.spec_forward(new[:k], hidden=False, all_logits=True)
-                model.spec_rewind_cache(a.ctx)
-
-            r = timed(verify, a.reps)
-            print(f"{dtype:9s} verify k={k}: min {r[0]:.1f} ms ({r[0] / base[0]:.2f}x), median {r[1]:.1f} ms "
-                  f"({r[2]}/{a.reps} quiet)", flush=True)
-        del model
+        bench(path, dtype, [int(k) for k in a.ks.split(",")], a.ctx, a.reps)
 
 
 if __name__ == "__main__":

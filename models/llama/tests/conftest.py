@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_llama import build_hf_model, write_fixture  # noqa: E402
+from tiny_llama import build_hf_model, write_fixture
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -11,7 +11,6 @@ from importlib import resources
 
 import pytest
 import torch
-
 from verispec.checkpoints import CheckpointNotInstalled, assemble
 from verispec.registry import Registry
 from verispec.testing import run_greedy

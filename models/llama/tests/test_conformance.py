@@ -4,7 +4,6 @@ int8 and bf16 declare `spec_batch_invariant`, so the suite demands bitwise-equal
 float32 (MKL gemm) does not, and is held to the suite's atol instead.
 """
 import pytest
-
 from verispec.nn.quant import WEIGHT_DTYPES
 from verispec.seams import SpeculativeTarget, declared
 from verispec.testing import TargetConformance

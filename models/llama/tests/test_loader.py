@@ -5,7 +5,6 @@ import sys
 
 import pytest
 import torch
-
 from tiny_llama import build_hf_model, write_fixture
 from verispec.gguf_io import GGUFFile, MissingKey
 from verispec.nn.quant import UnknownWeightDtype
@@ -27,9 +26,9 @@ def _variant(model, tmp_path, **extra):
 
 
 @pytest.mark.parametrize("extra, what", [
-    (dict(extra_metadata={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}), "yarn"),
-    (dict(extra_metadata={"llama.expert_count": 8}), "mixture of experts"),
-    (dict(extra_tensors={"blk.0.ffn_gate_inp.weight": torch.zeros(8, 48)}), "does not use"),
+    ({"extra_metadata": {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}}, "yarn"),
+    ({"extra_metadata": {"llama.expert_count": 8}}, "mixture of experts"),
+    ({"extra_tensors": {"blk.0.ffn_gate_inp.weight": torch.zeros(8, 48)}}, "does not use"),
 ])
 def test_refuses_variants_it_cannot_compute(llama_model, tmp_path, extra, what):
     with pytest.raises(UnsupportedLlamaVariant, match=what):

@@ -6,7 +6,6 @@ prefill row, then one-row decodes after it, and a prefill split into several chu
 """
 import pytest
 import torch
-
 from verispec_llama.loader import load
 
 pytest.importorskip("transformers")

@@ -16,27 +16,31 @@ import torch
 #: name -> (architecture, transformers config kwargs)
 TINY_CONFIGS = {
     # untied head, plain RoPE, GQA 3:1
-    "llama": ("llama", dict(vocab_size=131, hidden_size=48, intermediate_size=37, num_hidden_layers=2,
-                            num_attention_heads=3, num_key_value_heads=1, tie_word_embeddings=False)),
+    "llama": ("llama", {
+        "vocab_size": 131, "hidden_size": 48, "intermediate_size": 37, "num_hidden_layers": 2,
+        "num_attention_heads": 3, "num_key_value_heads": 1, "tie_word_embeddings": False}),
     # tied head, q/k/v/o biases, llama3 frequency scaling (llama.cpp writes rope_freqs)
-    "llama_tied_bias_llama3": ("llama", dict(
-        vocab_size=137, hidden_size=40, intermediate_size=43, num_hidden_layers=3, num_attention_heads=5,
-        num_key_value_heads=5, tie_word_embeddings=True, attention_bias=True,
-        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-                             high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "llama_tied_bias_llama3": ("llama", {
+        "vocab_size": 137, "hidden_size": 40, "intermediate_size": 43, "num_hidden_layers": 3,
+        "num_attention_heads": 5, "num_key_value_heads": 5, "tie_word_embeddings": True, "attention_bias": True,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
     # q/k/v biases, untied head, GQA 4:2
-    "qwen2": ("qwen2", dict(vocab_size=139, hidden_size=56, intermediate_size=41, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    "qwen2": ("qwen2", {
+        "vocab_size": 139, "hidden_size": 56, "intermediate_size": 41, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}),
     # tied head, linear RoPE scaling (position interpolation)
-    "qwen2_tied_linear": ("qwen2", dict(
-        vocab_size=127, hidden_size=36, intermediate_size=29, num_hidden_layers=2, num_attention_heads=3,
-        num_key_value_heads=1, tie_word_embeddings=True,
-        rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))),
+    "qwen2_tied_linear": ("qwen2", {
+        "vocab_size": 127, "hidden_size": 36, "intermediate_size": 29, "num_hidden_layers": 2,
+        "num_attention_heads": 3, "num_key_value_heads": 1, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
     # int8-safe sizes for the conformance suites (all dtypes)
-    "llama_int8": ("llama", dict(vocab_size=131, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                                 num_attention_heads=3, num_key_value_heads=1, tie_word_embeddings=True)),
-    "qwen2_int8": ("qwen2", dict(vocab_size=139, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama_int8": ("llama", {
+        "vocab_size": 131, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 2,
+        "num_attention_heads": 3, "num_key_value_heads": 1, "tie_word_embeddings": True}),
+    "qwen2_int8": ("qwen2", {
+        "vocab_size": 139, "hidden_size": 64, "intermediate_size": 112, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}),
 }
 
 
@@ -49,7 +53,7 @@ def build_hf_model(name: str, seed: int = 0):
 
     arch, kwargs = TINY_CONFIGS[name]
     kwargs = {"rms_norm_eps": 1e-5, "max_position_embeddings": 512, **kwargs}
-    kwargs.setdefault("rope_parameters", dict(rope_type="default", rope_theta=10000.0))
+    kwargs.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
     config = AutoConfig.for_model(arch, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()

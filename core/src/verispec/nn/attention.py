@@ -29,7 +29,7 @@ def attend(q: torch.Tensor, cache, start_pos: int, *, scaling: float, sliding_wi
     q: fp32 [n, H, Dh] (already normed/roped). cache: a `kv_cache` layer cache that already
     holds these rows' K/V. Returns fp32 [n, H, Dh].
     """
-    n, num_heads, head_dim = q.shape
+    n = q.shape[0]
     out = torch.empty_like(q)
     row = 0
     while row < n:  # rows sharing a key length form one group (at most 2 when n <= key_block)

@@ -9,7 +9,8 @@ Shape letters: Hkv KV heads, S slots, Dh head dim, n rows written, T slots read.
   the window of the *earliest* row while the latest is written: window + n - 1 slots.
   The same slack makes rollback exact: rejected rows only overwrite positions that no
   kept row can see any more (reference/gemma4.md §5: a ring of exactly `window` slots
-  corrupts multi-row forwards and rollbacks silently).
+  corrupts multi-row forwards and rollbacks silently). A model sizes its rings for
+  max(its chunk length, the widest verify it accepts: MAX_VERIFY_ROWS by default).
 - `ModelKVCache`: the per-layer caches of one model, rewound and reset together.
 
 Reads are by key length: a query at position p reads slots [0, key_length(p)), with
@@ -34,7 +35,12 @@ class RewindBeyondWindow(ValueError):
         super().__init__(
             f"cannot rewind the cache to {length} positions: the sliding-window ring needs position "
             f"{oldest_needed} but only keeps positions from {oldest_kept}; re-forward from an empty "
-            "cache (rewind to 0), or load the model with a larger max_rows_per_forward")
+            "cache (rewind to 0), or load the model with a larger max_verify_rows")
+
+
+#: the widest verify the loop sends: --spec-draft is 1..64 (DESIGN §5), plus the pending token.
+#: A verify longer than a model's chunk is split, but rolls back as one, so rings keep this slack.
+MAX_VERIFY_ROWS = 65
 
 
 def _round_up(x: int, multiple: int) -> int:

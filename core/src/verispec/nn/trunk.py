@@ -51,8 +51,13 @@ class KVTrunk(nn.Module):
 
     @property
     def spec_batch_invariant(self) -> bool:
-        """True when every linear in the model uses a batch-invariant kernel (see nn.quant)."""
-        return module_batch_invariant(self)
+        """True when every linear uses a batch-invariant kernel (nn.quant) and no forward chunk
+        exceeds the kernels' invariance limit. Computed once: the loop reads it often."""
+        if self.__dict__.get("_batch_invariant") is None:
+            limits = [m.max_invariant_rows for m in self.modules() if getattr(m, "max_invariant_rows", None)]
+            self._batch_invariant = module_batch_invariant(self) and all(
+                self.max_rows_per_forward <= limit for limit in limits)
+        return self._batch_invariant
 
     @property
     def spec_feature_size(self) -> int:

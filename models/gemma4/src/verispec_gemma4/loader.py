@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import time
 from pathlib import Path
 
 import attrs
 import torch
-
 from verispec.gguf_io import GGUFFile, MissingTensor
+from verispec.nn.kv_cache import MAX_VERIFY_ROWS
 from verispec.nn.quant import Float32Linear, canonical_dtype
 
 from verispec_gemma4.modeling_gemma3 import Gemma3Config, Gemma3ForCausalLM
@@ -104,13 +105,14 @@ class UnsupportedArchitecture(ValueError):
 
 
 def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: int | None = None,
-         threads: int | None = None, max_rows_per_forward: int = 16, use_cache: bool = True,
-         tokenizer: bool = True, progress: bool | None = None):
+         threads: int | None = None, max_rows_per_forward: int | None = None,
+         max_verify_rows: int = MAX_VERIFY_ROWS, use_cache: bool = True, tokenizer: bool = True,
+         progress: bool | None = None):
     """Load a gemma3 or gemma4 GGUF as a `Gemma3ForCausalLM` / `Gemma4ForCausalLM` trunk.
 
     dtype: "int8" (default) | "bfloat16"/"bf16" | "float32"/"fp32".
     context_length: max positions (default: the file's context_length).
-    max_rows_per_forward: chunk length and ring slack (see Gemma3ForCausalLM).
+    max_rows_per_forward, max_verify_rows: chunk length and ring slack (see Gemma3ForCausalLM).
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
     Raises gguf_io errors (MissingTensor, BadTensorShape, ...), UnsupportedArchitecture,
@@ -122,7 +124,8 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
         torch.set_num_threads(threads)
     gguf = GGUFFile.open(path)
     arch = gguf.architecture
-    options = dict(dtype=dtype, context_length=context_length, max_rows_per_forward=max_rows_per_forward)
+    options = {"dtype": dtype, "context_length": context_length, "max_rows_per_forward": max_rows_per_forward,
+                   "max_verify_rows": max_verify_rows}
     if arch == "gemma3":
         config = Gemma3Config.from_gguf_metadata(gguf.metadata, vocab_size=_rows(gguf, "token_embd.weight"),
                                                  tie_word_embeddings="output.weight" not in gguf)
@@ -243,7 +246,7 @@ def _converted_state(gguf: GGUFFile, model, names, dtype: str, use_cache: bool, 
     if cache_file is not None and cache_file.is_file():
         try:
             return torch.load(cache_file, weights_only=True)
-        except Exception:  # a damaged or foreign cache file is just a cache miss
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):  # damaged or foreign: a cache miss
             cache_file.unlink(missing_ok=True)
     started = time.perf_counter()
     state = convert_state(gguf, model, names, progress)

@@ -23,12 +23,11 @@ from typing import Any
 import attrs
 import torch
 from torch import nn
-
 from verispec.nn.attention import attend
-from verispec.nn.kv_cache import LinearKVCache, ModelKVCache, RingKVCache
+from verispec.nn.kv_cache import MAX_VERIFY_ROWS, LinearKVCache, ModelKVCache, RingKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
-from verispec.nn.quant import swap_linears
+from verispec.nn.quant import rows_per_forward, swap_linears
 from verispec.nn.rope import RotaryEmbedding, linear_scaling
 from verispec.nn.trunk import KVTrunk
 
@@ -137,8 +136,8 @@ class Gemma3Attention(nn.Module):
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [n, H, Dh]
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, Dh]
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, Dh]
-        q = rope(self.q_norm(q), cos, sin)
-        k = rope(self.k_norm(k), cos, sin)
+        qk = rope(torch.cat([self.q_norm(q), self.k_norm(k)], dim=1), cos, sin)  # [n, H + Hkv, Dh]: one RoPE call
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         cache.write(start_pos, k, v)
         out = attend(q, cache, start_pos, scaling=self.scaling, sliding_window=self.sliding_window,
                      softcap=self.softcap)  # [n, H, Dh]
@@ -183,26 +182,30 @@ class Gemma3ForCausalLM(KVTrunk):
     """The Gemma 3 trunk: a `SpeculativeTarget` (see verispec.nn.trunk.KVTrunk for the seam).
 
     dtype: weight dtype ("float32" | "bfloat16" | "int8", see verispec.nn.quant).
-    max_rows_per_forward: longer inputs are split into chunks this long; the sliding-window
-      rings hold window + max_rows_per_forward - 1 slots, so any verify of at most this many
-      rows rolls back by rewinding. At most 32 keeps bf16 batch-invariant (nn.quant).
+    max_rows_per_forward: longer inputs are split into chunks this long (default: 64, or the
+      dtype's batch-invariance limit, nn.quant.rows_per_forward).
+    max_verify_rows: the widest verify that must roll back by rewinding; the sliding-window
+      rings hold window + max(max_rows_per_forward, max_verify_rows) - 1 slots (nn.kv_cache).
     key_block: attention key-length granularity (nn.kv_cache).
     context_length: max positions (default: the GGUF's context_length).
     Built on the meta device; `load_state_dict(state, assign=True)` fills the weights.
     """
 
-    # Measured on the real 270M, int8, 2 threads (see models/gemma4/README / report): a k-row
-    # verify costs ~1.0x one row at k=2 and rises steeply past 4 rows, so short windows win.
-    spec_preferred_draft_window = 4
+    # Measured on the real 270M, int8, 2 threads, ~500 tokens of context (models/gemma4/README.md):
+    # a k-row verify costs 1.12x one row at k=2, 1.31x at 3, 1.37x at 4, then 1.99x at 5 and 2.1x
+    # at 8 (the int8 kernel works in blocks of 4 rows). 3 drafts = 4 rows is the last cheap width.
+    spec_preferred_draft_window = 3
 
-    def __init__(self, config: Gemma3Config, *, dtype: str = "int8", max_rows_per_forward: int = 16,
-                 key_block: int = 64, context_length: int | None = None, device="meta"):
+    def __init__(self, config: Gemma3Config, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
+                 max_verify_rows: int = MAX_VERIFY_ROWS, key_block: int = 64, context_length: int | None = None,
+                 device="meta"):
         super().__init__()
         c = self.config = config
         self.dtype = dtype
         self.vocab_size, self.hidden_size, self.num_layers = c.vocab_size, c.hidden_size, c.num_hidden_layers
         self.max_context_length = int(context_length or c.max_position_embeddings)
-        self.max_rows_per_forward = max_rows_per_forward
+        self.max_rows_per_forward = max_rows_per_forward or rows_per_forward(dtype)
+        self.ring_rows = max(self.max_rows_per_forward, max_verify_rows)
         self.model = Gemma3TextModel(c, device)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False,
                                                                     device=device)
@@ -213,7 +216,7 @@ class Gemma3ForCausalLM(KVTrunk):
         c = self.config
         if layer.is_sliding:
             return RingKVCache(c.num_key_value_heads, c.head_dim, window=c.sliding_window,
-                               max_rows=self.max_rows_per_forward, key_block=key_block)
+                               max_rows=self.ring_rows, key_block=key_block)
         return LinearKVCache(c.num_key_value_heads, c.head_dim, key_block=key_block,
                              max_positions=self.max_context_length)
 

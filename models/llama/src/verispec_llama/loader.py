@@ -26,13 +26,13 @@ from pathlib import Path
 
 import attrs
 import torch
-
 from verispec.gguf_io import GGUFFile
 from verispec.nn.norm import RMSNorm
 from verispec.nn.quant import Float32Linear, canonical_dtype
+
 from verispec_llama.modeling_llama import LlamaConfig, LlamaForCausalLM, UnsupportedLlamaVariant
 
-__all__ = ["load", "DEFAULT_DTYPE", "TENSOR_NAMES", "config_from_gguf", "convert_state"]
+__all__ = ["DEFAULT_DTYPE", "TENSOR_NAMES", "config_from_gguf", "convert_state", "load"]
 
 #: weight dtype when the caller does not choose one. int8 weight-only: batch-invariant (a
 #: verify row is bitwise the one-row decode), the fastest decode, and a k-row verify that
@@ -166,7 +166,7 @@ def _converted_state(gguf: GGUFFile, model, names, dtype: str, use_cache: bool, 
     if cache_file is not None and cache_file.is_file():
         try:
             return torch.load(cache_file, mmap=True, weights_only=True)
-        except Exception:  # a damaged or foreign cache file is just a cache miss
+        except Exception:  # noqa: BLE001 -- torch.load raises many types; a damaged entry is a cache miss
             cache_file.unlink(missing_ok=True)
     started = time.perf_counter()
     state = convert_state(gguf, model, names, progress)

@@ -30,7 +30,6 @@ from collections.abc import Mapping
 import attrs
 import torch
 from torch import nn
-
 from verispec.gguf_io import MissingKey, MissingTensor
 from verispec.nn.attention import attend
 from verispec.nn.kv_cache import LinearKVCache, ModelKVCache
@@ -40,16 +39,26 @@ from verispec.nn.quant import canonical_dtype, swap_linears
 from verispec.nn.rope import RotaryEmbedding, default_inv_freq, freq_factors, linear_scaling
 from verispec.nn.trunk import KVTrunk
 
-__all__ = ["LlamaConfig", "LlamaModel", "LlamaForCausalLM", "UnsupportedLlamaVariant", "Int8ShapeUnsupported",
-           "ROPE_STYLES", "PREFERRED_DRAFT_WINDOW", "MAX_ROWS_PER_FORWARD"]
+__all__ = [
+    "MAX_ROWS_PER_FORWARD",
+    "PREFERRED_DRAFT_WINDOW",
+    "ROPE_STYLES",
+    "Int8ShapeUnsupported",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "LlamaModel",
+    "UnsupportedLlamaVariant",
+]
 
 #: GGUF general.architecture -> RoPE pairing of its q/k rows (see the module docstring).
 ROPE_STYLES = {"llama": "normal", "qwen2": "neox"}
 
-#: Default draft window per weight dtype, from the k-row verify cost measured on
-#: SmolLM2-135M (2 threads, ~450 cached positions; see README.md "Verify cost"): the largest
-#: K whose (K+1)-row verify stays under ~1.6x one row (int8), or the fp32 sweet spot.
-PREFERRED_DRAFT_WINDOW = {"int8": 4, "float32": 8, "bfloat16": 1}
+#: Default draft window K per weight dtype, from the (K+1)-row verify cost relative to one row,
+#: measured on SmolLM2-135M and Qwen2.5-Coder-0.5B (2 threads, 450 cached positions; README.md
+#: "Verify cost"). int8: 5 rows cost 1.38x on both, 9 rows 1.9x / 2.5x, so K = 4. bf16 stays
+#: at <= 1.24x up to 9 rows; fp32 jumps to ~2x at 4 rows (Qwen) and then barely grows (2.4x at
+#: 9), so K = 8 for both (their one-row cost is the higher one).
+PREFERRED_DRAFT_WINDOW = {"int8": 4, "bfloat16": 8, "float32": 8}
 
 
 #: Rows per forward chunk. bf16 F.linear is batch-invariant only up to 32 rows (measured here,

@@ -1,0 +1,236 @@
+"""verispec.nn: the shared building blocks, each against a plain reference or transformers."""
+import math
+
+import pytest
+import torch
+from verispec.nn.attention import attend
+from verispec.nn.kv_cache import LinearKVCache, ModelKVCache, RewindBeyondWindow, RingKVCache
+from verispec.nn.mlp import GatedMLP
+from verispec.nn.norm import RMSNorm
+from verispec.nn.quant import (
+    BFloat16Linear,
+    Float32Linear,
+    Int8Linear,
+    UnknownWeightDtype,
+    canonical_dtype,
+    linear_class,
+    module_batch_invariant,
+    quantize_int8,
+    rows_per_forward,
+    swap_linears,
+)
+from verispec.nn.rope import (
+    RotaryEmbedding,
+    default_inv_freq,
+    freq_factors,
+    linear_scaling,
+    proportional_inv_freq,
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+# --- norm -----------------------------------------------------------------------------------
+
+def test_rms_norm_multiplies_by_the_stored_weight():
+    x = torch.randn(5, 48, generator=_gen())
+    norm = RMSNorm(48, eps=1e-6)
+    norm.weight.data = torch.randn(48, generator=_gen(1))
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    torch.testing.assert_close(norm(x), expected, atol=1e-6, rtol=0)
+    plain = RMSNorm(48, with_weight=False)
+    assert plain.weight is None
+    torch.testing.assert_close(plain(x), expected / norm.weight, atol=1e-5, rtol=0)
+
+
+# --- rope -----------------------------------------------------------------------------------
+
+def _hf_rotate_half_rope(x, positions, inv_freq):
+    """transformers' formulation: x·cos + rotate_half(x)·sin with cos = cat(cos, cos)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def test_neox_rope_equals_transformers_rotate_half():
+    rope = RotaryEmbedding.default(16, 10_000.0)
+    x = torch.randn(7, 3, 16, generator=_gen())
+    positions = torch.arange(100, 107)
+    got = rope(x, *rope.cos_sin(positions))
+    assert torch.equal(got, _hf_rotate_half_rope(x, positions, default_inv_freq(16, 10_000.0)))
+
+
+def test_normal_style_is_neox_on_interleaved_pairs():
+    # llama.cpp NORM pairs (2i, 2i+1); gathering even dims then odd dims turns it into NEOX
+    x = torch.randn(4, 2, 8, generator=_gen())
+    positions = torch.arange(4)
+    normal = RotaryEmbedding.default(8, 500.0, style="normal")
+    neox = RotaryEmbedding.default(8, 500.0)
+    order = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
+    got = normal(x, *normal.cos_sin(positions))[..., order]
+    torch.testing.assert_close(got, neox(x[..., order], *neox.cos_sin(positions)), atol=1e-6, rtol=0)
+
+
+def test_partial_rotary_passes_the_tail_through():
+    rope = RotaryEmbedding.default(8, 10_000.0)  # rotates 8 of 12 dims
+    x = torch.randn(3, 2, 12, generator=_gen())
+    out = rope(x, *rope.cos_sin(torch.arange(5, 8)))
+    assert torch.equal(out[..., 8:], x[..., 8:])
+    full = RotaryEmbedding.default(8, 10_000.0)
+    assert torch.equal(out[..., :8], full(x[..., :8], *full.cos_sin(torch.arange(5, 8))))
+
+
+def test_frequency_hooks():
+    inv = default_inv_freq(8, 1e4)
+    assert torch.equal(RotaryEmbedding(inv, scaling=linear_scaling(8.0)).inv_freq, inv / 8.0)
+    assert torch.equal(RotaryEmbedding(inv, scaling=freq_factors([1, 2, 4, 8])).inv_freq,
+                       inv / torch.tensor([1.0, 2, 4, 8]))
+    proportional = proportional_inv_freq(32, 1e6, 0.25)  # Gemma 4 full layers: 4 of 16 pairs rotate
+    assert proportional.shape == (16,) and (proportional[4:] == 0).all()
+    assert torch.equal(proportional[:4], 1.0 / 1e6 ** (torch.arange(0, 8, 2).float() / 32))
+    with pytest.raises(ValueError, match="neox"):
+        RotaryEmbedding(inv, style="gptj")
+
+
+# --- quant ----------------------------------------------------------------------------------
+
+def test_int8_quantisation_never_clips_and_stays_close():
+    w = torch.randn(64, 96, generator=_gen()) * 0.05
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.dtype == torch.bfloat16
+    assert (scales.float() >= w.abs().amax(1) / 127).all()  # rounded up: the largest weight fits
+    error = (q.float() * scales.float()[:, None] - w).abs()
+    assert (error <= scales.float()[:, None] / 2 + 1e-9).all()
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, BFloat16Linear])
+@pytest.mark.parametrize("in_features", [64, 37])  # 37: int8 pads its rows to a multiple of 16
+def test_invariant_linears_are_bitwise_per_row(cls, in_features):
+    layer = cls.from_float(torch.randn(40, in_features, generator=_gen()) * 0.1)
+    x = torch.randn(cls.max_invariant_rows or 33, in_features, generator=_gen(1))
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+    for n in range(2, x.shape[0] + 1):
+        assert torch.equal(layer(x[:n]), alone[:n]), f"{cls.__name__} n={n}"
+    reference = x @ layer.rows(torch.arange(40)).T
+    torch.testing.assert_close(layer(x), reference, atol=0.05, rtol=0.02)  # bf16-rounded input/output
+
+
+def test_rows_gather_the_weight():
+    w = torch.randn(10, 32, generator=_gen())
+    ids = torch.tensor([3, 0, 3])
+    assert torch.equal(Float32Linear.from_float(w).rows(ids), w[ids])
+    assert torch.equal(BFloat16Linear.from_float(w).rows(ids), w.bfloat16().float()[ids])
+    q, s = quantize_int8(w)
+    assert torch.equal(Int8Linear.from_float(w).rows(ids), (q.float() * s.float()[:, None])[ids])
+
+
+def test_swap_linears_keeps_shared_modules_shared():
+    mlp = GatedMLP(16, 24, "gelu_tanh")
+    mlp.tied = mlp.up_proj  # a second name for one module, as a tied LM head is
+    swap_linears(mlp, "int8")
+    assert isinstance(mlp.up_proj, Int8Linear) and mlp.tied is mlp.up_proj
+    assert module_batch_invariant(mlp)
+    swap_linears(mlp, "fp32")
+    assert isinstance(mlp.down_proj, Float32Linear) and not module_batch_invariant(mlp)
+
+
+def test_dtype_names():
+    assert canonical_dtype("bf16") == "bfloat16" and canonical_dtype("fp32") == "float32"
+    assert linear_class("int8") is Int8Linear
+    assert rows_per_forward("bfloat16") == 32 and rows_per_forward("int8") == 64
+    with pytest.raises(UnknownWeightDtype, match="int8"):
+        canonical_dtype("fp8")
+
+
+# --- kv cache + attention -------------------------------------------------------------------
+
+def _naive_attention(q, k, v, q_positions, scaling, window=None):
+    """q [n, H, Dh], k/v [T, Hkv, Dh] for positions 0..T-1: plain masked softmax attention."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("nhd,thd->nht", q, k) * scaling
+    key_pos = torch.arange(k.shape[0])
+    visible = key_pos[None, :] <= q_positions[:, None]
+    if window is not None:
+        visible &= q_positions[:, None] - key_pos[None, :] < window
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    return torch.einsum("nht,thd->nhd", torch.softmax(scores, -1), v)
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_attention_matches_naive_and_is_batch_invariant(ring):
+    H, Hkv, Dh, T, window = 4, 2, 8, 40, 6
+    k, v = torch.randn(T, Hkv, Dh, generator=_gen()), torch.randn(T, Hkv, Dh, generator=_gen(1))
+    q = torch.randn(T, H, Dh, generator=_gen(2))
+    if ring:
+        cache = RingKVCache(Hkv, Dh, window=window, max_rows=9, key_block=8)
+    else:
+        cache = LinearKVCache(Hkv, Dh, key_block=8, max_positions=64)
+        cache.ensure_capacity(T)
+    sliding = window if ring else None
+    start = 28  # rows 28..36 straddle the key block at 32; the ring (14 slots) has wrapped
+    for p in range(0, start, 7):
+        cache.write(p, k[p:p + 7], v[p:p + 7])
+    cache.write(start, k[start:start + 9], v[start:start + 9])
+    rows = attend(q[start:start + 9], cache, start, scaling=0.3, sliding_window=sliding)
+    expected = _naive_attention(q[start:start + 9], k[:start + 9], v[:start + 9], torch.arange(start, start + 9),
+                                0.3, sliding)
+    torch.testing.assert_close(rows, expected, atol=1e-5, rtol=0)
+    for i in range(9):  # each row alone, as a one-row decode after a rewind would compute it
+        alone = attend(q[start + i:start + i + 1], cache, start + i, scaling=0.3, sliding_window=sliding)
+        assert torch.equal(alone[0], rows[i])
+
+
+def test_ring_refuses_a_rewind_it_cannot_serve():
+    ring = RingKVCache(1, 4, window=6, max_rows=4)  # 9 slots
+    model_cache = ModelKVCache([ring, LinearKVCache(1, 4, max_positions=64)])
+    model_cache.ensure_capacity(30)
+    for p in range(30):
+        for cache in model_cache.layers:
+            cache.write(p, torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
+    model_cache.seq_len = 30
+    model_cache.rewind(26)  # keeps 21..29; a query at 26 needs 21..25
+    with pytest.raises(RewindBeyondWindow) as refused:
+        model_cache.rewind(25)  # needs 20, already overwritten by 29
+    assert (refused.value.oldest_needed, refused.value.oldest_kept) == (20, 21)
+    assert model_cache.seq_len == 26
+    with pytest.raises(ValueError, match="holds 26"):
+        model_cache.rewind(27)
+    model_cache.rewind(0)
+    assert model_cache.seq_len == 0 and (ring.tags == -1).all() and ring.high_water == -1
+
+
+def test_linear_cache_grows_by_key_blocks_and_keeps_its_rows():
+    cache = LinearKVCache(2, 4, key_block=16, max_positions=100)
+    cache.ensure_capacity(5)
+    assert cache.capacity == 16
+    cache.write(0, torch.ones(5, 2, 4), torch.ones(5, 2, 4))
+    cache.ensure_capacity(40)
+    assert cache.capacity == 48 and cache.capacity % 16 == 0
+    assert torch.equal(cache.k[:, :5], torch.ones(2, 5, 4))
+    cache.ensure_capacity(100)
+    assert cache.capacity == 112  # capped at max_positions rounded up to the block
+    assert cache.key_length(0) == 16 and cache.key_length(16) == 32
+
+
+def test_gated_mlp():
+    mlp = GatedMLP(8, 12, "silu")
+    x = torch.randn(3, 8, generator=_gen())
+    expected = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    assert torch.equal(mlp(x), expected)
+    with pytest.raises(ValueError, match="gelu_tanh"):
+        GatedMLP(8, 12, "relu")
+    assert math.isclose(GatedMLP(8, 12, "gelu_tanh").act_fn(torch.tensor(1.0)).item(), 0.8411920071, rel_tol=1e-6)
