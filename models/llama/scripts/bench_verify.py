@@ -4,7 +4,7 @@
 
 For each dtype: prefill `--ctx` tokens, then time `forward(1 token)` (the plain decode) and
 `spec_forward(k rows, all_logits=True)` (a verify) for each k, rewinding after every call.
-Reports min and median ms over `--reps` calls; each timed call first waits (up to 10 s) for
+Reports min and median ms over `--reps` back-to-back calls, after waiting (up to 10 s) for
 the machine to be quiet (other processes' CPU use below 0.2 cores), as shared machines are
 noisy. Speed claims come from `verispec bench`; this is the per-row cost behind the default
 draft window (modeling_llama.PREFERRED_DRAFT_WINDOW).
@@ -39,10 +39,13 @@ def wait_quiet(limit_s=10.0):
 
 
 def timed(fn, reps):
-    times, quiet = [], 0
-    fn()  # warm
+    """(min ms, median ms, quiet) over `reps` back-to-back calls after one warm-up call.
+    Calls run back to back, as in a decode loop: after an idle pause the first call is
+    slower (clock and thread wake-up), so the quiet wait comes once, before the warm-up."""
+    quiet = wait_quiet()
+    fn()
+    times = []
     for _ in range(reps):
-        quiet += wait_quiet()
         t = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t) * 1e3)
@@ -68,15 +71,15 @@ def bench(path, dtype: str, ks: list[int], ctx: int, reps: int) -> None:
 
     base = timed(decode, reps)
     print(f"{dtype:9s} prefill {ctx} rows {prefill_s:.2f} s | decode 1 row: min {base[0]:.1f} ms, "
-          f"median {base[1]:.1f} ms ({base[2]}/{reps} quiet)", flush=True)
+          f"median {base[1]:.1f} ms{'' if base[2] else ' (machine busy)'}", flush=True)
     for k in ks:
         def verify(k=k):
             model.spec_forward(new[:k], hidden=False, all_logits=True)
             model.spec_rewind_cache(ctx)
 
         r = timed(verify, reps)
-        print(f"{dtype:9s} verify k={k}: min {r[0]:.1f} ms ({r[0] / base[0]:.2f}x), median {r[1]:.1f} ms "
-              f"({r[2]}/{reps} quiet)", flush=True)
+        print(f"{dtype:9s} verify k={k}: min {r[0]:.1f} ms ({r[0] / base[0]:.2f}x), median {r[1]:.1f} ms"
+              f"{'' if r[2] else ' (machine busy)'}", flush=True)
 
 
 def main():

@@ -74,7 +74,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
 
     dtype: "int8" (default) | "bfloat16"/"bf16" | "float32"/"fp32".
     context_length: max positions (default: the file's context_length).
-    max_rows_per_forward: forward chunk (default: modeling_llama.MAX_ROWS_PER_FORWARD[dtype]).
+    max_rows_per_forward: forward chunk (default: nn.quant.rows_per_forward(dtype)).
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
     Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...),

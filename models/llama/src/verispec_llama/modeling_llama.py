@@ -35,12 +35,11 @@ from verispec.nn.attention import attend
 from verispec.nn.kv_cache import LinearKVCache, ModelKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
-from verispec.nn.quant import canonical_dtype, swap_linears
+from verispec.nn.quant import canonical_dtype, rows_per_forward, swap_linears
 from verispec.nn.rope import RotaryEmbedding, default_inv_freq, freq_factors, linear_scaling
 from verispec.nn.trunk import KVTrunk
 
 __all__ = [
-    "MAX_ROWS_PER_FORWARD",
     "PREFERRED_DRAFT_WINDOW",
     "ROPE_STYLES",
     "Int8ShapeUnsupported",
@@ -55,16 +54,10 @@ ROPE_STYLES = {"llama": "normal", "qwen2": "neox"}
 
 #: Default draft window K per weight dtype, from the (K+1)-row verify cost relative to one row,
 #: measured on SmolLM2-135M and Qwen2.5-Coder-0.5B (2 threads, 450 cached positions; README.md
-#: "Verify cost"). int8: 5 rows cost 1.38x on both, 9 rows 1.9x / 2.5x, so K = 4. bf16 stays
-#: at <= 1.24x up to 9 rows; fp32 jumps to ~2x at 4 rows (Qwen) and then barely grows (2.4x at
-#: 9), so K = 8 for both (their one-row cost is the higher one).
+#: "Verify cost"). int8: 5 rows cost 1.36x / 1.39x, 9 rows 1.84x / 2.64x, so K = 4. bf16 stays
+#: at <= 1.1x up to 9 rows; fp32 jumps to 1.5x / 2.2x at 4 rows and then grows slowly (1.9x /
+#: 2.6x at 9), so K = 8 for both (their one-row decode is the slower one).
 PREFERRED_DRAFT_WINDOW = {"int8": 4, "bfloat16": 8, "float32": 8}
-
-
-#: Rows per forward chunk. bf16 F.linear is batch-invariant only up to 32 rows (measured here,
-#: AVX2: 33+ rows change the bits); int8pack_mm is invariant at any row count, and fp32 is not
-#: invariant anyway, so they take 64 (prefill of 450 rows: 64-row chunks ~13 % faster than 32).
-MAX_ROWS_PER_FORWARD = {"bfloat16": 32, "int8": 64, "float32": 64}
 
 
 class UnsupportedLlamaVariant(ValueError):
@@ -249,7 +242,8 @@ class LlamaForCausalLM(KVTrunk):
 
     dtype: weight dtype ("int8" | "bfloat16" | "float32", see verispec.nn.quant).
     max_rows_per_forward: longer inputs run in chunks this long (exact for batch-invariant
-      dtypes); default MAX_ROWS_PER_FORWARD[dtype].
+      dtypes); default nn.quant.rows_per_forward(dtype): 64, 32 for bf16 (measured here too:
+      bf16 F.linear changes its bits from 33 rows on this AVX2 machine, int8pack_mm never).
     context_length: max positions (default: the GGUF's context_length).
     Built on the meta device; `load_state_dict(state, assign=True)` fills the weights. Module
     names are transformers' (model.embed_tokens, model.layers.{i}.self_attn.q_proj, ...,
@@ -265,7 +259,7 @@ class LlamaForCausalLM(KVTrunk):
         self.dtype = dtype
         self.vocab_size, self.hidden_size, self.num_layers = c.vocab_size, c.hidden_size, c.num_hidden_layers
         self.max_context_length = int(context_length or c.max_position_embeddings)
-        self.max_rows_per_forward = max_rows_per_forward or MAX_ROWS_PER_FORWARD[dtype]
+        self.max_rows_per_forward = max_rows_per_forward or rows_per_forward(dtype)
         self.model = LlamaModel(c, device=device)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False,
                                                                     device=device)
