@@ -38,7 +38,7 @@ MAX_DRAFT_WINDOW = 64
 
 #: on_token(draw) -> True to stop generation at draw.token (it is still emitted).
 #: draw is a verispec.sampling.Draw: the token and, when asked for, its logprobs.
-OnToken = Callable[["Draw"], bool]
+OnToken = Callable[["Draw"], bool]  # noqa: F821 (Draw is imported for type checking only)
 
 
 def resolve_draft_window(explicit: int | None, target: object) -> int:

@@ -5,13 +5,13 @@ import sys
 
 import pytest
 import torch
+from verispec import weight_cache
 from tiny_llama import build_hf_model, write_fixture
 from verispec.gguf_io import GGUFFile, MissingKey
 from verispec.nn.quant import UnknownWeightDtype
 from verispec.seams import ContextOverflow
-from verispec_llama import loader
 from verispec_llama.loader import load
-from verispec_llama.modeling_llama import Int8ShapeUnsupported, LlamaConfig, UnsupportedLlamaVariant
+from verispec_llama.modeling_llama import LlamaConfig, UnsupportedLlamaVariant
 
 pytest.importorskip("transformers")
 
@@ -46,10 +46,12 @@ def test_refuses_another_architecture_and_missing_keys(tiny_fixture):
         LlamaConfig.from_gguf(metadata, shapes)
 
 
-def test_refuses_int8_when_a_width_is_not_a_multiple_of_16(tiny_fixture):
-    _, path = tiny_fixture("llama")  # intermediate_size 37: torch's int8 kernel would crash
-    with pytest.raises(Int8ShapeUnsupported, match="intermediate_size=37"):
-        load(path, dtype="int8")
+def test_int8_serves_odd_widths_and_unknown_dtypes_are_refused(tiny_fixture):
+    _, path = tiny_fixture("llama")  # intermediate_size 37: nn.quant.Int8Linear pads to 48 columns
+    model = load(path, dtype="int8")
+    rows = model.spec_forward(torch.tensor([4, 8, 15]), hidden=False, all_logits=True).logits
+    model.spec_rewind_cache(0)
+    assert torch.equal(torch.stack([model.forward(torch.tensor([t])) for t in (4, 8, 15)]), rows)
     with pytest.raises(UnknownWeightDtype):
         load(path, dtype="int4")
 
@@ -58,7 +60,7 @@ def test_converted_weights_are_cached_and_a_damaged_entry_is_rebuilt(tiny_fixtur
     from verispec.checkpoints import cache_dir
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(loader, "_CACHE_MIN_SECONDS", 0.0)  # tiny conversions are normally not cached
+    monkeypatch.setattr(weight_cache, "MIN_CONVERT_SECONDS", 0.0)  # tiny conversions are normally not cached
     _, path = tiny_fixture("qwen2_int8")
     tokens = torch.tensor([4, 8, 15, 16, 23, 42])
     first = load(path, dtype="int8").forward(tokens)
@@ -73,9 +75,9 @@ def test_converted_weights_are_cached_and_a_damaged_entry_is_rebuilt(tiny_fixtur
 def test_cache_key_changes_when_the_weights_change(llama_model, tmp_path):
     """Same config, same path, other weights: a different key, so never a stale entry."""
     path = write_fixture(llama_model, tmp_path / "same.gguf")
-    key = loader._content_key(GGUFFile.open(path))
+    key = weight_cache.content_key(GGUFFile.open(path))
     write_fixture(build_hf_model("llama_int8", seed=1), tmp_path / "same.gguf")
-    assert loader._content_key(GGUFFile.open(path)) != key
+    assert weight_cache.content_key(GGUFFile.open(path)) != key
 
 
 def test_context_length_option(tiny_fixture):

@@ -6,21 +6,17 @@
 3. Weights: one name table per family (GGUF name -> HF-style parameter name); each tensor dequantised
    to fp32 (gguf.quants), shape-checked, converted to the chosen weight dtype one at a time
    (nn.quant), then `load_state_dict(assign=True)`.
-   Dequantising Q4_K/Q5_0 and requantising takes seconds, so the converted state is saved
-   under `cache_dir("weights")`, keyed by the file's path, size and mtime and the dtype,
-   and the next load reads it back (the 270M: ~0.3 s).
+   Dequantising Q4_K/Q5_0 and requantising takes seconds, so the converted state goes
+   through `verispec.weight_cache` and the next load memory-maps it (the 270M: ~0.3 s).
 4. The tokenizer from the file's own metadata (verispec.tokenizer).
 """
 from __future__ import annotations
 
-import hashlib
 import os
-import pickle
-import time
-from pathlib import Path
 
 import attrs
 import torch
+from verispec.weight_cache import cached_state
 from verispec.gguf_io import GGUFFile, MissingTensor
 from verispec.nn.kv_cache import MAX_VERIFY_ROWS
 from verispec.nn.quant import Float32Linear, canonical_dtype
@@ -94,8 +90,6 @@ GEMMA4_TENSOR_NAMES = {
     "blk.{i}.ffn_down_exps.weight[e]": "model.layers.{i}.experts.down_proj.{e}.weight",
 }
 
-_CACHE_FORMAT = 1  # bump when the converted layout changes: old cache files are then ignored
-_CACHE_MIN_SECONDS = 1.0  # conversions faster than this are not worth a cache file
 
 
 class UnsupportedArchitecture(ValueError):
@@ -136,7 +130,9 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     else:
         raise UnsupportedArchitecture(path, arch)
     names = expand_names(table, config.num_hidden_layers, getattr(config, "num_experts", 0))
-    model.load_state_dict(_converted_state(gguf, model, names, dtype, use_cache, progress), assign=True)
+    state = cached_state(gguf, dtype, lambda: convert_state(gguf, model, names, progress), use_cache=use_cache,
+                         layout="gemma")
+    model.load_state_dict(state, assign=True)
     model.eval()
     if tokenizer:
         from verispec.tokenizer import Tokenizer
@@ -239,28 +235,3 @@ class _TensorReader:
             self.gguf.expect_shape(base, (self.gguf.tensor_info(base).shape[0], *shape))
             self._stacked = {base: self.gguf.tensor(base)}
         return self._stacked[base][int(index)]
-
-
-def _converted_state(gguf: GGUFFile, model, names, dtype: str, use_cache: bool, progress):
-    cache_file = _cache_file(gguf.path, dtype) if use_cache else None
-    if cache_file is not None and cache_file.is_file():
-        try:
-            return torch.load(cache_file, weights_only=True)
-        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):  # damaged or foreign: a cache miss
-            cache_file.unlink(missing_ok=True)
-    started = time.perf_counter()
-    state = convert_state(gguf, model, names, progress)
-    if cache_file is not None and time.perf_counter() - started > _CACHE_MIN_SECONDS:
-        partial = cache_file.with_suffix(".partial")
-        torch.save(state, partial)
-        os.replace(partial, cache_file)
-    return state
-
-
-def _cache_file(path: str, dtype: str) -> Path | None:
-    from verispec.checkpoints import cache_dir
-
-    stat = os.stat(path)
-    key = f"{_CACHE_FORMAT}|{os.path.realpath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_dir("weights") / f"{Path(path).stem}-{dtype}-{digest}.pt"

@@ -10,22 +10,18 @@
    (llama's are permuted by llama.cpp's converter); `modeling_llama` applies the matching RoPE
    pairing, so nothing is un-permuted here.
    Dequantising and requantising takes seconds (SmolLM2 ~8 s, Qwen2.5-Coder-0.5B ~30 s), so
-   the converted state is saved under `cache_dir("weights")` and memory-mapped on the next
-   load (SmolLM2: ~0.5 s). The key covers the file's header, size, mtime and a sample of its
-   tensor bytes, and the dtype.
+   the converted state goes through `verispec.weight_cache` and the next load memory-maps
+   it (SmolLM2: ~0.5 s).
 4. The tokenizer from the file's own metadata (verispec.tokenizer).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
-import time
-from pathlib import Path
 
 import attrs
 import torch
+from verispec.weight_cache import cached_state
 from verispec.gguf_io import GGUFFile
 from verispec.nn.norm import RMSNorm
 from verispec.nn.quant import Float32Linear, canonical_dtype
@@ -62,8 +58,6 @@ TENSOR_NAMES = {
 #: llama3-style frequency factors: read into the config, not the state dict.
 ROPE_FREQS = "rope_freqs.weight"
 
-_CACHE_FORMAT = 1  # bump when the converted layout changes: old cache files are then ignored
-_CACHE_MIN_SECONDS = 1.0  # conversions faster than this are not worth a cache file
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
@@ -78,7 +72,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
     Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...),
-    UnsupportedLlamaVariant, nn.quant.UnknownWeightDtype, Int8ShapeUnsupported.
+    UnsupportedLlamaVariant, nn.quant.UnknownWeightDtype.
     """
     path = os.fspath(path)
     dtype = canonical_dtype(dtype or DEFAULT_DTYPE)
@@ -93,7 +87,9 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     if unused:
         raise UnsupportedLlamaVariant(path, f"tensors the llama/qwen2 math does not use: {unused[:6]}",
                                       "the file is another variant (MoE, extra norms) and cannot be served here")
-    model.load_state_dict(_converted_state(gguf, model, names, dtype, use_cache, progress), assign=True)
+    state = cached_state(gguf, dtype, lambda: convert_state(gguf, model, names, progress), use_cache=use_cache,
+                         layout="llama")
+    model.load_state_dict(state, assign=True)
     model.eval()
     if tokenizer:
         from verispec.tokenizer import Tokenizer
@@ -157,46 +153,3 @@ def convert_state(gguf: GGUFFile, model: LlamaForCausalLM, names: dict[str, str]
         for key, value in type(module).from_float(tensor).state_dict().items():
             state[f"{prefix}.{key}"] = value
     return state
-
-
-# --- the converted-weight cache ---------------------------------------------------------
-
-def _converted_state(gguf: GGUFFile, model, names, dtype: str, use_cache: bool, progress):
-    cache_file = _cache_file(gguf, dtype) if use_cache else None
-    if cache_file is not None and cache_file.is_file():
-        try:
-            return torch.load(cache_file, mmap=True, weights_only=True)
-        except Exception:  # noqa: BLE001 -- torch.load raises many types; a damaged entry is a cache miss
-            cache_file.unlink(missing_ok=True)
-    started = time.perf_counter()
-    state = convert_state(gguf, model, names, progress)
-    if cache_file is not None and time.perf_counter() - started > _CACHE_MIN_SECONDS:
-        partial = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.partial")
-        try:
-            torch.save(state, partial)
-            os.replace(partial, cache_file)
-        finally:
-            partial.unlink(missing_ok=True)
-    return state
-
-
-def _cache_file(gguf: GGUFFile, dtype: str) -> Path:
-    from verispec.checkpoints import cache_dir
-
-    return cache_dir("weights") / f"{Path(gguf.path).stem}-{dtype}-{_content_key(gguf)}.pt"
-
-
-def _content_key(gguf: GGUFFile, num_samples: int = 16, sample_bytes: int = 4096) -> str:
-    """sha256 over the header (metadata entries, tensor table), the file's size and mtime, and
-    `num_samples` evenly spaced windows of its tensor data: a file rewritten in place with the
-    same config but other weights (test fixtures) never hits a stale entry."""
-    stat = os.stat(gguf.path)
-    table = [(t.name, t.shape, int(t.ggml_type), t.offset) for t in map(gguf.tensor_info, gguf)]
-    digest = hashlib.sha256(json.dumps([_CACHE_FORMAT, stat.st_size, stat.st_mtime_ns,
-                                        gguf.metadata_digest(), table]).encode())
-    span = max(stat.st_size - gguf.data_offset - sample_bytes, 0)
-    with open(gguf.path, "rb") as f:
-        for k in range(num_samples):
-            f.seek(gguf.data_offset + span * k // (num_samples - 1))
-            digest.update(f.read(sample_bytes))
-    return digest.hexdigest()[:16]

@@ -42,7 +42,6 @@ from verispec.nn.trunk import KVTrunk
 __all__ = [
     "PREFERRED_DRAFT_WINDOW",
     "ROPE_STYLES",
-    "Int8ShapeUnsupported",
     "LlamaConfig",
     "LlamaForCausalLM",
     "LlamaModel",
@@ -254,7 +253,6 @@ class LlamaForCausalLM(KVTrunk):
                  context_length: int | None = None, device="meta"):
         super().__init__()
         dtype = canonical_dtype(dtype)
-        _check_int8_shapes(config, dtype)
         c = self.config = config
         self.dtype = dtype
         self.vocab_size, self.hidden_size, self.num_layers = c.vocab_size, c.hidden_size, c.num_hidden_layers
@@ -312,28 +310,3 @@ def _chain(scalings, inv_freq: torch.Tensor) -> torch.Tensor:
     for scale in scalings:
         inv_freq = scale(inv_freq)
     return inv_freq
-
-
-# int8 weight-only: torch.ops.aten._weight_int8pack_mm (torch 2.13 CPU, AVX2) segfaults when
-# in_features is not a multiple of 16 (measured: 16, 32, 48, 64, 80 work; 8, 24, 36, 37, 40
-# crash the process). Belongs in verispec.nn.quant.Int8Linear; checked here until it is.
-_INT8_IN_FEATURES_MULTIPLE = 16
-
-
-class Int8ShapeUnsupported(ValueError):
-    def __init__(self, sizes: dict[str, int]):
-        self.sizes = sizes
-        listed = ", ".join(f"{name}={size}" for name, size in sizes.items())
-        super().__init__(f"int8 weights need every linear's input width to be a multiple of "
-                         f"{_INT8_IN_FEATURES_MULTIPLE} (torch's int8 kernel crashes otherwise); this model has "
-                         f"{listed}; load it with dtype='float32' or 'bfloat16'")
-
-
-def _check_int8_shapes(config: LlamaConfig, dtype: str) -> None:
-    if dtype != "int8":
-        return
-    sizes = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-             "num_attention_heads*head_dim": config.num_attention_heads * config.head_dim}
-    bad = {name: size for name, size in sizes.items() if size % _INT8_IN_FEATURES_MULTIPLE}
-    if bad:
-        raise Int8ShapeUnsupported(bad)

@@ -1,0 +1,71 @@
+"""Converted-weight cache: a model's state dict after dequantise + requantise, saved once.
+
+Dequantising Q4_K/Q5_0 and requantising to the weight dtype takes seconds; a model package
+calls `cached_state(gguf, dtype, convert)` and the next load memory-maps the saved state
+(`torch.load(mmap=True)`, ~0.3 s). Entries live under `cache_dir("weights")` (listed and
+cleared by `verispec cache`), keyed by the file's content (see `content_key`), so a file
+rewritten in place with other weights never hits a stale entry.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from verispec.gguf_io import GGUFFile
+
+#: bump when a converted layout changes: older entries are then ignored.
+CACHE_FORMAT = 1
+#: conversions faster than this (seconds) are not worth a cache file.
+MIN_CONVERT_SECONDS = 1.0
+
+
+def cached_state(gguf: GGUFFile, dtype: str, convert: Callable[[], dict[str, torch.Tensor]], *,
+                 use_cache: bool = True, layout: str = "") -> dict[str, torch.Tensor]:
+    """The converted state of `gguf` in `dtype`: from the cache, else `convert()` (then saved).
+
+    layout: a family's own version tag for its converted layout (part of the key).
+    A damaged entry counts as a miss and is replaced.
+    """
+    path = _cache_file(gguf, dtype, layout) if use_cache else None
+    if path is not None and path.is_file():
+        try:
+            return torch.load(path, mmap=True, weights_only=True)
+        except Exception:  # noqa: BLE001 -- torch.load raises many types; a damaged entry is a miss
+            path.unlink(missing_ok=True)
+    started = time.perf_counter()
+    state = convert()
+    if path is not None and time.perf_counter() - started > MIN_CONVERT_SECONDS:
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        try:
+            torch.save(state, partial)
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+    return state
+
+
+def _cache_file(gguf: GGUFFile, dtype: str, layout: str) -> Path:
+    from verispec.checkpoints import cache_dir
+
+    return cache_dir("weights") / f"{Path(gguf.path).stem}-{dtype}-{content_key(gguf, layout)}.pt"
+
+
+def content_key(gguf: GGUFFile, layout: str = "", num_samples: int = 16, sample_bytes: int = 4096) -> str:
+    """sha256 (16 hex digits) over the header (metadata, tensor table), the file's size and
+    mtime, and `num_samples` evenly spaced windows of its tensor data."""
+    stat = os.stat(gguf.path)
+    table = [(t.name, t.shape, int(t.ggml_type), t.offset) for t in map(gguf.tensor_info, gguf)]
+    digest = hashlib.sha256(json.dumps([CACHE_FORMAT, layout, stat.st_size, stat.st_mtime_ns,
+                                        gguf.metadata_digest(), table]).encode())
+    span = max(stat.st_size - gguf.data_offset - sample_bytes, 0)
+    with open(gguf.path, "rb") as f:
+        for k in range(num_samples):
+            f.seek(gguf.data_offset + span * k // (num_samples - 1))
+            digest.update(f.read(sample_bytes))
+    return digest.hexdigest()[:16]
