@@ -77,6 +77,24 @@ class KVTrunk(nn.Module):
                                  f"(and {self.num_layers} for the last residual); got {bad or 'none'}")
         self.hidden_tap_layers = layers
 
+    def _logits_and_taps(self, normed: torch.Tensor, taps: dict[int, torch.Tensor], *, logit_rows: str | None,
+                         hidden: bool, softcap: float | None = None):
+        """The end of every `_forward_chunk`: logits fp32 [n | 1, V] of the rows asked for
+        (tied to `model.embed_tokens` unless `self.lm_head`), with Gemma's final softcap
+        cap·tanh(x/cap) when given; and the hidden tap: final-normed rows [n, D], or the
+        residuals entering `hidden_tap_layers` concatenated [n, D·taps]."""
+        logits = None
+        if logit_rows is not None:
+            head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+            logits = head(normed if logit_rows == "all" else normed[-1:])  # [n | 1, V]
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+        if not hidden:
+            return logits, None
+        if self.hidden_tap_layers is None:
+            return logits, normed
+        return logits, torch.cat([taps[i] for i in self.hidden_tap_layers], dim=-1)  # [n, D·taps]
+
     # -- cache --
 
     @property

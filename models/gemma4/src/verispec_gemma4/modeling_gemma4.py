@@ -371,15 +371,5 @@ class Gemma4ForCausalLM(KVTrunk):
                       rope, *cos_sin[kind])
         taps[self.num_layers] = x
         normed = m.norm(x)  # [n, D]: the hidden tap (pre-softcap)
-        logits = None
-        if logit_rows is not None:
-            head = m.embed_tokens if self.lm_head is None else self.lm_head
-            logits = head(normed if logit_rows == "all" else normed[-1:])  # [n | 1, V]
-            if self.config.final_logit_softcapping:
-                cap = self.config.final_logit_softcapping
-                logits = torch.tanh(logits / cap) * cap
-        if not hidden:
-            return logits, None
-        if self.hidden_tap_layers is None:
-            return logits, normed
-        return logits, torch.cat([taps[i] for i in self.hidden_tap_layers], dim=-1)  # [n, D·taps]
+        return self._logits_and_taps(normed, taps, logit_rows=logit_rows, hidden=hidden,
+                                     softcap=self.config.final_logit_softcapping)

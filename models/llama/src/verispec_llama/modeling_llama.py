@@ -284,15 +284,7 @@ class LlamaForCausalLM(KVTrunk):
             x = layer(x, m.rotary_emb, cos, sin, self.kv_cache[i], start_pos)
         taps[self.num_layers] = x
         normed = m.norm(x)  # [n, D]
-        logits = None
-        if logit_rows is not None:
-            head = m.embed_tokens if self.lm_head is None else self.lm_head
-            logits = head(normed if logit_rows == "all" else normed[-1:])  # [n | 1, V]
-        if not hidden:
-            return logits, None
-        if self.hidden_tap_layers is None:
-            return logits, normed
-        return logits, torch.cat([taps[i] for i in self.hidden_tap_layers], dim=-1)  # [n, D·taps]
+        return self._logits_and_taps(normed, taps, logit_rows=logit_rows, hidden=hidden)
 
 
 def _rope_scaling(config: LlamaConfig):
