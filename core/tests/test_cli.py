@@ -84,3 +84,23 @@ def test_explicit_spec_type_that_cannot_serve_exits_non_zero_with_the_reason(env
 def test_unknown_model_alias_names_what_is_installed(env):
     r = verispec(env, "generate", "hi", "--model", "no-such-model")
     assert r.returncode != 0 and "no-such-model" in r.stderr
+
+
+def test_foreign_and_truncated_files_are_one_line_errors(env, tmp_path):
+    foreign = tmp_path / "passwd.gguf"
+    foreign.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    r = verispec(env, "generate", "hi", "--model", str(foreign))
+    assert r.returncode == 1 and "is not a GGUF file" in r.stderr and "Traceback" not in r.stderr
+    whole = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(open(whole, "rb").read()[:600])
+    r = verispec(env, "generate", "hi", "--model", str(cut))
+    assert r.returncode == 1 and "truncated" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_model_path_and_unknown_spec_type_are_one_line_errors(env, tmp_path):
+    r = verispec(env, "generate", "hi", "--model", str(tmp_path / "nope.gguf"))
+    assert r.returncode == 1 and "no such GGUF file" in r.stderr and "Traceback" not in r.stderr
+    path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
+    r = verispec(env, "generate", "hi", "--model", str(path), "--spec-type", "nosuchalgo")
+    assert r.returncode == 1 and "nosuchalgo" in r.stderr and "Traceback" not in r.stderr

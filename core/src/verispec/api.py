@@ -16,8 +16,11 @@ def resolve_model_path(model: str | None, registry: Registry) -> str:
 
     if model is None:
         return str(assemble(registry.default_checkpoint()))
-    if os.path.exists(model):
+    if os.path.isfile(model):
         return model
+    if model.endswith(".gguf") or os.sep in model:
+        raise FileNotFoundError(f"--model {model}: no such GGUF file; give an existing .gguf path or a "
+                                f"checkpoint alias ({', '.join(sorted(registry.checkpoints)) or 'none installed'})")
     return str(assemble(registry.checkpoint(model)))
 
 

@@ -105,16 +105,19 @@ def compare(engine, scenario: dict, spec: SpecOptions, repeats: int = 1) -> dict
     }
 
 
+HEADER = ("scenario", "prompt", "new", "ttft ms", "plain tok/s", "spec tok/s", "speedup", "drafted", "accepted",
+          "identical")
+
+
+def format_row(r: dict) -> str:
+    return " | ".join(str(r[k]) for k in ("scenario", "prompt_tokens", "new_tokens", "ttft_ms", "plain_decode_tps",
+                                           "spec_decode_tps", "speedup", "drafted", "accepted", "identical"))
+
+
 def format_table(rows: list[dict]) -> str:
-    header = ("scenario", "prompt", "new", "ttft ms", "plain tok/s", "spec tok/s", "speedup", "drafted",
-              "accepted", "identical")
-    lines = [" | ".join(header)]
-    for r in rows:
-        lines.append(" | ".join(str(x) for x in (
-            r["scenario"], r["prompt_tokens"], r["new_tokens"], r["ttft_ms"], r["plain_decode_tps"],
-            r["spec_decode_tps"], r["speedup"], r["drafted"], r["accepted"], r["identical"])))
-    lines += [f"{r['scenario']}: {r['governor']}" for r in rows if r["governor"]]
-    return "\n".join(lines)
+    """The human table: a header, a row per scenario, then each scenario's governor line."""
+    lines = [" | ".join(HEADER), *map(format_row, rows)]
+    return "\n".join(lines + [f"{r['scenario']}: {r['governor']}" for r in rows if r["governor"]])
 
 
 def run_bench(args) -> int:
@@ -127,14 +130,16 @@ def run_bench(args) -> int:
     warm = {"name": "warm-up", "kind": "short", "max_new_tokens": 8, "prompt": "Warm up."}
     compare(engine, warm, spec)
     rows = []
+    if not args.json:
+        print(" | ".join(HEADER), flush=True)
     for scenario in scenarios:
         if args.max_tokens:
             scenario = {**scenario, "max_new_tokens": args.max_tokens}
         rows.append(compare(engine, scenario, spec, repeats=args.repeats))
         if not args.json:
-            print(format_table(rows[-1:]).splitlines()[1], flush=True)
+            print(format_row(rows[-1]), flush=True)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(format_table(rows))
+        print("\n".join(f"{r['scenario']}: {r['governor']}" for r in rows if r["governor"]))
     return 0 if all(r["identical"] for r in rows) else 3

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 #: removed spellings → their replacement; using one is an error, never a silent ignore.
@@ -219,9 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as e:
         print(f"verispec: error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, LookupError, OSError) as e:  # our error classes carry the fix in their message
+    except Exception as e:  # noqa: BLE001 -- user errors print one line; anything else is a bug
+        if not _is_user_error(e) or os.environ.get("VERISPEC_DEBUG") == "1":
+            raise
         print(f"verispec: error: {e}", file=sys.stderr)
         return 1
+
+
+def _is_user_error(error: Exception) -> bool:
+    """Bad input (a foreign GGUF, an unknown model, a speculator that cannot serve, a prompt
+    too long...): our error classes carry the fix in their message, so one line is enough.
+    Set VERISPEC_DEBUG=1 to see the traceback anyway."""
+    from verispec.gguf_io import GGUFError
+    from verispec.registry import SpeculationUnavailable
+
+    return isinstance(error, (ValueError, LookupError, OSError, GGUFError, SpeculationUnavailable))
 
 
 if __name__ == "__main__":

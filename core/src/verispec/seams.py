@@ -30,7 +30,7 @@ class ContextOverflow(ValueError):
         self.max_context_length = max_context_length
         super().__init__(
             f"need {required_len} positions but the context holds {max_context_length}; "
-            "shorten the prompt, lower --max-tokens, or load the model with a larger context")
+            "shorten the prompt, lower --max-tokens, or load the model with a larger --context-length")
 
 
 class UnsupportedTap(ValueError):
