@@ -17,12 +17,9 @@ Rules (each has a test in tests/test_governor.py):
  3. Every plain step feeds the plain baseline (the mean of the last PLAIN_WINDOW_STEPS),
     except the first plain step after anything that is not a plain step — a speculative step,
     or the prefill that starts a request — whose timing is polluted by the transition.
- 4. MAX_ZERO_ACCEPT_STEPS speculative steps in a row that verified drafts and accepted none
-    end a probe as a loss. A step whose head proposed nothing, or whose lookup found no
-    match, is reported by the loop as a speculative sample of one token (it counts in the
-    ms/token average) but it verified nothing, so it neither extends nor breaks that run:
-    a lookup that finds no match costs a plain decode, and parking it would only hide the
-    matches that come later.
+ 4. MAX_ZERO_ACCEPT_STEPS speculative steps in a row with nothing accepted end a probe as a
+    loss. A step whose head proposed nothing, or whose lookup found no match, is reported by
+    the loop as a speculative sample of one token with nothing accepted.
  5. A win is watched: after every speculative step the last WATCH_STEPS speculative steps
     (fewer right after a short probe) are compared with the baseline, and a loss parks at once.
     Every REFRESH_EVERY_STEPS speculative steps `should_speculate()` answers False for
@@ -187,8 +184,7 @@ class SpeculationCostGovernor:
         self._last_step_plain = False
         self._spec.add(elapsed_s, num_emitted)
         if self._state is GovernorState.PROBE:
-            if num_drafted:  # a step with no draft cost no verify: it neither extends nor breaks the run
-                self._zero_accept_run = self._zero_accept_run + 1 if num_accepted == 0 else 0
+            self._zero_accept_run = self._zero_accept_run + 1 if num_accepted == 0 else 0
             self._probe_left -= 1
             if self._zero_accept_run >= MAX_ZERO_ACCEPT_STEPS:
                 self._lose()
