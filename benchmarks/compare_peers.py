@@ -82,12 +82,13 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--lookup", type=int, default=10, help="transformers prompt_lookup_num_tokens")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default=None, help="our weight dtype (default: the model's choice)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     path = resolve_model_path(args.model, Registry.discover())
-    engine = verispec.load(path)
+    engine = verispec.load(path, dtype=args.dtype)
 
     t0 = time.perf_counter()
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),

@@ -10,11 +10,13 @@ from verispec.nn.norm import RMSNorm
 from verispec.nn.quant import (
     BFloat16Linear,
     Float32Linear,
+    Int4Linear,
     Int8Linear,
     UnknownWeightDtype,
     canonical_dtype,
     linear_class,
     module_batch_invariant,
+    quantize_int4,
     quantize_int8,
     rows_per_forward,
     swap_linears,
@@ -116,8 +118,17 @@ def test_int8_quantisation_never_clips_and_stays_close():
     assert (error <= scales.float()[:, None] / 2 + 1e-9).all()
 
 
-@pytest.mark.parametrize("cls", [Int8Linear, BFloat16Linear])
-@pytest.mark.parametrize("in_features", [64, 37])  # 37: int8 pads its rows to a multiple of 16
+def test_int4_quantisation_is_groupwise_and_stays_within_half_a_step():
+    w = torch.randn(48, 96, generator=_gen()) * 0.05
+    q, scales_zeros = quantize_int4(w, 32)
+    assert q.min() >= 0 and q.max() <= 15 and scales_zeros.shape == (3, 48, 2)
+    scale = scales_zeros[..., 0].float().t().repeat_interleave(32, dim=1)  # [48, 96]
+    zero = scales_zeros[..., 1].float().t().repeat_interleave(32, dim=1)
+    assert ((q.float() - 8) * scale + zero - w).abs().max() <= scale.max() * 0.51 + 1e-3  # bf16 scale/zero
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, BFloat16Linear, Int4Linear])
+@pytest.mark.parametrize("in_features", [64, 37])  # 37: int8 pads to a multiple of 16, int4 to 32 (and 40 rows to 48)
 def test_invariant_linears_are_bitwise_per_row(cls, in_features):
     layer = cls.from_float(torch.randn(40, in_features, generator=_gen()) * 0.1)
     x = torch.randn(cls.max_invariant_rows or 33, in_features, generator=_gen(1))
@@ -135,6 +146,9 @@ def test_rows_gather_the_weight():
     assert torch.equal(BFloat16Linear.from_float(w).rows(ids), w.bfloat16().float()[ids])
     q, s = quantize_int8(w)
     assert torch.equal(Int8Linear.from_float(w).rows(ids), (q.float() * s.float()[:, None])[ids])
+    q4, sz = quantize_int4(w, 32)
+    expected = (q4.float() - 8) * sz[0, :, 0].float()[:, None] + sz[0, :, 1].float()[:, None]
+    assert torch.equal(Int4Linear.from_float(w).rows(ids), expected[ids])
 
 
 def test_swap_linears_keeps_shared_modules_shared():
@@ -149,7 +163,7 @@ def test_swap_linears_keeps_shared_modules_shared():
 
 def test_dtype_names():
     assert canonical_dtype("bf16") == "bfloat16" and canonical_dtype("fp32") == "float32"
-    assert linear_class("int8") is Int8Linear
+    assert linear_class("int8") is Int8Linear and linear_class("i4") is Int4Linear
     assert rows_per_forward("bfloat16") == 32 and rows_per_forward("int8") == 64
     with pytest.raises(UnknownWeightDtype, match="int8"):
         canonical_dtype("fp8")

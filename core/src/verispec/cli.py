@@ -36,7 +36,7 @@ def _ranged(kind, lo, hi, name):
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF path or checkpoint alias (default: the embedded default model)")
-    p.add_argument("--dtype", choices=["int8", "bf16", "fp32"], help="weight dtype (default: the model's choice)")
+    p.add_argument("--dtype", choices=["int8", "int4", "bf16", "fp32"], help="weight dtype (default: the model's choice)")
     p.add_argument("--threads", type=_ranged(int, 1, 1024, "--threads"))
     p.add_argument("--context-length", type=_ranged(int, 16, 1 << 20, "--context-length"))
 

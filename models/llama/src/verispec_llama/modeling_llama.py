@@ -55,8 +55,9 @@ ROPE_STYLES = {"llama": "normal", "qwen2": "neox"}
 #: measured on SmolLM2-135M and Qwen2.5-Coder-0.5B (2 threads, 450 cached positions; README.md
 #: "Verify cost"). int8: 5 rows cost 1.36x / 1.39x, 9 rows 1.84x / 2.64x, so K = 4. bf16 stays
 #: at <= 1.1x up to 9 rows; fp32 jumps to 1.5x / 2.2x at 4 rows and then grows slowly (1.9x /
-#: 2.6x at 9), so K = 8 for both (their one-row decode is the slower one).
-PREFERRED_DRAFT_WINDOW = {"int8": 4, "bfloat16": 8, "float32": 8}
+#: 2.6x at 9), so K = 8 for both (their one-row decode is the slower one). int4 (SmolLM2): 5 rows
+#: cost 1.24x, 9 rows 1.6x, so K = 4.
+PREFERRED_DRAFT_WINDOW = {"int8": 4, "int4": 4, "bfloat16": 8, "float32": 8}
 
 
 class UnsupportedLlamaVariant(ValueError):
