@@ -53,7 +53,7 @@ def test_int8_serves_odd_widths_and_unknown_dtypes_are_refused(tiny_fixture):
     model.spec_rewind_cache(0)
     assert torch.equal(torch.stack([model.forward(torch.tensor([t])) for t in (4, 8, 15)]), rows)
     with pytest.raises(UnknownWeightDtype):
-        load(path, dtype="int4")
+        load(path, dtype="fp8")
 
 
 def test_converted_weights_are_cached_and_a_damaged_entry_is_rebuilt(tiny_fixture, tmp_path, monkeypatch):
