@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from verispec.nn.kv_cache import ModelKVCache
-from verispec.nn.quant import module_batch_invariant
+from verispec.nn.quant import canonical_dtype, module_batch_invariant, rows_per_forward, swap_linears
 from verispec.seams import ContextOverflow, UnsupportedTap, VerifyOutput
 
 
@@ -76,6 +76,23 @@ class KVTrunk(nn.Module):
             raise UnsupportedTap(f"hidden taps {list(layers)}: this trunk has layers 0..{self.num_layers - 1} "
                                  f"(and {self.num_layers} for the last residual); got {bad or 'none'}")
         self.hidden_tap_layers = layers
+
+    def _init_sizes(self, config, dtype: str, max_rows_per_forward: int | None, context_length: int | None) -> None:
+        """The sizes the seam reads, from an HF-style config (vocab_size, hidden_size,
+        num_hidden_layers, max_position_embeddings); call first in a subclass's __init__."""
+        self.config, self.dtype = config, canonical_dtype(dtype)
+        self.vocab_size, self.hidden_size, self.num_layers = (config.vocab_size, config.hidden_size,
+                                                              config.num_hidden_layers)
+        self.max_context_length = int(context_length or config.max_position_embeddings)
+        self.max_rows_per_forward = max_rows_per_forward or rows_per_forward(self.dtype)
+
+    def _finish_linears(self, device) -> None:
+        """Add the untied LM head when the config has one (else `model.embed_tokens` serves), then
+        swap every linear to the weight dtype; call once `self.model` is built."""
+        c = self.config
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False,
+                                                                    device=device)
+        swap_linears(self, self.dtype)
 
     def _logits_and_taps(self, normed: torch.Tensor, taps: dict[int, torch.Tensor], *, logit_rows: str | None,
                          hidden: bool, softcap: float | None = None):

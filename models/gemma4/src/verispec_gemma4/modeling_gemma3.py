@@ -27,7 +27,6 @@ from verispec.nn.attention import attend
 from verispec.nn.kv_cache import MAX_VERIFY_ROWS, LinearKVCache, ModelKVCache, RingKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
-from verispec.nn.quant import rows_per_forward, swap_linears
 from verispec.nn.rope import RotaryEmbedding, linear_scaling
 from verispec.nn.trunk import KVTrunk
 
@@ -200,16 +199,10 @@ class Gemma3ForCausalLM(KVTrunk):
                  max_verify_rows: int = MAX_VERIFY_ROWS, key_block: int = 64, context_length: int | None = None,
                  device="meta"):
         super().__init__()
-        c = self.config = config
-        self.dtype = dtype
-        self.vocab_size, self.hidden_size, self.num_layers = c.vocab_size, c.hidden_size, c.num_hidden_layers
-        self.max_context_length = int(context_length or c.max_position_embeddings)
-        self.max_rows_per_forward = max_rows_per_forward or rows_per_forward(dtype)
+        self._init_sizes(config, dtype, max_rows_per_forward, context_length)
         self.ring_rows = max(self.max_rows_per_forward, max_verify_rows)
-        self.model = Gemma3TextModel(c, device)
-        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False,
-                                                                    device=device)
-        swap_linears(self, dtype)
+        self.model = Gemma3TextModel(config, device)
+        self._finish_linears(device)
         self.kv_cache = ModelKVCache([self._make_cache(layer, key_block) for layer in self.model.layers])
 
     def _make_cache(self, layer: Gemma3DecoderLayer, key_block: int):

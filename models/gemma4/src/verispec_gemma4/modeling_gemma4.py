@@ -36,7 +36,6 @@ from verispec.nn.attention import attend
 from verispec.nn.kv_cache import MAX_VERIFY_ROWS, LinearKVCache, ModelKVCache, RingKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
-from verispec.nn.quant import rows_per_forward, swap_linears
 from verispec.nn.rope import RotaryEmbedding, default_inv_freq
 from verispec.nn.trunk import KVTrunk
 
@@ -333,16 +332,11 @@ class Gemma4ForCausalLM(KVTrunk):
                  max_verify_rows: int = MAX_VERIFY_ROWS, key_block: int = 64, context_length: int | None = None,
                  device="meta"):
         super().__init__()
-        c = self.config = config
-        self.dtype = dtype
-        self.vocab_size, self.hidden_size, self.num_layers = c.vocab_size, c.hidden_size, c.num_hidden_layers
-        self.max_context_length = int(context_length or c.max_position_embeddings)
-        self.max_rows_per_forward = max_rows_per_forward or rows_per_forward(dtype)
+        self._init_sizes(config, dtype, max_rows_per_forward, context_length)
+        c = config
         self.ring_rows = max(self.max_rows_per_forward, max_verify_rows)
         self.model = Gemma4TextModel(c, device)
-        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False,
-                                                                    device=device)
-        swap_linears(self, dtype)
+        self._finish_linears(device)
         caches = [self._make_cache(i, key_block) if c.kv_source(i) == i else None for i in range(c.num_hidden_layers)]
         self.kv_cache = ModelKVCache(caches)
         self._cache_of_layer = [c.kv_source(i) for i in range(c.num_hidden_layers)]

@@ -35,7 +35,6 @@ from verispec.nn.attention import attend
 from verispec.nn.kv_cache import LinearKVCache, ModelKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
-from verispec.nn.quant import canonical_dtype, rows_per_forward, swap_linears
 from verispec.nn.rope import RotaryEmbedding, default_inv_freq, freq_factors, linear_scaling
 from verispec.nn.trunk import KVTrunk
 
@@ -253,16 +252,10 @@ class LlamaForCausalLM(KVTrunk):
     def __init__(self, config: LlamaConfig, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
                  context_length: int | None = None, device="meta"):
         super().__init__()
-        dtype = canonical_dtype(dtype)
-        c = self.config = config
-        self.dtype = dtype
-        self.vocab_size, self.hidden_size, self.num_layers = c.vocab_size, c.hidden_size, c.num_hidden_layers
-        self.max_context_length = int(context_length or c.max_position_embeddings)
-        self.max_rows_per_forward = max_rows_per_forward or rows_per_forward(dtype)
+        self._init_sizes(config, dtype, max_rows_per_forward, context_length)
+        c = config
         self.model = LlamaModel(c, device=device)
-        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False,
-                                                                    device=device)
-        swap_linears(self, dtype)
+        self._finish_linears(device)
         self.kv_cache = ModelKVCache([
             LinearKVCache(c.num_key_value_heads, c.head_dim, max_positions=self.max_context_length)
             for _ in range(self.num_layers)])
