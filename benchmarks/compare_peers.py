@@ -75,6 +75,48 @@ def run_transformers(model, ids, new, lookup: int | None):
     return tokens, (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
 
 
+def load_llama_cpp(path: str, threads: int, lookup: int | None):
+    """llama-cpp-python's `Llama` on the same GGUF (its own Q4/Q8 kernels), or None when not importable.
+
+    Built with GGML_NATIVE on this Xeon, llama.cpp's AMX matmul (an "extra buffer type")
+    segfaults in its first decode, so extra buffer types are turned off (`use_extra_bufts`;
+    this also turns off its weight repacking): its plain AVX-512 kernels run.
+    """
+    try:
+        import llama_cpp.llama_cpp as low_level
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        return None
+    defaults = low_level.llama_model_default_params
+
+    def without_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup else None
+    low_level.llama_model_default_params = without_extra_buffers  # read by Llama.__init__
+    try:
+        return Llama(model_path=path, n_ctx=4096, n_threads=threads, n_batch=512, draft_model=draft,
+                               logits_all=draft is not None, verbose=False)
+    finally:
+        low_level.llama_model_default_params = defaults
+
+
+def run_llama_cpp(llm, ids, new):
+    """Greedy `new` tokens through `Llama.generate` (which runs its draft model, if any, and
+    verifies the drafts in one batch); stop tokens ignored. Returns (tokens, decode tok/s)."""
+    llm.reset()
+    tokens, stamps = [], []
+    for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        tokens.append(token)
+        stamps.append(time.perf_counter())
+        if len(tokens) == new:
+            break
+    return tokens, (len(tokens) - 1) / (stamps[-1] - stamps[0]) if stamps[-1] > stamps[0] else 0.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="alias or GGUF path (default: the embedded default)")
@@ -94,6 +136,8 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=torch.float32).eval()
     hf_load_s = time.perf_counter() - t0
+    llama_plain = load_llama_cpp(path, args.threads, None)
+    llama_lookup = load_llama_cpp(path, args.threads, args.lookup)
     rows = []
     warm = engine.encode("Warm up the caches.")
     run_verispec(engine, warm, 8, SpecOptions(enabled=False))
@@ -115,12 +159,18 @@ def main() -> None:
             "spec_ratio_verispec_over_transformers": round(spec_tps / hf_spec_tps, 2),
             "same_plain_stream_as_transformers": plain == hf_plain,
         })
+        if llama_plain is not None:
+            cpp_plain, cpp_plain_tps = run_llama_cpp(llama_plain, ids, args.new)
+            cpp_spec, cpp_spec_tps = run_llama_cpp(llama_lookup, ids, args.new)
+            rows[-1].update({
+                "llama_cpp_plain_tps": round(cpp_plain_tps, 2),
+                f"llama_cpp_lookup{args.lookup}_tps": round(cpp_spec_tps, 2),
+                "llama_cpp_identical": cpp_spec == cpp_plain,
+                "spec_ratio_verispec_over_llama_cpp": round(spec_tps / cpp_spec_tps, 2),
+            })
         print(json.dumps(rows[-1]), flush=True)
-    try:
-        import llama_cpp  # noqa: F401
-        print("llama_cpp importable: add its run here")
-    except ImportError:
-        print("llama-cpp-python not importable: llama.cpp column skipped (see shared baselines for its figures)")
+    if llama_plain is None:
+        print("llama-cpp-python not importable: llama.cpp columns skipped")
     if not args.json:
         keys = list(rows[0])
         print("| " + " | ".join(keys) + " |")

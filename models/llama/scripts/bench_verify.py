@@ -7,7 +7,7 @@ For each dtype: prefill `--ctx` tokens, then time `forward(1 token)` (the plain 
 Reports min and median ms over `--reps` back-to-back calls, after waiting (up to 10 s) for
 the machine to be quiet (other processes' CPU use below 0.2 cores), as shared machines are
 noisy. Speed claims come from `verispec bench`; this is the per-row cost behind the default
-draft window (modeling_llama.PREFERRED_DRAFT_WINDOW).
+draft-window ceiling (LlamaForCausalLM.spec_preferred_draft_window).
 """
 import argparse
 import statistics

@@ -324,9 +324,8 @@ class Gemma4ForCausalLM(KVTrunk):
     The hidden tap is the final-normed row, pre-softcap (what the assistant consumes).
     """
 
-    # No real Gemma 4 was available to time; the int8 kernel's 4-row blocks (Gemma 3 measurement,
-    # modeling_gemma3.Gemma3ForCausalLM) make 3 drafts the last cheap width here too.
-    spec_preferred_draft_window = 3
+    # No real Gemma 4 was available to time; the Gemma 3 measurement (modeling_gemma3) stands in.
+    spec_preferred_draft_window = 7
 
     def __init__(self, config: Gemma4Config, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
                  max_verify_rows: int = MAX_VERIFY_ROWS, key_block: int = 64, context_length: int | None = None,

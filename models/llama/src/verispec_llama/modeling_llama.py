@@ -39,7 +39,6 @@ from verispec.nn.rope import RotaryEmbedding, default_inv_freq, freq_factors, li
 from verispec.nn.trunk import KVTrunk
 
 __all__ = [
-    "PREFERRED_DRAFT_WINDOW",
     "ROPE_STYLES",
     "LlamaConfig",
     "LlamaForCausalLM",
@@ -49,14 +48,6 @@ __all__ = [
 
 #: GGUF general.architecture -> RoPE pairing of its q/k rows (see the module docstring).
 ROPE_STYLES = {"llama": "normal", "qwen2": "neox"}
-
-#: Default draft window K per weight dtype, from the (K+1)-row verify cost relative to one row,
-#: measured on SmolLM2-135M and Qwen2.5-Coder-0.5B (2 threads, 450 cached positions; README.md
-#: "Verify cost"). int8: 5 rows cost 1.36x / 1.39x, 9 rows 1.84x / 2.64x, so K = 4. bf16 stays
-#: at <= 1.1x up to 9 rows; fp32 jumps to 1.5x / 2.2x at 4 rows and then grows slowly (1.9x /
-#: 2.6x at 9), so K = 8 for both (their one-row decode is the slower one). int4 (SmolLM2): 5 rows
-#: cost 1.24x, 9 rows 1.6x, so K = 4.
-PREFERRED_DRAFT_WINDOW = {"int8": 4, "int4": 4, "bfloat16": 8, "float32": 8}
 
 
 class UnsupportedLlamaVariant(ValueError):
@@ -249,6 +240,12 @@ class LlamaForCausalLM(KVTrunk):
     lm_head); lm_head is None when tied; biases are model.layers.{i}.self_attn.{q,k,v,o}_bias.
     """
 
+    # The K ceiling; DraftWindow picks each step's K below it from measured row costs. A
+    # (K+1)-row verify relative to one row (README.md "Verify cost", SmolLM2 / Qwen2.5-Coder):
+    # int8 5 rows 1.36x / 1.39x, 9 rows 1.84x / 2.64x; bf16 <= 1.1x up to 9 rows; fp32 1.9x /
+    # 2.6x at 9. At full acceptance 9 rows emit the most tokens per row-time in every dtype.
+    spec_preferred_draft_window = 8
+
     def __init__(self, config: LlamaConfig, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
                  context_length: int | None = None, device="meta"):
         super().__init__()
@@ -260,9 +257,6 @@ class LlamaForCausalLM(KVTrunk):
             LinearKVCache(c.num_key_value_heads, c.head_dim, max_positions=self.max_context_length)
             for _ in range(self.num_layers)])
 
-    @property
-    def spec_preferred_draft_window(self) -> int:
-        return PREFERRED_DRAFT_WINDOW[self.dtype]
 
     def _forward_chunk(self, tokens: torch.Tensor, start_pos: int, *, logit_rows: str | None, hidden: bool):
         """tokens int64 [n] at positions start_pos..; returns (logits fp32 [1 | n, V] or None,
