@@ -145,3 +145,11 @@ def test_real_gemma_assembles(gemma3_270m_spec):
     print(f"\nassemble gemma3-270m: {cold:.2f} s cold, {1e3 * (time.perf_counter() - start):.1f} ms warm")
     assert path.stat().st_size == 253_113_024
     assert path.open("rb").read(4) == b"GGUF"
+
+
+def test_cache_root_follows_verispec_cache_then_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv("VERISPEC_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "verispec"
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "own"))
+    assert cache_dir() == tmp_path / "own"

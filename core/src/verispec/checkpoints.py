@@ -73,9 +73,11 @@ class CacheEntry:
 
 
 def cache_dir(kind: str | None = None) -> Path:
-    """The cache root (`$VERISPEC_CACHE` or ~/.cache/verispec), or its `kind` subdirectory;
-    created on first use. A root created here gets a marker file that `clear_cache` requires."""
-    root = Path(os.environ.get("VERISPEC_CACHE") or Path.home() / ".cache" / "verispec").expanduser()
+    """The cache root (`$VERISPEC_CACHE`, else `$XDG_CACHE_HOME/verispec`, else
+    ~/.cache/verispec), or its `kind` subdirectory; created on first use. A root created here
+    gets a marker file that `clear_cache` requires."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    root = Path(os.environ.get("VERISPEC_CACHE") or Path(base) / "verispec").expanduser()
     if not root.exists() or (root.is_dir() and not any(root.iterdir())):
         root.mkdir(parents=True, exist_ok=True)
         (root / _MARKER).touch()
