@@ -22,6 +22,7 @@ from verispec.gguf_io import (
     TruncatedGGUF,
     UnsupportedGGUFVersion,
     UnsupportedTensorType,
+    arch_value,
     read_architecture,
 )
 from verispec.testing.fixture_writer import write_gguf
@@ -416,3 +417,11 @@ def test_real_gemma_tensors_dequantise(gemma_path):
         got = f.tensor(name)
         assert got.shape == shape and got.dtype == torch.float32 and torch.isfinite(got).all()
         assert torch.equal(got, torch.from_numpy(np.array(dequantize(raw, qtype)).reshape(shape)))
+
+
+def test_arch_value_reads_the_architecture_prefix_and_names_a_missing_key():
+    md = {"general.architecture": "llama", "llama.block_count": 30}
+    assert arch_value(md, "block_count") == 30
+    assert arch_value(md, "expert_count", 0) == 0
+    with pytest.raises(MissingKey, match=r"model\.gguf .*'llama\.embedding_length'"):
+        arch_value(md, "embedding_length", source="model.gguf")

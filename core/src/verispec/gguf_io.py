@@ -44,6 +44,7 @@ __all__ = [
     "TruncatedGGUF",
     "UnsupportedGGUFVersion",
     "UnsupportedTensorType",
+    "arch_value",
     "read_architecture",
 ]
 
@@ -261,6 +262,18 @@ def _read_header(cur: _Cursor) -> tuple[int, int, int]:
     return version, tensor_count, kv_count
 
 
+def arch_value(metadata: Mapping[str, Any], suffix: str, default: Any = ..., *, source: str = "the GGUF") -> Any:
+    """metadata[f"{arch}.{suffix}"], arch = metadata["general.architecture"]; `default` when the
+    key is absent, else raises MissingKey naming `source` (the file's path)."""
+    arch = metadata.get("general.architecture")
+    key = f"{arch}.{suffix}"
+    if key in metadata:
+        return metadata[key]
+    if default is ...:
+        raise MissingKey(key, arch, source)
+    return default
+
+
 def read_architecture(path: str | os.PathLike) -> str:
     """`general.architecture` of a GGUF, reading only the keys before it (usually the first).
 
@@ -355,10 +368,7 @@ class GGUFFile:
 
     def arch_key(self, suffix: str, default: Any = ...) -> Any:
         """metadata[f"{architecture}.{suffix}"]; with no default, raises MissingKey when absent."""
-        key = f"{self.architecture}.{suffix}"
-        if default is ...:
-            return self.require(key)
-        return self.metadata.get(key, default)
+        return arch_value(self.metadata, suffix, default, source=self.path)
 
     def metadata_digest(self, prefix: str = "") -> str:
         """sha256 hex of the raw bytes of every metadata entry whose key starts with `prefix`,

@@ -16,6 +16,7 @@ final logit softcap. Norm weights are used as stored: gemma3 GGUFs hold 1 + w al
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import attrs
 import torch
 from torch import nn
+from verispec.gguf_io import arch_value
 from verispec.nn.attention import attend
 from verispec.nn.kv_cache import MAX_VERIFY_ROWS, LinearKVCache, ModelKVCache, RingKVCache
 from verispec.nn.mlp import GatedMLP
@@ -65,16 +67,9 @@ class Gemma3Config:
                            tie_word_embeddings: bool = True) -> Gemma3Config:
         """Config from GGUF metadata (`{arch}.` keys), with llama.cpp's gemma3 defaults for what
         the file omits (reference/gemma4.md §2.1). `vocab_size` comes from token_embd's rows,
-        `tie_word_embeddings` from whether the file has output.weight."""
-        arch = md["general.architecture"]
-
-        def key(suffix, default=...):
-            name = f"{arch}.{suffix}"
-            if name in md:
-                return md[name]
-            if default is ...:
-                raise KeyError(name)
-            return default
+        `tie_word_embeddings` from whether the file has output.weight. Raises gguf_io.MissingKey
+        for a required key the file lacks."""
+        key = functools.partial(arch_value, md)
 
         num_layers = int(key("block_count"))
         hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))

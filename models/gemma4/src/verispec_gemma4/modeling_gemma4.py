@@ -23,6 +23,7 @@ Norm weights are used as stored: gemma4 GGUFs hold w (no +1).
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from verispec.gguf_io import arch_value
 from verispec.nn.attention import attend
 from verispec.nn.kv_cache import MAX_VERIFY_ROWS, LinearKVCache, ModelKVCache, RingKVCache
 from verispec.nn.mlp import GatedMLP
@@ -110,16 +112,9 @@ class Gemma4Config:
                            vocab_size_per_layer_input: int = 0, attention_k_eq_v: bool = False,
                            tie_word_embeddings: bool = True) -> Gemma4Config:
         """Config from `gemma4.*` keys (reference/gemma4.md §2.3). What only the tensors tell the
-        loader passes in: vocab sizes, `rope_freqs`, whether attn_v exists, output.weight."""
-        arch = md["general.architecture"]
-
-        def key(suffix, default=...):
-            name = f"{arch}.{suffix}"
-            if name in md:
-                return md[name]
-            if default is ...:
-                raise KeyError(name)
-            return default
+        loader passes in: vocab sizes, `rope_freqs`, whether attn_v exists, output.weight.
+        Raises gguf_io.MissingKey for a required key the file lacks."""
+        key = functools.partial(arch_value, md)
 
         num_layers = int(key("block_count"))
         pattern = key("attention.sliding_window_pattern", None)

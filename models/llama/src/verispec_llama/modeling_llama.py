@@ -25,12 +25,13 @@ llama.cpp src/models/llama.cpp, src/models/qwen2.cpp.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import attrs
 import torch
 from torch import nn
-from verispec.gguf_io import MissingKey, MissingTensor
+from verispec.gguf_io import MissingTensor, arch_value
 from verispec.nn.attention import attend
 from verispec.nn.kv_cache import LinearKVCache, ModelKVCache
 from verispec.nn.mlp import GatedMLP
@@ -108,13 +109,7 @@ class LlamaConfig:
             raise UnsupportedLlamaVariant(source, f"general.architecture is {arch!r}",
                                           f"this package loads {', '.join(ROPE_STYLES)}")
 
-        def key(suffix, default=...):
-            name = f"{arch}.{suffix}"
-            if name in metadata:
-                return metadata[name]
-            if default is ...:
-                raise MissingKey(name, arch, source)
-            return default
+        key = functools.partial(arch_value, metadata, source=source)
 
         if key("expert_count", 0):
             raise UnsupportedLlamaVariant(source, f"{arch}.expert_count={key('expert_count')} (a mixture of experts)",
