@@ -15,8 +15,8 @@ import attrs
 from verispec.execution import ExecutionStats, SpeculativeExecution, resolve_draft_window
 from verispec.governor import SpeculationCostGovernor
 from verispec.sampling import Sampler, SamplingParams
+from verispec.nn.state import CannotTruncate
 from verispec.seams import ContextOverflow, declared
-from verispec.trunks import LinearSpecTrunk
 from verispec.window import DraftWindow
 
 log = logging.getLogger("verispec")
@@ -87,7 +87,8 @@ class InferenceEngine:
         self.tokenizer = target.tokenizer
         self.registry = registry
         self.prefill_chunk = prefill_chunk
-        self._cached: list[int] = []  # tokens whose KV the trunk cache holds, in order
+        self.seq = target.new_sequence()  # the one sequence requests run in (reused for prefix reuse)
+        self._cached: list[int] = []  # tokens the sequence holds, in order
         self._governors: dict[tuple, tuple[SpeculationCostGovernor, DraftWindow]] = {}
         self.speculator = None
         self.choice = None
@@ -127,13 +128,13 @@ class InferenceEngine:
         return resolve(spec.loader)(path, self.target)
 
     def reset_cache(self) -> None:
-        """Forget the cached prefix: the next request prefills from an empty cache."""
-        self.target.spec_rewind_cache(0)
+        """Forget the cached prefix: the next request prefills from an empty sequence."""
+        self.target.truncate(self.seq, 0)
         self._cached = []
 
     def governor(self) -> tuple[SpeculationCostGovernor, DraftWindow]:
         """One governor and draft-window model per (model, drafter, backend), shared by every request."""
-        key = (id(self.target), self.speculator.name, self.spec.adaptive, self.draft_window, "linear")
+        key = (id(self.target), self.speculator.name, self.spec.adaptive, self.draft_window)
         if key not in self._governors:
             self._governors[key] = (SpeculationCostGovernor(enabled=self.spec.adaptive),
                                     DraftWindow(self.draft_window))
@@ -166,19 +167,24 @@ class InferenceEngine:
             raise ContextOverflow(len(ids) + 1, self.target.max_context_length)
         return Generation(self, ids, max_tokens, sampling, tuple(stop), ignore_eos)
 
-    def _reuse_prefix(self, trunk: LinearSpecTrunk, ids: list[int]) -> int:
-        """Rewind the cache to the longest prefix shared with the last request (at least one row is re-forwarded)."""
+    def _begin_request(self, ids: list[int]) -> int:
+        """Cut the sequence back to the longest prefix shared with the last request (at least one
+        row is re-forwarded); returns the number of reused tokens."""
         common = 0
         limit = min(len(self._cached), len(ids) - 1)
         while common < limit and self._cached[common] == ids[common]:
             common += 1
         try:
-            trunk.rewind(common)
-        except ValueError:  # recurrent state cannot be rewound: start afresh
+            self.target.truncate(self.seq, common)
+        except CannotTruncate:  # e.g. recurrent state: start afresh
             common = 0
-            self.target.spec_rewind_cache(0)
+            self.target.truncate(self.seq, 0)
         del self._cached[common:]
         return common
+
+    def _end_request(self, tokens: list[int]) -> None:
+        """Remember what the sequence now holds (the prompt and every emitted token but the pending last)."""
+        self._cached = tokens[:self.target.seq_len(self.seq)]
 
 
 class Generation:
@@ -193,12 +199,11 @@ class Generation:
     def __iter__(self) -> Iterator[TokenEvent]:
         engine, ids = self.engine, self.ids
         start = time.perf_counter()
-        trunk = LinearSpecTrunk(engine.target)
-        reused = engine._reuse_prefix(trunk, ids)
+        reused = engine._begin_request(ids)
         speculator = engine.speculator
         governor, window = engine.governor() if speculator is not None else (None, None)
         stop_ids = () if self.ignore_eos else tuple(engine.tokenizer.stop_ids)
-        execution = SpeculativeExecution(trunk, speculator, draft_window=engine.draft_window,
+        execution = SpeculativeExecution(engine.target, engine.seq, speculator, draft_window=engine.draft_window,
                                          stop_token_ids=stop_ids, governor=governor, window=window)
         if reused:
             execution.seed_committed(ids[:reused])
@@ -214,8 +219,7 @@ class Generation:
             stopped = execution.step(sampler, state.on_token)
             yield from state.drain()
         end = time.perf_counter()
-        # the last emitted token is pending: the cache holds the prompt and every token before it
-        engine._cached = (list(ids) + state.tokens[:-1])[:trunk.seq_len]
+        engine._end_request(list(ids) + state.tokens)
         n = len(state.tokens)
         ttft_s = first_token_at - start
         self.result = GenerationResult(

@@ -9,7 +9,7 @@ One step, with the pending token `last` at position p (emitted, not yet in the c
    passes, row K's draw is the *bonus*. Every drawn token is emitted, so the output is what
    plain decoding draws (Leviathan et al. 2023, arXiv 2211.17192, with a deterministic
    drafter and draws keyed by position).
-4. Rollback: rows past the last kept one are dropped (`SpecTrunk.rollback`).
+4. Rollback: `trunk.keep(seq, a + 1)`; the trunk undoes the rest, whatever its state kinds.
 5. Commit: the kept tokens [last, d1..da] go to the speculator with their hidden rows.
 
 A stop (stop token, stop string, max_tokens; decided by the caller's `on_token`) inside an
@@ -24,11 +24,10 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from verispec.seams import DraftContext, Speculator, declared
+from verispec.seams import DraftContext, Segment, SpeculativeTarget, Speculator, declared
 
 if TYPE_CHECKING:
     from verispec.sampling import Draw
-from verispec.trunks import SpecTrunk
 
 #: steps with an empty proposal after which no-draft steps stop tapping hidden rows.
 NO_DRAFT_STEPS_BEFORE_PLAIN = 2
@@ -68,17 +67,17 @@ class ExecutionStats:
 
 
 class SpeculativeExecution:
-    """Runs one sequence on a SpecTrunk, speculating with `speculator` when armed.
+    """Runs one sequence `seq` of a trunk, speculating with `speculator` when armed.
 
     sampler: `.draw(logits fp32 [V], pos) -> Draw` and `.accept(token)` (verispec.sampling.Sampler).
     governor: optional SpeculationCostGovernor (`should_speculate`, `record_*`); None = always armed.
     window: optional DraftWindow choosing K per step within [1, draft_window].
     """
 
-    def __init__(self, trunk: SpecTrunk, speculator: Speculator | None, *, draft_window: int = DEFAULT_DRAFT_WINDOW,
-                 stop_token_ids: Sequence[int] = (), governor=None, window=None,
-                 clock: Callable[[], float] = time.perf_counter):
-        self.trunk = trunk
+    def __init__(self, trunk: SpeculativeTarget, seq: int, speculator: Speculator | None, *,
+                 draft_window: int = DEFAULT_DRAFT_WINDOW, stop_token_ids: Sequence[int] = (), governor=None,
+                 window=None, clock: Callable[[], float] = time.perf_counter):
+        self.trunk, self.seq = trunk, seq
         self.speculator = speculator
         self.draft_window = draft_window
         self.stop_token_ids = frozenset(stop_token_ids)
@@ -88,47 +87,56 @@ class SpeculativeExecution:
         self.stats = ExecutionStats()
         self.last_token: int | None = None
         self._armed = speculator is not None
+        self._state = speculator.new_state() if speculator is not None else None
         self._hidden_prev = None
         self._no_draft_streak = 0
+        self._view = trunk.view() if speculator is not None else None
+
+    @property
+    def seq_len(self) -> int:
+        """Committed positions of the sequence (the pending token is not among them)."""
+        return self.trunk.seq_len(self.seq)
 
     @property
     def _needs_hidden(self) -> bool:
-        return self._armed and self.speculator.needs_hidden_state
+        return self._armed and self.speculator.spec.needs_hidden_state
+
+    def _forward(self, tokens: Sequence[int], *, logits: str, hidden: bool, verify: bool = False):
+        tap_layers = self.speculator.tap_layers if hidden else None
+        return self.trunk.forward([Segment(self.seq, list(tokens), logits=logits, hidden=hidden,
+                                           tap_layers=tap_layers, verify=verify)])[0]
 
     # -- sequence set-up ---------------------------------------------------------------
 
     def prefill(self, tokens: Sequence[int], chunk_size: int = 512):
-        """Append prompt tokens after what the cache holds; returns logits fp32 [V] of the last row."""
+        """Append prompt tokens after what the sequence holds; returns logits fp32 [V] of the last row."""
         out = None
         for start in range(0, len(tokens), chunk_size):
-            base = self.trunk.seq_len
+            base = self.seq_len
             chunk = tokens[start:start + chunk_size]
-            out = self.trunk.prefill(chunk, hidden=self._needs_hidden)
+            out = self._forward(chunk, logits="last", hidden=self._needs_hidden)
             self._commit(chunk, out.hidden, base)
         return out.logits[-1]
 
     def start(self, prompt: Sequence[int], sampler, on_token: OnToken) -> bool:
         """Prefill the prompt and emit the first new token; returns True when it said stop.
 
-        From an empty cache the speculator starts afresh; after prefix reuse the caller has
-        already called `seed_committed` with the reused tokens.
+        After prefix reuse the caller has already called `seed_committed` with the reused tokens.
         """
-        if self.trunk.seq_len == 0 and self.speculator is not None:
-            self.speculator.reset()
         logits = self.prefill(prompt)
-        token, stop = self._emit(sampler, logits, self.trunk.seq_len, on_token)
+        token, stop = self._emit(sampler, logits, self.seq_len, on_token)
         self.last_token = token
         return stop
 
     def seed_committed(self, tokens: Sequence[int]) -> None:
-        """Arm late over tokens the trunk already holds (positions 0..len-1), e.g. a reused prefix."""
+        """Arm late over tokens the sequence already holds (positions 0..len-1), e.g. a reused prefix."""
         if self.speculator is None:
             return
-        if not self.speculator.can_arm_after_prefix_reuse:
+        if not self.speculator.spec.can_arm_after_prefix_reuse:
             self._armed = False  # stays plain for this sequence: it cannot see the reused rows
             return
-        self.speculator.reset()
-        self.speculator.commit(list(tokens), None, 0)
+        self._state = self.speculator.new_state()
+        self.speculator.commit(self._state, list(tokens), None, 0)
         self._armed = True
 
     def catch_up(self, tokens: Sequence[int], start_pos: int) -> None:
@@ -148,10 +156,10 @@ class SpeculativeExecution:
         if k == 0:
             return self._plain_step(sampler, on_token)
         start = self.clock()
-        ctx = DraftContext(last_token=self.last_token, pos=self.trunk.seq_len, draft_window=k,
+        ctx = DraftContext(last_token=self.last_token, pos=self.seq_len, draft_window=k,
                            min_draft_prob=self.speculator.min_draft_prob, hidden_prev=self._hidden_prev,
-                           stop_token_ids=self.stop_token_ids)
-        draft = list(self.speculator.propose(ctx))[:k]
+                           stop_token_ids=self.stop_token_ids, seq=self.seq, trunk=self._view)
+        draft = list(self.speculator.propose(self._state, ctx))[:k]
         if draft:
             self._no_draft_streak = 0
             return self._speculative_step(draft, sampler, on_token, start)
@@ -169,7 +177,7 @@ class SpeculativeExecution:
             return 0
         if self.governor is not None and not self.governor.should_speculate():
             return 0
-        room = self.trunk.max_context_length - self.trunk.seq_len - 1  # verify writes K+1 rows
+        room = self.trunk.max_context_length - self.seq_len - 1  # verify writes K+1 rows
         k = min(self.draft_window, self.speculator.max_draft_tokens, room)
         if self.window is not None:
             k = min(k, self.window.next())
@@ -186,17 +194,17 @@ class SpeculativeExecution:
         return stop
 
     def _decode_one(self, sampler, on_token: OnToken, *, hidden: bool) -> bool:
-        base, last = self.trunk.seq_len, self.last_token
-        out = self.trunk.decode(last, hidden=hidden)
+        base, last = self.seq_len, self.last_token
+        out = self._forward([last], logits="last", hidden=hidden)
         self._commit([last], out.hidden, base)
         token, stop = self._emit(sampler, out.logits[-1], base + 1, on_token)
         self.last_token = token
         return stop
 
     def _speculative_step(self, draft: list[int], sampler, on_token: OnToken, start: float) -> bool:
-        base = self.trunk.seq_len
+        base = self.seq_len
         rows = [self.last_token, *draft]
-        out = self.trunk.verify(rows, hidden=self._needs_hidden)
+        out = self._forward(rows, logits="all", hidden=self._needs_hidden, verify=True)
         i = num_accepted = 0
         while True:
             token, stop = self._emit(sampler, out.logits[i], base + 1 + i, on_token)
@@ -205,11 +213,10 @@ class SpeculativeExecution:
             if stop or not matched:
                 break
             i += 1
-        num_kept = i + 1  # [last, d1..di] stay in the cache; `token` is the new pending token
-        hidden_rows = self.trunk.rollback(base, rows, num_kept, hidden=self._needs_hidden)
-        if hidden_rows is None and out.hidden is not None:
-            hidden_rows = out.hidden[:num_kept]
-        self._commit(rows[:num_kept], hidden_rows, base)
+        num_kept = i + 1  # [last, d1..di] stay in the sequence; `token` is the new pending token
+        self.trunk.keep(self.seq, num_kept)
+        self.speculator.keep(self._state, num_kept)
+        self._commit(rows[:num_kept], None if out.hidden is None else out.hidden[:num_kept], base)
         self.last_token = token
         self._record_spec(len(draft), num_accepted, num_kept, start)
         return stop
@@ -235,4 +242,4 @@ class SpeculativeExecution:
         if hidden_rows is not None:
             self._hidden_prev = hidden_rows[-1]
         if self.speculator is not None:
-            self.speculator.commit(list(tokens), hidden_rows, start_pos)
+            self.speculator.commit(self._state, list(tokens), hidden_rows, start_pos)

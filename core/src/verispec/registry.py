@@ -294,7 +294,7 @@ def _build(spec: SpeculatorSpec, target, draft_head, max_draft_tokens, min_draft
             if reason:
                 return None, reason
         speculator = resolve(spec.factory)(
-            target, max_draft_tokens=max_draft_tokens, draft_head=draft_head,
+            target, spec=spec, max_draft_tokens=max_draft_tokens, draft_head=draft_head,
             min_draft_prob=spec.default_min_draft_prob if min_draft_prob is None else min_draft_prob)
     except Exception as exc:  # a broken plugin declines; it never takes the engine down
         logger.warning("speculator %r failed to build", spec.name, exc_info=True)

@@ -1,12 +1,14 @@
 """The seams between the loop and what plugs into it (DESIGN.md §3).
 
-Shape letters: n rows in a forward, V vocabulary, F feature width of the hidden tap
-(`spec_feature_size`), K draft window.
+Shape letters: n rows of one sequence in a forward, V vocabulary, D hidden size, F feature
+width of a hidden tap (`TrunkView.tap_feature_size`), K draft window.
 
-- `SpeculativeTarget`: what the loop needs from a trunk (the model being served).
+- `SpeculativeTarget`: the trunk (the model being served): `forward` over `Segment`s of
+  several sequences, `keep` after a verify, sequences that come and go.
+- `TrunkView`: the read-only face of a trunk that a draft head binds to.
 - `DraftHead` (+ `DraftHeadKind`): a thin adapter over drafter weights bound to one trunk.
-- `Speculator`: a drafting algorithm; `DraftContext` is everything it may read per step.
-- `VerifyOutput`: what one multi-row trunk forward returns.
+- `Speculator`: a drafting algorithm with per-sequence state; `DraftContext` is everything
+  it may read per step.
 
 No loop lives here: `execution.SpeculativeExecution` is the one implementation.
 """
@@ -38,14 +40,46 @@ class UnsupportedTap(ValueError):
 
 
 @attrs.frozen
-class VerifyOutput:
-    #: fp32 [n, V] (or [1, V] when only the last row was asked for).
-    logits: "torch.Tensor"
-    #: tapped rows [n, F] in the trunk's dtype, or None when not asked for.
+class Segment:
+    """The rows one sequence appends in a forward: the tokens at positions seq_len(seq)...
+
+    Several segments (each a different sequence) form one batch: a chunked prefill, a
+    one-row decode and a k-row verify are the same thing with different flags.
+    """
+
+    #: a sequence id from `new_sequence()`.
+    seq: int
+    #: int64 [n], n >= 1 (a tensor or a list of ids).
+    tokens: Any = attrs.field(converter=lambda t: _as_ids(t))
+    #: "all": fp32 logits [n, V]; "last": [1, V] of the last row; "none": no logits.
+    logits: str = attrs.field(default="last", validator=attrs.validators.in_(("all", "last", "none")))
+    #: also return hidden tap rows [n, F].
+    hidden: bool = False
+    #: which taps: None = final-normed rows (F = hidden size); else the residuals entering these
+    #: layers, concatenated (F = hidden size · len); index num_layers = after the last layer.
+    tap_layers: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
+    #: a verify: the trunk keeps what `keep(seq, num_rows)` needs (per-row recurrent state).
+    verify: bool = False
+
+
+def _as_ids(tokens) -> "torch.Tensor":
+    import torch
+
+    ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+    if ids.numel() == 0:
+        raise ValueError("a segment needs at least one token")
+    return ids
+
+
+@attrs.frozen
+class SegmentOutput:
+    #: fp32 [n, V] ("all"), [1, V] ("last"), or None ("none").
+    logits: "torch.Tensor | None"
+    #: tapped rows fp32 [n, F], or None when not asked for.
     hidden: "torch.Tensor | None" = None
 
 
-# Declarations a target may override; the loop reads them through `declared()`.
+# Declarations a target may override; read them through `declared()`, nowhere else.
 TARGET_DECLARATIONS: dict[str, Any] = {
     # Correctness verdict: non-None makes every layer decline speculation and decode plainly.
     "speculation_refusal": None,
@@ -53,14 +87,8 @@ TARGET_DECLARATIONS: dict[str, Any] = {
     "speculation_profitable": True,
     # Narrows the *default* draft window only, never an explicit --spec-draft.
     "spec_preferred_draft_window": None,
-    # True: the verify left usable KV for accepted rows, so rollback is a rewind only.
-    "spec_verify_persists_accepted_kv": True,
-    # True: plain (parked / no-draft) steps use `forward`, not a one-row `spec_forward`.
-    "spec_plain_step_uses_forward": True,
-    # True: a row computed inside an n-row forward is bitwise the row computed alone.
+    # True: a row computed inside an n-row forward (any mix of sequences) is bitwise the row computed alone.
     "spec_batch_invariant": False,
-    # True: the trunk holds recurrent state that a rewind cannot undo (needs snapshot/restore).
-    "spec_has_recurrent_state": False,
 }
 
 
@@ -71,62 +99,61 @@ def declared(target: object, name: str) -> Any:
 
 @runtime_checkable
 class SpeculativeTarget(Protocol):
-    """What the loop needs from a trunk; nothing about drafting.
+    """The trunk seam: one batch-shaped forward over flat rows of several sequences; the
+    trunk owns every sequence's state and undoes a rejected tail itself (`keep`).
 
-    Declarations (`TARGET_DECLARATIONS`) are optional attributes read with `declared()`;
-    `spec_on_verify_accepted` and `spec_set_hidden_taps` are optional methods.
+    Declarations (`TARGET_DECLARATIONS`) are optional attributes read with `declared()`.
     """
 
-    cache_seq_len: int  # positions [0, cache_seq_len) hold committed KV
-    max_context_length: int  # tokens
+    max_context_length: int  # tokens per sequence
     vocab_size: int  # V, the width of every logits row
-    spec_feature_size: int  # F
+    hidden_size: int  # D, the width of a final-normed tap row
 
-    def forward(self, tokens: "torch.Tensor") -> "torch.Tensor":
-        """The model's own plain prefill/decode: append int64 [n] tokens, return fp32 [V] logits of the last row."""
+    def new_sequence(self) -> int:
+        """A new, empty sequence; returns its id."""
 
-    def spec_forward(self, tokens: "torch.Tensor", *, hidden: bool, all_logits: bool) -> VerifyOutput:
-        """Append n rows at cache_seq_len in one forward.
+    def release(self, seq: int) -> None:
+        """Free a sequence's state; its id is not used again."""
 
-        tokens: int64 [n], n >= 1. hidden: also return tapped rows [n, F].
-        all_logits: logits for every row ([n, V] fp32), else only the last ([1, V]).
-        Raises ContextOverflow when cache_seq_len + n > max_context_length.
+    def seq_len(self, seq: int) -> int:
+        """Committed positions of `seq` (the next row goes there)."""
+
+    def forward(self, batch: Sequence[Segment]) -> list[SegmentOutput]:
+        """Append each segment's rows to its sequence in one forward; one output per segment.
+
+        Raises ContextOverflow (nothing written) when a sequence would pass
+        max_context_length, UnsupportedTap for tap layers the trunk does not have,
+        ValueError for an unknown sequence or one named twice.
         """
 
-    def spec_ensure_capacity(self, required_len: int) -> None:
-        """Make room for `required_len` positions; raise ContextOverflow if impossible."""
+    def keep(self, seq: int, num_rows: int) -> None:
+        """After a verify of n rows on `seq`: commit its first `num_rows` (0..n), discard the rest
+        (KV, per-row recurrent state, ...). Full acceptance costs nothing. Raises ValueError when
+        the sequence's last forward was not a verify."""
 
-    def spec_rewind_cache(self, length: int) -> None:
-        """Set cache_seq_len back to `length` (attention KV only; recurrent state is not undone)."""
+    def truncate(self, seq: int, length: int) -> None:
+        """Cut `seq` back to its first `length` positions (chat-turn prefix reuse); 0 always
+        works. Raises nn.state.CannotTruncate with the reason when the state kinds cannot."""
 
-    def spec_snapshot_recurrent_state(self) -> None:
-        """Copy the recurrent state (conv, SSM, delta-rule) aside; a no-op without one."""
-
-    def spec_restore_recurrent_state(self) -> None:
-        """Put the last snapshot back; a no-op without recurrent state."""
+    def view(self) -> "TrunkView":
+        """The read-only face a draft head binds to."""
 
 
 @runtime_checkable
-class BatchedSpeculativeTarget(Protocol):
-    """The same seam over B slots of a paged KV cache with per-slot recurrent state.
+class TrunkView(Protocol):
+    """What a draft head may read of the trunk; it never mutates it."""
 
-    `spec_forward_batch` takes one int64 [n_b] row list per slot and returns one
-    VerifyOutput per slot; cache operations take the slot index first.
-    """
+    vocab_size: int
+    hidden_size: int
 
-    max_context_length: int
-    spec_feature_size: int
+    def tap_feature_size(self, tap_layers: Sequence[int] | None) -> int:
+        """F for those taps (see Segment.tap_layers); raises UnsupportedTap when the trunk cannot serve them."""
 
-    def spec_slot_seq_len(self, slot: int) -> int: ...
+    def embed(self, tokens: "torch.Tensor") -> "torch.Tensor":
+        """The input embedding rows fp32 [n, D] of int64 [n] tokens (as the trunk's first layer sees them)."""
 
-    def spec_forward_batch(self, slots: Sequence[int], tokens: Sequence["torch.Tensor"], *,
-                           hidden: bool, all_logits: bool) -> list[VerifyOutput]: ...
-
-    def spec_rewind_slot(self, slot: int, length: int) -> None: ...
-
-    def spec_snapshot_slot(self, slot: int) -> None: ...
-
-    def spec_restore_slot(self, slot: int) -> None: ...
+    def logits(self, hidden: "torch.Tensor") -> "torch.Tensor":
+        """The LM head over final-normed rows fp32 [n, D] -> fp32 [n, V] (final softcap included)."""
 
 
 class DraftHeadKind(enum.Enum):
@@ -172,38 +199,52 @@ class DraftContext:
     hidden_prev: "torch.Tensor | None" = None
     #: token ids that end generation; a draft never continues past one.
     stop_token_ids: frozenset[int] = frozenset()
+    #: the sequence being drafted for, and the trunk's read-only view (heads that read its KV).
+    seq: int | None = None
+    trunk: "TrunkView | None" = None
 
 
 class Speculator:
     """Base of every drafting algorithm. A speculator is free to be wrong; it must not be slow.
 
-    The loop calls `commit(tokens, hidden_rows, start_pos)` with every token that lands in
-    the trunk's cache (prompt included), in order, and `propose(ctx)` before each verify.
+    One speculator serves every sequence of an engine; what it knows of one sequence lives in
+    the state `new_state()` returns (history, n-gram index, a head's private KV). The loop
+    calls `commit(state, tokens, hidden_rows, start_pos)` with every token that lands in that
+    sequence (prompt included), in order, and `propose(state, ctx)` before each verify.
+
+    Its declarations (needs_hidden_state, can_arm_after_prefix_reuse, requires_draft_head,
+    default_min_draft_prob) live in one place: `self.spec`, the SpeculatorSpec it registered.
     """
 
-    name: str = "speculator"
-    #: K ceiling (the --spec-draft value).
-    max_draft_tokens: int = 8
-    #: the gate in this algorithm's units (--spec-pmin); defaults to default_min_draft_prob.
-    default_min_draft_prob: float = 0.0
-    needs_hidden_state: bool = False
-    handles_own_prefill: bool = False
-    can_arm_after_prefix_reuse: bool = True
+    #: the layers whose entering residuals this speculator reads (Segment.tap_layers); None =
+    #: final-normed rows. Set when a head binds (validated by TrunkView.tap_feature_size).
+    tap_layers: tuple[int, ...] | None = None
 
-    def __init__(self, *, max_draft_tokens: int = 8, min_draft_prob: float | None = None):
+    def __init__(self, spec, *, max_draft_tokens: int = 8, min_draft_prob: float | None = None):
+        self.spec = spec  # verispec.specs.SpeculatorSpec
+        #: K ceiling (the --spec-draft value).
         self.max_draft_tokens = max_draft_tokens
-        self.min_draft_prob = self.default_min_draft_prob if min_draft_prob is None else min_draft_prob
+        #: the gate in this algorithm's units (--spec-pmin).
+        self.min_draft_prob = spec.default_min_draft_prob if min_draft_prob is None else min_draft_prob
 
-    def propose(self, ctx: DraftContext) -> list[int]:
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def new_state(self) -> Any:
+        """Drafting state for a new sequence (nothing committed yet)."""
+        return None
+
+    def propose(self, state: Any, ctx: DraftContext) -> list[int]:
         """Draft ids for positions ctx.pos+1 .. (at most ctx.draft_window); may be empty."""
         raise NotImplementedError
 
-    def commit(self, tokens: Sequence[int], hidden_rows: "torch.Tensor | None", start_pos: int) -> None:
-        """Tokens that landed in the trunk at positions start_pos.., with their tapped rows [n, F]."""
+    def commit(self, state: Any, tokens: Sequence[int], hidden_rows: "torch.Tensor | None", start_pos: int) -> None:
+        """Tokens that landed in the sequence at positions start_pos.., with their tapped rows [n, F]."""
         raise NotImplementedError
 
-    def reset(self) -> None:
-        """Forget all history (a new sequence follows)."""
+    def keep(self, state: Any, num_rows: int) -> None:
+        """The trunk kept `num_rows` rows of the last verify: drop what the drafter's own KV holds past them."""
 
     def close(self) -> None:
         """Release resources; the speculator is not used again."""

@@ -47,8 +47,11 @@ def resolve(ref: Any):
 
 @attrs.frozen
 class SpeculatorSpec:
-    """A drafting algorithm. `factory(target, *, max_draft_tokens, min_draft_prob, draft_head)`
-    returns a `Speculator`, or None when it cannot serve that trunk (say why via `decline`)."""
+    """A drafting algorithm and the one place its declarations live.
+
+    `factory(target, *, spec, max_draft_tokens, min_draft_prob, draft_head)` returns a
+    `Speculator` built over this spec (`Speculator.__init__(spec, ...)`), or None when it
+    cannot serve that trunk (say why via `decline`)."""
 
     #: what --spec-type names.
     name: str = attrs.field(validator=_check_name)

@@ -2,9 +2,11 @@
 
 - `norm.RMSNorm`: multiplies by the stored weight (no `1 + w` offset flag).
 - `rope.RotaryEmbedding`: neox | normal pairing, partial `rotary_dim`, frequency scaling hooks.
-- `kv_cache.LinearKVCache`, `kv_cache.RingKVCache`, `kv_cache.ModelKVCache`: position-addressed
-  caches; rewind moves an integer.
-- `attention.attend`: causal / sliding-window GQA over a cache, batch-invariant on CPU.
+- `state`: per-sequence, per-layer state kinds (`LinearKVCache`, `RingKVCache`,
+  `RecurrentState`) and `SequenceState`, which keeps a verify's rows or truncates a prefix.
+- `trunk`: the seam written once (`SequenceTrunk`: sequences, batched forward, keep) and the
+  families' nn.Module base (`TrunkModule`).
+- `attention.attend` / `attend_rows`: causal / sliding-window GQA over a cache, batch-invariant on CPU.
 - `quant`: the weight-dtype choice (float32 | bfloat16 | int8) as a linear-module swap.
 - `mlp.GatedMLP`: down(act(gate(x)) * up(x)).
 

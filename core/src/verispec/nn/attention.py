@@ -8,7 +8,7 @@ verify must be bitwise the row computed alone. Two things make that true here:
 1. Every product is one query row per bmm batch item ([g, Dh] @ [Dh, T], then
    [g, T] @ [T, Dh]); the kernels give the same bits whatever the batch count, whereas a
    [n·g, Dh] @ [Dh, T] gemm changes its blocking with n.
-2. A row at position p reads exactly key_length(p) slots (`kv_cache`), a function of p
+2. A row at position p reads exactly key_length(p) slots (`nn.state`), a function of p
    alone: padding a reduction with masked slots changes its summation order, so rows are
    grouped by key length and each group runs at its own T.
 Masked slots (other positions, empty or stale ring slots) get -inf scores, hence weight
@@ -22,11 +22,29 @@ from __future__ import annotations
 import torch
 
 
+def attend_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, rows, layer: int, *,
+                scaling: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Attention for a forward chunk of one or more sequences (`nn.trunk.Rows`).
+
+    q: fp32 [n, H, Dh]; k, v: fp32 [n, Hkv, Dh], written into each sequence's cache of
+    `layer` before it attends; None for a KV-shared layer, which reads what its source layer
+    (`layer` is then the source's index) wrote in this forward. Returns fp32 [n, H, Dh].
+    """
+    out = torch.empty_like(q)
+    for s in rows.sequences:  # each sequence attends to its own cache only
+        cache = s.state.layers[layer]
+        if k is not None:
+            cache.write(s.start_pos, k[s.rows], v[s.rows])
+        out[s.rows] = attend(q[s.rows], cache, s.start_pos, scaling=scaling, sliding_window=sliding_window,
+                             softcap=softcap)
+    return out
+
+
 def attend(q: torch.Tensor, cache, start_pos: int, *, scaling: float, sliding_window: int | None = None,
            softcap: float | None = None) -> torch.Tensor:
     """Attention of n new rows at positions start_pos .. start_pos + n - 1.
 
-    q: fp32 [n, H, Dh] (already normed/roped). cache: a `kv_cache` layer cache that already
+    q: fp32 [n, H, Dh] (already normed/roped). cache: an `nn.state` KV cache that already
     holds these rows' K/V. Returns fp32 [n, H, Dh].
     """
     n = q.shape[0]

@@ -1,53 +1,257 @@
-"""`KVTrunk`: the SpeculativeTarget plumbing every attention-only trunk would otherwise copy.
+"""The trunk seam's plumbing, written once: sequences, batching, chunking, logits and taps.
 
-A model package subclasses it and writes the math of one forward chunk:
+`SequenceTrunk` implements `seams.SpeculativeTarget` for any trunk whose state is a list of
+per-layer state objects (`nn.state`): `new_sequence` / `release` / `seq_len`, `keep`,
+`truncate`, the batch-shaped `forward` and the read-only `view`. A family writes the math:
 
-    def _forward_chunk(self, tokens, start_pos, *, logit_rows, hidden) -> (logits, taps)
+    _new_layer_states(self) -> list of nn.state objects (None for a stateless layer), per sequence
+    _embed(self, tokens int64 [n]) -> fp32 [n, D]           what the first layer sees
+    _forward_rows(self, rows: Rows) -> (normed fp32 [n, D], {layer: residual entering it [n, D]})
+    _lm_head(self, normed fp32 [r, D]) -> fp32 [r, V]      (final softcap included)
 
-tokens int64 [n] (n <= max_rows_per_forward) at positions start_pos.., K/V written into
-`self.kv_cache`; `logit_rows` is "last", "all" or None; returns logits fp32 [1 | n, V]
-(or None) and the hidden tap rows [n, F] (or None). This base class splits longer inputs
-into chunks, checks the context, keeps `cache_seq_len`, and implements the seam
-(forward, spec_forward, capacity, rewind, no-op recurrent snapshot, declarations).
+`forward` packs the segments' rows into chunks of at most `max_rows_per_forward` rows
+(a long segment is split across chunks, several short ones share a chunk), runs
+`_forward_rows` per chunk, and runs the LM head once per chunk over only the rows that
+want logits. With batch-invariant kernels every row is the same bits however the rows are
+grouped, so a long prefill, a verify, one-row decodes and B sequences together all agree.
 
-Splitting is exact for batch-invariant kernels: each row is the same bits however the
-rows are grouped, so a long prefill, a verify and one-row decodes all agree.
+`TrunkModule` is the nn.Module base of the model families (sizes from an HF-style config,
+the weight-dtype swap, the tied or untied LM head, the batch-invariance declaration).
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
+import attrs
 import torch
 from torch import nn
 
-from verispec.nn.kv_cache import ModelKVCache
 from verispec.nn.quant import canonical_dtype, module_batch_invariant, rows_per_forward, swap_linears
-from verispec.seams import ContextOverflow, UnsupportedTap, VerifyOutput
+from verispec.nn.state import SequenceState
+from verispec.seams import ContextOverflow, Segment, SegmentOutput, UnsupportedTap
 
 
-class KVTrunk(nn.Module):
-    """Base for trunks whose only state is a `ModelKVCache` (set `self.kv_cache` in __init__).
+@attrs.frozen
+class RowsOfSequence:
+    """Rows [begin, end) of a chunk belong to one sequence and sit at positions start_pos..."""
 
-    Subclasses also set `max_context_length`, `max_rows_per_forward`, `vocab_size`,
-    `hidden_size`, `num_layers`, and implement `_forward_chunk`.
+    state: SequenceState
+    start_pos: int
+    begin: int
+    end: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.begin, self.end)
+
+
+@attrs.frozen
+class Rows:
+    """One forward chunk as a family's `_forward_rows` sees it: flat rows of one or more sequences."""
+
+    tokens: torch.Tensor  # int64 [n]
+    positions: torch.Tensor  # int64 [n]
+    sequences: tuple[RowsOfSequence, ...]
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int64 [B+1]: row offsets of the sequences (FlashAttention's varlen convention)."""
+        return torch.tensor([0, *(s.end for s in self.sequences)])
+
+
+@attrs.define
+class _Piece:
+    """Rows [offset, offset+n) of batch segment `index`, placed in one chunk."""
+
+    index: int
+    offset: int
+    n: int
+    start_pos: int
+
+
+class SequenceTrunk:
+    """The seam over per-layer state objects. Subclasses set `max_context_length`,
+    `max_rows_per_forward`, `vocab_size`, `hidden_size`, `num_layers` and write the math
+    (module docstring)."""
+
+    max_context_length: int
+    max_rows_per_forward: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+
+    def __init__(self):
+        self._sequences: dict[int, SequenceState] = {}
+        self._seq_ids = itertools.count()
+
+    # -- sequences -------------------------------------------------------------------------
+
+    def new_sequence(self) -> int:
+        seq = next(self._seq_ids)
+        self._sequences[seq] = SequenceState(self._new_layer_states())
+        return seq
+
+    def release(self, seq: int) -> None:
+        self._sequences.pop(seq, None)
+
+    def seq_len(self, seq: int) -> int:
+        return self._state(seq).seq_len
+
+    def keep(self, seq: int, num_rows: int) -> None:
+        self._state(seq).keep(num_rows)
+
+    def truncate(self, seq: int, length: int) -> None:
+        self._state(seq).truncate(length)
+
+    def _state(self, seq: int) -> SequenceState:
+        try:
+            return self._sequences[seq]
+        except KeyError:
+            raise ValueError(f"unknown sequence {seq}: create it with new_sequence() (released ones are gone)") from None
+
+    # -- taps and the view -------------------------------------------------------------------
+
+    def tap_feature_size(self, tap_layers: Sequence[int] | None) -> int:
+        """F of a tap: hidden_size for final-normed rows, hidden_size · len(tap_layers) for residuals
+        entering those layers (num_layers = after the last). Raises UnsupportedTap."""
+        if tap_layers is None:
+            return self.hidden_size
+        layers = [int(i) for i in tap_layers]
+        bad = [i for i in layers if not 0 <= i <= self.num_layers]
+        if not layers or bad:
+            raise UnsupportedTap(f"hidden taps {layers}: this trunk has layers 0..{self.num_layers - 1} "
+                                 f"(and {self.num_layers} for the last residual); got {bad or 'none'}")
+        return self.hidden_size * len(layers)
+
+    def view(self) -> TrunkView:
+        return TrunkView(self)
+
+    # -- the forward -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, batch: Sequence[Segment]) -> list[SegmentOutput]:
+        batch = list(batch)
+        states = self._check(batch)
+        starts = [state.begin(seg.tokens.numel(), verify=seg.verify) for seg, state in zip(batch, states)]
+        logits: list[list[torch.Tensor]] = [[] for _ in batch]
+        hidden: list[list[torch.Tensor]] = [[] for _ in batch]
+        for chunk in self._chunks(batch, starts):
+            self._run_chunk(batch, states, chunk, logits, hidden)
+        return [SegmentOutput(logits=torch.cat(lg) if lg else None, hidden=torch.cat(hd) if seg.hidden else None)
+                for seg, lg, hd in zip(batch, logits, hidden)]
+
+    def _check(self, batch: list[Segment]) -> list[SequenceState]:
+        """Validate the whole batch before any state changes."""
+        if not batch:
+            raise ValueError("a forward needs at least one segment")
+        seqs = [seg.seq for seg in batch]
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"sequences {seqs}: each sequence may appear once per forward")
+        states = [self._state(seq) for seq in seqs]
+        for seg, state in zip(batch, states):
+            required = state.seq_len + seg.tokens.numel()
+            if required > self.max_context_length:
+                raise ContextOverflow(required, self.max_context_length)
+            if seg.hidden:
+                self.tap_feature_size(seg.tap_layers)
+        return states
+
+    def _chunks(self, batch: list[Segment], starts: list[int]) -> list[list[_Piece]]:
+        """Pack the segments' rows, in order, into chunks of at most max_rows_per_forward rows."""
+        chunks, chunk, used = [], [], 0
+        for index, (seg, start) in enumerate(zip(batch, starts)):
+            offset, n = 0, seg.tokens.numel()
+            while offset < n:
+                take = min(n - offset, self.max_rows_per_forward - used)
+                chunk.append(_Piece(index, offset, take, start + offset))
+                offset, used = offset + take, used + take
+                if used == self.max_rows_per_forward:
+                    chunks.append(chunk)
+                    chunk, used = [], 0
+        if chunk:
+            chunks.append(chunk)
+        return chunks
+
+    def _run_chunk(self, batch, states, chunk: list[_Piece], logits, hidden) -> None:
+        sequences, tokens, positions, row = [], [], [], 0
+        for p in chunk:
+            tokens.append(batch[p.index].tokens[p.offset:p.offset + p.n])
+            positions.append(torch.arange(p.start_pos, p.start_pos + p.n))
+            sequences.append(RowsOfSequence(states[p.index], p.start_pos, row, row + p.n))
+            row += p.n
+        rows = Rows(torch.cat(tokens), torch.cat(positions), tuple(sequences))
+        normed, taps = self._forward_rows(rows)
+        want, owners = [], []  # chunk rows that want logits, and whose they are
+        for p, s in zip(chunk, sequences):
+            seg = batch[p.index]
+            s.state.seq_len = p.start_pos + p.n
+            if seg.logits == "all":
+                want.extend(range(s.begin, s.end))
+                owners.extend([p.index] * p.n)
+            elif seg.logits == "last" and p.offset + p.n == seg.tokens.numel():
+                want.append(s.end - 1)
+                owners.append(p.index)
+            if seg.hidden:
+                hidden[p.index].append(normed[s.rows] if seg.tap_layers is None
+                                       else torch.cat([taps[i][s.rows] for i in seg.tap_layers], dim=-1))
+        if want:
+            head = self._lm_head(normed[want])  # [r, V]: one LM-head matmul for every sequence
+            for index, group in itertools.groupby(range(len(owners)), key=owners.__getitem__):
+                group = list(group)
+                logits[index].append(head[group[0]:group[-1] + 1])
+
+    # -- what a family writes ----------------------------------------------------------------
+
+    def _new_layer_states(self) -> list:
+        raise NotImplementedError
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _forward_rows(self, rows: Rows) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        raise NotImplementedError
+
+    def _lm_head(self, normed: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TrunkView:
+    """The read-only face of a SequenceTrunk (seams.TrunkView) handed to draft heads."""
+
+    def __init__(self, trunk: SequenceTrunk):
+        self._trunk = trunk
+        self.vocab_size, self.hidden_size = trunk.vocab_size, trunk.hidden_size
+
+    def tap_feature_size(self, tap_layers: Sequence[int] | None) -> int:
+        return self._trunk.tap_feature_size(tap_layers)
+
+    @torch.no_grad()
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._trunk._embed(torch.as_tensor(tokens, dtype=torch.long).reshape(-1))
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._trunk._lm_head(hidden)
+
+
+class TrunkModule(SequenceTrunk, nn.Module):
+    """Base of the model families: an nn.Module built on the meta device from an HF-style config.
+
+    Subclasses call `_init_sizes` first and `_finish_linears` once `self.model` (with
+    `embed_tokens`) is built, set `final_logit_softcap` if the family has one, and write the
+    math of `SequenceTrunk`.
     """
 
-    # A verify's rows land in the cache exactly as decodes would put them, so rollback is a
-    # rewind (rings are sized window + max_rows - 1; see kv_cache).
-    spec_verify_persists_accepted_kv = True
-    spec_has_recurrent_state = False
-    spec_plain_step_uses_forward = True
+    tokenizer = None
+    #: cap·tanh(x/cap) on the logits (Gemma); None = off.
+    final_logit_softcap: float | None = None
     speculation_refusal = None
     speculation_profitable = True
 
-    kv_cache: ModelKVCache
-    max_context_length: int
-    max_rows_per_forward: int
-    tokenizer = None
-    #: layers whose *entering* residual rows form the hidden tap; None = final-normed rows.
-    hidden_tap_layers: tuple[int, ...] | None = None
-
-    # -- declarations --
+    def __init__(self):
+        nn.Module.__init__(self)
+        SequenceTrunk.__init__(self)
 
     @property
     def spec_batch_invariant(self) -> bool:
@@ -58,24 +262,6 @@ class KVTrunk(nn.Module):
             self._batch_invariant = module_batch_invariant(self) and all(
                 self.max_rows_per_forward <= limit for limit in limits)
         return self._batch_invariant
-
-    @property
-    def spec_feature_size(self) -> int:
-        taps = self.hidden_tap_layers
-        return self.hidden_size if taps is None else self.hidden_size * len(taps)
-
-    def spec_set_hidden_taps(self, layers: Sequence[int] | None) -> None:
-        """Tap the residual rows entering `layers` (concatenated, [n, D·len]); None = final-normed rows.
-        Layer index num_layers means the residual after the last layer. Raises UnsupportedTap."""
-        if layers is None:
-            self.hidden_tap_layers = None
-            return
-        layers = tuple(int(i) for i in layers)
-        bad = [i for i in layers if not 0 <= i <= self.num_layers]
-        if not layers or bad:
-            raise UnsupportedTap(f"hidden taps {list(layers)}: this trunk has layers 0..{self.num_layers - 1} "
-                                 f"(and {self.num_layers} for the last residual); got {bad or 'none'}")
-        self.hidden_tap_layers = layers
 
     def _init_sizes(self, config, dtype: str, max_rows_per_forward: int | None, context_length: int | None) -> None:
         """The sizes the seam reads, from an HF-style config (vocab_size, hidden_size,
@@ -94,89 +280,10 @@ class KVTrunk(nn.Module):
                                                                     device=device)
         swap_linears(self, self.dtype)
 
-    def _logits_and_taps(self, normed: torch.Tensor, taps: dict[int, torch.Tensor], *, logit_rows: str | None,
-                         hidden: bool, softcap: float | None = None):
-        """The end of every `_forward_chunk`: logits fp32 [n | 1, V] of the rows asked for
-        (tied to `model.embed_tokens` unless `self.lm_head`), with Gemma's final softcap
-        cap·tanh(x/cap) when given; and the hidden tap: final-normed rows [n, D], or the
-        residuals entering `hidden_tap_layers` concatenated [n, D·taps]."""
-        logits = None
-        if logit_rows is not None:
-            head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-            logits = head(normed if logit_rows == "all" else normed[-1:])  # [n | 1, V]
-            if softcap:
-                logits = torch.tanh(logits / softcap) * softcap
-        if not hidden:
-            return logits, None
-        if self.hidden_tap_layers is None:
-            return logits, normed
-        return logits, torch.cat([taps[i] for i in self.hidden_tap_layers], dim=-1)  # [n, D·taps]
-
-    # -- cache --
-
-    @property
-    def cache_seq_len(self) -> int:
-        return self.kv_cache.seq_len
-
-    def spec_ensure_capacity(self, required_len: int) -> None:
-        if required_len > self.max_context_length:
-            raise ContextOverflow(required_len, self.max_context_length)
-        self.kv_cache.ensure_capacity(required_len)
-
-    def spec_rewind_cache(self, length: int) -> None:
-        """Keep positions [0, length). Raises kv_cache.RewindBeyondWindow (a ValueError) when a
-        sliding-window ring no longer holds what position `length` would attend to."""
-        self.kv_cache.rewind(length)
-
-    def spec_snapshot_recurrent_state(self) -> None:
-        pass  # attention KV only
-
-    def spec_restore_recurrent_state(self) -> None:
-        pass
-
-    def reset(self) -> None:
-        """Empty the cache."""
-        self.kv_cache.reset()
-
-    # -- forwards --
-
-    @torch.no_grad()
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Plain prefill/decode: append int64 [n] tokens, return fp32 [V] logits of the last row."""
-        logits, _ = self._run(tokens, logit_rows="last", hidden=False)
-        return logits[0]
-
-    @torch.no_grad()
-    def spec_forward(self, tokens: torch.Tensor, *, hidden: bool, all_logits: bool) -> VerifyOutput:
-        """Append n rows at cache_seq_len in one call.
-
-        tokens: int64 [n], n >= 1. hidden: also return the tapped rows [n, F] fp32.
-        all_logits: logits fp32 [n, V] for every row, else only the last ([1, V]).
-        Raises ContextOverflow when cache_seq_len + n > max_context_length.
-        """
-        logits, taps = self._run(tokens, logit_rows="all" if all_logits else "last", hidden=hidden)
-        return VerifyOutput(logits=logits, hidden=taps)
-
-    def _run(self, tokens: torch.Tensor, *, logit_rows: str, hidden: bool):
-        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        n = tokens.numel()
-        if n == 0:
-            raise ValueError("a forward needs at least one token")
-        start = self.cache_seq_len
-        self.spec_ensure_capacity(start + n)
-        step = self.max_rows_per_forward
-        logits, taps = [], []
-        for begin in range(0, n, step):
-            chunk = tokens[begin:begin + step]
-            is_last = begin + step >= n
-            rows = logit_rows if (logit_rows == "all" or is_last) else None
-            chunk_logits, chunk_taps = self._forward_chunk(chunk, start + begin, logit_rows=rows, hidden=hidden)
-            self.kv_cache.seq_len = start + begin + chunk.numel()
-            if chunk_logits is not None:
-                logits.append(chunk_logits)
-            if chunk_taps is not None:
-                taps.append(chunk_taps)
-        return torch.cat(logits), (torch.cat(taps) if hidden else None)
-
-    def _forward_chunk(self, tokens: torch.Tensor, start_pos: int, *, logit_rows: str | None, hidden: bool):
-        raise NotImplementedError
+    def _lm_head(self, normed: torch.Tensor) -> torch.Tensor:
+        """fp32 [r, V]: tied to `model.embed_tokens` unless `self.lm_head`, then the softcap."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        logits = head(normed)
+        if self.final_logit_softcap:
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+        return logits

@@ -12,6 +12,8 @@ _EXPORTS = {
     "TargetConformance": "verispec.testing.conformance",
     "SpeculatorConformance": "verispec.testing.conformance",
     "run_greedy": "verispec.testing.conformance",
+    "forward_one": "verispec.testing.conformance",
+    "plain_logits": "verispec.testing.conformance",
     "ToyTarget": "verispec.testing.toy",
     "MarkovTarget": "verispec.testing.toy",
     "ScriptedSpeculator": "verispec.testing.toy",

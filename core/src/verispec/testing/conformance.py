@@ -1,9 +1,9 @@
 """Conformance suites a target or speculator runs against itself.
 
 A model package subclasses `TargetConformance` and provides one fixture, `target`, that
-returns its trunk (any cache state; the suite empties it with `spec_rewind_cache(0)`, which
-must also reset recurrent state). Optionally override `prompt` (valid token ids) and
-`atol` (used only when the target does not declare `spec_batch_invariant`):
+returns its trunk (the suite makes its own sequences). Optionally override `prompt` (valid
+token ids; longer than a sliding window, so keeping rows crosses it) and `atol` (used only
+when the target does not declare `spec_batch_invariant`):
 
     from verispec.testing import TargetConformance
 
@@ -16,11 +16,14 @@ must also reset recurrent state). Optionally override `prompt` (valid token ids)
 A speculator plugin subclasses `SpeculatorConformance` and provides `make_speculator`, a
 fixture returning a zero-argument factory; the suite runs it on the toy trunk.
 
-Cases: (a) an n-row verify equals n one-row decodes; (b) rollback at every accepted count
-0..K leaves the next logits equal to a plain run; (c) rewind is exact; (d) an always-wrong
-and a perfect drafter both give the plain greedy stream, the perfect one at acceptance 1.0;
-(e) 200+ steps with random accept counts do not drift; (f) a stop inside an accepted
-window ends the step there and leaves the cache a plain run would hold.
+Target cases: (a) an n-row verify equals n one-row decodes; (b) a prefill's last row equals
+its rows' logits; (c) `keep` at every row count 0..K, K = 1..16, leaves the next logits
+equal to a plain run; (d) truncation is exact (or refused with CannotTruncate); (e) two and
+three sequences in one forward — prefill beside decode beside verify — each equal their
+solo run; (f) 200 random batched steps over three sequences with random accept counts do
+not drift; (g) an always-wrong and a perfect drafter both give the plain greedy stream;
+(h) random accept counts through the loop do not drift; (i) a stop inside an accepted
+window ends the step there.
 """
 from __future__ import annotations
 
@@ -30,16 +33,15 @@ import pytest
 import torch
 
 from verispec.execution import SpeculativeExecution
+from verispec.nn.state import CannotTruncate
 from verispec.sampling import Sampler, SamplingParams
-from verispec.seams import declared
+from verispec.seams import DraftContext, Segment, declared
 from verispec.testing.toy import ToyTarget, oracle_speculator
-from verispec.trunks import LinearSpecTrunk
 
 
 def run_greedy(target, prompt, max_tokens, speculator=None, *, stop_at=None, draft_window=8):
-    """Greedy-decode `max_tokens` tokens from an empty cache; returns (tokens, execution)."""
-    target.spec_rewind_cache(0)
-    execution = SpeculativeExecution(LinearSpecTrunk(target), speculator, draft_window=draft_window)
+    """Greedy-decode `max_tokens` tokens in a new sequence; returns (tokens, execution)."""
+    execution = SpeculativeExecution(target, target.new_sequence(), speculator, draft_window=draft_window)
     sampler = Sampler(SamplingParams(), prompt, target.vocab_size)
     out: list[int] = []
 
@@ -53,23 +55,33 @@ def run_greedy(target, prompt, max_tokens, speculator=None, *, stop_at=None, dra
     return out, execution
 
 
-def _assert_rows_equal(target, actual, expected, atol):
+def forward_one(target, seq, tokens, *, logits="all", hidden=False, verify=False):
+    """One segment through `target.forward`; returns its SegmentOutput."""
+    return target.forward([Segment(seq, list(tokens), logits=logits, hidden=hidden, verify=verify)])[0]
+
+
+def plain_logits(target, tokens):
+    """Logits fp32 [n, V] of each row, fed one token per forward into a new sequence."""
+    seq = target.new_sequence()
+    rows = torch.cat([forward_one(target, seq, [t]).logits for t in tokens])
+    target.release(seq)
+    return rows
+
+
+def _assert_rows_equal(target, actual, expected, atol, what=""):
     if declared(target, "spec_batch_invariant"):
-        assert torch.equal(actual, expected), f"max |diff| {(actual - expected).abs().max().item():.3g} (declared batch-invariant)"
+        assert torch.equal(actual, expected), (
+            f"{what} max |diff| {(actual - expected).abs().max().item():.3g} (declared batch-invariant)")
     else:
-        torch.testing.assert_close(actual, expected, atol=atol, rtol=0)
-
-
-def _plain_logits(target, tokens):
-    """Logits fp32 [n, V] of each row, fed one token per forward from an empty cache."""
-    target.spec_rewind_cache(0)
-    return torch.stack([target.forward(torch.tensor([t])) for t in tokens])
+        torch.testing.assert_close(actual, expected, atol=atol, rtol=0, msg=lambda m: f"{what} {m}")
 
 
 class TargetConformance:
     prompt = [1, 5, 9, 2, 7, 3, 11, 4, 8, 6, 10, 12]
     atol = 1e-4
     max_window = 8
+    #: verify widths K for the keep case (rows 0..K kept for every K in 1..max_keep_rows).
+    max_keep_rows = 16
     num_drift_steps = 200
 
     @pytest.fixture
@@ -81,50 +93,123 @@ class TargetConformance:
 
     def test_verify_rows_equal_one_row_decodes(self, target):
         extra = self._greedy_continuation(target, self.max_window + 1)
-        tokens = self.prompt + extra
-        expected = _plain_logits(target, tokens)
+        expected = plain_logits(target, self.prompt + extra)[len(self.prompt):]
         for k in range(2, self.max_window + 2):
-            target.spec_rewind_cache(0)
-            target.forward(torch.tensor(self.prompt))
-            got = target.spec_forward(torch.tensor(extra[:k]), hidden=False, all_logits=True).logits
-            _assert_rows_equal(target, got, expected[len(self.prompt):len(self.prompt) + k], self.atol)
+            seq = target.new_sequence()
+            forward_one(target, seq, self.prompt, logits="last")
+            got = forward_one(target, seq, extra[:k], verify=True).logits
+            _assert_rows_equal(target, got, expected[:k], self.atol, f"{k}-row verify:")
+            target.release(seq)
 
-    def test_plain_prefill_equals_spec_forward_last_row(self, target):
-        target.spec_rewind_cache(0)
-        plain = target.forward(torch.tensor(self.prompt))
-        target.spec_rewind_cache(0)
-        spec = target.spec_forward(torch.tensor(self.prompt), hidden=True, all_logits=True)
-        _assert_rows_equal(target, spec.logits[-1], plain, self.atol)
-        assert spec.logits.dtype == torch.float32 and spec.logits.shape[0] == len(self.prompt)
-        assert spec.hidden.shape == (len(self.prompt), target.spec_feature_size)
+    def test_prefill_last_row_and_taps(self, target):
+        seq = target.new_sequence()
+        last = forward_one(target, seq, self.prompt, logits="last").logits
+        every = forward_one(target, target.new_sequence(), self.prompt, logits="all", hidden=True)
+        _assert_rows_equal(target, last[0], every.logits[-1], self.atol)
+        assert every.logits.dtype == torch.float32 and every.logits.shape == (len(self.prompt), target.vocab_size)
+        assert every.hidden.shape == (len(self.prompt), target.view().tap_feature_size(None))
+        assert target.seq_len(seq) == len(self.prompt)
 
-    def test_rollback_at_every_accepted_count(self, target):
-        plain = self._greedy_continuation(target, self.max_window + 2)
-        last, drafts = plain[0], plain[1:self.max_window + 1]
-        for num_accepted in range(self.max_window + 1):
-            kept = [last, *drafts[:num_accepted]]
-            wrong = [(t + 1) % 7 + 1 for t in drafts[num_accepted:]]  # rejected rows differ
-            target.spec_rewind_cache(0)
-            trunk = LinearSpecTrunk(target)
-            trunk.prefill(self.prompt, hidden=False)
-            rows = kept + wrong
-            trunk.verify(rows, hidden=False)
-            trunk.rollback(len(self.prompt), rows, len(kept), hidden=False)
-            assert trunk.seq_len == len(self.prompt) + len(kept)
-            after = trunk.decode(plain[len(kept)], hidden=False).logits[-1]
-            reference = _plain_logits(target, self.prompt + kept + [plain[len(kept)]])[-1]
-            _assert_rows_equal(target, after, reference, self.atol)
+    def test_keep_at_every_row_count(self, target):
+        """For every verify width K and every kept count a in 0..K: the next row equals a plain run's."""
+        plain = self._greedy_continuation(target, self.max_keep_rows + 1)
+        reference = plain_logits(target, self.prompt + plain)  # row i: logits after token i
+        p = len(self.prompt)
+        for k in range(1, self.max_keep_rows + 1):
+            for a in range(k + 1):
+                rows = plain[:a] + [(t + 1) % target.vocab_size for t in plain[a:k]]  # rows past a are wrong
+                seq = target.new_sequence()
+                forward_one(target, seq, self.prompt, logits="none")
+                forward_one(target, seq, rows, logits="none", verify=True)
+                target.keep(seq, a)
+                assert target.seq_len(seq) == p + a
+                after = forward_one(target, seq, [plain[a]]).logits[0]
+                _assert_rows_equal(target, after, reference[p + a], self.atol, f"K={k}, kept {a}:")
+                target.release(seq)
 
-    def test_rewind_is_exact(self, target):
+    def test_keep_needs_a_verify(self, target):
+        seq = target.new_sequence()
+        forward_one(target, seq, self.prompt)
+        with pytest.raises(ValueError, match="verify"):
+            target.keep(seq, 1)
+
+    def test_truncate_is_exact_or_refused(self, target):
         tail = self._greedy_continuation(target, 6)
-        target.spec_rewind_cache(0)
-        target.forward(torch.tensor(self.prompt))
-        first = target.spec_forward(torch.tensor(tail), hidden=False, all_logits=True).logits
-        target.spec_rewind_cache(len(self.prompt))
-        assert target.cache_seq_len == len(self.prompt)
-        if not declared(target, "spec_has_recurrent_state"):  # recurrent state needs a restore, not a rewind
-            again = target.spec_forward(torch.tensor(tail), hidden=False, all_logits=True).logits
-            assert torch.equal(first, again)
+        seq = target.new_sequence()
+        forward_one(target, seq, self.prompt, logits="none")
+        first = forward_one(target, seq, tail).logits
+        try:
+            target.truncate(seq, len(self.prompt))
+        except CannotTruncate:
+            assert target.seq_len(seq) == len(self.prompt) + len(tail)  # refused: nothing changed
+        else:
+            assert target.seq_len(seq) == len(self.prompt)
+            assert torch.equal(forward_one(target, seq, tail).logits, first)
+        target.truncate(seq, 0)  # always possible: empties the sequence
+        assert target.seq_len(seq) == 0
+        forward_one(target, seq, self.prompt, logits="none")
+        assert torch.equal(forward_one(target, seq, tail).logits, first)
+
+    def test_sequences_in_one_forward_equal_their_solo_runs(self, target):
+        """Prefill of one sequence beside decodes and verifies of others, two and three at a time."""
+        prompts = [self.prompt, self.prompt[::-1] + self.prompt[:3], self.prompt[2:] * 2]
+        steps = [  # per step, per sequence: (rows to append, verify?) or None (not in this forward)
+            [(prompts[0], False), (prompts[1][:5], False), None],
+            [(prompts[0][:4], True), (prompts[1][5:], False), (prompts[2], False)],
+            [([3], False), None, (prompts[2][:5], True)],
+            [(prompts[1][:6], True), ([7], False), ([2], False)],
+        ]
+        keeps = {(1, 0): 2, (2, 2): 3, (3, 0): 6}  # (step, sequence) -> rows kept after that verify
+        together = [target.new_sequence() for _ in prompts]
+        alone = [target.new_sequence() for _ in prompts]
+        for step, plan in enumerate(steps):
+            batch = [Segment(together[i], rows, logits="all", verify=verify)
+                     for i, entry in enumerate(plan) if entry is not None for rows, verify in [entry]]
+            outputs = target.forward(batch)
+            for seg, out in zip(batch, outputs):
+                i = together.index(seg.seq)
+                solo = forward_one(target, alone[i], seg.tokens, verify=seg.verify).logits
+                _assert_rows_equal(target, out.logits, solo, self.atol, f"step {step}, sequence {i}:")
+            for (when, i), kept in keeps.items():
+                if when == step:
+                    target.keep(together[i], kept)
+                    target.keep(alone[i], kept)
+        assert [target.seq_len(s) for s in together] == [target.seq_len(s) for s in alone]
+
+    def test_random_batched_steps_do_not_drift(self, target):
+        """Three sequences verify random drafts together, keep random counts; each stream stays
+        its plain greedy stream."""
+        rng = random.Random(0)
+        n = self.num_drift_steps
+        prompts = [self.prompt, self.prompt[::-1], self.prompt[1::2] * 2]
+        plains = [run_greedy(target, p, n + 8)[0] for p in prompts]
+        seqs = [target.new_sequence() for _ in prompts]
+        emitted: list[list[int]] = [[] for _ in prompts]
+        firsts = target.forward([Segment(s, p) for s, p in zip(seqs, prompts)])
+        for out, stream in zip(firsts, emitted):
+            stream.append(int(out.logits[-1].argmax()))
+        for _ in range(n):
+            live = [i for i in range(len(prompts)) if len(emitted[i]) < n]
+            if not live:
+                break
+            batch = []
+            for i in live:
+                want = plains[i][len(emitted[i]):len(emitted[i]) + rng.randint(0, 6)]
+                right = rng.randint(0, len(want))
+                draft = want[:right] + [(t + 1) % target.vocab_size for t in want[right:]]
+                batch.append(Segment(seqs[i], [emitted[i][-1], *draft], logits="all", verify=True))
+            for i, seg, out in zip(live, batch, target.forward(batch)):
+                kept = 0
+                for row in range(seg.tokens.numel()):
+                    token = int(out.logits[row].argmax())
+                    emitted[i].append(token)
+                    kept += 1
+                    if row + 1 >= seg.tokens.numel() or token != int(seg.tokens[row + 1]):
+                        break
+                target.keep(seqs[i], kept)
+        for i, (got, plain) in enumerate(zip(emitted, plains)):
+            first_diff = next((j for j, (a, b) in enumerate(zip(got, plain)) if a != b), None)
+            assert got[:n] == plain[:len(got[:n])], f"sequence {i}: first divergence at output token {first_diff}"
 
     def test_perfect_and_wrong_drafters_give_the_plain_stream(self, target, vocab_size):
         n = 24
@@ -153,8 +238,8 @@ class TargetConformance:
         got, ex = run_greedy(target, self.prompt, 16, speculator, stop_at=plain[stop_index])
         expected = plain[:plain.index(plain[stop_index]) + 1]
         assert got == expected
-        # the stop token is pending, exactly as after a plain run: the cache holds everything before it
-        assert ex.trunk.seq_len == len(self.prompt) + len(expected) - 1
+        # the stop token is pending, exactly as after a plain run: the sequence holds everything before it
+        assert ex.seq_len == len(self.prompt) + len(expected) - 1
 
 
 class SpeculatorConformance:
@@ -172,29 +257,41 @@ class SpeculatorConformance:
         got, _ = run_greedy(toy_target, self.prompt, 64, make_speculator())
         assert got == plain
 
-    def test_proposals_respect_the_window(self, make_speculator):
-        from verispec.seams import DraftContext
+    def _seeded(self, speculator):
+        state = speculator.new_state()
+        speculator.commit(state, self.prompt, None, 0)
+        return state
 
+    def test_proposals_respect_the_window(self, make_speculator):
         speculator = make_speculator()
-        speculator.commit(self.prompt, None, 0)
+        state = self._seeded(speculator)
         for window in (1, 2, 5):
-            draft = speculator.propose(DraftContext(last_token=self.prompt[0], pos=len(self.prompt),
-                                                    draft_window=window, min_draft_prob=speculator.min_draft_prob))
+            draft = speculator.propose(state, DraftContext(last_token=self.prompt[0], pos=len(self.prompt),
+                                                           draft_window=window,
+                                                           min_draft_prob=speculator.min_draft_prob))
             assert len(draft) <= window and all(isinstance(t, int) for t in draft)
 
     def test_silent_at_a_stop_token(self, make_speculator):
-        from verispec.seams import DraftContext
-
         speculator = make_speculator()
-        speculator.commit(self.prompt, None, 0)
+        state = self._seeded(speculator)
         ctx = DraftContext(last_token=self.prompt[0], pos=len(self.prompt), draft_window=4,
                            min_draft_prob=speculator.min_draft_prob, stop_token_ids=frozenset({self.prompt[0]}))
-        assert speculator.propose(ctx) == []
+        assert speculator.propose(state, ctx) == []
 
-    def test_reset_then_reseed(self, toy_target, make_speculator):
+    def test_one_speculator_serves_interleaved_sequences(self, toy_target, make_speculator):
+        """Per-sequence state: two executions sharing one speculator, stepping in turn, each
+        give their own plain stream."""
+        prompts = [self.prompt, self.prompt[5:] + self.prompt[:5]]
+        plains = [run_greedy(toy_target, p, 32)[0] for p in prompts]
         speculator = make_speculator()
-        plain = run_greedy(toy_target, self.prompt, 32)[0]
-        run_greedy(toy_target, self.prompt, 32, speculator)
-        speculator.reset()
-        got, _ = run_greedy(toy_target, self.prompt, 32, speculator)
-        assert got == plain
+        runs = []
+        for prompt in prompts:
+            ex = SpeculativeExecution(toy_target, toy_target.new_sequence(), speculator)
+            sampler, out = Sampler(SamplingParams(), prompt, toy_target.vocab_size), []
+            on_token = (lambda out: lambda d: out.append(d.token) or len(out) >= 32)(out)
+            runs.append([ex, sampler, on_token, out, ex.start(prompt, sampler, on_token)])
+        while not all(r[4] for r in runs):
+            for r in runs:
+                if not r[4]:
+                    r[4] = r[0].step(r[1], r[2])
+        assert [r[3] for r in runs] == plains

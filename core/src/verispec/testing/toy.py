@@ -1,173 +1,172 @@
 """Tiny trunks and scripted drafters for conformance tests (fp32, CPU, deterministic).
 
-`ToyTarget` is a two-layer model: a recurrent layer (so snapshot/restore is exercised)
-then one attention layer over a linear KV cache. Every row is computed with the same
-one-row ops whatever n is, so it is batch-invariant by construction: a row inside an
-n-row verify is bitwise the row computed alone.
+`ToyTarget` is a two-layer model on the real seam (`nn.trunk.SequenceTrunk`): a recurrent
+layer — a depthwise short convolution then a delta-rule matrix state, the shape of
+GatedDeltaNet / Mamba-2 state at toy size — and one attention layer over a `LinearKVCache`.
+Its recurrent state (`nn.state.RecurrentState`: conv tail [2, D], matrix [D, D]) is recorded
+after every verify row, so `keep` selects it with no re-forward, exactly as a real hybrid
+family will. Every row is computed with the same one-row ops whatever the batch, so it is
+batch-invariant by construction.
 
-Shape letters: n rows, V vocabulary, D width, S cache capacity.
+Shape letters: n rows, V vocabulary, D width.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
-from verispec.seams import ContextOverflow, Speculator, UnsupportedTap, VerifyOutput
+from verispec.nn.state import LinearKVCache, RecurrentState
+from verispec.nn.trunk import Rows, SequenceTrunk
+from verispec.seams import Speculator
+from verispec.specs import SpeculatorSpec
+
+#: rows of the short convolution (the current row and CONV_WIDTH - 1 before it).
+CONV_WIDTH = 3
 
 
-class ToyTarget:
+class ToyTarget(SequenceTrunk):
+    """Layer 0: recurrent (delta rule over a short conv), or identity when recurrent=False;
+    layer 1: one-head causal attention. Taps: residuals entering layer 0 (the embedding) and
+    layer 1; the final row is the output of layer 1 (no final norm)."""
+
     spec_batch_invariant = True
-    spec_verify_persists_accepted_kv = True
+    num_layers = 2
 
     def __init__(self, vocab_size: int = 32, dim: int = 16, *, recurrent: bool = True,
-                 max_context_length: int = 512, seed: int = 0):
+                 max_context_length: int = 512, seed: int = 0, max_rows_per_forward: int = 16):
+        super().__init__()
         g = torch.Generator().manual_seed(seed)
         rand = lambda *shape, scale=1.0: torch.randn(*shape, generator=g) * scale  # noqa: E731
-        self.vocab_size, self.dim = vocab_size, dim
-        self.embed = rand(vocab_size, dim)  # [V, D]
-        self.recurrent_a = rand(dim, dim, scale=0.5 / dim ** 0.5)  # [D, D]
+        self.vocab_size, self.hidden_size, self.recurrent = vocab_size, dim, recurrent
+        self.max_context_length, self.max_rows_per_forward = max_context_length, max_rows_per_forward
+        self.embedding = rand(vocab_size, dim)  # [V, D]
+        self.conv = rand(CONV_WIDTH, dim, scale=0.5)  # [W, D] depthwise
+        self.delta_q, self.delta_k = (rand(dim, dim, scale=dim ** -0.5) for _ in range(2))
+        self.delta_v = rand(dim, dim, scale=2 * dim ** -0.5)  # a strong recurrent signal: streams differ from attention-only
+        self.delta_beta = rand(dim, scale=dim ** -0.5)  # [D]
         self.wq, self.wk, self.wv = (rand(dim, dim, scale=dim ** -0.5) for _ in range(3))
-        self.lm_head = rand(vocab_size, dim, scale=2.0)  # [V, D]: sharp logits, few near-ties
-        self.spec_has_recurrent_state = recurrent
-        self.max_context_length = max_context_length
-        self.spec_feature_size = dim
-        self._taps: tuple[int, ...] | None = None
-        self.k_cache = torch.zeros(max_context_length, dim)  # [S, D]
-        self.v_cache = torch.zeros(max_context_length, dim)
-        self.state = torch.zeros(dim)  # [D] recurrent state
-        self._snapshot = None
-        self.cache_seq_len = 0
+        self.head = rand(vocab_size, dim, scale=2.0)  # [V, D]: sharp logits, few near-ties
         self.num_forwards = 0
 
-    # -- the math, one row at a time ----------------------------------------------------
+    def _new_layer_states(self) -> list:
+        d = self.hidden_size
+        recurrent = RecurrentState({"conv": (CONV_WIDTH - 1, d), "matrix": (d, d)}) if self.recurrent else None
+        return [recurrent, LinearKVCache(1, d, max_positions=self.max_context_length)]
 
-    def _row(self, token: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual entering each layer [2, D] and the final row [D] for one token at `pos`."""
-        x = self.embed[token]
-        if self.spec_has_recurrent_state:
-            self.state = torch.tanh(self.recurrent_a @ self.state + x)
-            h = x + self.state
-        else:
-            h = x
-        self.k_cache[pos] = self.wk @ h
-        self.v_cache[pos] = self.wv @ h
-        scores = self.k_cache[:pos + 1] @ (self.wq @ h) / self.dim ** 0.5  # [pos+1]
-        out = h + torch.softmax(scores, dim=0) @ self.v_cache[:pos + 1]
-        return torch.stack([x, h]), out
-
-    def spec_forward(self, tokens: torch.Tensor, *, hidden: bool, all_logits: bool) -> VerifyOutput:
-        n = len(tokens)
-        if self.cache_seq_len + n > self.max_context_length:
-            raise ContextOverflow(self.cache_seq_len + n, self.max_context_length)
+    def forward(self, batch):
         self.num_forwards += 1
-        taps, finals = [], []
-        for i, token in enumerate(tokens.tolist()):
-            entering, final = self._row(token, self.cache_seq_len + i)
-            taps.append(entering[list(self._taps)].reshape(-1) if self._taps else final)
-            finals.append(final)
-        self.cache_seq_len += n
-        rows = finals if all_logits else finals[-1:]
-        logits = torch.stack([self.lm_head @ r for r in rows])  # [n or 1, V]
-        return VerifyOutput(logits=logits, hidden=torch.stack(taps) if hidden else None)
+        return super().forward(batch)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.spec_forward(tokens, hidden=False, all_logits=False).logits[0]
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embedding[tokens]
 
-    # -- cache seams ----------------------------------------------------------------------
+    def _lm_head(self, normed: torch.Tensor) -> torch.Tensor:
+        return normed @ self.head.T
 
-    def spec_ensure_capacity(self, required_len: int) -> None:
-        if required_len > self.max_context_length:
-            raise ContextOverflow(required_len, self.max_context_length)
+    def _forward_rows(self, rows: Rows):
+        x = self._embed(rows.tokens)  # [n, D]
+        h = torch.empty_like(x)
+        out = torch.empty_like(x)
+        for s in rows.sequences:
+            recurrent, cache = s.state.layers
+            h[s.rows] = x[s.rows] if recurrent is None else x[s.rows] + self._delta_rule(x[s.rows], recurrent)
+            for i in range(s.begin, s.end):  # attention, one row at a time
+                out[i] = self._attend(h[i], cache, int(rows.positions[i]))
+        return out, {0: x, 1: h, 2: out}
 
-    def spec_rewind_cache(self, length: int) -> None:
-        if not 0 <= length <= self.cache_seq_len:
-            raise ValueError(f"rewind to {length} outside [0, {self.cache_seq_len}]")
-        self.cache_seq_len = length
-        if length == 0:
-            self.state = torch.zeros(self.dim)
+    def _delta_rule(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """x [n, D] -> output rows [n, D]; records the state after every row (state.update)."""
+        conv, matrix = state.values["conv"], state.values["matrix"]
+        outputs, convs, matrices = [], [], []
+        for row in x:
+            window = torch.cat([conv, row[None]])  # [W, D]
+            u = F.silu((window * self.conv).sum(0))  # [D]
+            k = F.normalize(self.delta_k @ u, dim=0)
+            q = F.normalize(self.delta_q @ u, dim=0)
+            beta = torch.sigmoid(self.delta_beta @ u)
+            matrix = matrix + beta * torch.outer(self.delta_v @ u - matrix @ k, k)  # S += β (v - S k) kᵀ
+            conv = window[1:]
+            outputs.append(matrix @ q)
+            convs.append(conv)
+            matrices.append(matrix)
+        state.update({"conv": torch.stack(convs), "matrix": torch.stack(matrices)})
+        return torch.stack(outputs)
 
-    def spec_snapshot_recurrent_state(self) -> None:
-        self._snapshot = self.state.clone()
-
-    def spec_restore_recurrent_state(self) -> None:
-        self.state = self._snapshot.clone()
-
-    def spec_set_hidden_taps(self, layers: Sequence[int] | None) -> None:
-        """Tap the residuals entering `layers` (0 = embedding, 1 = attention input), concatenated."""
-        if layers is not None and any(not 0 <= layer < 2 for layer in layers):
-            raise UnsupportedTap(f"toy trunk has layers 0..1, asked for {list(layers)}")
-        self._taps = tuple(layers) if layers else None
-        self.spec_feature_size = self.dim * (len(self._taps) if self._taps else 1)
-
-    def reset(self) -> None:
-        self.spec_rewind_cache(0)
+    def _attend(self, h: torch.Tensor, cache: LinearKVCache, pos: int) -> torch.Tensor:
+        cache.write(pos, (self.wk @ h)[None, None], (self.wv @ h)[None, None])
+        k, v, _ = cache.read(pos + 1)  # [1, pos+1, D]
+        scores = k[0] @ (self.wq @ h) / self.hidden_size ** 0.5  # [pos+1]
+        return h + torch.softmax(scores, dim=0) @ v[0]
 
 
-class MarkovTarget:
-    """Logits depend only on the previous token: logits[t] = table[token_{t}] (fp32 [V, V]).
+class MarkovTarget(SequenceTrunk):
+    """Logits depend only on the row's token: logits = table[token] (fp32 [V, V]).
 
-    Cheap enough for 100k-draw distribution tests; batch-invariant (pure indexing).
+    Cheap enough for 100k-draw distribution tests; batch-invariant (pure indexing). Its
+    "hidden row" is the token id itself ([n, 1]).
     """
 
     spec_batch_invariant = True
-    spec_feature_size = 1
+    hidden_size = 1
+    num_layers = 0
 
     def __init__(self, table: torch.Tensor, max_context_length: int = 1 << 20):
+        super().__init__()
         self.table = table.float()
         self.vocab_size = table.shape[0]
         self.max_context_length = max_context_length
-        self.cache_seq_len = 0
+        self.max_rows_per_forward = 1 << 16
 
-    def spec_forward(self, tokens, *, hidden, all_logits):
-        if self.cache_seq_len + len(tokens) > self.max_context_length:
-            raise ContextOverflow(self.cache_seq_len + len(tokens), self.max_context_length)
-        self.cache_seq_len += len(tokens)
-        logits = self.table[tokens] if all_logits else self.table[tokens[-1:]]
-        return VerifyOutput(logits=logits)
+    def _new_layer_states(self) -> list:
+        return []
 
-    def forward(self, tokens):
-        return self.spec_forward(tokens, hidden=False, all_logits=False).logits[0]
+    def _embed(self, tokens):
+        return tokens.float()[:, None]
 
-    def spec_ensure_capacity(self, required_len):
-        if required_len > self.max_context_length:
-            raise ContextOverflow(required_len, self.max_context_length)
+    def _forward_rows(self, rows):
+        return self._embed(rows.tokens), {}
 
-    def spec_rewind_cache(self, length):
-        self.cache_seq_len = length
-
-    def spec_snapshot_recurrent_state(self):
-        pass
-
-    def spec_restore_recurrent_state(self):
-        pass
+    def _lm_head(self, normed):
+        return self.table[normed[:, 0].long()]
 
 
-class ScriptedSpeculator(Speculator):
-    """Proposes from a script: `script(ctx) -> list[int]`. Tracks what it was committed."""
+class ScriptedState:
+    """What a ScriptedSpeculator saw of one sequence."""
 
-    name = "scripted"
-
-    def __init__(self, script, *, max_draft_tokens: int = 8, needs_hidden_state: bool = False):
-        super().__init__(max_draft_tokens=max_draft_tokens)
-        self.script = script
-        self.needs_hidden_state = needs_hidden_state
+    def __init__(self):
         self.committed: list[int] = []
         self.hidden_rows: list = []
 
-    def propose(self, ctx):
+
+class ScriptedSpeculator(Speculator):
+    """Proposes from a script: `script(ctx) -> list[int]`. Tracks what each sequence committed;
+    `last_state` is the state of the sequence it served last."""
+
+    def __init__(self, script, *, max_draft_tokens: int = 8, needs_hidden_state: bool = False,
+                 tap_layers: Sequence[int] | None = None):
+        spec = SpeculatorSpec(name="scripted", summary="scripted drafts (tests)", factory=ScriptedSpeculator,
+                              needs_hidden_state=needs_hidden_state)
+        super().__init__(spec, max_draft_tokens=max_draft_tokens)
+        self.script = script
+        self.tap_layers = None if tap_layers is None else tuple(tap_layers)
+        self.last_state: ScriptedState | None = None
+
+    def new_state(self):
+        self.last_state = ScriptedState()
+        return self.last_state
+
+    def propose(self, state, ctx):
+        self.last_state = state
         return list(self.script(ctx))[:ctx.draft_window]
 
-    def commit(self, tokens, hidden_rows, start_pos):
-        if start_pos != len(self.committed):
-            raise AssertionError(f"commit at {start_pos} but {len(self.committed)} tokens committed")
-        self.committed.extend(tokens)
+    def commit(self, state, tokens, hidden_rows, start_pos):
+        if start_pos != len(state.committed):
+            raise AssertionError(f"commit at {start_pos} but {len(state.committed)} tokens committed")
+        state.committed.extend(tokens)
         if hidden_rows is not None:
-            self.hidden_rows.extend(hidden_rows)
-
-    def reset(self):
-        self.committed.clear()
-        self.hidden_rows.clear()
+            state.hidden_rows.extend(hidden_rows)
 
 
 def oracle_speculator(reference: Sequence[int], *, correct: int | None = None, vocab_size: int,
@@ -219,36 +218,3 @@ def load_toy_gguf(path, *, dtype=None, context_length=None) -> ToyTarget:
                        max_context_length=context_length or gguf.require("toy.context_length"))
     target.tokenizer = Tokenizer.from_gguf(gguf, use_cache=False)
     return target
-
-
-class ToyBatchedTarget:
-    """BatchedSpeculativeTarget over B slots, each its own ToyTarget state (same weights).
-
-    The toy has no paged cache; it exists so `BatchedSpecTrunk` and the batched seam are
-    exercised before a real model ships one.
-    """
-
-    spec_batch_invariant = True
-    spec_verify_persists_accepted_kv = True
-
-    def __init__(self, num_slots: int, **toy_kwargs):
-        self.slots = [ToyTarget(**toy_kwargs) for _ in range(num_slots)]
-        first = self.slots[0]
-        self.max_context_length, self.vocab_size = first.max_context_length, first.vocab_size
-        self.spec_feature_size = first.spec_feature_size
-        self.spec_has_recurrent_state = first.spec_has_recurrent_state
-
-    def spec_slot_seq_len(self, slot):
-        return self.slots[slot].cache_seq_len
-
-    def spec_forward_batch(self, slots, tokens, *, hidden, all_logits):
-        return [self.slots[s].spec_forward(t, hidden=hidden, all_logits=all_logits) for s, t in zip(slots, tokens)]
-
-    def spec_rewind_slot(self, slot, length):
-        self.slots[slot].spec_rewind_cache(length)
-
-    def spec_snapshot_slot(self, slot):
-        self.slots[slot].spec_snapshot_recurrent_state()
-
-    def spec_restore_slot(self, slot):
-        self.slots[slot].spec_restore_recurrent_state()

@@ -14,6 +14,11 @@ from verispec.specs import DraftFileSpec, SpeculatorSpec, TargetSpec
 #: layers whose entering residuals the toy block head reads (concatenated: F = 2·D).
 TAP_LAYERS = (0, 1)
 
+BLOCK_SPEC = SpeculatorSpec(name="toy-block", summary="drafts a block from a BLOCK head (toy)",
+                            factory="verispec.testing.toy_plugin:create_block_speculator",
+                            requires_draft_head=True, needs_hidden_state=True, can_arm_after_prefix_reuse=False,
+                            default_min_draft_prob=0.35, priority=5)
+
 
 class DrafterMismatch(ValueError):
     """A drafter file bound to another trunk (vocabulary, width or taps differ)."""
@@ -33,26 +38,25 @@ def register_draft_files(register):
 
 @hookimpl
 def register_speculators(register):
-    register(SpeculatorSpec(name="toy-block", summary="drafts a block from a BLOCK head (toy)",
-                            factory="verispec.testing.toy_plugin:create_block_speculator",
-                            requires_draft_head=True, needs_hidden_state=True, can_arm_after_prefix_reuse=False,
-                            default_min_draft_prob=0.35, priority=5))
+    register(BLOCK_SPEC)
 
 
 class ToyBlockHead:
-    """BLOCK head: drafts the trunk's bigram-greedy chain (argmax of lm_head · embed[t]),
-    with confidences 0.9^i; reads the tapped rows [F = 2·D] it asked the trunk for."""
+    """BLOCK head: drafts the trunk's bigram-greedy chain (argmax of the LM head over the
+    embedding of t), with confidences 0.9^i; reads the tapped rows [F = 2·D] it asked for.
+    It binds through the trunk's read-only view: taps validated there, embedding and LM head
+    read there, nothing on the trunk changed."""
 
     draft_head_kind = DraftHeadKind.BLOCK
     draft_head_resumes_after_gap = True
+    tap_layers = TAP_LAYERS
 
-    def __init__(self, target, block_size: int = 4):
+    def __init__(self, view, block_size: int = 4):
         import torch
 
-        target.spec_set_hidden_taps(list(TAP_LAYERS))
-        self.feature_size = target.spec_feature_size
+        self.feature_size = view.tap_feature_size(self.tap_layers)
         self.draft_block_size = block_size
-        self.next_of = torch.argmax(target.embed @ target.lm_head.T, dim=1).tolist()  # [V]
+        self.next_of = torch.argmax(view.logits(view.embed(torch.arange(view.vocab_size))), dim=1).tolist()  # [V]
         self.num_caught_up = 0
         self.h_shapes: set[tuple[int, ...]] = set()
 
@@ -80,7 +84,7 @@ def load_block_drafter(path, target) -> ToyBlockHead:
     if vocab != target.vocab_size:
         raise DrafterMismatch(f"{path}: drafter vocabulary {vocab} != trunk vocabulary {target.vocab_size}; "
                               "use the drafter trained for this model")
-    return ToyBlockHead(target)
+    return ToyBlockHead(target.view())
 
 
 def write_block_drafter(path, vocab_size: int) -> str:
@@ -93,25 +97,21 @@ def write_block_drafter(path, vocab_size: int) -> str:
 class BlockSpeculator(Speculator):
     """Proposes a BLOCK head's draft, cut where the cumulative confidence drops below the gate."""
 
-    name = "toy-block"
-    needs_hidden_state = True
-    can_arm_after_prefix_reuse = False
-    default_min_draft_prob = 0.35
-
-    def __init__(self, head, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, head, spec=BLOCK_SPEC, **kwargs):
+        super().__init__(spec, **kwargs)
         self.head = head
+        self.tap_layers = head.tap_layers
 
-    def propose(self, ctx):
+    def propose(self, state, ctx):
         ids, confidences = self.head.draft_block(ctx.last_token, ctx.hidden_prev, ctx.pos)
         keep = [t for t, c in zip(ids, confidences) if c >= ctx.min_draft_prob]
         return keep[:ctx.draft_window]
 
-    def commit(self, tokens, hidden_rows, start_pos):
+    def commit(self, state, tokens, hidden_rows, start_pos):
         self.head.draft_catch_up(tokens, hidden_rows, start_pos)
 
 
-def create_block_speculator(target, *, max_draft_tokens, min_draft_prob, draft_head):
+def create_block_speculator(target, *, spec, max_draft_tokens, min_draft_prob, draft_head):
     if draft_head.draft_head_kind is not DraftHeadKind.BLOCK:
         return None
-    return BlockSpeculator(draft_head, max_draft_tokens=max_draft_tokens, min_draft_prob=min_draft_prob)
+    return BlockSpeculator(draft_head, spec, max_draft_tokens=max_draft_tokens, min_draft_prob=min_draft_prob)

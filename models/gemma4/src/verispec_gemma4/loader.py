@@ -18,7 +18,7 @@ import attrs
 import torch
 from verispec.weight_cache import cached_state
 from verispec.gguf_io import GGUFFile, MissingTensor
-from verispec.nn.kv_cache import MAX_VERIFY_ROWS
+from verispec.nn.state import MAX_VERIFY_ROWS
 from verispec.nn.quant import Float32Linear, canonical_dtype
 
 from verispec_gemma4.modeling_gemma3 import Gemma3Config, Gemma3ForCausalLM

@@ -25,12 +25,12 @@ import attrs
 import torch
 from torch import nn
 from verispec.gguf_io import arch_value
-from verispec.nn.attention import attend
-from verispec.nn.kv_cache import MAX_VERIFY_ROWS, LinearKVCache, ModelKVCache, RingKVCache
+from verispec.nn.attention import attend_rows
+from verispec.nn.state import MAX_VERIFY_ROWS, LinearKVCache, RingKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.rope import RotaryEmbedding, linear_scaling
-from verispec.nn.trunk import KVTrunk
+from verispec.nn.trunk import Rows, TrunkModule
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -124,7 +124,7 @@ class Gemma3Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, start_pos: int, cache, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rows: Rows, layer_idx: int, rope: RotaryEmbedding,
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [n, H, Dh]
@@ -132,9 +132,8 @@ class Gemma3Attention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, Dh]
         qk = rope(torch.cat([self.q_norm(q), self.k_norm(k)], dim=1), cos, sin)  # [n, H + Hkv, Dh]: one RoPE call
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        cache.write(start_pos, k, v)
-        out = attend(q, cache, start_pos, scaling=self.scaling, sliding_window=self.sliding_window,
-                     softcap=self.softcap)  # [n, H, Dh]
+        out = attend_rows(q, k, v, rows, layer_idx, scaling=self.scaling, sliding_window=self.sliding_window,
+                          softcap=self.softcap)  # [n, H, Dh]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))  # [n, D]
 
 
@@ -150,8 +149,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, start_pos, cache, rope, cos, sin):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), start_pos, cache, rope, cos, sin))
+    def forward(self, x, rows, layer_idx, rope, cos, sin):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rows, layer_idx, rope, cos, sin))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -172,15 +171,15 @@ class Gemma3TextModel(nn.Module):
         self.embed_scale = math.sqrt(c.hidden_size)
 
 
-class Gemma3ForCausalLM(KVTrunk):
-    """The Gemma 3 trunk: a `SpeculativeTarget` (see verispec.nn.trunk.KVTrunk for the seam).
+class Gemma3ForCausalLM(TrunkModule):
+    """The Gemma 3 trunk: a `SpeculativeTarget` (the seam is verispec.nn.trunk.SequenceTrunk).
 
     dtype: weight dtype ("float32" | "bfloat16" | "int8", see verispec.nn.quant).
     max_rows_per_forward: longer inputs are split into chunks this long (default: 64, or the
       dtype's batch-invariance limit, nn.quant.rows_per_forward).
     max_verify_rows: the widest verify that must roll back by rewinding; the sliding-window
-      rings hold window + max(max_rows_per_forward, max_verify_rows) - 1 slots (nn.kv_cache).
-    key_block: attention key-length granularity (nn.kv_cache).
+      rings hold window + max(max_rows_per_forward, max_verify_rows) - 1 slots (nn.state).
+    key_block: attention key-length granularity (nn.state).
     context_length: max positions (default: the GGUF's context_length).
     Built on the meta device; `load_state_dict(state, assign=True)` fills the weights.
     """
@@ -197,31 +196,31 @@ class Gemma3ForCausalLM(KVTrunk):
         super().__init__()
         self._init_sizes(config, dtype, max_rows_per_forward, context_length)
         self.ring_rows = max(self.max_rows_per_forward, max_verify_rows)
+        self.key_block = key_block
+        self.final_logit_softcap = config.final_logit_softcapping
         self.model = Gemma3TextModel(config, device)
         self._finish_linears(device)
-        self.kv_cache = ModelKVCache([self._make_cache(layer, key_block) for layer in self.model.layers])
 
-    def _make_cache(self, layer: Gemma3DecoderLayer, key_block: int):
+    def _new_layer_states(self) -> list:
         c = self.config
-        if layer.is_sliding:
-            return RingKVCache(c.num_key_value_heads, c.head_dim, window=c.sliding_window,
-                               max_rows=self.ring_rows, key_block=key_block)
-        return LinearKVCache(c.num_key_value_heads, c.head_dim, key_block=key_block,
-                             max_positions=self.max_context_length)
+        return [RingKVCache(c.num_key_value_heads, c.head_dim, window=c.sliding_window, max_rows=self.ring_rows,
+                            key_block=self.key_block) if layer.is_sliding else
+                LinearKVCache(c.num_key_value_heads, c.head_dim, key_block=self.key_block,
+                              max_positions=self.max_context_length)
+                for layer in self.model.layers]
 
-    def _forward_chunk(self, tokens, start_pos, *, logit_rows, hidden):
+    def _embed(self, tokens):
+        return self.model.embed_tokens.rows(tokens) * self.model.embed_scale  # [n, D] fp32
+
+    def _forward_rows(self, rows: Rows):
         m = self.model
-        n = tokens.numel()
-        positions = torch.arange(start_pos, start_pos + n)
-        x = m.embed_tokens.rows(tokens) * m.embed_scale  # [n, D] fp32
-        cos_sin = {SLIDING: m.rotary_local.cos_sin(positions), FULL: m.rotary_global.cos_sin(positions)}
+        x = self._embed(rows.tokens)
+        cos_sin = {SLIDING: m.rotary_local.cos_sin(rows.positions), FULL: m.rotary_global.cos_sin(rows.positions)}
         taps = {}  # layer index -> residual rows entering it [n, D]
         for i, layer in enumerate(m.layers):
             taps[i] = x
             rope = m.rotary_local if layer.is_sliding else m.rotary_global
             cos, sin = cos_sin[SLIDING if layer.is_sliding else FULL]
-            x = layer(x, start_pos, self.kv_cache[i], rope, cos, sin)
+            x = layer(x, rows, i, rope, cos, sin)
         taps[self.num_layers] = x
-        normed = m.norm(x)  # [n, D]
-        return self._logits_and_taps(normed, taps, logit_rows=logit_rows, hidden=hidden,
-                                     softcap=self.config.final_logit_softcapping)
+        return m.norm(x), taps  # [n, D]

@@ -34,12 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from verispec.gguf_io import arch_value
-from verispec.nn.attention import attend
-from verispec.nn.kv_cache import MAX_VERIFY_ROWS, LinearKVCache, ModelKVCache, RingKVCache
+from verispec.nn.attention import attend_rows
+from verispec.nn.state import MAX_VERIFY_ROWS, LinearKVCache, RingKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.rope import RotaryEmbedding, default_inv_freq
-from verispec.nn.trunk import KVTrunk
+from verispec.nn.trunk import Rows, TrunkModule
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -184,14 +184,16 @@ class Gemma4Attention(nn.Module):
                                     device=device) if has_v else None
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=False, device=device)
 
-    def forward(self, x, start_pos, cache, rope, cos, sin):
+    def forward(self, x, rows: Rows, cache_layer: int, rope, cos, sin):
+        """cache_layer: the layer whose cache this one reads (its own, or its KV source's)."""
         n = x.shape[0]
         q = rope(self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim)), cos, sin)  # [n, H, Dh]
-        if not self.is_kv_shared:  # shared layers read the K/V their source layer wrote this forward
+        k = v = None  # shared layers read the K/V their source layer wrote this forward
+        if not self.is_kv_shared:
             k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, Dh]
             v = k if self.v_proj is None else self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-            cache.write(start_pos, rope(self.k_norm(k), cos, sin), self.v_norm(v))
-        out = attend(q, cache, start_pos, scaling=1.0, sliding_window=self.sliding_window)  # [n, H, Dh]
+            k, v = rope(self.k_norm(k), cos, sin), self.v_norm(v)
+        out = attend_rows(q, k, v, rows, cache_layer, scaling=1.0, sliding_window=self.sliding_window)  # [n, H, Dh]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))  # [n, D]
 
 
@@ -267,8 +269,8 @@ class Gemma4DecoderLayer(nn.Module):
             self.per_layer_projection = nn.Linear(P, D, bias=False, device=device)
             self.post_per_layer_input_norm = RMSNorm(D, eps)
 
-    def forward(self, x, per_layer_input, start_pos, cache, rope, cos, sin):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), start_pos, cache, rope, cos, sin))
+    def forward(self, x, per_layer_input, rows, cache_layer, rope, cos, sin):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rows, cache_layer, rope, cos, sin))
         h = self.mlp(self.pre_feedforward_layernorm(x))
         if self.has_moe:  # dense MLP and experts side by side, both reading the same residual x
             weights, experts = self.router(x)
@@ -311,8 +313,8 @@ class Gemma4TextModel(nn.Module):
         return (context + token) * 2 ** -0.5
 
 
-class Gemma4ForCausalLM(KVTrunk):
-    """The Gemma 4 trunk: a `SpeculativeTarget` (seam plumbing in verispec.nn.trunk.KVTrunk).
+class Gemma4ForCausalLM(TrunkModule):
+    """The Gemma 4 trunk: a `SpeculativeTarget` (seam plumbing in verispec.nn.trunk.SequenceTrunk).
 
     Arguments as `Gemma3ForCausalLM`. KV-shared layers own no cache; they attend to their
     source layer's (`Gemma4Config.kv_source`), which is what an assistant drafter reads too.
@@ -329,35 +331,37 @@ class Gemma4ForCausalLM(KVTrunk):
         self._init_sizes(config, dtype, max_rows_per_forward, context_length)
         c = config
         self.ring_rows = max(self.max_rows_per_forward, max_verify_rows)
+        self.key_block = key_block
+        self.final_logit_softcap = c.final_logit_softcapping
         self.model = Gemma4TextModel(c, device)
         self._finish_linears(device)
-        caches = [self._make_cache(i, key_block) if c.kv_source(i) == i else None for i in range(c.num_hidden_layers)]
-        self.kv_cache = ModelKVCache(caches)
         self._cache_of_layer = [c.kv_source(i) for i in range(c.num_hidden_layers)]
 
-    def _make_cache(self, layer_idx: int, key_block: int):
+    def _new_layer_states(self) -> list:
+        """Caches only for layers that own one; KV-shared layers read their source's."""
+        return [self._make_cache(i) if source == i else None for i, source in enumerate(self._cache_of_layer)]
+
+    def _make_cache(self, layer_idx: int):
         c = self.config
         num_kv_heads, head_dim = c.num_key_value_heads[layer_idx], c.layer_head_dim(layer_idx)
         if c.layer_types[layer_idx] == SLIDING:
             return RingKVCache(num_kv_heads, head_dim, window=c.sliding_window,
-                               max_rows=self.ring_rows, key_block=key_block)
-        return LinearKVCache(num_kv_heads, head_dim, key_block=key_block, max_positions=self.max_context_length)
+                               max_rows=self.ring_rows, key_block=self.key_block)
+        return LinearKVCache(num_kv_heads, head_dim, key_block=self.key_block, max_positions=self.max_context_length)
 
-    def _forward_chunk(self, tokens, start_pos, *, logit_rows, hidden):
+    def _embed(self, tokens):
+        return self.model.embed_tokens.rows(tokens) * self.model.embed_scale  # [n, D] fp32
+
+    def _forward_rows(self, rows: Rows):
         m = self.model
-        n = tokens.numel()
-        positions = torch.arange(start_pos, start_pos + n)
-        x = m.embed_tokens.rows(tokens) * m.embed_scale  # [n, D] fp32
-        ple = m.per_layer_inputs(tokens, x) if m.has_ple else None  # [n, L, P]
-        cos_sin = {SLIDING: m.rotary_local.cos_sin(positions), FULL: m.rotary_global.cos_sin(positions)}
+        x = self._embed(rows.tokens)
+        ple = m.per_layer_inputs(rows.tokens, x) if m.has_ple else None  # [n, L, P]
+        cos_sin = {SLIDING: m.rotary_local.cos_sin(rows.positions), FULL: m.rotary_global.cos_sin(rows.positions)}
         taps = {}  # layer index -> residual rows entering it [n, D]
         for i, layer in enumerate(m.layers):
             taps[i] = x
             kind = SLIDING if layer.is_sliding else FULL
             rope = m.rotary_local if layer.is_sliding else m.rotary_global
-            x = layer(x, None if ple is None else ple[:, i], start_pos, self.kv_cache[self._cache_of_layer[i]],
-                      rope, *cos_sin[kind])
+            x = layer(x, None if ple is None else ple[:, i], rows, self._cache_of_layer[i], rope, *cos_sin[kind])
         taps[self.num_layers] = x
-        normed = m.norm(x)  # [n, D]: the hidden tap (pre-softcap)
-        return self._logits_and_taps(normed, taps, logit_rows=logit_rows, hidden=hidden,
-                                     softcap=self.config.final_logit_softcapping)
+        return m.norm(x), taps  # [n, D]: the hidden tap (pre-softcap)

@@ -19,7 +19,7 @@ then logits = lm_head(norm(h)). The two architectures differ only in data:
 
 All activations are fp32; only the linears see the weight dtype (`verispec.nn.quant`). With
 int8 or bf16 weights every op is per row, so a row inside an n-row verify is bitwise the row
-computed alone (`spec_batch_invariant`, declared by `KVTrunk` from the linears).
+computed alone (`spec_batch_invariant`, declared by `TrunkModule` from the linears).
 Sources: transformers models/llama/modeling_llama.py, models/qwen2/modeling_qwen2.py (5.24);
 llama.cpp src/models/llama.cpp, src/models/qwen2.cpp.
 """
@@ -32,12 +32,12 @@ import attrs
 import torch
 from torch import nn
 from verispec.gguf_io import MissingTensor, arch_value
-from verispec.nn.attention import attend
-from verispec.nn.kv_cache import LinearKVCache, ModelKVCache
+from verispec.nn.attention import attend_rows
+from verispec.nn.state import LinearKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.rope import RotaryEmbedding, default_inv_freq, freq_factors, linear_scaling
-from verispec.nn.trunk import KVTrunk
+from verispec.nn.trunk import Rows, TrunkModule
 
 __all__ = [
     "ROPE_STYLES",
@@ -154,7 +154,7 @@ def _rope_linear_factor(key, source: str) -> float:
 
 
 class LlamaAttention(nn.Module):
-    """GQA self-attention over this layer's `LinearKVCache`. x: fp32 [n, D] -> fp32 [n, D]."""
+    """GQA self-attention over each sequence's `LinearKVCache` of this layer. x: fp32 [n, D] -> fp32 [n, D]."""
 
     def __init__(self, config: LlamaConfig, *, device=None):
         super().__init__()
@@ -172,14 +172,13 @@ class LlamaAttention(nn.Module):
         self.o_bias = _bias(d, config.attention_out_bias)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LinearKVCache, start_pos: int) -> torch.Tensor:
+                rows: Rows, layer_idx: int) -> torch.Tensor:
         n = x.shape[0]
         q = _add(self.q_proj(x), self.q_bias).view(n, self.num_heads, self.head_dim)  # [n, H, Dh]
         k = _add(self.k_proj(x), self.k_bias).view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, Dh]
         v = _add(self.v_proj(x), self.v_bias).view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, Dh]
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        cache.write(start_pos, k, v)
-        out = attend(q, cache, start_pos, scaling=self.scaling)  # [n, H, Dh]
+        out = attend_rows(q, k, v, rows, layer_idx, scaling=self.scaling)  # [n, H, Dh]
         return _add(self.o_proj(out.reshape(n, self.num_heads * self.head_dim)), self.o_bias)  # [n, D]
 
 
@@ -200,9 +199,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "silu", device=device)
 
     def forward(self, hidden_states: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LinearKVCache, start_pos: int) -> torch.Tensor:
+                rows: Rows, layer_idx: int) -> torch.Tensor:
         """hidden_states: fp32 [n, D] -> fp32 [n, D]."""
-        attn = self.self_attn(self.input_layernorm(hidden_states), rope, cos, sin, cache, start_pos)
+        attn = self.self_attn(self.input_layernorm(hidden_states), rope, cos, sin, rows, layer_idx)
         hidden_states = hidden_states + attn
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -222,8 +221,8 @@ class LlamaModel(nn.Module):
                                           scaling=_rope_scaling(c))
 
 
-class LlamaForCausalLM(KVTrunk):
-    """The llama/qwen2 trunk: a `SpeculativeTarget` (see verispec.nn.trunk.KVTrunk for the seam).
+class LlamaForCausalLM(TrunkModule):
+    """The llama/qwen2 trunk: a `SpeculativeTarget` (the seam is verispec.nn.trunk.SequenceTrunk).
 
     dtype: weight dtype ("int8" | "bfloat16" | "float32", see verispec.nn.quant).
     max_rows_per_forward: longer inputs run in chunks this long (exact for batch-invariant
@@ -248,26 +247,26 @@ class LlamaForCausalLM(KVTrunk):
         c = config
         self.model = LlamaModel(c, device=device)
         self._finish_linears(device)
-        self.kv_cache = ModelKVCache([
-            LinearKVCache(c.num_key_value_heads, c.head_dim, max_positions=self.max_context_length)
-            for _ in range(self.num_layers)])
 
+    def _new_layer_states(self) -> list:
+        c = self.config
+        return [LinearKVCache(c.num_key_value_heads, c.head_dim, max_positions=self.max_context_length)
+                for _ in range(self.num_layers)]
 
-    def _forward_chunk(self, tokens: torch.Tensor, start_pos: int, *, logit_rows: str | None, hidden: bool):
-        """tokens int64 [n] at positions start_pos..; returns (logits fp32 [1 | n, V] or None,
-        hidden taps fp32 [n, F] or None). Taps: final-normed rows, or the residual rows
-        entering `hidden_tap_layers` (index L = after the last layer), concatenated."""
+    def _embed(self, tokens):
+        return self.model.embed_tokens.rows(tokens)  # [n, D] fp32
+
+    def _forward_rows(self, rows: Rows):
+        """Final-normed rows fp32 [n, D] and the residual rows entering each layer (index L = after the last)."""
         m = self.model
-        n = tokens.numel()
-        cos, sin = m.rotary_emb.cos_sin(torch.arange(start_pos, start_pos + n))  # [n, r/2]
-        x = m.embed_tokens.rows(tokens)  # [n, D] fp32
+        cos, sin = m.rotary_emb.cos_sin(rows.positions)  # [n, r/2]
+        x = self._embed(rows.tokens)
         taps = {}  # layer index -> residual rows entering it [n, D]
         for i, layer in enumerate(m.layers):
             taps[i] = x
-            x = layer(x, m.rotary_emb, cos, sin, self.kv_cache[i], start_pos)
+            x = layer(x, m.rotary_emb, cos, sin, rows, i)
         taps[self.num_layers] = x
-        normed = m.norm(x)  # [n, D]
-        return self._logits_and_taps(normed, taps, logit_rows=logit_rows, hidden=hidden)
+        return m.norm(x), taps
 
 
 def _rope_scaling(config: LlamaConfig):

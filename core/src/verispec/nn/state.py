@@ -1,0 +1,263 @@
+"""Per-sequence trunk state, one object per layer, and the sequence bookkeeping of the seam.
+
+A trunk composes its layers' state kinds; `SequenceState` holds one sequence's list of them
+and implements `keep` (after a verify) and `truncate` (prefix reuse) once for every kind:
+
+- `LinearKVCache`: attention K/V, slot = position; buffers grow on demand. Keeping or
+  truncating is moving the committed length: slots past it are masked by position.
+- `RingKVCache`: a sliding-window layer's ring of S = window + max_rows - 1 slots,
+  slot = position mod S, each slot tagged with the position it holds (-1 = empty).
+  A forward writes its n <= max_rows rows first and then attends, so the ring must keep
+  the window of the *earliest* row while the latest is written: window + n - 1 slots.
+  The same slack makes `keep` exact with no copy: rejected rows only overwrite positions
+  that no kept row can see any more (reference/gemma4.md §5: a ring of exactly `window`
+  slots corrupts multi-row forwards and rollbacks silently). A model sizes its rings for
+  max(its chunk length, the widest verify it accepts: MAX_VERIFY_ROWS by default).
+- `RecurrentState`: named tensors (a conv tail, a matrix state, ...) replaced row by row.
+  During a verify the layer records the state after every row, so `keep(a)` selects the
+  state after row a with no re-forward; a full acceptance copies nothing. A recurrent state
+  cannot be truncated to an arbitrary prefix (`CannotTruncate`).
+
+KV reads are by key length: a query at position p reads slots [0, key_length(p)), with
+key_length(p) = round_up(p + 1, key_block) capped at the ring size. It depends on p only,
+so a row's attention reductions have the same length whether it is computed alone or
+inside an n-row verify — the property `attention.attend` relies on for batch invariance.
+KV buffers are fp32 [Hkv, S, Dh]: contiguous per head, as the per-head bmm wants them.
+
+Shape letters: Hkv KV heads, S slots, Dh head dim, n rows written, T slots read.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+
+class CannotTruncate(ValueError):
+    """The sequence's state cannot be cut back to that prefix (recurrent state, an old ring)."""
+
+
+class RewindBeyondWindow(CannotTruncate):
+    """A truncation would need sliding-window KV that the ring already overwrote."""
+
+    def __init__(self, length: int, oldest_needed: int, oldest_kept: int):
+        self.length, self.oldest_needed, self.oldest_kept = length, oldest_needed, oldest_kept
+        super().__init__(
+            f"cannot truncate the sequence to {length} positions: the sliding-window ring needs position "
+            f"{oldest_needed} but only keeps positions from {oldest_kept}; start a new sequence, or load "
+            "the model with a larger max_verify_rows")
+
+
+#: the widest verify the loop sends: --spec-draft is 1..64 (DESIGN §5), plus the pending token.
+#: A verify longer than a model's chunk is split, but kept as one, so rings keep this slack.
+MAX_VERIFY_ROWS = 65
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+class LinearKVCache:
+    """Slot = position. k, v: fp32 [Hkv, S, Dh]; S a multiple of key_block, grown on demand."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, *, key_block: int = 64, max_positions: int):
+        self.num_kv_heads, self.head_dim, self.key_block = num_kv_heads, head_dim, key_block
+        self.max_capacity = _round_up(max_positions, key_block)
+        self.k = torch.zeros(num_kv_heads, 0, head_dim)
+        self.v = torch.zeros(num_kv_heads, 0, head_dim)
+        self.slot_positions = torch.arange(0)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    def ensure_capacity(self, num_positions: int) -> None:
+        """Room for positions [0, num_positions); grows by doubling (copies the old slots once)."""
+        if num_positions <= self.capacity:
+            return
+        size = min(self.max_capacity, max(_round_up(num_positions, self.key_block), 2 * self.capacity))
+        k = torch.zeros(self.num_kv_heads, size, self.head_dim)
+        v = torch.zeros_like(k)
+        k[:, :self.capacity] = self.k
+        v[:, :self.capacity] = self.v
+        self.k, self.v, self.slot_positions = k, v, torch.arange(size)
+
+    def begin(self, seq_len: int, verify: bool) -> None:
+        pass  # a verify's rows land exactly where decodes would put them
+
+    def key_length(self, pos: int) -> int:
+        return _round_up(pos + 1, self.key_block)
+
+    def write(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: fp32 [n, Hkv, Dh] for positions start_pos .. start_pos + n - 1."""
+        n = k.shape[0]
+        self.k[:, start_pos:start_pos + n] = k.transpose(0, 1)
+        self.v[:, start_pos:start_pos + n] = v.transpose(0, 1)
+
+    def read(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k, v fp32 [Hkv, T, Dh], position held by each slot int64 [T]) for slots [0, T)."""
+        return self.k[:, :num_slots], self.v[:, :num_slots], self.slot_positions[:num_slots]
+
+    def check_truncate(self, length: int) -> None:
+        pass
+
+    def truncate(self, length: int) -> None:
+        pass  # slots past `length` are masked by position and overwritten later
+
+    keep = truncate
+
+
+class RingKVCache:
+    """Sliding-window ring. k, v: fp32 [Hkv, S, Dh] with S = window + max_rows - 1; tags int64 [S]."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, *, window: int, max_rows: int, key_block: int = 64):
+        self.window, self.max_rows, self.key_block = window, max_rows, key_block
+        self.size = window + max_rows - 1
+        self.k = torch.zeros(num_kv_heads, self.size, head_dim)
+        self.v = torch.zeros(num_kv_heads, self.size, head_dim)
+        self.tags = torch.full((self.size,), -1, dtype=torch.long)
+        self.high_water = -1  # the highest position ever written since the sequence began
+
+    def ensure_capacity(self, num_positions: int) -> None:
+        pass  # fixed size
+
+    def begin(self, seq_len: int, verify: bool) -> None:
+        pass  # the ring's slack keeps what rejected rows overwrite out of every kept row's window
+
+    def key_length(self, pos: int) -> int:
+        return min(_round_up(pos + 1, self.key_block), self.size)
+
+    def write(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: fp32 [n, Hkv, Dh], n <= max_rows, for positions start_pos .. start_pos + n - 1."""
+        n = k.shape[0]
+        if n > self.max_rows:
+            raise ValueError(f"{n} rows in one forward, but the ring was sized for {self.max_rows}; "
+                             "split the forward (the model does) or load with a larger max_rows_per_forward")
+        positions = torch.arange(start_pos, start_pos + n)
+        slots = positions % self.size
+        self.k.index_copy_(1, slots, k.transpose(0, 1))
+        self.v.index_copy_(1, slots, v.transpose(0, 1))
+        self.tags.index_copy_(0, slots, positions)
+        self.high_water = max(self.high_water, start_pos + n - 1)
+
+    def read(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.k[:, :num_slots], self.v[:, :num_slots], self.tags[:num_slots]
+
+    def check_truncate(self, length: int) -> None:
+        """Raise RewindBeyondWindow when a query at `length` would need an overwritten position."""
+        oldest_needed = max(0, length - self.window + 1)
+        oldest_kept = max(0, self.high_water - self.size + 1)
+        if length > 0 and oldest_needed < oldest_kept:
+            raise RewindBeyondWindow(length, oldest_needed, oldest_kept)
+
+    def truncate(self, length: int) -> None:
+        self.tags.masked_fill_(self.tags >= length, -1)
+        if length == 0:
+            self.high_water = -1
+
+    def keep(self, length: int) -> None:
+        """After a verify: a verify wider than the ring's slack (max_rows) fails loudly here."""
+        self.check_truncate(length)
+        self.truncate(length)
+
+
+class RecurrentState:
+    """Named recurrent tensors of one layer (e.g. conv tail [C, W-1], matrix state [H, Dk, Dv]).
+
+    The layer reads `values[name]` and, after each forward chunk, calls `update(rows)` with the
+    state after every row of the chunk (dict of [n, *shape] tensors; the last row becomes the
+    current state). Outside a verify only the last row is held; inside one every row is, so
+    `keep(length)` selects the state after row `length - base` (the state before the verify
+    when 0) without a re-forward.
+    """
+
+    def __init__(self, shapes: Mapping[str, Sequence[int]], dtype: torch.dtype = torch.float32):
+        self.shapes = {name: tuple(shape) for name, shape in shapes.items()}
+        self.dtype = dtype
+        self.values = self._zeros()
+        self._verify_base: int | None = None
+        self._before: dict[str, torch.Tensor] | None = None
+        self._rows: dict[str, list[torch.Tensor]] = {}
+
+    def _zeros(self) -> dict[str, torch.Tensor]:
+        return {name: torch.zeros(shape, dtype=self.dtype) for name, shape in self.shapes.items()}
+
+    def ensure_capacity(self, num_positions: int) -> None:
+        pass  # fixed size
+
+    def begin(self, seq_len: int, verify: bool) -> None:
+        """Called by SequenceState before each forward of this sequence."""
+        self._verify_base = seq_len if verify else None
+        self._before = dict(self.values) if verify else None
+        self._rows = {name: [] for name in self.shapes} if verify else {}
+
+    def update(self, rows: Mapping[str, torch.Tensor]) -> None:
+        """rows: name -> state after each row of this chunk [n, *shape] (new tensors, never views of
+        `values` mutated later)."""
+        for name, per_row in rows.items():
+            self.values[name] = per_row[-1]
+            if self._verify_base is not None:
+                self._rows[name].append(per_row)
+
+    def keep(self, length: int) -> None:
+        index = length - self._verify_base  # rows kept, 0..n; n (full acceptance) copies nothing
+        if index == 0:
+            self.values = dict(self._before)
+        else:
+            for name, chunks in self._rows.items():
+                row = index - 1
+                for per_row in chunks:  # a verify longer than a forward chunk arrives in pieces
+                    if row < len(per_row):
+                        self.values[name] = per_row[row]
+                        break
+                    row -= len(per_row)
+        self._verify_base, self._before, self._rows = None, None, {}
+
+    def check_truncate(self, length: int) -> None:
+        raise CannotTruncate(f"recurrent state holds the whole history in a fixed-size summary; it cannot be cut "
+                             f"back to {length} tokens: start a new sequence and prefill it")
+
+    def truncate(self, length: int) -> None:
+        self.values = self._zeros()  # only ever called with 0 (see SequenceState.truncate)
+
+
+class SequenceState:
+    """One sequence's per-layer states (None for a layer that stores nothing, e.g. a KV-shared
+    layer) and its committed length `seq_len`; remembers the last verify for `keep`."""
+
+    def __init__(self, layers: Sequence[object | None]):
+        self.layers = list(layers)
+        self._states = [s for s in self.layers if s is not None]
+        self.seq_len = 0
+        self.verify_rows: int | None = None  # rows of the last forward when it was a verify
+
+    def begin(self, num_rows: int, *, verify: bool) -> int:
+        """Prepare a forward of `num_rows` rows; returns the position of its first row."""
+        for state in self._states:
+            state.ensure_capacity(self.seq_len + num_rows)
+            state.begin(self.seq_len, verify)
+        self.verify_rows = num_rows if verify else None
+        return self.seq_len
+
+    def keep(self, num_rows: int) -> None:
+        """Commit the first `num_rows` rows of the last verify; raises ValueError without one."""
+        if self.verify_rows is None:
+            raise ValueError("keep() needs a verify: the sequence's last forward was not marked verify=True")
+        if not 0 <= num_rows <= self.verify_rows:
+            raise ValueError(f"keep({num_rows}): the last verify had {self.verify_rows} rows")
+        length = self.seq_len - self.verify_rows + num_rows
+        for state in self._states:
+            state.keep(length)
+        self.seq_len, self.verify_rows = length, None
+
+    def truncate(self, length: int) -> None:
+        """Cut back to the first `length` positions (prefix reuse). 0 always works; otherwise
+        raises CannotTruncate (RewindBeyondWindow for a ring) and changes nothing."""
+        if not 0 <= length <= self.seq_len:
+            raise ValueError(f"cannot truncate to {length}: the sequence holds {self.seq_len} positions")
+        if length not in (0, self.seq_len):
+            for state in self._states:
+                state.check_truncate(length)
+        for state in self._states:
+            state.truncate(length)
+        self.seq_len, self.verify_rows = length, None
