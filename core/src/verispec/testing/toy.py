@@ -63,7 +63,7 @@ class ToyTarget(SequenceTrunk):
         return self.embedding[tokens]
 
     def _lm_head(self, normed: torch.Tensor) -> torch.Tensor:
-        return normed @ self.head.T
+        return torch.stack([self.head @ row for row in normed])  # one matvec per row: batch-invariant
 
     def _forward_rows(self, rows: Rows):
         x = self._embed(rows.tokens)  # [n, D]
