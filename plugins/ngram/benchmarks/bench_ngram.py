@@ -1,8 +1,9 @@
 """Micro-benchmark (not a test): NGramSpeculator propose + 1-token commit, µs per token, by history length.
 
-For each length it commits a seeded random-ish history (prompt-sized chunks of 4096 ids,
-a vocabulary of 32k with copied spans so matches happen), then times a decode-like loop:
-propose for the pending token, commit that one token. Prints µs/token, the best of 10
+For each length it makes one sequence's state (`new_state()`) and commits a seeded
+random-ish history into it (prompt-sized chunks of 4096 ids, a vocabulary of 32k with
+copied spans so matches happen), then times a decode-like loop: propose for the pending
+token, commit that one token. Prints µs/token, the best of 10
 timed runs (the machine is shared), and the mean draft length.
 
     python plugins/ngram/benchmarks/bench_ngram.py [--lengths 1000 10000 100000 1000000] [--steps 5000]
@@ -36,9 +37,10 @@ def random_ish(n: int, rng: random.Random, seq: list[int]) -> list[int]:
 def bench(length: int, steps: int, repeats: int = 10) -> tuple[float, float]:
     rng = random.Random(length)
     history = random_ish(length + repeats * steps + 1, rng, [])
-    spec = NGramSpeculator(max_draft_tokens=8)
+    speculator = NGramSpeculator(max_draft_tokens=8)
+    state = speculator.new_state()  # one sequence's history and index
     for start in range(0, length, 4096):
-        spec.commit(history[start:min(start + 4096, length)], None, start)
+        speculator.commit(state, history[start:min(start + 4096, length)], None, start)
     best, num_drafted, pos = float("inf"), 0, length
     for _ in range(repeats):
         contexts = [DraftContext(last_token=history[p], pos=p, draft_window=8, min_draft_prob=0.0)
@@ -46,8 +48,8 @@ def bench(length: int, steps: int, repeats: int = 10) -> tuple[float, float]:
         num_drafted = 0
         t0 = time.perf_counter()
         for c in contexts:
-            num_drafted += len(spec.propose(c))
-            spec.commit((c.last_token,), None, c.pos)
+            num_drafted += len(speculator.propose(state, c))
+            speculator.commit(state, (c.last_token,), None, c.pos)
         best = min(best, (time.perf_counter() - t0) / steps * 1e6)
         pos += steps
     return best, num_drafted / steps

@@ -1,8 +1,12 @@
 """The core conformance suites with the n-gram speculator (toy trunks)."""
 import pytest
 
+from verispec.execution import SpeculativeExecution
+from verispec.sampling import Sampler, SamplingParams
 from verispec.testing import SpeculatorConformance, ToyTarget, run_greedy
 from verispec_ngram.speculator import NGramSpeculator
+
+PROMPTS = ([3, 1, 4, 1, 5, 9, 2, 6] * 4, [2, 7, 1, 8, 2, 8, 1, 8] * 4)
 
 
 class TestNGramConformance(SpeculatorConformance):
@@ -11,12 +15,42 @@ class TestNGramConformance(SpeculatorConformance):
         return lambda: NGramSpeculator(max_draft_tokens=8)
 
 
+def ends_in_a_cycle(stream, *, max_period=8, span=32):
+    return any(stream[-span:] == stream[-span - p:-p] for p in range(1, max_period + 1))
+
+
 def test_ngram_accepts_on_a_repetitive_toy_stream():
     """A model that loops (the toy trunk falls into a cycle) is where lookup drafting pays."""
     target = ToyTarget(vocab_size=16, recurrent=False, seed=3)
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 4
+    prompt = PROMPTS[0]
     plain, _ = run_greedy(target, prompt, 96)
+    assert ends_in_a_cycle(plain)  # the premise: a toy change that breaks it must pick another seed
     got, ex = run_greedy(target, prompt, 96, NGramSpeculator(max_draft_tokens=8))
     assert got == plain
     assert ex.stats.num_accepted_tokens > 0
     assert ex.stats.num_spec_steps < 96
+
+
+def test_one_speculator_drafts_for_interleaved_sequences_as_if_each_were_alone():
+    """Two sequences of one trunk share one NGramSpeculator and step in turn: each stream, and
+    each sequence's draft/accept counts, equal that sequence run alone (the drafter is
+    deterministic given its own history, so any leak between states shows in the counts)."""
+    target = ToyTarget(vocab_size=16, recurrent=False, seed=3)
+    n = 96
+    solo = [run_greedy(target, p, n, NGramSpeculator(max_draft_tokens=8)) for p in PROMPTS]
+    assert all(ex.stats.num_accepted_tokens > 0 for _, ex in solo)  # there is drafting to compare
+    speculator = NGramSpeculator(max_draft_tokens=8)
+    runs = []
+    for prompt in PROMPTS:
+        ex = SpeculativeExecution(target, target.new_sequence(), speculator)
+        sampler, out = Sampler(SamplingParams(), prompt, target.vocab_size), []
+        on_token = (lambda out: lambda draw: out.append(draw.token) or len(out) >= n)(out)
+        runs.append({"ex": ex, "sampler": sampler, "on_token": on_token, "out": out,
+                     "stop": ex.start(prompt, sampler, on_token)})
+    while not all(r["stop"] for r in runs):
+        for r in runs:
+            if not r["stop"]:
+                r["stop"] = r["ex"].step(r["sampler"], r["on_token"])
+    for (plain, solo_ex), r in zip(solo, runs):
+        assert r["out"] == plain
+        assert r["ex"].stats == solo_ex.stats
