@@ -7,6 +7,8 @@ import pytest
 import torch
 from tiny_gemma import TINY_GEMMA3, make_hf_gemma3, token_ids, write_gemma3_gguf
 from verispec.gguf_io import BadTensorShape, MissingTensor
+from verispec.seams import Segment
+from verispec.testing import forward_one
 
 NUM_PREFILL, NUM_DECODE = 60, 10
 
@@ -19,9 +21,10 @@ def hf_logits(hf_gemma3):
 
 def _our_logits(model):
     ids = token_ids(NUM_PREFILL + NUM_DECODE)
-    model.reset()
-    prefill = model.spec_forward(ids[:NUM_PREFILL], hidden=False, all_logits=True).logits
-    decodes = [model.forward(ids[i:i + 1]) for i in range(NUM_PREFILL, NUM_PREFILL + NUM_DECODE)]
+    seq = model.new_sequence()
+    prefill = forward_one(model, seq, ids[:NUM_PREFILL], logits="all").logits
+    decodes = [forward_one(model, seq, ids[i:i + 1], logits="last").logits[0]
+               for i in range(NUM_PREFILL, NUM_PREFILL + NUM_DECODE)]
     return torch.cat([prefill, torch.stack(decodes)])
 
 
@@ -40,19 +43,20 @@ def test_reduced_precision_stays_near_fp32(load_tiny, hf_logits, dtype, atol):
 def test_final_hidden_tap_is_the_normed_residual(load_tiny, hf_gemma3):
     ids = token_ids(20)
     model = load_tiny("float32")
-    out = model.spec_forward(ids, hidden=True, all_logits=True)
+    out = forward_one(model, model.new_sequence(), ids, logits="all", hidden=True)
     with torch.no_grad():
         hf_hidden = hf_gemma3.model(ids[None]).last_hidden_state[0]  # after the final norm
-    assert out.hidden.shape == (20, model.spec_feature_size) == (20, TINY_GEMMA3["hidden_size"])
+    assert out.hidden.shape == (20, model.view().tap_feature_size(None)) == (20, TINY_GEMMA3["hidden_size"])
     torch.testing.assert_close(out.hidden, hf_hidden, atol=1e-5, rtol=0)
 
 
 def test_hidden_taps_are_the_residuals_entering_layers(load_tiny, hf_gemma3):
     ids = token_ids(12)
     model = load_tiny("float32")
-    model.spec_set_hidden_taps([1, 5])
-    assert model.spec_feature_size == 2 * TINY_GEMMA3["hidden_size"]
-    taps = model.spec_forward(ids, hidden=True, all_logits=False).hidden
+    assert model.view().tap_feature_size((1, 5)) == 2 * TINY_GEMMA3["hidden_size"]
+    out = model.forward([Segment(model.new_sequence(), ids, logits="last", hidden=True, tap_layers=(1, 5))])[0]
+    taps = out.hidden
+    assert taps.shape == (12, 2 * TINY_GEMMA3["hidden_size"]) and out.logits.shape == (1, model.vocab_size)
     with torch.no_grad():
         states = hf_gemma3.model(ids[None], output_hidden_states=True).hidden_states  # states[i] enters layer i
     torch.testing.assert_close(taps, torch.cat([states[1][0], states[5][0]], dim=-1), atol=1e-5, rtol=0)
@@ -68,8 +72,8 @@ def test_softcap_and_linear_rope_scaling_follow_the_config(tmp_path):
     path = write_gemma3_gguf(tmp_path / "capped.gguf", hf, extra_metadata={
         "gemma3.final_logit_softcapping": 5.0, "gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 4.0})
     ids = token_ids(24, seed=4)
-    ours = load(path, dtype="float32", use_cache=False, tokenizer=False).spec_forward(
-        ids, hidden=False, all_logits=True).logits
+    model = load(path, dtype="float32", use_cache=False, tokenizer=False)
+    ours = forward_one(model, model.new_sequence(), ids, logits="all").logits
     with torch.no_grad():
         theirs = hf(ids[None]).logits[0]
     assert theirs.abs().max() <= 5.0

@@ -6,6 +6,7 @@ layer scalars, final softcap). 70 tokens cross the window (8) and the full layer
 import pytest
 import torch
 from tiny_gemma import TINY_GEMMA4_MOE, TINY_GEMMA4_PLE, make_hf_gemma4, token_ids, write_gemma4_gguf
+from verispec.testing import forward_one
 from verispec_gemma4.loader import load
 
 NUM_PREFILL, NUM_DECODE = 60, 10
@@ -31,8 +32,10 @@ def _load(path, dtype, **options):
 def test_fp32_logits_match_transformers(tiny):
     path, ids, hf_logits, hf_hidden = tiny
     model = _load(path, "float32")
-    out = model.spec_forward(ids[:NUM_PREFILL], hidden=True, all_logits=True)
-    decodes = torch.stack([model.forward(ids[i:i + 1]) for i in range(NUM_PREFILL, len(ids))])
+    seq = model.new_sequence()
+    out = forward_one(model, seq, ids[:NUM_PREFILL], logits="all", hidden=True)
+    decodes = torch.stack([forward_one(model, seq, ids[i:i + 1], logits="last").logits[0]
+                           for i in range(NUM_PREFILL, len(ids))])
     torch.testing.assert_close(torch.cat([out.logits, decodes]), hf_logits, atol=1e-4, rtol=0)
     torch.testing.assert_close(out.hidden, hf_hidden[:NUM_PREFILL], atol=1e-4, rtol=0)  # pre-softcap tap
 
@@ -43,26 +46,30 @@ def test_verify_rows_are_bitwise_one_row_decodes(tiny, dtype):
     model = _load(path, dtype)
     assert model.spec_batch_invariant
     prefix = 58
-    model.forward(ids[:prefix])
-    singles = torch.cat([model.spec_forward(ids[i:i + 1], hidden=False, all_logits=True).logits
+    seq = model.new_sequence()
+    forward_one(model, seq, ids[:prefix], logits="last")
+    singles = torch.cat([forward_one(model, seq, ids[i:i + 1], logits="all").logits
                          for i in range(prefix, prefix + 9)])
+    model.truncate(seq, prefix)
     for k in (2, 5, 9):
-        model.spec_rewind_cache(prefix)
-        rows = model.spec_forward(ids[prefix:prefix + k], hidden=False, all_logits=True).logits
+        rows = forward_one(model, seq, ids[prefix:prefix + k], logits="all", verify=True).logits
         assert torch.equal(rows, singles[:k]), f"k={k}"
+        model.keep(seq, 0)
 
 
 def test_rollback_past_the_window_equals_a_plain_run(tiny):
     path, ids, _, _ = tiny
     model = _load(path, "int8", max_rows_per_forward=9, max_verify_rows=9)
-    model.forward(ids[:30])
+    seq = model.new_sequence()
+    forward_one(model, seq, ids[:30], logits="none")
     wrong = (ids[31:39] + 1) % model.vocab_size
-    model.spec_forward(torch.cat([ids[30:31], wrong]), hidden=False, all_logits=True)
-    model.spec_rewind_cache(31)
-    got = model.forward(ids[31:32])
-    model.reset()
+    forward_one(model, seq, torch.cat([ids[30:31], wrong]), logits="all", verify=True)
+    model.keep(seq, 1)  # rows 31..38 rejected: the rings (8 + 9 - 1 slots) were overwritten past the window
+    assert model.seq_len(seq) == 31
+    got = forward_one(model, seq, ids[31:32], logits="last").logits
+    plain_seq = model.new_sequence()
     for i in range(32):
-        plain = model.forward(ids[i:i + 1])
+        plain = forward_one(model, plain_seq, ids[i:i + 1], logits="last").logits
     assert torch.equal(got, plain)
 
 

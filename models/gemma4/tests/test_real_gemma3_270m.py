@@ -85,14 +85,17 @@ def _compared_rows(n):
 
 
 def _ours(gguf_path, prompt, dtype, continuation):
+    from verispec.testing import forward_one
     from verispec_gemma4.loader import load
 
     model = load(gguf_path, dtype=dtype, tokenizer=False)
     rows = _compared_rows(len(prompt))
-    out = model.spec_forward(prompt, hidden=True, all_logits=False)
+    seq = model.new_sequence()
+    out = forward_one(model, seq, prompt, logits="last", hidden=True)
     logits = model.model.embed_tokens(out.hidden[rows])  # the tied LM head on the compared rows
     last = out.logits[0]
-    decodes = [model.forward(torch.tensor([t])) for t in continuation]  # plain one-row decodes past 700
+    decodes = [forward_one(model, seq, [t], logits="last").logits[0]  # plain one-row decodes past 700
+               for t in continuation]
     return logits, last, torch.stack(decodes)
 
 

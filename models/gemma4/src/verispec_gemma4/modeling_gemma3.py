@@ -177,8 +177,9 @@ class Gemma3ForCausalLM(TrunkModule):
     dtype: weight dtype ("float32" | "bfloat16" | "int8", see verispec.nn.quant).
     max_rows_per_forward: longer inputs are split into chunks this long (default: 64, or the
       dtype's batch-invariance limit, nn.quant.rows_per_forward).
-    max_verify_rows: the widest verify that must roll back by rewinding; the sliding-window
-      rings hold window + max(max_rows_per_forward, max_verify_rows) - 1 slots (nn.state).
+    max_verify_rows: the widest verify that `keep` must be able to roll back to any row; the
+      sliding-window rings hold window + max(max_rows_per_forward, max_verify_rows) - 1 slots
+      (nn.state); `keep` after a wider verify raises RewindBeyondWindow.
     key_block: attention key-length granularity (nn.state).
     context_length: max positions (default: the GGUF's context_length).
     Built on the meta device; `load_state_dict(state, assign=True)` fills the weights.
