@@ -33,7 +33,7 @@ class RepeatPlugin:
         register(SpeculatorSpec(name="repeat", summary="repeats the last token (test)", priority=10,
                                 factory=lambda target, **kw: ScriptedSpeculator(
                                     lambda ctx: [ctx.last_token] * ctx.draft_window,
-                                    max_draft_tokens=kw["max_draft_tokens"])))
+                                    max_draft_tokens=kw["max_draft_tokens"], spec=kw["spec"])))
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_two_turns_keep_the_conversation_and_reuse_the_prefix(model_path, regist
     # the second prompt starts with the first prompt and the first answer (re-encoded, so its
     # tokens may split differently from the sampled ones): at least the first prompt is reused
     assert prompt1 <= reused2 < prompt2
-    assert err.count("[governor plain=") == 2 and "speculator=scripted" in err
+    assert err.count("[governor plain=") == 2 and "speculator=repeat" in err
 
 
 def test_reset_starts_a_new_conversation(model_path, registry, fresh_answer):

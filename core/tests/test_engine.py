@@ -16,34 +16,29 @@ PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
 
 
 class EchoSpeculator(Speculator):
-    """Proposes what followed the previous occurrence of the pending token (a 1-gram lookup)."""
+    """Proposes what followed the previous occurrence of the pending token (a 1-gram lookup);
+    its state per sequence is the history."""
 
-    name = "echo"
+    def new_state(self):
+        return []
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.history: list[int] = []
-
-    def propose(self, ctx):
-        seq = self.history + [ctx.last_token]
+    def propose(self, history, ctx):
+        seq = history + [ctx.last_token]
         for i in range(len(seq) - 2, -1, -1):
             if seq[i] == ctx.last_token:
                 return seq[i + 1:i + 1 + ctx.draft_window]
         return []
 
-    def commit(self, tokens, hidden_rows, start_pos):
-        del self.history[start_pos:]
-        self.history.extend(tokens)
-
-    def reset(self):
-        self.history.clear()
+    def commit(self, history, tokens, hidden_rows, start_pos):
+        del history[start_pos:]
+        history.extend(tokens)
 
 
 class EchoPlugin:
     @hookimpl
     def register_speculators(self, register):
         register(SpeculatorSpec(name="echo", summary="1-gram echo (test)", factory=lambda t, **kw: EchoSpeculator(
-            max_draft_tokens=kw["max_draft_tokens"]), priority=10))
+            kw["spec"], max_draft_tokens=kw["max_draft_tokens"]), priority=10))
 
 
 @pytest.fixture(scope="module")

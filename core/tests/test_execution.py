@@ -9,7 +9,6 @@ from verispec.execution import SpeculativeExecution, resolve_draft_window
 from verispec.sampling import Sampler, SamplingParams
 from verispec.seams import DraftContext, UnsupportedTap
 from verispec.testing import MarkovTarget, ScriptedSpeculator, ToyTarget, oracle_speculator, run_greedy
-from verispec.trunks import LinearSpecTrunk
 
 PROMPT = [1, 5, 9, 2, 7, 3, 11, 4]
 
@@ -17,8 +16,7 @@ PROMPT = [1, 5, 9, 2, 7, 3, 11, 4]
 def generate(target, speculator, *, max_tokens=32, params=SamplingParams(), stop_ids=(), draft_window=8,
              governor=None, stop_when=None):
     """Run the loop like the engine does; returns (draws, execution)."""
-    target.spec_rewind_cache(0)
-    ex = SpeculativeExecution(LinearSpecTrunk(target), speculator, draft_window=draft_window,
+    ex = SpeculativeExecution(target, target.new_sequence(), speculator, draft_window=draft_window,
                               stop_token_ids=stop_ids, governor=governor)
     sampler = Sampler(params, PROMPT, target.vocab_size)
     draws = []
@@ -47,7 +45,7 @@ def test_max_tokens_inside_an_accepted_window(toy):
     plain = plain_stream(toy)
     draws, ex = generate(toy, oracle_speculator(PROMPT + plain, vocab_size=32), max_tokens=5)
     assert [d.token for d in draws] == plain[:5]
-    assert ex.trunk.seq_len == len(PROMPT) + 4  # the 5th token is pending, never written
+    assert ex.seq_len == len(PROMPT) + 4  # the 5th token is pending, never written
 
 
 def test_stop_token_accepted_mid_window_ends_the_step_there(toy):
@@ -70,9 +68,7 @@ def test_a_window_never_starts_at_a_stop_token(toy):
         return list((PROMPT + plain)[ctx.pos + 1:ctx.pos + 1 + ctx.draft_window])
 
     # stop ids are passed, but on_token ignores them (like --ignore-eos with a stop id in the vocabulary)
-    target = toy
-    target.spec_rewind_cache(0)
-    ex = SpeculativeExecution(LinearSpecTrunk(target), ScriptedSpeculator(script), stop_token_ids=(stop,))
+    ex = SpeculativeExecution(toy, toy.new_sequence(), ScriptedSpeculator(script), stop_token_ids=(stop,))
     sampler = Sampler(SamplingParams(), PROMPT, 32)
     out = []
     done = ex.start(PROMPT, sampler, lambda d: out.append(d.token) or len(out) >= 24)
@@ -87,53 +83,50 @@ def test_draft_window_is_clipped_to_the_context():
         target = ToyTarget(vocab_size=32, recurrent=True, max_context_length=len(PROMPT) + 8 + spare)
         plain = run_greedy(target, PROMPT, 8 + spare)[0]
         rows = []
-        orig = target.spec_forward
-        target.spec_forward = lambda t, **kw: rows.append(target.cache_seq_len + len(t)) or orig(t, **kw)
+        orig = target.forward
+        target.forward = lambda batch: rows.extend(target.seq_len(s.seq) + s.tokens.numel() for s in batch) or orig(batch)
         draws, ex = generate(target, oracle_speculator(PROMPT + plain, vocab_size=32),
                              stop_when=lambda d: len(PROMPT) + len(d) >= target.max_context_length)
         assert [d.token for d in draws] == plain[:len(draws)]
-        assert ex.trunk.seq_len <= target.max_context_length
+        assert ex.seq_len <= target.max_context_length
         assert max(rows) <= target.max_context_length  # no verify writes past the context
         assert len(PROMPT) + len(draws) == target.max_context_length  # and decoding ran up to it
 
 
-def test_empty_proposals_decode_with_the_models_own_forward(toy):
-    calls = {"forward": 0, "spec_hidden": 0}
-    orig_forward, orig_spec = toy.forward, toy.spec_forward
-    toy.forward = lambda t: calls.__setitem__("forward", calls["forward"] + 1) or orig_forward(t)
-
-    def spec(t, *, hidden, all_logits):
-        calls["spec_hidden"] += hidden
-        return orig_spec(t, hidden=hidden, all_logits=all_logits)
-
-    toy.spec_forward = spec
+def test_empty_proposals_stop_tapping_hidden_rows(toy):
+    segments = []
+    orig_forward = toy.forward
+    toy.forward = lambda batch: segments.extend(batch) or orig_forward(batch)
     speculator = ScriptedSpeculator(lambda ctx: [], needs_hidden_state=True)
     draws, ex = generate(toy, speculator, max_tokens=10)
-    toy.forward, toy.spec_forward = orig_forward, orig_spec
+    toy.forward = orig_forward
     assert [d.token for d in draws] == plain_stream(toy)[:10]
     assert ex.stats.num_no_draft_steps == 9 and ex.stats.num_spec_steps == 0
-    # prefill + the first two no-draft steps tap hidden rows; later ones use the plain path
-    assert calls["spec_hidden"] == 3
+    # prefill + the first two no-draft steps tap hidden rows; later ones are plain one-row decodes
+    assert [s.hidden for s in segments] == [True] * 3 + [False] * 7
+    assert not any(s.verify for s in segments) and all(s.logits == "last" for s in segments)
 
 
 def test_seed_committed_respects_can_arm_after_prefix_reuse(toy):
+    import attrs
+
     plain = plain_stream(toy)
     speculator = oracle_speculator(PROMPT + plain, vocab_size=32)
-    speculator.can_arm_after_prefix_reuse = False
-    ex = SpeculativeExecution(LinearSpecTrunk(toy), speculator)
+    speculator.spec = attrs.evolve(speculator.spec, can_arm_after_prefix_reuse=False)
+    ex = SpeculativeExecution(toy, toy.new_sequence(), speculator)
     ex.seed_committed(PROMPT)
     assert ex._window_size() == 0
-    speculator.can_arm_after_prefix_reuse = True
+    speculator.spec = attrs.evolve(speculator.spec, can_arm_after_prefix_reuse=True)
     ex.seed_committed(PROMPT)
-    assert speculator.committed == PROMPT
+    assert speculator.last_state.committed == PROMPT
 
 
 def test_catch_up_commits_tokens_decoded_elsewhere(toy):
     speculator = ScriptedSpeculator(lambda ctx: [])
-    ex = SpeculativeExecution(LinearSpecTrunk(toy), speculator)
+    ex = SpeculativeExecution(toy, toy.new_sequence(), speculator)
     ex.seed_committed(PROMPT)
     ex.catch_up([4, 4, 4], start_pos=len(PROMPT))
-    assert speculator.committed == PROMPT + [4, 4, 4]
+    assert speculator.last_state.committed == PROMPT + [4, 4, 4]
 
 
 def test_resolve_draft_window_narrows_only_the_default():
@@ -189,9 +182,8 @@ def _transition_counts(target, params, speculator_factory, num_tokens, seed0):
     streams = []
     per_seq = 2000
     for s in range(num_tokens // per_seq):
-        target.spec_rewind_cache(0)
         p = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed0 + s)
-        ex = SpeculativeExecution(LinearSpecTrunk(target), speculator_factory())
+        ex = SpeculativeExecution(target, target.new_sequence(), speculator_factory())
         sampler = Sampler(p, [0], vocab)
         out = []
         done = ex.start([0], sampler, lambda d: out.append(d.token) or len(out) >= per_seq)
@@ -201,6 +193,7 @@ def _transition_counts(target, params, speculator_factory, num_tokens, seed0):
         for a, b in zip(seq, seq[1:]):
             counts[a, b] += 1
         streams.append(out)
+        target.release(ex.seq)
     return counts, streams
 
 
@@ -265,12 +258,27 @@ def _chain(next_of, token, k):
 # -- seams no shipped plugin uses yet -----------------------------------------------------
 
 def test_drafter_requested_hidden_taps(toy):
-    toy.spec_set_hidden_taps([0, 1])
-    assert toy.spec_feature_size == 2 * toy.dim
-    speculator = ScriptedSpeculator(lambda ctx: [], needs_hidden_state=True)
+    """A speculator's tap_layers reach the trunk per forward; the trunk itself is never changed."""
+    assert toy.view().tap_feature_size((0, 1)) == 2 * toy.hidden_size
+    speculator = ScriptedSpeculator(lambda ctx: [], needs_hidden_state=True, tap_layers=(0, 1))
     generate(toy, speculator, max_tokens=3)
-    assert speculator.hidden_rows[0].shape == (2 * toy.dim,)
+    assert speculator.last_state.hidden_rows[0].shape == (2 * toy.hidden_size,)
+    plain = ScriptedSpeculator(lambda ctx: [], needs_hidden_state=True)
+    generate(toy, plain, max_tokens=3)  # another drafter on the same trunk gets final rows
+    assert plain.last_state.hidden_rows[0].shape == (toy.hidden_size,)
     with pytest.raises(UnsupportedTap, match="layers 0..1"):
-        toy.spec_set_hidden_taps([5])
-    toy.spec_set_hidden_taps(None)
-    assert toy.spec_feature_size == toy.dim
+        toy.view().tap_feature_size((5,))
+    bad = ScriptedSpeculator(lambda ctx: [], needs_hidden_state=True, tap_layers=(5,))
+    with pytest.raises(UnsupportedTap):
+        generate(toy, bad, max_tokens=3)
+
+
+def test_keep_selects_per_row_recurrent_state_without_a_second_forward(toy):
+    """A partial acceptance on the recurrent toy costs one forward per step, never a re-forward."""
+    plain = plain_stream(toy)
+    before = toy.num_forwards
+    draws, ex = generate(toy, oracle_speculator(PROMPT + plain, vocab_size=32, rng=random.Random(2)), max_tokens=40)
+    assert [d.token for d in draws] == plain[:40]
+    assert 0 < ex.stats.num_accepted_tokens < ex.stats.num_draft_tokens
+    steps = ex.stats.num_spec_steps + ex.stats.num_no_draft_steps + ex.stats.num_plain_steps
+    assert toy.num_forwards - before == 1 + steps  # the prefill, then one forward per step

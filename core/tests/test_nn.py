@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 from verispec.nn.attention import attend
-from verispec.nn.kv_cache import LinearKVCache, ModelKVCache, RewindBeyondWindow, RingKVCache
+from verispec.nn.state import CannotTruncate, LinearKVCache, RewindBeyondWindow, RingKVCache, SequenceState
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.quant import (
@@ -208,23 +208,46 @@ def test_attention_matches_naive_and_is_batch_invariant(ring):
         assert torch.equal(alone[0], rows[i])
 
 
-def test_ring_refuses_a_rewind_it_cannot_serve():
+def test_ring_refuses_a_truncation_it_cannot_serve():
     ring = RingKVCache(1, 4, window=6, max_rows=4)  # 9 slots
-    model_cache = ModelKVCache([ring, LinearKVCache(1, 4, max_positions=64)])
-    model_cache.ensure_capacity(30)
+    sequence = SequenceState([ring, LinearKVCache(1, 4, max_positions=64), None])
+    sequence.begin(30, verify=False)
     for p in range(30):
-        for cache in model_cache.layers:
+        for cache in sequence.layers[:2]:
             cache.write(p, torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
-    model_cache.seq_len = 30
-    model_cache.rewind(26)  # keeps 21..29; a query at 26 needs 21..25
+    sequence.seq_len = 30
+    sequence.truncate(26)  # keeps 21..29; a query at 26 needs 21..25
     with pytest.raises(RewindBeyondWindow) as refused:
-        model_cache.rewind(25)  # needs 20, already overwritten by 29
+        sequence.truncate(25)  # needs 20, already overwritten by 29
+    assert isinstance(refused.value, CannotTruncate)
     assert (refused.value.oldest_needed, refused.value.oldest_kept) == (20, 21)
-    assert model_cache.seq_len == 26
+    assert sequence.seq_len == 26
     with pytest.raises(ValueError, match="holds 26"):
-        model_cache.rewind(27)
-    model_cache.rewind(0)
-    assert model_cache.seq_len == 0 and (ring.tags == -1).all() and ring.high_water == -1
+        sequence.truncate(27)
+    sequence.truncate(0)
+    assert sequence.seq_len == 0 and (ring.tags == -1).all() and ring.high_water == -1
+
+
+def test_ring_keep_refuses_a_verify_wider_than_its_slack():
+    """A ring sized for 4-row forwards cannot undo a 5-row verify: keep says so instead of
+    leaving a corrupted window."""
+    ring = RingKVCache(1, 4, window=6, max_rows=4)  # 9 slots
+    sequence = SequenceState([ring])
+    sequence.begin(10, verify=False)
+    ring.write(0, torch.zeros(4, 1, 4), torch.zeros(4, 1, 4))
+    ring.write(4, torch.zeros(4, 1, 4), torch.zeros(4, 1, 4))
+    ring.write(8, torch.zeros(2, 1, 4), torch.zeros(2, 1, 4))
+    sequence.seq_len = 10
+    sequence.begin(4, verify=True)  # as wide as the slack: every kept count works
+    ring.write(10, torch.zeros(4, 1, 4), torch.zeros(4, 1, 4))
+    sequence.seq_len = 14
+    sequence.keep(0)
+    sequence.begin(5, verify=True)
+    ring.write(10, torch.zeros(4, 1, 4), torch.zeros(4, 1, 4))
+    ring.write(14, torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
+    sequence.seq_len = 15
+    with pytest.raises(RewindBeyondWindow):
+        sequence.keep(0)
 
 
 def test_linear_cache_grows_by_key_blocks_and_keeps_its_rows():

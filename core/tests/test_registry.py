@@ -127,13 +127,13 @@ def test_auto_picks_highest_priority_that_serves_and_explains_declines(registry)
     assert "refuser cannot serve this trunk" in choice.reason
 
 
-def test_factory_gets_window_gate_and_head(registry):
+def test_factory_gets_its_spec_window_gate_and_head(registry):
     head = Head(DraftHeadKind.PER_TOKEN)
     choice = registry.choose_speculator("auto", Trunk(), draft_head=head, max_draft_tokens=5,
                                         min_draft_prob=None)
     assert choice.name == "headed"
-    assert choice.speculator.kwargs == {"max_draft_tokens": 5, "min_draft_prob": 0.15,
-                                        "draft_head": head}
+    assert choice.speculator.kwargs == {"spec": registry.speculators["headed"].spec, "max_draft_tokens": 5,
+                                        "min_draft_prob": 0.15, "draft_head": head}
     explicit = registry.choose_speculator("headed", Trunk(), draft_head=head, max_draft_tokens=3,
                                           min_draft_prob=0.5)
     assert explicit.speculator.kwargs["min_draft_prob"] == 0.5

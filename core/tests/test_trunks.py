@@ -1,55 +1,123 @@
-"""SpecTrunk implementations: the batched regime gives the same streams as the linear one."""
-import random
-
+"""The trunk seam written once (nn.trunk.SequenceTrunk): sequences, batch checks, chunk packing,
+keep and truncate, on the toy trunks. The behavioural cases every trunk must pass are the
+conformance suite (test_conformance_toy.py and each model package)."""
 import pytest
+import torch
 
-from verispec.execution import SpeculativeExecution
-from verispec.sampling import Sampler, SamplingParams
-from verispec.seams import ContextOverflow
-from verispec.testing import ToyTarget, oracle_speculator, run_greedy
-from verispec.testing.toy import ToyBatchedTarget
-from verispec.trunks import BatchedSpecTrunk, LinearSpecTrunk
-
-PROMPTS = ([1, 5, 9, 2, 7, 3], [4, 4, 8, 1, 9, 9, 2])
+from verispec.nn.state import CannotTruncate, RecurrentState, SequenceState
+from verispec.seams import ContextOverflow, Segment, SpeculativeTarget, TrunkView
+from verispec.testing import ToyTarget, forward_one, plain_logits
 
 
-@pytest.mark.parametrize("recurrent", [True, False])
-def test_interleaved_slots_each_reproduce_the_linear_plain_stream(recurrent):
-    n = 40
-    expected = [run_greedy(ToyTarget(recurrent=recurrent), p, n)[0] for p in PROMPTS]
-    batched = ToyBatchedTarget(2, recurrent=recurrent)
-    runs = []
-    for slot, prompt in enumerate(PROMPTS):
-        speculator = oracle_speculator(prompt + expected[slot], vocab_size=32, rng=random.Random(slot))
-        ex = SpeculativeExecution(BatchedSpecTrunk(batched, slot), speculator)
-        out = []
-        on_token = (lambda out: lambda d: out.append(d.token) or len(out) >= n)(out)
-        sampler = Sampler(SamplingParams(), prompt, 32)
-        runs.append([ex, sampler, on_token, out, ex.start(prompt, sampler, on_token)])
-    while not all(r[4] for r in runs):
-        for r in runs:  # one step per slot in turn: the slots never disturb each other
-            if not r[4]:
-                r[4] = r[0].step(r[1], r[2])
-    assert [r[3] for r in runs] == expected
-    assert all(r[0].stats.num_accepted_tokens > 0 for r in runs)
+def test_the_toys_implement_the_seam():
+    toy = ToyTarget()
+    assert isinstance(toy, SpeculativeTarget)
+    assert isinstance(toy.view(), TrunkView)
 
 
-def test_linear_trunk_refuses_a_non_target_and_a_context_overflow():
-    with pytest.raises(TypeError, match="SpeculativeTarget"):
-        LinearSpecTrunk(object())
-    with pytest.raises(TypeError, match="BatchedSpeculativeTarget"):
-        BatchedSpecTrunk(object(), 0)
-    trunk = LinearSpecTrunk(ToyTarget(max_context_length=8))
+def test_a_forward_that_would_pass_the_context_changes_nothing():
+    toy = ToyTarget(max_context_length=8)
+    a, b = toy.new_sequence(), toy.new_sequence()
+    forward_one(toy, a, [1, 2, 3])
     with pytest.raises(ContextOverflow, match="need 9 positions but the context holds 8"):
-        trunk.prefill(list(range(9)), hidden=False)
+        toy.forward([Segment(b, [4, 5]), Segment(a, list(range(6)))])
+    assert (toy.seq_len(a), toy.seq_len(b)) == (3, 0)
 
 
-def test_recurrent_trunks_cannot_rewind_to_reuse_a_prefix():
-    trunk = LinearSpecTrunk(ToyTarget(recurrent=True))
-    trunk.prefill([1, 2, 3], hidden=False)
-    with pytest.raises(ValueError, match="recurrent state cannot be rewound"):
-        trunk.rewind(2)
-    attention_only = LinearSpecTrunk(ToyTarget(recurrent=False))
-    attention_only.prefill([1, 2, 3], hidden=False)
-    attention_only.rewind(2)
-    assert attention_only.seq_len == 2
+def test_bad_batches_are_refused_with_the_reason():
+    toy = ToyTarget()
+    seq = toy.new_sequence()
+    with pytest.raises(ValueError, match="once per forward"):
+        toy.forward([Segment(seq, [1]), Segment(seq, [2])])
+    with pytest.raises(ValueError, match="unknown sequence 99"):
+        toy.forward([Segment(99, [1])])
+    with pytest.raises(ValueError, match="at least one token"):
+        Segment(seq, [])
+    with pytest.raises(ValueError, match="at least one segment"):
+        toy.forward([])
+    toy.release(seq)
+    with pytest.raises(ValueError, match="unknown sequence"):
+        toy.seq_len(seq)
+
+
+def test_long_segments_split_and_short_ones_share_chunks():
+    """Rows packed across chunk boundaries (max 16 rows) give the bits of one-row decodes."""
+    toy = ToyTarget(max_rows_per_forward=16)
+    prompts = [list(range(1, 24)), [5, 6, 7], list(range(9, 20))]
+    seqs = [toy.new_sequence() for _ in prompts]
+    before = toy.num_forwards
+    outs = toy.forward([Segment(s, p, logits="all", hidden=True) for s, p in zip(seqs, prompts)])
+    assert toy.num_forwards == before + 1
+    for prompt, out in zip(prompts, outs):
+        assert torch.equal(out.logits, plain_logits(toy, prompt))
+        assert out.hidden.shape == (len(prompt), toy.hidden_size)
+
+
+def test_recurrent_state_cannot_be_truncated_but_attention_can():
+    recurrent, attention = ToyTarget(recurrent=True), ToyTarget(recurrent=False)
+    for toy in (recurrent, attention):
+        seq = toy.new_sequence()
+        forward_one(toy, seq, [1, 2, 3])
+        toy.truncate(seq, 3)  # to its own length: always fine
+    with pytest.raises(CannotTruncate, match="cannot be cut back to 2 tokens"):
+        recurrent.truncate(0, 2)
+    assert recurrent.seq_len(0) == 3
+    attention.truncate(0, 2)
+    assert attention.seq_len(0) == 2
+    recurrent.truncate(0, 0)
+    assert recurrent.seq_len(0) == 0
+
+
+def test_recurrent_keep_selects_the_state_after_the_kept_row():
+    state = RecurrentState({"h": (2,)})
+    seq = SequenceState([state])
+    seq.begin(2, verify=False)
+    state.update({"h": torch.tensor([[1.0, 1.0], [2.0, 2.0]])})
+    seq.seq_len = 2
+    before = state.values["h"]
+    for kept, expected in [(0, before), (1, torch.tensor([3.0, 3.0])), (3, torch.tensor([5.0, 5.0]))]:
+        seq.begin(3, verify=True)
+        state.update({"h": torch.tensor([[3.0, 3.0]])})  # a verify split over two chunks
+        state.update({"h": torch.tensor([[4.0, 4.0], [5.0, 5.0]])})
+        seq.seq_len += 3
+        seq.keep(kept)
+        assert torch.equal(state.values["h"], expected) and seq.seq_len == 2 + kept
+        if kept:
+            seq.truncate(0)
+            seq.begin(2, verify=False)
+            state.update({"h": torch.tensor([[1.0, 1.0], [2.0, 2.0]])})
+            seq.seq_len = 2
+    with pytest.raises(ValueError, match="keep\\(4\\)"):
+        seq.begin(3, verify=True)
+        seq.seq_len += 3
+        seq.keep(4)
+
+
+def test_view_reads_embedding_and_lm_head_without_changing_the_trunk():
+    toy = ToyTarget()
+    view = toy.view()
+    seq = toy.new_sequence()
+    out = forward_one(toy, seq, [3], hidden=True)
+    assert torch.equal(view.logits(out.hidden), out.logits)
+    assert torch.equal(view.embed(torch.tensor([3])), toy.embedding[[3]])
+    assert not hasattr(view, "forward") and not hasattr(view, "keep")
+
+
+def test_a_refused_keep_changes_no_layer():
+    """A ring that cannot undo a verify wider than its slack refuses before the recurrent layer
+    ahead of it is rolled back, so the sequence stays whole and a narrower keep still works."""
+    from verispec.nn.state import RewindBeyondWindow, RingKVCache
+
+    recurrent, ring = RecurrentState({"h": (1,)}), RingKVCache(1, 2, window=2, max_rows=2, key_block=1)  # 3 slots
+    sequence = SequenceState([recurrent, ring])
+    for start, n, verify in [(0, 2, False), (2, 2, False), (4, 3, True)]:
+        sequence.begin(n, verify=verify)
+        recurrent.update({"h": torch.arange(start + 1, start + n + 1, dtype=torch.float32)[:, None]})
+        for p in range(start, start + n):
+            ring.write(p, torch.zeros(1, 1, 2), torch.zeros(1, 1, 2))
+        sequence.seq_len = start + n
+    with pytest.raises(RewindBeyondWindow):
+        sequence.keep(0)  # would need position 3, overwritten by 6
+    assert sequence.seq_len == 7 and recurrent.values["h"].item() == 7.0
+    sequence.keep(2)
+    assert sequence.seq_len == 6 and recurrent.values["h"].item() == 6.0

@@ -87,6 +87,8 @@ class SpeculativeExecution:
         self.stats = ExecutionStats()
         self.last_token: int | None = None
         self._armed = speculator is not None
+        #: the speculator sees this sequence's commits (False once it declined a reused prefix).
+        self._follows = speculator is not None
         self._state = speculator.new_state() if speculator is not None else None
         self._hidden_prev = None
         self._no_draft_streak = 0
@@ -133,7 +135,7 @@ class SpeculativeExecution:
         if self.speculator is None:
             return
         if not self.speculator.spec.can_arm_after_prefix_reuse:
-            self._armed = False  # stays plain for this sequence: it cannot see the reused rows
+            self._armed = self._follows = False  # stays plain for this sequence: it cannot see the reused rows
             return
         self._state = self.speculator.new_state()
         self.speculator.commit(self._state, list(tokens), None, 0)
@@ -241,5 +243,5 @@ class SpeculativeExecution:
     def _commit(self, tokens: Sequence[int], hidden_rows, start_pos: int) -> None:
         if hidden_rows is not None:
             self._hidden_prev = hidden_rows[-1]
-        if self.speculator is not None:
+        if self._follows:
             self.speculator.commit(self._state, list(tokens), hidden_rows, start_pos)

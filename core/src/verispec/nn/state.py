@@ -104,7 +104,7 @@ class LinearKVCache:
     def truncate(self, length: int) -> None:
         pass  # slots past `length` are masked by position and overwritten later
 
-    keep = truncate
+    check_keep, keep = check_truncate, truncate
 
 
 class RingKVCache:
@@ -155,10 +155,8 @@ class RingKVCache:
         if length == 0:
             self.high_water = -1
 
-    def keep(self, length: int) -> None:
-        """After a verify: a verify wider than the ring's slack (max_rows) fails loudly here."""
-        self.check_truncate(length)
-        self.truncate(length)
+    # After a verify: one wider than the ring's slack (max_rows) is refused here, loudly.
+    check_keep, keep = check_truncate, truncate
 
 
 class RecurrentState:
@@ -199,6 +197,9 @@ class RecurrentState:
             if self._verify_base is not None:
                 self._rows[name].append(per_row)
 
+    def check_keep(self, length: int) -> None:
+        pass  # every row's state was recorded
+
     def keep(self, length: int) -> None:
         index = length - self._verify_base  # rows kept, 0..n; n (full acceptance) copies nothing
         if index == 0:
@@ -218,7 +219,7 @@ class RecurrentState:
                              f"back to {length} tokens: start a new sequence and prefill it")
 
     def truncate(self, length: int) -> None:
-        self.values = self._zeros()  # only ever called with 0 (see SequenceState.truncate)
+        self.values = self._zeros()  # SequenceState calls this with 0 only (check_truncate refuses the rest)
 
 
 class SequenceState:
@@ -240,12 +241,15 @@ class SequenceState:
         return self.seq_len
 
     def keep(self, num_rows: int) -> None:
-        """Commit the first `num_rows` rows of the last verify; raises ValueError without one."""
+        """Commit the first `num_rows` rows of the last verify; raises ValueError without one, and
+        RewindBeyondWindow (changing nothing) when a ring's slack was narrower than the verify."""
         if self.verify_rows is None:
             raise ValueError("keep() needs a verify: the sequence's last forward was not marked verify=True")
         if not 0 <= num_rows <= self.verify_rows:
             raise ValueError(f"keep({num_rows}): the last verify had {self.verify_rows} rows")
         length = self.seq_len - self.verify_rows + num_rows
+        for state in self._states:  # every layer agrees before any changes
+            state.check_keep(length)
         for state in self._states:
             state.keep(length)
         self.seq_len, self.verify_rows = length, None
@@ -255,7 +259,10 @@ class SequenceState:
         raises CannotTruncate (RewindBeyondWindow for a ring) and changes nothing."""
         if not 0 <= length <= self.seq_len:
             raise ValueError(f"cannot truncate to {length}: the sequence holds {self.seq_len} positions")
-        if length not in (0, self.seq_len):
+        if length == self.seq_len:
+            self.verify_rows = None  # the last verify, if any, is committed whole
+            return
+        if length:
             for state in self._states:
                 state.check_truncate(length)
         for state in self._states:

@@ -55,9 +55,10 @@ def run_greedy(target, prompt, max_tokens, speculator=None, *, stop_at=None, dra
     return out, execution
 
 
-def forward_one(target, seq, tokens, *, logits="all", hidden=False, verify=False):
+def forward_one(target, seq, tokens, *, logits="all", hidden=False, tap_layers=None, verify=False):
     """One segment through `target.forward`; returns its SegmentOutput."""
-    return target.forward([Segment(seq, list(tokens), logits=logits, hidden=hidden, verify=verify)])[0]
+    return target.forward([Segment(seq, list(tokens), logits=logits, hidden=hidden, tap_layers=tap_layers,
+                                   verify=verify)])[0]
 
 
 def plain_logits(target, tokens):
@@ -283,6 +284,7 @@ class SpeculatorConformance:
         give their own plain stream."""
         prompts = [self.prompt, self.prompt[5:] + self.prompt[:5]]
         plains = [run_greedy(toy_target, p, 32)[0] for p in prompts]
+        solos = [run_greedy(toy_target, p, 32, make_speculator())[1].stats for p in prompts]
         speculator = make_speculator()
         runs = []
         for prompt in prompts:
@@ -295,3 +297,5 @@ class SpeculatorConformance:
                 if not r[4]:
                     r[4] = r[0].step(r[1], r[2])
         assert [r[3] for r in runs] == plains
+        # what each sequence drafted and had accepted is what it drafts alone: no state leaks across
+        assert [r[0].stats for r in runs] == solos

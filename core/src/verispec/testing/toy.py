@@ -145,9 +145,9 @@ class ScriptedSpeculator(Speculator):
     `last_state` is the state of the sequence it served last."""
 
     def __init__(self, script, *, max_draft_tokens: int = 8, needs_hidden_state: bool = False,
-                 tap_layers: Sequence[int] | None = None):
-        spec = SpeculatorSpec(name="scripted", summary="scripted drafts (tests)", factory=ScriptedSpeculator,
-                              needs_hidden_state=needs_hidden_state)
+                 tap_layers: Sequence[int] | None = None, spec: SpeculatorSpec | None = None):
+        spec = spec or SpeculatorSpec(name="scripted", summary="scripted drafts (tests)", factory=ScriptedSpeculator,
+                                      needs_hidden_state=needs_hidden_state)
         super().__init__(spec, max_draft_tokens=max_draft_tokens)
         self.script = script
         self.tap_layers = None if tap_layers is None else tuple(tap_layers)
