@@ -120,25 +120,22 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines + [f"{r['scenario']}: {r['governor']}" for r in rows if r["governor"]])
 
 
-def run_bench(args) -> int:
-    """CLI entry: load once, warm up, compare every scenario, print a table or JSON."""
-    from verispec.cli import load_engine, spec_options
-
-    spec = spec_options(args)
-    scenarios = load_scenarios(args.scenario)
-    engine = load_engine(args)
+def run_bench(engine, spec: SpecOptions, scenarios: list[dict], *, max_tokens: int | None = None, repeats: int = 1,
+              as_json: bool = False) -> int:
+    """`verispec bench`: warm up, compare every scenario (`load_scenarios`) on one loaded engine,
+    print a table or JSON. Returns 0, or 3 when a speculative stream differed from plain."""
     warm = {"name": "warm-up", "kind": "short", "max_new_tokens": 8, "prompt": "Warm up."}
     compare(engine, warm, spec)
     rows = []
-    if not args.json:
+    if not as_json:
         print(" | ".join(HEADER), flush=True)
     for scenario in scenarios:
-        if args.max_tokens:
-            scenario = {**scenario, "max_new_tokens": args.max_tokens}
-        rows.append(compare(engine, scenario, spec, repeats=args.repeats))
-        if not args.json:
+        if max_tokens:
+            scenario = {**scenario, "max_new_tokens": max_tokens}
+        rows.append(compare(engine, scenario, spec, repeats=repeats))
+        if not as_json:
             print(format_row(rows[-1]), flush=True)
-    if args.json:
+    if as_json:
         print(json.dumps(rows, indent=1))
     else:
         print("\n".join(f"{r['scenario']}: {r['governor']}" for r in rows if r["governor"]))

@@ -171,9 +171,11 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from verispec.bench import run_bench
+    from verispec.bench import load_scenarios, run_bench
 
-    return run_bench(args)
+    spec, scenarios = spec_options(args), load_scenarios(args.scenario)  # bad input fails before the model loads
+    return run_bench(load_engine(args), spec, scenarios, max_tokens=args.max_tokens, repeats=args.repeats,
+                     as_json=args.json)
 
 
 def cmd_chat(args) -> int:
