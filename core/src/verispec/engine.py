@@ -165,9 +165,45 @@ class InferenceEngine:
             raise ValueError("empty prompt: give at least one token")
         if len(ids) >= self.target.max_context_length:
             raise ContextOverflow(len(ids) + 1, self.target.max_context_length)
-        return Generation(self, ids, max_tokens, sampling, tuple(stop), ignore_eos)
+        return Generation(self._run(ids, max_tokens, sampling, tuple(stop), ignore_eos))
 
-    def _begin_request(self, ids: list[int]) -> int:
+    def _run(self, ids: list[int], max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...],
+             ignore_eos: bool) -> Iterator[TokenEvent | GenerationResult]:
+        """One request: its TokenEvents in order, then its GenerationResult."""
+        start = time.perf_counter()
+        reused = self._reuse_prefix(ids)
+        speculator = self.speculator
+        governor, window = self.governor() if speculator is not None else (None, None)
+        stop_ids = () if ignore_eos else tuple(self.tokenizer.stop_ids)
+        execution = SpeculativeExecution(self.target, self.seq, speculator, draft_window=self.draft_window,
+                                         stop_token_ids=stop_ids, governor=governor, window=window)
+        if reused:
+            execution.seed_committed(ids[:reused])
+        if governor is not None:
+            room = self.target.max_context_length - len(ids)
+            governor.start_request(min(max_tokens, room) - 1)  # the first token comes from prefill
+        state = _StopState(self.tokenizer, ids, stop_ids, stop, max_tokens, self.target.max_context_length)
+        sampler = Sampler(sampling, ids, self.target.vocab_size)
+        stopped = execution.start(ids[reused:], sampler, state.on_token)
+        first_token_at = time.perf_counter()
+        yield from state.drain()
+        while not stopped:
+            stopped = execution.step(sampler, state.on_token)
+            yield from state.drain()
+        end = time.perf_counter()
+        # the sequence holds the prompt and every emitted token but the pending last one
+        self._cached = (list(ids) + state.tokens)[:execution.seq_len]
+        n = len(state.tokens)
+        ttft_s = first_token_at - start
+        yield GenerationResult(
+            tokens=state.tokens, text=state.text(), finish_reason=state.finish_reason, prompt_tokens=len(ids),
+            reused_prefix_tokens=reused, ttft_ms=1e3 * ttft_s,
+            prefill_tokens_per_s=(len(ids) - reused) / ttft_s,
+            decode_tokens_per_s=(n - 1) / (end - first_token_at) if n > 1 and end > first_token_at else 0.0,
+            speculator=speculator.name if speculator is not None else None, spec=execution.stats,
+            governor=governor.stats_line() if governor is not None else None)
+
+    def _reuse_prefix(self, ids: list[int]) -> int:
         """Cut the sequence back to the longest prefix shared with the last request (at least one
         row is re-forwarded); returns the number of reused tokens."""
         common = 0
@@ -182,64 +218,32 @@ class InferenceEngine:
         del self._cached[common:]
         return common
 
-    def _end_request(self, tokens: list[int]) -> None:
-        """Remember what the sequence now holds (the prompt and every emitted token but the pending last)."""
-        self._cached = tokens[:self.target.seq_len(self.seq)]
-
 
 class Generation:
-    """Iterator over TokenEvents of one request; `.result` once exhausted."""
+    """Iterator over TokenEvents of one request; `.result` (a GenerationResult) once exhausted."""
 
-    def __init__(self, engine: InferenceEngine, ids: list[int], max_tokens: int, sampling: SamplingParams,
-                 stop: tuple[str, ...], ignore_eos: bool):
-        self.engine, self.ids, self.max_tokens = engine, ids, max_tokens
-        self.sampling, self.stop, self.ignore_eos = sampling, stop, ignore_eos
+    def __init__(self, events: Iterator[TokenEvent | GenerationResult]):
+        self._events = events
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[TokenEvent]:
-        engine, ids = self.engine, self.ids
-        start = time.perf_counter()
-        reused = engine._begin_request(ids)
-        speculator = engine.speculator
-        governor, window = engine.governor() if speculator is not None else (None, None)
-        stop_ids = () if self.ignore_eos else tuple(engine.tokenizer.stop_ids)
-        execution = SpeculativeExecution(engine.target, engine.seq, speculator, draft_window=engine.draft_window,
-                                         stop_token_ids=stop_ids, governor=governor, window=window)
-        if reused:
-            execution.seed_committed(ids[:reused])
-        if governor is not None:
-            room = engine.target.max_context_length - len(ids)
-            governor.start_request(min(self.max_tokens, room) - 1)  # the first token comes from prefill
-        state = _StopState(self, engine.tokenizer, stop_ids, len(ids))
-        sampler = Sampler(self.sampling, ids, engine.target.vocab_size)
-        stopped = execution.start(ids[reused:], sampler, state.on_token)
-        first_token_at = time.perf_counter()
-        yield from state.drain()
-        while not stopped:
-            stopped = execution.step(sampler, state.on_token)
-            yield from state.drain()
-        end = time.perf_counter()
-        engine._end_request(list(ids) + state.tokens)
-        n = len(state.tokens)
-        ttft_s = first_token_at - start
-        self.result = GenerationResult(
-            tokens=state.tokens, text=state.text(), finish_reason=state.finish_reason, prompt_tokens=len(ids),
-            reused_prefix_tokens=reused, ttft_ms=1e3 * ttft_s,
-            prefill_tokens_per_s=(len(ids) - reused) / ttft_s,
-            decode_tokens_per_s=(n - 1) / (end - first_token_at) if n > 1 and end > first_token_at else 0.0,
-            speculator=speculator.name if speculator is not None else None, spec=execution.stats,
-            governor=governor.stats_line() if governor is not None else None)
+        for item in self._events:
+            if isinstance(item, GenerationResult):
+                self.result = item
+            else:
+                yield item
 
 
 class _StopState:
     """Decides, token by token, whether generation ends there (stop id, stop string, length)."""
 
-    def __init__(self, generation: Generation, tokenizer, stop_ids, prompt_len: int):
+    def __init__(self, tokenizer, prompt: list[int], stop_ids, stop: tuple[str, ...], max_tokens: int,
+                 max_context: int):
         from verispec.tokenizer import StreamDecoder
 
-        self.generation, self.stop_ids, self.prompt_len = generation, set(stop_ids), prompt_len
-        self.max_context = generation.engine.target.max_context_length
-        self.decoder = StreamDecoder(tokenizer, context=generation.ids)
+        self.stop_ids, self.stop, self.max_tokens = set(stop_ids), stop, max_tokens
+        self.prompt_len, self.max_context = len(prompt), max_context
+        self.decoder = StreamDecoder(tokenizer, context=prompt)
         self.tokens: list[int] = []
         self.draws: list = []  # verispec.sampling.Draw per token (logprobs when asked for)
         self._text = ""
@@ -255,13 +259,13 @@ class _StopState:
         stop = True
         if token in self.stop_ids:
             self.finish_reason = "stop"
-        elif len(self.tokens) >= self.generation.max_tokens or self.prompt_len + len(self.tokens) >= self.max_context:
+        elif len(self.tokens) >= self.max_tokens or self.prompt_len + len(self.tokens) >= self.max_context:
             self.finish_reason = "length"
         else:
             stop = False
         if stop:
             self._text += self.decoder.flush()  # bytes of an unfinished character, as decode() shows them
-        for s in self.generation.stop:
+        for s in self.stop:
             cut = self._text.find(s)
             if cut >= 0:
                 self._text, self.finish_reason, stop = self._text[:cut], "stop", True
@@ -270,7 +274,7 @@ class _StopState:
 
     def _emit(self, draw, *, final: bool) -> None:
         # Hold back text that could be the start of a stop string until it is decided.
-        hold = 0 if final else max((len(s) - 1 for s in self.generation.stop), default=0)
+        hold = 0 if final else max((len(s) - 1 for s in self.stop), default=0)
         ready = max(self._sent, len(self._text) - hold)
         self._pending.append(TokenEvent(draw.token, self._text[self._sent:ready], draw.logprob, draw.top_logprobs))
         self._sent = ready
