@@ -7,7 +7,7 @@ from verispec.engine import InferenceEngine, SpecOptions
 from verispec.hookspecs import hookimpl
 from verispec.registry import Registry, SpeculationUnavailable, UnknownArchitecture
 from verispec.sampling import SamplingParams
-from verispec.seams import ContextOverflow, Speculator
+from verispec.seams import ContextOverflow, DraftHead, Speculator
 from verispec.specs import SpeculatorSpec
 from verispec.testing import toy_plugin
 from verispec.testing.toy import write_toy_gguf
@@ -147,7 +147,14 @@ def test_block_head_from_a_draft_file_with_drafter_requested_taps(model_path, re
     spec, _ = run(engine, max_tokens=32, ignore_eos=True)
     head = engine.speculator.head
     assert head.h_shapes == {(2 * 16,)}  # the taps it asked for, [F = 2·D]
-    assert head.num_caught_up >= len(engine.encode(PROMPT))
+    assert isinstance(head, DraftHead)
+    states = []
+    new_state = engine.speculator.new_state
+    engine.speculator.new_state = lambda: states.append(new_state()) or states[-1]
+    engine.reset_cache()  # toy-block cannot arm after prefix reuse: prefill the prompt afresh
+    run(engine, max_tokens=8, ignore_eos=True)
+    # the head's state for that request saw the whole prompt (its own, not shared with the first request)
+    assert len(states) == 1 and states[0]["num_caught_up"] >= len(engine.encode(PROMPT))
     engine.update_speculation(SpecOptions(enabled=False))
     plain, _ = run(engine, max_tokens=32, ignore_eos=True)
     assert spec.tokens == plain.tokens

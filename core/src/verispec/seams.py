@@ -166,21 +166,32 @@ class DraftHeadKind(enum.Enum):
 class DraftHead(Protocol):
     """Adapter over trained drafter weights bound to one trunk (like a LoRA).
 
-    Reads *this* trunk's hidden rows ([F]) and borrows its embedding and LM head.
+    Reads *this* trunk's hidden rows ([F]) and borrows its embedding and LM head through the
+    trunk's read-only `TrunkView`. Like a speculator, one head serves every sequence: what it
+    holds of one sequence (its private KV, rows it has seen) is the state `new_state()` returns,
+    and every call names that state.
     """
 
     draft_head_kind: DraftHeadKind
     draft_block_size: int  # tokens per draft_block (BLOCK heads); 1 otherwise
     draft_head_resumes_after_gap: bool
+    #: the trunk layers whose entering residuals the head reads (Segment.tap_layers); None = final-normed rows.
+    tap_layers: tuple[int, ...] | None
 
-    def draft_step(self, token: int, h_prev: "torch.Tensor", pos: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+    def new_state(self) -> Any:
+        """The head's state for a new sequence."""
+
+    def draft_step(self, state: Any, token: int, h_prev: "torch.Tensor", pos: int) -> tuple["torch.Tensor", "torch.Tensor"]:
         """PER_TOKEN: logits fp32 [V] for position pos+1 and the head's own hidden row [F]."""
 
-    def draft_block(self, last_token: int, h_prev: "torch.Tensor", pos: int) -> tuple[list[int], list[float]]:
+    def draft_block(self, state: Any, last_token: int, h_prev: "torch.Tensor", pos: int) -> tuple[list[int], list[float]]:
         """BLOCK: draft ids for positions pos+1.. and the cumulative prefix probability of each."""
 
-    def draft_catch_up(self, tokens: Sequence[int], h_rows: "torch.Tensor", start_pos: int) -> None:
+    def draft_catch_up(self, state: Any, tokens: Sequence[int], h_rows: "torch.Tensor", start_pos: int) -> None:
         """Feed committed tokens and their trunk hidden rows [n, F] that the head has not seen."""
+
+    def keep(self, state: Any, num_rows: int) -> None:
+        """The trunk kept `num_rows` rows of the last verify: drop the head's KV past them."""
 
 
 @attrs.frozen

@@ -57,10 +57,12 @@ class ToyBlockHead:
         self.feature_size = view.tap_feature_size(self.tap_layers)
         self.draft_block_size = block_size
         self.next_of = torch.argmax(view.logits(view.embed(torch.arange(view.vocab_size))), dim=1).tolist()  # [V]
-        self.num_caught_up = 0
         self.h_shapes: set[tuple[int, ...]] = set()
 
-    def draft_block(self, last_token, h_prev, pos):
+    def new_state(self) -> dict:
+        return {"num_caught_up": 0}
+
+    def draft_block(self, state, last_token, h_prev, pos):
         if h_prev is not None:
             self.h_shapes.add(tuple(h_prev.shape))
         ids, token = [], last_token
@@ -69,11 +71,14 @@ class ToyBlockHead:
             ids.append(token)
         return ids, [0.9 ** (i + 1) for i in range(len(ids))]
 
-    def draft_step(self, token, h_prev, pos):
+    def draft_step(self, state, token, h_prev, pos):
         raise NotImplementedError("a BLOCK head drafts whole blocks")
 
-    def draft_catch_up(self, tokens, h_rows, start_pos):
-        self.num_caught_up += len(tokens)
+    def draft_catch_up(self, state, tokens, h_rows, start_pos):
+        state["num_caught_up"] += len(tokens)
+
+    def keep(self, state, num_rows):
+        pass  # no private KV
 
 
 def load_block_drafter(path, target) -> ToyBlockHead:
@@ -102,13 +107,19 @@ class BlockSpeculator(Speculator):
         self.head = head
         self.tap_layers = head.tap_layers
 
+    def new_state(self):
+        return self.head.new_state()
+
     def propose(self, state, ctx):
-        ids, confidences = self.head.draft_block(ctx.last_token, ctx.hidden_prev, ctx.pos)
+        ids, confidences = self.head.draft_block(state, ctx.last_token, ctx.hidden_prev, ctx.pos)
         keep = [t for t, c in zip(ids, confidences) if c >= ctx.min_draft_prob]
         return keep[:ctx.draft_window]
 
     def commit(self, state, tokens, hidden_rows, start_pos):
-        self.head.draft_catch_up(tokens, hidden_rows, start_pos)
+        self.head.draft_catch_up(state, tokens, hidden_rows, start_pos)
+
+    def keep(self, state, num_rows):
+        self.head.keep(state, num_rows)
 
 
 def create_block_speculator(target, *, spec, max_draft_tokens, min_draft_prob, draft_head):
