@@ -2,8 +2,10 @@
 
     python scripts/bench_verify.py --model smollm2-135m-instruct --dtypes int8,bfloat16,float32
 
-For each dtype: prefill `--ctx` tokens, then time `forward(1 token)` (the plain decode) and
-`spec_forward(k rows, all_logits=True)` (a verify) for each k, rewinding after every call.
+For each dtype: prefill `--ctx` tokens into one sequence, then time a one-row decode
+(`Segment(seq, [t])`, last-row logits, then `truncate(seq, ctx)`) and a k-row verify
+(`Segment(seq, k rows, logits="all", verify=True)`, then `keep(seq, 0)`, as the loop does on
+a full rejection) for each k, so every call starts from the same `--ctx` positions.
 Reports min and median ms over `--reps` back-to-back calls, after waiting (up to 10 s) for
 the machine to be quiet (other processes' CPU use below 0.2 cores), as shared machines are
 noisy. Speed claims come from `verispec bench`; this is the per-row cost behind the default
@@ -14,6 +16,7 @@ import statistics
 import time
 
 import torch
+from verispec.seams import Segment
 
 
 def _other_busy_cores(interval=0.2):
@@ -59,27 +62,29 @@ def bench(path, dtype: str, ks: list[int], ctx: int, reps: int) -> None:
     g = torch.Generator().manual_seed(0)
     context = torch.randint(100, model.vocab_size - 100, (ctx,), generator=g)
     new = torch.randint(100, model.vocab_size - 100, (max(ks),), generator=g)
-    model.spec_rewind_cache(0)
+    seq = model.new_sequence()
     wait_quiet()
     t = time.perf_counter()
-    model.forward(context)
+    model.forward([Segment(seq, context, logits="last")])
     prefill_s = time.perf_counter() - t
 
     def decode():
-        model.forward(new[:1])
-        model.spec_rewind_cache(ctx)
+        model.forward([Segment(seq, new[:1], logits="last")])
+        model.truncate(seq, ctx)
 
     base = timed(decode, reps)
     print(f"{dtype:9s} prefill {ctx} rows {prefill_s:.2f} s | decode 1 row: min {base[0]:.1f} ms, "
           f"median {base[1]:.1f} ms{'' if base[2] else ' (machine busy)'}", flush=True)
     for k in ks:
         def verify(k=k):
-            model.spec_forward(new[:k], hidden=False, all_logits=True)
-            model.spec_rewind_cache(ctx)
+            model.forward([Segment(seq, new[:k], logits="all", verify=True)])
+            model.keep(seq, 0)
 
         r = timed(verify, reps)
         print(f"{dtype:9s} verify k={k}: min {r[0]:.1f} ms ({r[0] / base[0]:.2f}x), median {r[1]:.1f} ms"
               f"{'' if r[2] else ' (machine busy)'}", flush=True)
+    assert model.seq_len(seq) == ctx  # every timed call left the sequence as the prefill did
+    model.release(seq)
 
 
 def main():

@@ -13,7 +13,7 @@ import pytest
 import torch
 from verispec.checkpoints import CheckpointNotInstalled, assemble
 from verispec.registry import Registry
-from verispec.testing import run_greedy
+from verispec.testing import forward_one, run_greedy
 
 
 def quote_prompt() -> str:
@@ -99,7 +99,8 @@ class RealCheckpointChecks:
         from verispec_llama.loader import load
 
         ours = load(gguf_path, dtype="float32")
-        got = ours.spec_forward(torch.tensor(prompt[1]), hidden=False, all_logits=True).logits
+        got = forward_one(ours, ours.new_sequence(), prompt[1]).logits
+        assert got.shape == hf_logits.shape
         diff = (got - hf_logits).abs().max().item()
         assert diff <= self.fp32_atol, f"max |Δlogit| {diff:.3g} over {len(prompt[1])} rows"
         assert torch.equal(got.argmax(-1), hf_logits.argmax(-1))
@@ -107,8 +108,10 @@ class RealCheckpointChecks:
     def test_int8_ranks_next_tokens_like_transformers(self, int8_model, prompt, hf_logits):
         """int8 re-quantises the file's Q4/Q8 blocks per output channel: not parity, but the
         argmax of a real prompt's rows must survive."""
-        int8_model.spec_rewind_cache(0)
-        got = int8_model.spec_forward(torch.tensor(prompt[1]), hidden=False, all_logits=True).logits
+        seq = int8_model.new_sequence()
+        got = forward_one(int8_model, seq, prompt[1]).logits
+        int8_model.release(seq)
+        assert got.shape == hf_logits.shape
         agree = (got.argmax(-1) == hf_logits.argmax(-1)).float().mean().item()
         assert agree >= self.min_int8_argmax_agreement, f"int8 argmax agrees on {agree:.1%} of rows"
 

@@ -9,7 +9,8 @@ from verispec import weight_cache
 from tiny_llama import build_hf_model, write_fixture
 from verispec.gguf_io import GGUFFile, MissingKey
 from verispec.nn.quant import UnknownWeightDtype
-from verispec.seams import ContextOverflow
+from verispec.seams import ContextOverflow, Segment, UnsupportedTap
+from verispec.testing import forward_one, plain_logits
 from verispec_llama.loader import load
 from verispec_llama.modeling_llama import LlamaConfig, UnsupportedLlamaVariant
 
@@ -19,6 +20,14 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def llama_model():
     return build_hf_model("llama_int8")
+
+
+def _last_logits(model, tokens):
+    """fp32 [V]: the last row's logits of `tokens` prefilled into a new sequence."""
+    seq = model.new_sequence()
+    logits = forward_one(model, seq, tokens, logits="last").logits[0]
+    model.release(seq)
+    return logits
 
 
 def _variant(model, tmp_path, **extra):
@@ -49,9 +58,9 @@ def test_refuses_another_architecture_and_missing_keys(tiny_fixture):
 def test_int8_serves_odd_widths_and_unknown_dtypes_are_refused(tiny_fixture):
     _, path = tiny_fixture("llama")  # intermediate_size 37: nn.quant.Int8Linear pads to 48 columns
     model = load(path, dtype="int8")
-    rows = model.spec_forward(torch.tensor([4, 8, 15]), hidden=False, all_logits=True).logits
-    model.spec_rewind_cache(0)
-    assert torch.equal(torch.stack([model.forward(torch.tensor([t])) for t in (4, 8, 15)]), rows)
+    rows = forward_one(model, model.new_sequence(), [4, 8, 15]).logits
+    assert rows.shape == (3, model.vocab_size)
+    assert torch.equal(plain_logits(model, [4, 8, 15]), rows)
     with pytest.raises(UnknownWeightDtype):
         load(path, dtype="fp8")
 
@@ -62,13 +71,13 @@ def test_converted_weights_are_cached_and_a_damaged_entry_is_rebuilt(tiny_fixtur
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(weight_cache, "MIN_CONVERT_SECONDS", 0.0)  # tiny conversions are normally not cached
     _, path = tiny_fixture("qwen2_int8")
-    tokens = torch.tensor([4, 8, 15, 16, 23, 42])
-    first = load(path, dtype="int8").forward(tokens)
+    tokens = [4, 8, 15, 16, 23, 42]
+    first = _last_logits(load(path, dtype="int8"), tokens)
     entries = list(cache_dir("weights").glob("*-int8-*.pt"))
     assert len(entries) == 1
-    assert torch.equal(load(path, dtype="int8").forward(tokens), first)  # read back from the cache
+    assert torch.equal(_last_logits(load(path, dtype="int8"), tokens), first)  # read back from the cache
     entries[0].write_bytes(b"not a torch file")
-    assert torch.equal(load(path, dtype="int8").forward(tokens), first)
+    assert torch.equal(_last_logits(load(path, dtype="int8"), tokens), first)
     assert entries[0].stat().st_size > 100  # rewritten
 
 
@@ -84,9 +93,17 @@ def test_context_length_option(tiny_fixture):
     _, path = tiny_fixture("llama_int8")
     model = load(path, context_length=20)
     assert model.max_context_length == 20
-    model.forward(torch.arange(20))
+    seq = model.new_sequence()
+    forward_one(model, seq, range(20), logits="last")
     with pytest.raises(ContextOverflow):
-        model.forward(torch.tensor([1]))
+        forward_one(model, seq, [1], logits="last")
+    assert model.seq_len(seq) == 20  # nothing written
+    other = model.new_sequence()  # the limit is per sequence
+    with pytest.raises(ContextOverflow):  # and a batch with one overflowing segment writes nothing
+        model.forward([Segment(other, [1, 2]), Segment(seq, [1])])
+    assert (model.seq_len(other), model.seq_len(seq)) == (0, 20)
+    forward_one(model, other, range(20), logits="none")
+    assert model.seq_len(other) == 20
     assert load(path).max_context_length == 512  # the file's llama.context_length
 
 
@@ -96,13 +113,22 @@ def test_hidden_taps_are_the_residuals_entering_layers(tiny_fixture):
     prompt = [7, 3, 99, 12, 40]
     with torch.no_grad():
         states = hf_model(torch.tensor([prompt]), output_hidden_states=True).hidden_states  # entering each layer
-    ours.spec_set_hidden_taps([1, 0])
-    assert ours.spec_feature_size == 2 * ours.hidden_size
-    ours.spec_rewind_cache(0)
-    got = ours.spec_forward(torch.tensor(prompt), hidden=True, all_logits=False).hidden
-    torch.testing.assert_close(got, torch.cat([states[1][0], states[0][0]], dim=-1), atol=1e-5, rtol=0)
-    ours.spec_set_hidden_taps(None)
-    assert ours.spec_feature_size == ours.hidden_size
+    assert ours.view().tap_feature_size((1, 0)) == 2 * ours.hidden_size
+    tapped, normed = ours.new_sequence(), ours.new_sequence()
+    # taps are per segment: two sequences in one forward, one tapping layers (1, 0), one final-normed rows
+    got, plain = ours.forward([Segment(tapped, prompt, logits="none", hidden=True, tap_layers=(1, 0)),
+                               Segment(normed, prompt, logits="none", hidden=True)])
+    assert got.logits is None and got.hidden.shape == (len(prompt), 2 * ours.hidden_size)
+    torch.testing.assert_close(got.hidden, torch.cat([states[1][0], states[0][0]], dim=-1), atol=1e-5, rtol=0)
+    assert ours.view().tap_feature_size(None) == ours.hidden_size
+    assert plain.hidden.shape == (len(prompt), ours.hidden_size)
+    torch.testing.assert_close(plain.hidden, states[-1][0], atol=1e-4, rtol=0)  # HF's last state is normed
+    assert ours.num_layers == 2  # index 2 is the residual after the last layer; 3 does not exist
+    with pytest.raises(UnsupportedTap):
+        ours.view().tap_feature_size((3,))
+    with pytest.raises(UnsupportedTap):
+        ours.forward([Segment(tapped, [1], logits="none", hidden=True, tap_layers=(0, 3))])
+    assert ours.seq_len(tapped) == len(prompt)  # refused before anything was written
 
 
 def test_hooks_register_without_importing_torch():

@@ -6,6 +6,7 @@ prefill row, then one-row decodes after it, and a prefill split into several chu
 """
 import pytest
 import torch
+from verispec.testing import forward_one
 from verispec_llama.loader import load
 
 pytest.importorskip("transformers")
@@ -35,9 +36,10 @@ def test_prefill_and_decode_logits_match_transformers(tiny_fixture, name):
     continuation = torch.randint(0, vocab, (6,), generator=g).tolist()
     expected_prefill, expected_decodes = _hf_prefill_and_decodes(hf_model, prompt, continuation)
 
-    ours.spec_rewind_cache(0)
-    prefill = ours.spec_forward(torch.tensor(prompt), hidden=False, all_logits=True).logits
-    decodes = torch.stack([ours.forward(torch.tensor([t])) for t in continuation])
+    seq = ours.new_sequence()
+    prefill = forward_one(ours, seq, prompt).logits
+    decodes = torch.cat([forward_one(ours, seq, [t], logits="last").logits for t in continuation])
+    assert ours.seq_len(seq) == len(prompt) + len(continuation)
 
     assert ours.vocab_size == vocab
     torch.testing.assert_close(prefill, expected_prefill, atol=ATOL, rtol=0)
@@ -50,8 +52,8 @@ def test_prefill_split_into_chunks_matches_transformers(tiny_fixture):
     ours.max_rows_per_forward = 7  # 40 rows -> chunks of 7, 7, 7, 7, 7, 5
     prompt = torch.randint(0, hf_model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     expected, _ = _hf_prefill_and_decodes(hf_model, prompt, [])
-    ours.spec_rewind_cache(0)
-    got = ours.spec_forward(torch.tensor(prompt), hidden=False, all_logits=True).logits
+    got = forward_one(ours, ours.new_sequence(), prompt).logits
+    assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
@@ -61,7 +63,6 @@ def test_hidden_rows_are_the_final_normed_residual(tiny_fixture):
     prompt = [5, 9, 17, 33, 2, 64]
     with torch.no_grad():
         expected = hf_model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0]
-    ours.spec_rewind_cache(0)
-    out = ours.spec_forward(torch.tensor(prompt), hidden=True, all_logits=False)
+    out = forward_one(ours, ours.new_sequence(), prompt, logits="last", hidden=True)
     assert out.logits.shape == (1, hf_model.config.vocab_size)
     torch.testing.assert_close(out.hidden, expected, atol=ATOL, rtol=0)  # HF's last hidden state is normed
