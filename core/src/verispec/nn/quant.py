@@ -7,7 +7,7 @@ takes and returns fp32 activations [n, in] -> [n, out]; only the matmul sees bf1
 | dtype    | weight                         | matmul                                     | batch-invariant |
 |----------|--------------------------------|--------------------------------------------|-----------------|
 | float32  | fp32 [out, in]                 | F.linear fp32 (MKL gemm)                    | no: ~2e-7..5e-5 row drift |
-| bfloat16 | bf16 [out, in]                 | F.linear bf16, bf16 out                     | yes for n <= 32 rows (AVX-512/AMX: not from 33) |
+| bfloat16 | bf16 [out, in]                 | F.linear bf16, bf16 out                     | no: CPU-dependent (AVX-512 BF16: rows differ from n = 21 at 48→80) |
 | int8     | int8 [out, in] + bf16 scale [out] | aten._weight_int8pack_mm, bf16 act/out  | yes             |
 | int4     | int4 groups of 32 + bf16 scale/zero | aten._weight_int4pack_mm_for_cpu, bf16 | yes (checked to 33 rows) |
 
@@ -83,8 +83,10 @@ class Float32Linear(nn.Module):
 class BFloat16Linear(Float32Linear):
     """bf16 weight [out, in]; bf16 activations into the matmul, fp32 out."""
 
-    batch_invariant = True
-    max_invariant_rows = 32  # oneDNN switches to its AMX blocking from 33 rows (Xeon, torch 2.13)
+    # Not declared invariant: oneDNN's blocking depends on the CPU and the row count (AMX: from
+    # 33 rows; AVX-512 BF16: an n-row call differed from n one-row calls at n = 21, 29, 31 on
+    # 48→80 and 64→40 shapes, measured 2026-12-01), so no row bound holds on every machine.
+    batch_invariant = False
 
     def __init__(self, in_features: int, out_features: int, *, device=None):
         nn.Module.__init__(self)

@@ -256,12 +256,9 @@ class TrunkModule(SequenceTrunk, nn.Module):
     @property
     def spec_batch_invariant(self) -> bool:
         """True when every linear uses a batch-invariant kernel (nn.quant) and no forward chunk
-        exceeds the kernels' invariance limit. Computed once: the loop reads it often."""
-        if self.__dict__.get("_batch_invariant") is None:
-            limits = [m.max_invariant_rows for m in self.modules() if getattr(m, "max_invariant_rows", None)]
-            self._batch_invariant = module_batch_invariant(self) and all(
-                self.max_rows_per_forward <= limit for limit in limits)
-        return self._batch_invariant
+        exceeds the kernels' invariance limit (read at each call: max_rows_per_forward may change)."""
+        limits = [m.max_invariant_rows for m in self.modules() if getattr(m, "max_invariant_rows", None)]
+        return module_batch_invariant(self) and all(self.max_rows_per_forward <= limit for limit in limits)
 
     def _init_sizes(self, config, dtype: str, max_rows_per_forward: int | None, context_length: int | None) -> None:
         """The sizes the seam reads, from an HF-style config (vocab_size, hidden_size,
