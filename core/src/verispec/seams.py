@@ -200,7 +200,7 @@ class DraftContext:
 
     #: the pending token: emitted, not yet in the trunk's cache; it is verify row 0.
     last_token: int
-    #: absolute position last_token will be written at (== trunk cache_seq_len).
+    #: absolute position last_token will be written at (== trunk.seq_len(seq)).
     pos: int
     #: most drafts this step may verify (K), already narrowed by the window rule.
     draft_window: int

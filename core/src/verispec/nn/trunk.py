@@ -52,12 +52,8 @@ class Rows:
 
     tokens: torch.Tensor  # int64 [n]
     positions: torch.Tensor  # int64 [n]
+    #: the sequences' row ranges, in order (FlashAttention's cu_seqlens as objects).
     sequences: tuple[RowsOfSequence, ...]
-
-    @property
-    def cu_seqlens(self) -> torch.Tensor:
-        """int64 [B+1]: row offsets of the sequences (FlashAttention's varlen convention)."""
-        return torch.tensor([0, *(s.end for s in self.sequences)])
 
 
 @attrs.define
