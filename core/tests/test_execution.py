@@ -268,9 +268,10 @@ def test_drafter_requested_hidden_taps(toy):
     assert plain.last_state.hidden_rows[0].shape == (toy.hidden_size,)
     with pytest.raises(UnsupportedTap, match="layers 0..1"):
         toy.view().tap_feature_size((5,))
-    bad = ScriptedSpeculator(lambda ctx: [], needs_hidden_state=True, tap_layers=(5,))
-    with pytest.raises(UnsupportedTap):
-        generate(toy, bad, max_tokens=3)
+    bad = ScriptedSpeculator(lambda ctx: [1, 2], needs_hidden_state=True, tap_layers=(5,))
+    draws, ex = generate(toy, bad, max_tokens=6)  # a drafter the trunk cannot serve is switched off
+    assert [d.token for d in draws] == plain_stream(toy)[:6]
+    assert "hidden taps" in ex.fault and ex.stats.num_spec_steps == 0
 
 
 def test_keep_selects_per_row_recurrent_state_without_a_second_forward(toy):
@@ -282,3 +283,63 @@ def test_keep_selects_per_row_recurrent_state_without_a_second_forward(toy):
     assert 0 < ex.stats.num_accepted_tokens < ex.stats.num_draft_tokens
     steps = ex.stats.num_spec_steps + ex.stats.num_no_draft_steps + ex.stats.num_plain_steps
     assert toy.num_forwards - before == 1 + steps  # the prefill, then one forward per step
+
+
+# -- plugin faults: never the user's loss ---------------------------------------------------
+
+class Boom(RuntimeError):
+    pass
+
+
+def _raises(ctx):
+    raise Boom("drafter bug")
+
+
+@pytest.mark.parametrize("script, why", [
+    (_raises, "propose raised Boom: drafter bug"),
+    (lambda ctx: None, "returned NoneType"),
+    (lambda ctx: "abc", "returned str"),
+    (lambda ctx: [1.5, 2], "1.5"),
+    (lambda ctx: [True], "True"),
+    (lambda ctx: [1, 10 ** 9], "1000000000, not a token id in [0, 32)"),
+    (lambda ctx: [-1], "-1"),
+    (lambda ctx: list(range(ctx.draft_window + 1)), "ids for a window of"),
+])
+def test_a_misbehaving_propose_is_switched_off_and_the_output_stays_plain(toy, script, why, caplog):
+    plain = plain_stream(toy)
+    good_steps = 2  # it behaves for a while first: the fault lands mid-sequence
+
+    def flaky(ctx):
+        flaky.calls += 1
+        return (PROMPT + plain)[ctx.pos + 1:ctx.pos + 3] if flaky.calls <= good_steps else script(ctx)
+    flaky.calls = 0
+
+    class Speculator(ScriptedSpeculator):  # a real propose, not the window-trimming ScriptedSpeculator one
+        def propose(self, state, ctx):
+            return self.script(ctx)
+
+    with caplog.at_level("WARNING", logger="verispec"):
+        draws, ex = generate(toy, Speculator(flaky), max_tokens=24)
+    assert [d.token for d in draws] == plain[:24]
+    assert why in ex.fault and ex.stats.num_spec_steps == good_steps
+    assert len(caplog.records) == 1 and "'scripted'" in caplog.text and why in caplog.text
+    assert ex.stats.num_plain_steps == 24 - 1 - good_steps - ex.stats.num_accepted_tokens - ex.stats.num_no_draft_steps
+
+
+@pytest.mark.parametrize("method", ["new_state", "commit", "keep"])
+def test_a_speculator_method_that_raises_is_switched_off(toy, method):
+    plain = plain_stream(toy)
+    speculator = oracle_speculator(PROMPT + plain, vocab_size=32, rng=random.Random(3))
+    original = getattr(speculator, method)
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        if len(calls) > (0 if method == "new_state" else 3):
+            raise Boom(method)
+        return original(*args)
+
+    setattr(speculator, method, broken)
+    draws, ex = generate(toy, speculator, max_tokens=30)
+    assert [d.token for d in draws] == plain[:30]
+    assert ex.fault == f"speculator 'scripted': {method} raised Boom: {method}"

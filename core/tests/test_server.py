@@ -354,3 +354,46 @@ def test_verispec_serve_without_fastapi_names_the_extra(monkeypatch, capsys):
     monkeypatch.delitem(sys.modules, "verispec.server")
     assert cli.main(["serve"]) == 2
     assert "pip install 'verispec[serve]'" in capsys.readouterr().err
+
+
+def test_a_speculator_that_raises_mid_stream_never_breaks_a_request(model_path, registry, reference, caplog):
+    """A third-party drafter whose propose raises after a few good steps: the stream still ends
+    with a finish reason and [DONE], the text is the plain text, one warning names it, and the
+    engine decodes plainly from then on."""
+    from verispec.hookspecs import hookimpl
+    from verispec.specs import SpeculatorSpec
+    from verispec.testing.toy import ScriptedSpeculator
+
+    calls = []
+
+    def script(ctx):
+        calls.append(ctx.pos)
+        if len(calls) > 2:
+            raise RuntimeError("drafter bug")
+        return [ctx.last_token] * ctx.draft_window
+
+    class Faulty:
+        @hookimpl
+        def register_speculators(self, register):
+            register(SpeculatorSpec(name="faulty", summary="raises (test)", priority=99,
+                                    factory=lambda target, **kw: ScriptedSpeculator(script, spec=kw["spec"])))
+
+    faulty_registry = Registry.from_plugins({"toy": toy_plugin, "faulty": Faulty()})
+    engine = api.load(model_path, registry=faulty_registry, context_length=CONTEXT, spec_type="faulty",
+                      adaptive=False)
+    client = TestClient(create_app(engine, model_name="toy"))
+    with caplog.at_level("WARNING", logger="verispec"):
+        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                                                 "ignore_eos": True, "stream": True})
+    assert r.status_code == 200
+    payloads = sse_payloads(r)
+    assert payloads[-1] == "[DONE]" and payloads[-2]["choices"][0]["finish_reason"] == "length"
+    expected, _ = reference(PROMPT, max_tokens=12, ignore_eos=True)
+    assert "".join(p["choices"][0]["text"] for p in payloads[:-1]) == expected.text
+    faults = [rec for rec in caplog.records if "drafter bug" in rec.getMessage()]
+    assert len(faults) == 1 and "'faulty'" in faults[0].getMessage() and "this engine" in faults[0].getMessage()
+    assert engine.speculator is None and "drafter bug" in engine.fault
+    again = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                                                  "ignore_eos": True})
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == expected.text
+    assert len(calls) == 3  # never asked again

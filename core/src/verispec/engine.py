@@ -103,7 +103,7 @@ class InferenceEngine:
         """
         if self.speculator is not None:
             self.speculator.close()
-        self.spec, self.speculator, self.choice = spec, None, None
+        self.spec, self.speculator, self.choice, self.fault = spec, None, None, None
         self.draft_window = resolve_draft_window(spec.draft_window, self.target)
         refusal = declared(self.target, "speculation_refusal")
         if not spec.enabled or self.registry is None:
@@ -117,6 +117,15 @@ class InferenceEngine:
             min_draft_prob=spec.min_draft_prob)
         self.speculator = self.choice.speculator
         log.info("speculation: %s", self.choice.reason)
+
+    def _plugin_fault(self, reason: str) -> None:
+        """A speculator faulted mid-request (execution module docstring): one warning naming its
+        distribution, and it is switched off for this engine; the request goes on plainly."""
+        entry = self.registry.speculators.get(self.choice.name) if self.registry and self.choice else None
+        origin = f" from {entry.distribution} {entry.version}" if entry and entry.distribution else ""
+        log.warning("%s%s; switched off for this engine, decoding plainly", reason, origin)
+        self.speculator = None
+        self.fault = reason
 
     def _load_draft_head(self, path):
         if path is None:
@@ -176,7 +185,8 @@ class InferenceEngine:
         governor, window = self.governor() if speculator is not None else (None, None)
         stop_ids = () if ignore_eos else tuple(self.tokenizer.stop_ids)
         execution = SpeculativeExecution(self.target, self.seq, speculator, draft_window=self.draft_window,
-                                         stop_token_ids=stop_ids, governor=governor, window=window)
+                                         stop_token_ids=stop_ids, governor=governor, window=window,
+                                         on_plugin_fault=self._plugin_fault)
         if reused:
             execution.seed_committed(ids[:reused])
         if governor is not None:

@@ -18,16 +18,20 @@ keeps exactly what a plain run would hold. A window never starts at a stop token
 """
 from __future__ import annotations
 
+import logging
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 
-from verispec.seams import DraftContext, Segment, SpeculativeTarget, Speculator, declared
+from verispec.seams import DraftContext, Segment, SpeculativeTarget, Speculator, UnsupportedTap, declared
 
 if TYPE_CHECKING:
     from verispec.sampling import Draw
+
+log = logging.getLogger("verispec")
 
 #: steps with an empty proposal after which no-draft steps stop tapping hidden rows.
 NO_DRAFT_STEPS_BEFORE_PLAIN = 2
@@ -72,11 +76,14 @@ class SpeculativeExecution:
     sampler: `.draw(logits fp32 [V], pos) -> Draw` and `.accept(token)` (verispec.sampling.Sampler).
     governor: optional SpeculationCostGovernor (`should_speculate`, `record_*`); None = always armed.
     window: optional DraftWindow choosing K per step within [1, draft_window].
+    on_plugin_fault: called once with a one-line reason when the speculator faults (module
+      docstring); default: a logged warning naming the speculator.
     """
 
     def __init__(self, trunk: SpeculativeTarget, seq: int, speculator: Speculator | None, *,
                  draft_window: int = DEFAULT_DRAFT_WINDOW, stop_token_ids: Sequence[int] = (), governor=None,
-                 window=None, clock: Callable[[], float] = time.perf_counter):
+                 window=None, clock: Callable[[], float] = time.perf_counter,
+                 on_plugin_fault: Callable[[str], None] | None = None):
         self.trunk, self.seq = trunk, seq
         self.speculator = speculator
         self.draft_window = draft_window
@@ -89,10 +96,14 @@ class SpeculativeExecution:
         self._armed = speculator is not None
         #: the speculator sees this sequence's commits (False once it declined a reused prefix).
         self._follows = speculator is not None
-        self._state = speculator.new_state() if speculator is not None else None
+        #: why the speculator was switched off for this sequence, or None.
+        self.fault: str | None = None
+        self._on_plugin_fault = on_plugin_fault or (
+            lambda reason: log.warning("%s; switched off for this sequence, decoding plainly", reason))
         self._hidden_prev = None
         self._no_draft_streak = 0
         self._view = trunk.view() if speculator is not None else None
+        self._state = self._plugin_call("new_state", speculator.new_state) if speculator is not None else None
 
     @property
     def seq_len(self) -> int:
@@ -105,8 +116,46 @@ class SpeculativeExecution:
 
     def _forward(self, tokens: Sequence[int], *, logits: str, hidden: bool, verify: bool = False):
         tap_layers = self.speculator.tap_layers if hidden else None
-        return self.trunk.forward([Segment(self.seq, list(tokens), logits=logits, hidden=hidden,
-                                           tap_layers=tap_layers, verify=verify)])[0]
+        segment = Segment(self.seq, list(tokens), logits=logits, hidden=hidden, tap_layers=tap_layers, verify=verify)
+        try:
+            return self.trunk.forward([segment])[0]
+        except UnsupportedTap as exc:  # refused before anything was written: the drafter's fault
+            self._plugin_fault(f"asked for hidden taps the trunk cannot serve ({exc})")
+            return self.trunk.forward([Segment(self.seq, list(tokens), logits=logits, verify=verify)])[0]
+
+    # -- plugin faults -----------------------------------------------------------------
+
+    def _plugin_call(self, what: str, call: Callable, *args):
+        """`call(*args)`, or None after switching the speculator off when it raises."""
+        try:
+            return call(*args)
+        except Exception as exc:  # noqa: BLE001 -- any exception from a plugin is the plugin's fault
+            self._plugin_fault(f"{what} raised {type(exc).__name__}: {exc}")
+            return None
+
+    def _plugin_fault(self, what: str) -> None:
+        if self.fault is not None:
+            return
+        self._armed = self._follows = False
+        self.fault = f"speculator {self.speculator.name!r}: {what}"
+        self._on_plugin_fault(self.fault)
+
+    def _checked_draft(self, draft, k: int) -> list[int]:
+        """The proposal as a list of ints, or [] after switching the speculator off for junk."""
+        if self.fault is not None:  # propose itself raised
+            return []
+        if not isinstance(draft, (list, tuple)):
+            self._plugin_fault(f"propose returned {type(draft).__name__}, not a list of token ids")
+            return []
+        if len(draft) > k:
+            self._plugin_fault(f"propose returned {len(draft)} ids for a window of {k}")
+            return []
+        vocab = self.trunk.vocab_size
+        bad = [t for t in draft if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
+        if bad:
+            self._plugin_fault(f"propose returned {bad[0]!r}, not a token id in [0, {vocab})")
+            return []
+        return [int(t) for t in draft]
 
     # -- sequence set-up ---------------------------------------------------------------
 
@@ -137,9 +186,9 @@ class SpeculativeExecution:
         if not self.speculator.spec.can_arm_after_prefix_reuse:
             self._armed = self._follows = False  # stays plain for this sequence: it cannot see the reused rows
             return
-        self._state = self.speculator.new_state()
-        self.speculator.commit(self._state, list(tokens), None, 0)
-        self._armed = True
+        self._state = self._plugin_call("new_state", self.speculator.new_state)
+        self._armed = self._follows = self.fault is None
+        self._commit(tokens, None, 0)
 
     def catch_up(self, tokens: Sequence[int], start_pos: int) -> None:
         """Tokens decoded plainly elsewhere while this context was set aside (a 1 → N → 1 interlude)."""
@@ -161,7 +210,7 @@ class SpeculativeExecution:
         ctx = DraftContext(last_token=self.last_token, pos=self.seq_len, draft_window=k,
                            min_draft_prob=self.speculator.min_draft_prob, hidden_prev=self._hidden_prev,
                            stop_token_ids=self.stop_token_ids, seq=self.seq, trunk=self._view)
-        draft = list(self.speculator.propose(self._state, ctx))[:k]
+        draft = self._checked_draft(self._plugin_call("propose", self.speculator.propose, self._state, ctx), k)
         if draft:
             self._no_draft_streak = 0
             return self._speculative_step(draft, sampler, on_token, start)
@@ -217,7 +266,7 @@ class SpeculativeExecution:
             i += 1
         num_kept = i + 1  # [last, d1..di] stay in the sequence; `token` is the new pending token
         self.trunk.keep(self.seq, num_kept)
-        self.speculator.keep(self._state, num_kept)
+        self._plugin_call("keep", self.speculator.keep, self._state, num_kept)
         self._commit(rows[:num_kept], None if out.hidden is None else out.hidden[:num_kept], base)
         self.last_token = token
         self._record_spec(len(draft), num_accepted, num_kept, start)
@@ -244,4 +293,4 @@ class SpeculativeExecution:
         if hidden_rows is not None:
             self._hidden_prev = hidden_rows[-1]
         if self._follows:
-            self.speculator.commit(self._state, list(tokens), hidden_rows, start_pos)
+            self._plugin_call("commit", self.speculator.commit, self._state, list(tokens), hidden_rows, start_pos)
