@@ -121,3 +121,18 @@ def test_a_refused_keep_changes_no_layer():
     assert sequence.seq_len == 7 and recurrent.values["h"].item() == 7.0
     sequence.keep(2)
     assert sequence.seq_len == 6 and recurrent.values["h"].item() == 6.0
+
+
+def test_view_kv_reads_committed_rows_only_and_never_the_trunks_buffers():
+    toy = ToyTarget(recurrent=True)
+    seq = toy.new_sequence()
+    forward_one(toy, seq, [1, 2, 3, 4])
+    forward_one(toy, seq, [5, 6, 7], verify=True)
+    toy.keep(seq, 1)  # positions 5 and 6 were rejected: their slots still hold stale rows
+    k, v, positions = toy.view().kv(seq, 1)
+    assert k.shape[0] == 1 and k.shape[2] == toy.hidden_size and k.shape == v.shape
+    assert positions[:5].tolist() == [0, 1, 2, 3, 4] and (positions[5:] == -1).all()
+    k.zero_()  # a copy: the trunk is unchanged
+    assert toy.view().kv(seq, 1)[0].abs().sum() > 0
+    with pytest.raises(ValueError, match="no attention KV"):
+        toy.view().kv(seq, 0)  # the recurrent layer

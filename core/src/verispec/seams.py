@@ -155,6 +155,10 @@ class TrunkView(Protocol):
     def logits(self, hidden: "torch.Tensor") -> "torch.Tensor":
         """The LM head over final-normed rows fp32 [n, D] -> fp32 [n, V] (final softcap included)."""
 
+    def kv(self, seq: int, layer: int) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+        """Committed K/V of one attention layer for heads that read the trunk's cache: k, v fp32
+        [Hkv, T, Dh] and each slot's position int64 [T] (-1 = empty). ValueError for a layer without KV."""
+
 
 class DraftHeadKind(enum.Enum):
     NONE = "none"  # the model has no drafter: weight-free algorithms only

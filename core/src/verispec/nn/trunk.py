@@ -230,6 +230,20 @@ class TrunkView:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._trunk._lm_head(hidden)
 
+    def kv(self, seq: int, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The committed attention K/V of `layer` in sequence `seq` (copies: the head cannot change
+        the trunk): k, v fp32 [Hkv, T, Dh] and the position each slot holds, int64 [T] (-1 =
+        empty; a sliding-window ring holds only the last window). Raises ValueError for a layer
+        that stores no KV (a recurrent or KV-shared layer)."""
+        state = self._trunk._state(seq)
+        cache = state.layers[layer]
+        if not hasattr(cache, "key_length"):
+            raise ValueError(f"layer {layer} stores no attention KV of its own ({type(cache).__name__})")
+        num_slots = cache.key_length(state.seq_len - 1) if state.seq_len else 0
+        k, v, positions = cache.read(num_slots)
+        positions = torch.where(positions < state.seq_len, positions, -1)
+        return k.clone(), v.clone(), positions
+
 
 class TrunkModule(SequenceTrunk, nn.Module):
     """Base of the model families: an nn.Module built on the meta device from an HF-style config.
