@@ -26,7 +26,10 @@ def resolve_model_path(model: str | None, registry: Registry) -> str:
 
 def load_target(path: str, registry: Registry, *, dtype: str | None = None, threads: int | None = None,
                 context_length: int | None = None):
-    """Load a trunk with the model package registered for the file's general.architecture."""
+    """Load a trunk with the model package registered for the file's general.architecture.
+
+    threads: torch's intra-op thread count, set here and nowhere else (loaders take none).
+    """
     from verispec.gguf_io import read_architecture
     from verispec.specs import resolve
 

@@ -74,7 +74,8 @@ class SpeculatorSpec:
 @attrs.frozen
 class TargetSpec:
     """A model family: loads GGUF files whose `general.architecture` is one of `architectures`.
-    `loader(path, *, dtype, threads, context_length)` returns a SpeculativeTarget."""
+    `loader(path, *, dtype, context_length)` returns a SpeculativeTarget; the thread count is
+    the caller's (`verispec.api.load_target` sets it before calling the loader)."""
 
     name: str = attrs.field(validator=_check_name)
     summary: str = attrs.field(validator=attrs.validators.instance_of(str))

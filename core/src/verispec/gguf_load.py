@@ -1,0 +1,286 @@
+"""GGUF -> a family module's state dict, driven by the family's typed tensor table.
+
+A model family keeps only its data: a table of `Tensor` entries (GGUF name -> our parameter
+name) and its config reading. It builds its module on the meta device and calls
+
+    plan = plan_weights(gguf, model, TENSORS, num_layers=config.num_hidden_layers)
+    plan.load(dtype=dtype, layout="llama", use_cache=use_cache, progress=progress)
+
+`plan_weights` walks the module's state dict and, for every entry, finds its table row and
+picks the GGUF source present in the file; `WeightPlan.check` (run by `load`) refuses a missing
+(gguf_io.MissingTensor) or misshapen (BadTensorShape, via `GGUFFile.expect_shape`) tensor
+before any conversion starts. `WeightPlan.convert` reads each source (dequantised to fp32 by
+`GGUFFile.tensor`) and decides its dtype:
+- the weight of a linear (`nn.quant.Float32Linear` and subclasses) is converted to that
+  linear's weight dtype by `type(module).from_float(tensor)`; its state entries (`weight`,
+  int8 `scales`, int4 `packed`/`nibbles`/`scales_zeros`) are what that module holds;
+- everything else (norms, biases, scales, scalars) stays fp32 as stored.
+`WeightPlan.load` goes through `verispec.weight_cache.cached_state` (the next load
+memory-maps the converted state) and fills the module with `load_state_dict(assign=True)`.
+
+Table entries, all typed (no syntax inside names beyond the `str.format` fields):
+
+    Tensor("blk.{i}.attn_q.weight", "model.layers.{i}.self_attn.q_proj.weight")   # one per layer
+    Tensor("blk.{i}.layer_output_scale.weight", "model.layers.{i}.layer_scalar",
+           optional=True)                            # absent: the module's default is kept
+    Tensor("blk.{i}.ffn_gate_up_exps.weight", "model.layers.{i}.experts.gate_up_proj.{e}.weight",
+           per_expert=True,                          # expert e's slice of a 3-D [E, rows, cols]
+           alternatives=(Stack("blk.{i}.ffn_gate_exps.weight", "blk.{i}.ffn_up_exps.weight"),))
+
+"{i}" expands per layer (it must appear in the target and every source name, or in none);
+"{e}" in the target expands per expert (exactly when `per_expert`). Entries whose target the
+module does not have (a tied LM head, a KV-shared layer's k_proj) are never looked up.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+import torch
+from torch import nn
+
+from verispec.gguf_io import GGUFFile
+from verispec.nn.quant import Float32Linear
+from verispec.weight_cache import cached_state
+
+__all__ = ["Stack", "Tensor", "TensorSource", "UnmappedParameter", "WeightPlan", "expand_table", "plan_weights"]
+
+
+class UnmappedParameter(LookupError):
+    """The module has a state entry its family's tensor table does not fill (a table bug)."""
+
+    def __init__(self, name: str, module: str, architecture: str | None):
+        self.name, self.module, self.architecture = name, module, architecture
+        super().__init__(f"{module} has state entry {name!r}, but the {architecture!r} tensor table has no "
+                         "Tensor(...) entry whose target is it; add one to the family's table")
+
+
+@attrs.frozen(init=False)
+class Stack:
+    """GGUF tensors concatenated along rows (dim 0), in order, into one parameter: e.g. separate
+    gate and up projections read as one fused gate|up weight. Each part holds an equal share
+    of the parameter's rows."""
+
+    parts: tuple[str, ...]
+
+    def __init__(self, *parts: str):
+        if len(parts) < 2 or not all(isinstance(p, str) for p in parts):
+            raise TypeError(f"Stack takes two or more GGUF tensor names, got {parts!r}")
+        self.__attrs_init__(tuple(parts))
+
+
+def _parts(source: str | Stack) -> tuple[str, ...]:
+    return source.parts if isinstance(source, Stack) else (source,)
+
+
+def _check_source(_, attribute, value) -> None:
+    if not isinstance(value, (str, Stack)):
+        raise TypeError(f"Tensor.{attribute.name}: a GGUF name or a Stack, got {value!r}")
+
+
+@attrs.frozen
+class Tensor:
+    """One row of a family's tensor table: where the state entry `target` comes from.
+
+    source: a GGUF tensor name, or a `Stack` of names concatenated along rows.
+    target: our state-dict name (HF-style), e.g. "model.layers.{i}.self_attn.q_proj.weight".
+    alternatives: further sources tried in order when `source` is not in the file; the first
+      one whose every part is present wins.
+    optional: when no source is present, keep the module's default value (e.g. a scale of 1).
+    per_expert: every GGUF part is a 3-D [E, rows, cols] tensor and `target` (which holds "{e}")
+      takes expert e's slice [rows, cols].
+    Raises TypeError / ValueError on a malformed entry (placeholders that do not line up).
+    """
+
+    source: str | Stack = attrs.field(validator=_check_source)
+    target: str = attrs.field(validator=attrs.validators.instance_of(str))
+    alternatives: tuple[str | Stack, ...] = attrs.field(
+        default=(), kw_only=True, converter=tuple, validator=attrs.validators.deep_iterable(_check_source))
+    optional: bool = attrs.field(default=False, kw_only=True)
+    per_expert: bool = attrs.field(default=False, kw_only=True)
+
+    def __attrs_post_init__(self):
+        for name in (n for s in self.sources for n in _parts(s)):
+            if ("{i}" in name) != self.per_layer:
+                raise ValueError(f"Tensor({name!r} -> {self.target!r}): '{{i}}' must be in the target and every "
+                                 "GGUF name, or in none")
+            _check_format(name, i=0)
+        if ("{e}" in self.target) != self.per_expert:
+            raise ValueError(f"Tensor(-> {self.target!r}): the target holds '{{e}}' exactly when per_expert=True")
+        _check_format(self.target, i=0, e=0)
+
+    @property
+    def per_layer(self) -> bool:
+        """One state entry per layer ("{i}" in the names)."""
+        return "{i}" in self.target
+
+    @property
+    def sources(self) -> tuple[str | Stack, ...]:
+        """`source`, then the `alternatives`, in the order they are tried."""
+        return (self.source, *self.alternatives)
+
+
+def _check_format(name: str, **fields) -> None:
+    try:
+        name.format(**fields)
+    except (KeyError, IndexError, ValueError):
+        raise ValueError(f"{name!r}: only the fields {{i}} (layer) and {{e}} (expert, targets only) "
+                         "may appear in a tensor table name") from None
+
+
+@attrs.frozen
+class TensorSource:
+    """One state entry's concrete source after expansion (names formatted for one layer/expert).
+
+    alternatives: tried in order; each is the GGUF names stacked along rows (one name: as is).
+    expert: the slice index into each 3-D part, or None for a plain tensor.
+    """
+
+    alternatives: tuple[tuple[str, ...], ...]
+    optional: bool = False
+    expert: int | None = None
+
+
+def expand_table(table: Iterable[Tensor], num_layers: int, num_experts: int = 0) -> dict[str, TensorSource]:
+    """Our state-dict name -> its `TensorSource`, every "{i}" entry expanded for layers
+    0..num_layers-1 and every per-expert entry for experts 0..num_experts-1.
+    Raises ValueError when two entries fill the same name."""
+    out: dict[str, TensorSource] = {}
+    for entry in table:
+        for i in range(num_layers) if entry.per_layer else (None,):
+            alternatives = tuple(tuple(name.format(i=i) for name in _parts(s)) for s in entry.sources)
+            for e in range(num_experts) if entry.per_expert else (None,):
+                target = entry.target.format(i=i, e=e)
+                if target in out:
+                    raise ValueError(f"two tensor table entries fill {target!r}")
+                out[target] = TensorSource(alternatives, entry.optional, e)
+    return out
+
+
+@attrs.frozen
+class _Job:
+    linear: Float32Linear | None  # the linear whose weight this is; None: stays fp32
+    parts: tuple[str, ...] | None  # the chosen source; None: optional, absent, default kept
+    part_shape: tuple[int, ...]  # torch-order shape each part must have
+    expert: int | None
+    default: torch.Tensor | None  # the module's value, kept when parts is None
+
+
+@attrs.frozen(eq=False)
+class WeightPlan:
+    """Every state entry of `model` with the GGUF tensors it is read from. Built by
+    `plan_weights`; `check` validates the file, `convert` reads, `load` caches and fills."""
+
+    gguf: GGUFFile
+    model: nn.Module
+    jobs: dict[str, _Job]
+
+    @property
+    def gguf_names(self) -> frozenset[str]:
+        """Every GGUF tensor this plan reads: the chosen source of each entry (the first one
+        when none is present), nothing for an absent optional entry. A family that refuses
+        files with tensors it would not use compares this with the file's tensor names."""
+        return frozenset(name for job in self.jobs.values() for name in job.parts or ())
+
+    def check(self) -> None:
+        """Every tensor the plan reads is in the file with the expected shape.
+        Raises MissingTensor (naming the first absent tensor of the entry's first source, the
+        architecture and the file), BadTensorShape."""
+        for job in self.jobs.values():
+            for part in job.parts or ():
+                self.gguf.expect_shape(part, job.part_shape)
+
+    def convert(self, progress: bool | None = None) -> dict[str, torch.Tensor]:
+        """The model's state dict read from the file, no cache: for each linear, the entries of
+        `type(linear).from_float(weight)` (fp32 / bf16 [out, in], int8 [out, in'] + bf16 scales
+        [out], int4 packed groups: see nn.quant); every other entry fp32 in its module's shape
+        (an absent optional entry: a copy of the module's default).
+
+        progress: tqdm bar (None: on a terminal, after a second).
+        Raises what `check` raises, gguf_io.UnsupportedTensorType."""
+        from tqdm.auto import tqdm
+
+        self.check()
+        state: dict[str, torch.Tensor] = {}
+        experts: dict[tuple[str, ...], list[torch.Tensor]] = {}  # the last 3-D source, dequantised once
+        for name, job in tqdm(self.jobs.items(), desc="converting weights", unit="tensor",
+                              disable=None if progress is None else not progress, delay=1.0):
+            if job.parts is None:
+                state[name] = job.default.clone()
+                continue
+            if job.expert is None:
+                tensors = [self.gguf.tensor(part) for part in job.parts]
+            else:
+                if job.parts not in experts:
+                    experts = {job.parts: [self.gguf.tensor(part) for part in job.parts]}
+                tensors = [stacked[job.expert] for stacked in experts[job.parts]]
+            tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+            if job.linear is None:
+                state[name] = tensor.float()
+                continue
+            prefix = name.rpartition(".")[0]
+            for key, value in type(job.linear).from_float(tensor).state_dict().items():
+                state[f"{prefix}.{key}"] = value
+        return state
+
+    def load(self, *, dtype: str, layout: str, use_cache: bool = True, progress: bool | None = None) -> None:
+        """Fill the model: `check`, the converted state from `weight_cache.cached_state` (read
+        back from the cache, else `convert`ed and saved), `load_state_dict(assign=True)`, then
+        eval mode.
+
+        dtype: the canonical weight dtype the model was built with (part of the cache key).
+        layout: the family's tag for its converted layout (part of the cache key).
+        Raises what `convert` raises."""
+        self.check()
+        state = cached_state(self.gguf, dtype, lambda: self.convert(progress), use_cache=use_cache, layout=layout)
+        self.model.load_state_dict(state, assign=True)
+        self.model.eval()
+
+
+def plan_weights(gguf: GGUFFile, model: nn.Module, table: Iterable[Tensor], *, num_layers: int,
+                 num_experts: int = 0) -> WeightPlan:
+    """Match every state entry of `model` (built on the meta device) to its source in `gguf`:
+    the first source whose tensors are all in the file. Nothing is read or checked yet
+    (`WeightPlan.check`), so a family can first refuse a file for what else it holds.
+
+    A linear's entries are planned as one tensor, `<linear>.weight`, of shape
+    [out_features, in_features]; every other entry has its module's shape. A stacked source's
+    parts each take an equal share of the rows; a per-expert part is [num_experts, *shape].
+    Raises UnmappedParameter for a state entry the table does not fill, ValueError for an
+    optional entry absent from the file whose module has no default value (a linear, or a
+    meta tensor) and for rows a stack cannot share evenly.
+    """
+    sources = expand_table(table, num_layers, num_experts)
+    linears = {prefix: m for prefix, m in model.named_modules() if isinstance(m, Float32Linear)}
+    jobs: dict[str, _Job] = {}
+    for name, value in model.state_dict().items():
+        prefix = name.rpartition(".")[0]
+        linear = linears.get(prefix)
+        if linear is not None:
+            name, shape = f"{prefix}.weight", (linear.out_features, linear.in_features)
+            if name in jobs:  # a linear's other entries (scales, ...) come with its weight
+                continue
+        else:
+            shape = tuple(value.shape)
+        source = sources.get(name)
+        if source is None:
+            raise UnmappedParameter(name, type(model).__name__, gguf.get("general.architecture"))
+        parts = next((parts for parts in source.alternatives if all(p in gguf for p in parts)),
+                     None if source.optional else source.alternatives[0])
+        if parts is None and (linear is not None or value.is_meta):
+            raise ValueError(f"{name!r} is optional and absent from {gguf.path}, but the module has no default "
+                             "value for it (built on the meta device); make the entry required")
+        jobs[name] = _Job(linear, parts, _part_shape(name, shape, parts, source.expert, num_experts),
+                          source.expert, value if parts is None else None)
+    return WeightPlan(gguf, model, jobs)
+
+
+def _part_shape(name: str, shape: tuple[int, ...], parts: tuple[str, ...] | None, expert: int | None,
+                num_experts: int) -> tuple[int, ...]:
+    """The torch-order shape each GGUF part of a `shape` entry must have."""
+    if parts is not None and len(parts) > 1:
+        rows, left = divmod(shape[0], len(parts))
+        if left:
+            raise ValueError(f"{name!r} has {shape[0]} rows, which {len(parts)} stacked parts cannot share")
+        shape = (rows, *shape[1:])
+    return shape if expert is None else (num_experts, *shape)
