@@ -29,7 +29,7 @@ from verispec_gemma4.modeling_gemma4 import Gemma4Config, Gemma4ForCausalLM
 #: on CPU (measurements in the package README).
 DEFAULT_DTYPE = "int8"
 
-#: GGUF tensor -> parameter in our modules (HF's names); "{i}" = layer index, "{e}" = expert.
+#: GGUF tensor -> parameter in our modules (HF's names); "{i}" = layer index (gemma4's "{e}" = expert).
 #: gguf-py MODEL_TENSORS[GEMMA3]; reference/gemma4.md §2.1 gives the HF <-> GGUF pairs.
 #: `output.weight` is only in files with an untied LM head (a tied model has no lm_head entry).
 GEMMA3_TENSORS = (
@@ -51,31 +51,16 @@ GEMMA3_TENSORS = (
     Tensor("blk.{i}.post_ffw_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight"),
 )
 
-#: gemma4 (llama.cpp src/models/gemma4 loader, gguf-py MODEL_TENSORS[GEMMA4]; reference/gemma4.md §2.3).
-#: Norms are stored as w (no +1). KV-shared layers have no attn_k/attn_v/attn_k_norm; full layers
-#: of K=V models no attn_v (the model then builds no v_proj, so neither is looked up). The layer
-#: scalar and per-expert scales are optional (the module's default, 1); experts come as one fused
-#: 3-D gate|up tensor or as separate gate and up tensors.
-GEMMA4_TENSORS = (
-    Tensor("token_embd.weight", "model.embed_tokens.weight"),
-    Tensor("output.weight", "lm_head.weight"),
-    Tensor("output_norm.weight", "model.norm.weight"),
+#: gemma4 (llama.cpp src/models/gemma4 loader, gguf-py MODEL_TENSORS[GEMMA4]; reference/gemma4.md §2.3):
+#: every gemma3 row, plus per-layer embeddings, layer scalars, MoE. Norms are stored as w (no +1).
+#: KV-shared layers have no attn_k/attn_v/attn_k_norm; full layers of K=V models no attn_v (the
+#: model then builds no v_proj, so neither is looked up). The layer scalar and per-expert scales
+#: are optional (the module's default, 1); experts come as one fused 3-D gate|up tensor or as
+#: separate gate and up tensors.
+GEMMA4_TENSORS = GEMMA3_TENSORS + (
     Tensor("per_layer_token_embd.weight", "model.embed_tokens_per_layer.weight"),
     Tensor("per_layer_model_proj.weight", "model.per_layer_model_projection.weight"),
     Tensor("per_layer_proj_norm.weight", "model.per_layer_projection_norm.weight"),
-    Tensor("blk.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    Tensor("blk.{i}.attn_q.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    Tensor("blk.{i}.attn_q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
-    Tensor("blk.{i}.attn_k.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    Tensor("blk.{i}.attn_k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
-    Tensor("blk.{i}.attn_v.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-    Tensor("blk.{i}.attn_output.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-    Tensor("blk.{i}.post_attention_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    Tensor("blk.{i}.ffn_norm.weight", "model.layers.{i}.pre_feedforward_layernorm.weight"),
-    Tensor("blk.{i}.ffn_gate.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    Tensor("blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    Tensor("blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight"),
-    Tensor("blk.{i}.post_ffw_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight"),
     Tensor("blk.{i}.layer_output_scale.weight", "model.layers.{i}.layer_scalar", optional=True),
     Tensor("blk.{i}.inp_gate.weight", "model.layers.{i}.per_layer_input_gate.weight"),
     Tensor("blk.{i}.proj.weight", "model.layers.{i}.per_layer_projection.weight"),
