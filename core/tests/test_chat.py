@@ -143,3 +143,26 @@ def test_verispec_chat_command(tmp_path, model_path):
     answers = r.stdout.split("\n")
     assert len(answers) == 3 and answers[0] == answers[1] and answers[2] == ""
     assert [m.group(1) for m in SUMMARY.finditer(r.stderr)] == ["5", "5"]
+
+
+def test_a_line_that_is_not_utf8_is_reported_and_the_chat_goes_on(model_path, registry, fresh_answer):
+    """`verispec chat` reads stdin with surrogateescape: a non-UTF-8 line is named and left out."""
+    engine = api.load(model_path, registry=registry, spec=SpecOptions(enabled=False))
+    rc, out, err, summaries = chat(engine, "caf\udce9 au lait\n" + f"{CAT}\n")
+    assert rc == 0 and "that line is not UTF-8 text: byte 0xe9 at byte 3 is not valid UTF-8" in err
+    assert out == fresh_answer([{"role": "user", "content": CAT}]) + "\n" and len(summaries) == 1
+
+
+def test_verispec_chat_with_a_non_utf8_stdin_line(tmp_path, model_path):
+    info = tmp_path / "verispec_toy-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: verispec-toy\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[verispec]\ntoy = verispec.testing.toy_plugin\n")
+    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    r = subprocess.run([sys.executable, "-c", code, "chat", "--model", str(model_path), "--max-tokens", "3",
+                        "--ignore-eos"], input=b"caf\xe9\n" + CAT.encode() + b"\n",
+                       env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, timeout=120, check=False)
+    stderr = r.stderr.decode()
+    assert r.returncode == 0, stderr
+    assert "byte 0xe9 at byte 3" in stderr and "Traceback" not in stderr
+    assert [m.group(1) for m in SUMMARY.finditer(stderr)] == ["3"]

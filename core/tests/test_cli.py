@@ -2,6 +2,7 @@
 folders (the toy plugin, and one that fails to import)."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -104,3 +105,90 @@ def test_missing_model_path_and_unknown_spec_type_are_one_line_errors(env, tmp_p
     path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
     r = verispec(env, "generate", "hi", "--model", str(path), "--spec-type", "nosuchalgo")
     assert r.returncode == 1 and "nosuchalgo" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- exit codes and one-line messages (issue 14, items 1, 2 and 6) -------------------------------
+
+def run_code(env, code, *args, **kwargs):
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, timeout=120, **kwargs)
+
+
+def test_a_prompt_that_is_not_utf8_is_an_error_naming_the_byte(env, tmp_path):
+    path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
+    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    for args in ([b"caf\xe9 au lait"], [b"ok", b"--stop", b"x\xff"]):
+        r = run_code(env, code, "generate", "--model", str(path), *args)
+        stderr = r.stderr.decode()
+        assert r.returncode == 2, stderr
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 2 and "Traceback" not in stderr
+        assert "is not UTF-8 text: byte 0x" in lines[0] and "at byte" in lines[0]
+    assert "byte 0xe9 at byte 3" in run_code(env, code, "generate", b"caf\xe9").stderr.decode()
+    # a path is the OS's business: a non-UTF-8 name is looked up as given
+    r = run_code(env, code, "generate", "hi", "--model", os.fsencode(tmp_path) + b"/n\xe9.gguf")
+    assert r.returncode == 1 and b"no such GGUF file" in r.stderr and b"Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "--stop", ""], "argument --stop: stop strings must be non-empty"),
+    (["generate", "--max-tokens", "0"], "--max-tokens 0: choose 1..1048576"),
+    (["generate", "--bogus"], "unrecognized arguments: --bogus"),
+    (["serve", "--request-timeout", "0"], "--request-timeout 0.0: choose 0.01..10000000.0"),
+    ([], "the following arguments are required: command"),
+])
+def test_bad_flags_print_the_error_and_a_one_line_usage(env, args, message):
+    r = verispec(env, *args)
+    lines = [line for line in r.stderr.splitlines() if line]  # the helper adds one line of its own
+    assert r.returncode == 2 and message in lines[0], r.stderr
+    assert lines[1].startswith("usage: verispec") and "(--help lists the flags)" in lines[1]
+    assert len(lines) == 2 and r.stdout == ""
+
+
+def test_plugins_into_a_closed_pipe_is_quiet(env):
+    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    process = subprocess.Popen([sys.executable, "-c", code, "plugins"], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    process.stdout.close()  # the reader left before the first line (`verispec plugins | head -0`)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    assert b"Broken pipe" not in stderr and b"Exception ignored" not in stderr and b"Traceback" not in stderr
+    assert stderr.decode().splitlines() == [line for line in stderr.decode().splitlines() if "libbroken" in line]
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(env):
+    code = ("import sys, time; from verispec import cli\n"
+            "def slow(args):\n    print('ready', flush=True)\n    time.sleep(60)\n"
+            "cli.COMMANDS['plugins'] = slow\nsys.exit(cli.main(['plugins']))")
+    process = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    assert process.stdout.readline() == "ready\n"
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130 and stderr == "verispec: interrupted\n"
+
+
+@pytest.mark.parametrize("raised,rc,one_line", [
+    ("IndexError('index 274489 is out of bounds')", 70, False),
+    ("KeyError('blk.0.attn_q.weight')", 70, False),
+    ("ValueError('a bare ValueError is a bug')", 70, False),
+    ("OSError(28, 'No space left on device')", 70, False),
+    ("__import__('verispec.errors').errors.InvalidArgument('bad input, the fix')", 1, True),
+    ("FileNotFoundError(2, 'No such file', 'x.gguf')", 1, True),
+])
+def test_only_verispecs_own_errors_are_one_line_user_errors(env, raised, rc, one_line):
+    code = ("import sys; from verispec import cli\n"
+            f"def command(args):\n    raise {raised}\n"
+            "cli.COMMANDS['plugins'] = command\nsys.exit(cli.main(['plugins']))")
+    r = run_code(env, code, text=True)
+    assert r.returncode == rc, r.stderr
+    if one_line:
+        assert r.stderr.startswith("verispec: error: ") and len(r.stderr.splitlines()) == 1
+    else:
+        assert "Traceback (most recent call last)" in r.stderr
+        assert r.stderr.splitlines()[-1].startswith("verispec: internal error (a bug in verispec or a plugin")
+
+
+def test_chat_on_a_model_without_a_template_is_a_one_line_error(env, tmp_path):
+    path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
+    r = verispec(env, "generate", "hi", "--model", str(path), "--chat")
+    assert r.returncode == 1 and "has no tokenizer.chat_template" in r.stderr and "Traceback" not in r.stderr

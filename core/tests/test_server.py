@@ -397,3 +397,145 @@ def test_a_speculator_that_raises_mid_stream_never_breaks_a_request(model_path, 
                                                   "ignore_eos": True})
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == expected.text
     assert len(calls) == 3  # never asked again
+
+
+# -- hostile input and held engines (issue 14, items 2 and 3) ------------------------------------
+
+@pytest.mark.parametrize("path,request_body,field", [
+    ("/v1/completions", {"prompt": "caf\ud800 au lait"}, "prompt"),
+    ("/v1/chat/completions", {"messages": [MESSAGES[0], {"role": "user", "content": "caf\udce9"}]},
+     "messages[1].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", {"messages": [{"role": "us\ud800er", "content": "hi"}]}, "messages[0].role"),
+    ("/v1/completions", {"prompt": "x", "stop": "\ud800"}, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": ["ok", "a\ud83d"]}, "stop[1]"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(client, path, request_body, field):
+    body = json.dumps({"max_tokens": 2, **request_body})  # ensure_ascii: the surrogate travels as \\ud800
+    assert "\\ud" in body
+    r = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{field}: a lone surrogate U+") and "not Unicode text" in error["message"]
+    assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_max_tokens_beyond_what_the_context_holds_is_a_400_naming_the_limit(client, engine):
+    room = CONTEXT - len(engine.encode(PROMPT))
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10**9})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
+    assert f"holds {CONTEXT} tokens" in error["message"] and f"at most {room}" in error["message"]
+    assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": room + 1}).status_code == 400
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": room, "temperature": 0,
+                                             "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == room
+    chat_room = CONTEXT - len(engine.encode(MESSAGES))
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_completion_tokens": chat_room + 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+    assert f"at most {chat_room}" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": chat_room + 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_the_completions_default_max_tokens_fits_a_nearly_full_context(client, engine):
+    """16 tokens is OpenAI's default, not the client's ask: it shrinks to what fits."""
+    prompt = PROMPT + " the cat" * 100
+    ids = engine.encode(prompt)
+    prompt = engine.tokenizer.decode(ids[:CONTEXT - 5])
+    room = CONTEXT - len(engine.encode(prompt))
+    assert 0 < room < 16
+    r = client.post("/v1/completions", json={"prompt": prompt, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == room
+
+
+@pytest.fixture
+def slow_engine(model_path, registry):
+    """An engine whose every forward takes 20 ms more: `engine.forwards` counts them."""
+    engine = api.load(model_path, registry=registry, context_length=CONTEXT, spec=SpecOptions(enabled=False))
+    forward = engine.target.forward
+    engine.forwards = 0
+
+    def slow_forward(*args, **kwargs):
+        engine.forwards += 1
+        time.sleep(0.02)
+        return forward(*args, **kwargs)
+    engine.target.forward = slow_forward
+    return engine
+
+
+def test_a_whole_response_whose_client_left_stops_and_frees_the_engine(slow_engine, reference):
+    app = create_app(slow_engine)
+    request = {"prompt": PROMPT, "max_tokens": 90, "temperature": 0, "ignore_eos": True}
+    sent = []
+
+    async def leave_after_five_forwards_then_ask_again():
+        body = [{"type": "http.request", "body": json.dumps(request).encode()}]
+
+        async def receive():
+            if body:
+                return body.pop()
+            while slow_engine.forwards < 5:
+                await anyio.sleep(0.01)
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        with anyio.fail_after(30):
+            await app(scope, receive, send)
+        left_at = slow_engine.forwards
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            with anyio.fail_after(30):
+                answer = (await client.post("/v1/completions", json={**request, "max_tokens": 10})).json()
+        return left_at, answer
+
+    left_at, answer = anyio.run(leave_after_five_forwards_then_ask_again)
+    assert sent[0]["status"] == 200
+    assert 5 <= left_at <= 8  # the step under way finished; the other ~85 never ran
+    expected, _ = reference(PROMPT, max_tokens=10, ignore_eos=True)
+    assert answer["choices"][0]["text"] == expected.text  # the abandoned request left the engine exact
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_generation_past_the_request_timeout_ends_with_finish_reason_length(slow_engine, reference, stream):
+    client = TestClient(create_app(slow_engine, request_timeout=0.2))
+    started = time.monotonic()
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 90, "temperature": 0,
+                                             "ignore_eos": True, "stream": stream,
+                                             "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and time.monotonic() - started < 1.5  # 90 tokens would take > 1.8 s
+    if stream:
+        payloads = sse_payloads(r)
+        assert payloads[-1] == "[DONE]" and payloads[-3]["choices"][0]["finish_reason"] == "length"
+        text = "".join(p["choices"][0]["text"] for p in payloads[:-3])
+        n = payloads[-2]["usage"]["completion_tokens"]
+    else:
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length"
+        text, n = choice["text"], r.json()["usage"]["completion_tokens"]
+    assert 1 <= n < 50
+    expected, _ = reference(PROMPT, max_tokens=n, ignore_eos=True)
+    assert text == expected.text  # cut at a token, as max_tokens=n would
+    again = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                                                 "ignore_eos": True})
+    assert again.json()["choices"][0]["text"] == reference(PROMPT, max_tokens=3, ignore_eos=True)[0].text
+
+
+def test_an_internal_error_is_a_500_with_an_openai_error_body(model_path, registry):
+    engine = api.load(model_path, registry=registry, context_length=CONTEXT, spec=SpecOptions(enabled=False))
+
+    def broken_forward(*args, **kwargs):
+        raise IndexError("a bug")
+    engine.target.forward = broken_forward
+    r = TestClient(create_app(engine), raise_server_exceptions=False).post(
+        "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "server_error" and "IndexError" in r.json()["error"]["message"]

@@ -17,6 +17,7 @@ from importlib import resources
 import attrs
 
 from verispec.engine import SpecOptions
+from verispec.errors import InvalidArgument
 
 COLUMNS = ("prompt_tokens", "new_tokens", "ttft_ms", "plain_decode_tps", "spec_decode_tps", "speedup",
            "drafted", "accepted", "identical", "governor")
@@ -29,7 +30,7 @@ def load_scenarios(names=None) -> list[dict]:
     if names:
         unknown = sorted(set(names) - set(scenarios))
         if unknown:
-            raise ValueError(f"unknown scenario(s) {unknown}; choose from {sorted(scenarios)}")
+            raise InvalidArgument(f"unknown scenario(s) {unknown}; choose from {sorted(scenarios)}")
         return [scenarios[n] for n in names]
     return [scenarios[n] for n in sorted(scenarios)]
 

@@ -14,8 +14,9 @@ from typing import TextIO
 from jinja2 import TemplateError
 
 from verispec.engine import InferenceEngine
+from verispec.errors import VerispecError
 from verispec.sampling import SamplingParams
-from verispec.tokenizer import TokenizerError
+from verispec.tokenizer import TokenizerError, text_problem
 
 HELP = "/reset starts a new conversation; end of input (Ctrl-D) exits"
 
@@ -58,6 +59,10 @@ def run_chat(engine: InferenceEngine, *, sampling: SamplingParams | None = None,
         if text.startswith("/"):
             print(f"[unknown command {text.split()[0]}: {HELP}]", file=stderr)
             continue
+        problem = text_problem(text, os_bytes=True)
+        if problem:  # stdin read with surrogateescape (cmd_chat): the turn is left out
+            print(f"verispec: error: that line is not UTF-8 text: {problem}; type UTF-8 text", file=stderr)
+            continue
         answer = _turn(engine, messages + [{"role": "user", "content": text}], sampling=sampling,
                        max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, stdout=stdout, stderr=stderr)
         if answer is not None:
@@ -69,7 +74,7 @@ def _turn(engine, messages, *, sampling, max_tokens, stop, ignore_eos, stdout, s
     try:
         generation = engine.generate(messages, max_tokens=max_tokens, sampling=sampling, stop=stop,
                                      ignore_eos=ignore_eos)
-    except (ValueError, TemplateError) as e:  # ContextOverflow, a template's raise_exception
+    except (VerispecError, TemplateError) as e:  # ContextOverflow, a template's raise_exception
         print(f"verispec: error: {e} (/reset starts a new conversation)", file=stderr)
         return None
     for event in generation:

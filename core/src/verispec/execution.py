@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from verispec.errors import InvalidArgument
 from verispec.seams import DraftContext, Segment, SpeculativeTarget, Speculator, UnsupportedTap, declared
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ def resolve_draft_window(explicit: int | None, target: object) -> int:
     """The K ceiling: an explicit --spec-draft wins; else the default narrowed by the trunk's preference."""
     if explicit is not None:
         if not 1 <= explicit <= MAX_DRAFT_WINDOW:
-            raise ValueError(f"--spec-draft {explicit}: choose 1..{MAX_DRAFT_WINDOW}")
+            raise InvalidArgument(f"--spec-draft {explicit}: choose 1..{MAX_DRAFT_WINDOW}")
         return explicit
     preferred = declared(target, "spec_preferred_draft_window")
     return min(DEFAULT_DRAFT_WINDOW, preferred) if preferred else DEFAULT_DRAFT_WINDOW

@@ -29,6 +29,8 @@ import attrs
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from verispec.errors import VerispecError
+
 if TYPE_CHECKING:
     import torch
 
@@ -74,7 +76,7 @@ _PLAIN_NUMPY = {
 
 # --- errors ---------------------------------------------------------------------------
 
-class GGUFError(Exception):
+class GGUFError(VerispecError):
     """Base class: a GGUF file cannot be read, or lacks what a loader needs."""
 
 

@@ -21,6 +21,7 @@ import importlib_metadata
 import pluggy
 
 from verispec import hookspecs
+from verispec.errors import VerispecError
 from verispec.seams import DraftHeadKind, declared
 from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TargetSpec, resolve
 
@@ -96,7 +97,7 @@ class Choice:
     declines: dict[str, str]
 
 
-class UnknownArchitecture(LookupError):
+class UnknownArchitecture(VerispecError, LookupError):
     """No installed package loads GGUF files of this `general.architecture`."""
 
     def __init__(self, arch: str, known, *, kind: str = "target"):
@@ -109,7 +110,7 @@ class UnknownArchitecture(LookupError):
                          f"(installed: {_names(self.known)}); {fix}")
 
 
-class UnknownCheckpoint(LookupError):
+class UnknownCheckpoint(VerispecError, LookupError):
     """--model names no registered checkpoint."""
 
     def __init__(self, alias: str, known):
@@ -119,7 +120,7 @@ class UnknownCheckpoint(LookupError):
                          f"or pip install the package that registers {alias!r}")
 
 
-class NoDefaultCheckpoint(LookupError):
+class NoDefaultCheckpoint(VerispecError, LookupError):
     """No installed package registers the default checkpoint."""
 
     def __init__(self, known):
@@ -128,7 +129,7 @@ class NoDefaultCheckpoint(LookupError):
                          f"or pass --model NAME|PATH (installed checkpoints: {_names(self.known)})")
 
 
-class SpeculationUnavailable(RuntimeError):
+class SpeculationUnavailable(VerispecError, RuntimeError):
     """An explicit --spec-type that no installed speculator can serve for this trunk."""
 
     def __init__(self, spec_type: str, reasons: Mapping[str, str]):

@@ -38,6 +38,8 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from verispec.errors import InvalidArgument
+
 _MASK64 = (1 << 64) - 1
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment, 2^64 / golden ratio (odd)
 #: temperatures below this are greedy; vLLM v1 sampler's `_SAMPLING_EPS`.
@@ -68,7 +70,7 @@ def keyed_uniform(seed: int, pos: int) -> float:
 
 
 def _field_error(name: str, value, allowed: str) -> ValueError:
-    return ValueError(f"SamplingParams.{name}={value!r}: {allowed}")
+    return InvalidArgument(f"SamplingParams.{name}={value!r}: {allowed}")
 
 
 def _float_in(name: str, lo: float, hi: float, *, lo_open=False, hi_open=False, hint=""):
@@ -168,14 +170,14 @@ class Sampler:
         vocab_size: V, the length of every logits row. Raises ValueError on a token id outside [0, V).
         """
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-            raise ValueError(f"vocab_size={vocab_size!r}: give the trunk's logits width, an integer >= 1")
+            raise InvalidArgument(f"vocab_size={vocab_size!r}: give the trunk's logits width, an integer >= 1")
         self.params = params
         self.vocab_size = vocab_size
         #: the seed actually used (params.seed modulo 2^64, or the random one); report it to replay.
         self.seed = secrets.randbits(64) if params.seed is None else params.seed & _MASK64
         prompt = torch.as_tensor(list(prompt_tokens), dtype=torch.int64)  # [n_prompt]
         if prompt.numel() and (int(prompt.min()) < 0 or int(prompt.max()) >= vocab_size):
-            raise ValueError(f"prompt_tokens hold ids outside [0, {vocab_size}); "
+            raise InvalidArgument(f"prompt_tokens hold ids outside [0, {vocab_size}); "
                              "give the token ids of the trunk's vocabulary")
         self._output_counts: dict[int, int] = {}
         # bool [V]: tokens anywhere in the context (repetition penalty), or None when unused.

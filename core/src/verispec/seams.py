@@ -20,11 +20,13 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
+from verispec.errors import VerispecError
+
 if TYPE_CHECKING:  # torch is imported lazily: `verispec plugins` must not load it
     import torch
 
 
-class ContextOverflow(ValueError):
+class ContextOverflow(VerispecError, ValueError):
     """A forward would write past the trunk's `max_context_length`."""
 
     def __init__(self, required_len: int, max_context_length: int):

@@ -7,12 +7,17 @@
 
 One request at a time: the engine holds a single sequence (its KV cache and the prefix the
 next request may reuse), so an asyncio.Lock admits one generation and the others wait their
-turn. The engine runs in a worker thread, so /health answers meanwhile; a client that leaves
-mid-stream frees the engine once the step under way ends. Speculation is the server's policy
-(the --spec* flags of `verispec serve`), never a request's.
+turn. The engine runs in a worker thread, so /health answers meanwhile. A client that leaves
+— mid-stream, or while waiting for a whole response — frees the engine once the step under
+way ends (a request abandoned while queued never runs). A generation that runs longer than
+`request_timeout` seconds (`verispec serve --request-timeout`, default 600; queueing time not
+counted) ends at that token with finish_reason "length", as if max_tokens had been reached.
+Speculation is the server's policy (the --spec* flags of `verispec serve`), never a request's.
 
 Request fields, as OpenAI's API: max_tokens (completions: 16 by default, as OpenAI; chat:
-until a stop or a full context; `max_completion_tokens` is its newer name), temperature
+until a stop or a full context; `max_completion_tokens` is its newer name; a value larger
+than the context leaves after the prompt is a 400 naming that limit, as OpenAI answers),
+temperature
 (1 by default, as OpenAI; 0 is greedy), top_p, seed, stop (a string or a list),
 frequency_penalty, presence_penalty, logprobs (completions: N; chat: true + top_logprobs N),
 stream, stream_options.include_usage. Extensions, spelled as vLLM does: top_k, min_p,
@@ -26,8 +31,11 @@ time to first token, speculator, drafted/accepted tokens, governor line). Logpro
 engine's processed logprobs (verispec.sampling); a token's text is its own decoding.
 
 Errors: a request the engine or the sampler rejects (a prompt longer than the context, a
-sampling value out of range, no chat template, malformed JSON) answers HTTP 400 with
-OpenAI's error body {"error": {"message", "type", "param", "code"}}; the message says the fix.
+sampling value out of range, no chat template, malformed JSON, a prompt, message or stop
+string holding a lone surrogate such as "\\ud800", which is not Unicode text) answers HTTP 400
+with OpenAI's error body {"error": {"message", "type", "param", "code"}}; the message says
+the fix and `param` names the field (e.g. "messages[1].content"). A bug answers 500 with
+the same body shape (type "server_error").
 
 Streaming is Server-Sent Events: one `data: {chunk}` per token the engine emits (its text
 may be "" while a split character or a possible stop string is held back), then a chunk
@@ -47,23 +55,26 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
 from verispec.engine import Generation, InferenceEngine, TokenEvent
+from verispec.errors import VerispecError
 from verispec.sampling import SamplingParams
 from verispec.seams import ContextOverflow
-from verispec.tokenizer import TokenizerError
+from verispec.tokenizer import TokenizerError, text_problem
 
 #: most top logprobs a request may ask for (OpenAI's chat limit; vLLM's default max_logprobs).
 MAX_TOP_LOGPROBS = 20
 #: JSON has no -inf: an impossible token's logprob is reported as this (vLLM does the same).
 MIN_LOGPROB = -9999.0
 ASSISTANT = "assistant"
+#: seconds a generation may run (`verispec serve --request-timeout`).
+DEFAULT_REQUEST_TIMEOUT = 600.0
 
 
-class RequestRejected(ValueError):
+class RequestRejected(VerispecError, ValueError):
     """A request the server refuses before generating; its message says the fix."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
@@ -113,7 +124,14 @@ class _Body(BaseModel):
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if "" in stops:
             raise RequestRejected("stop strings must be non-empty; leave the empty one out", "stop")
+        for i, text in enumerate(stops):
+            _check_text(text, "stop" if isinstance(self.stop, str) else f"stop[{i}]")
         return stops
+
+    def requested_limit(self) -> tuple[str, int] | None:
+        """(field, value) of a max_tokens the client sent; None when it left it out."""
+        sent = "max_tokens" in self.model_fields_set and self.max_tokens is not None
+        return ("max_tokens", self.max_tokens) if sent else None
 
     def unsupported(self) -> dict[str, bool]:
         """Field -> whether this request uses it in a way the server cannot honour."""
@@ -140,12 +158,17 @@ class ChatMessage(BaseModel):
     #: text, or OpenAI content parts of which only {"type": "text", "text": ...} are supported.
     content: str | list[dict[str, Any]] | None = None
 
-    def as_dict(self) -> dict[str, str]:
+    def as_dict(self, index: int = 0) -> dict[str, str]:
+        """{"role", "content"}; index: its place in `messages`, named in a rejection."""
+        _check_text(self.role, f"messages[{index}].role")
         if self.content is None or isinstance(self.content, str):
+            _check_text(self.content or "", f"messages[{index}].content")
             return {"role": self.role, "content": self.content or ""}
         if any(part.get("type") != "text" for part in self.content):
             raise RequestRejected("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported; "
                                   "this model reads text", "messages")
+        for j, part in enumerate(self.content):
+            _check_text(str(part.get("text", "")), f"messages[{index}].content[{j}].text")
         return {"role": self.role, "content": "".join(str(part.get("text", "")) for part in self.content)}
 
 
@@ -161,6 +184,11 @@ class ChatBody(_Body):
         chosen = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return chosen if chosen is not None else max_context_length
 
+    def requested_limit(self):
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return ("max_tokens", self.max_tokens) if self.max_tokens is not None else None
+
     def unsupported(self):
         return {**super().unsupported(), "tools": bool(self.tools),
                 "response_format": (self.response_format or {}).get("type", "text") != "text"}
@@ -168,22 +196,31 @@ class ChatBody(_Body):
 
 # -- the app ---------------------------------------------------------------------------------
 
-def create_app(engine: InferenceEngine, *, model_name: str = "verispec") -> FastAPI:
+def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
+               request_timeout: float = DEFAULT_REQUEST_TIMEOUT) -> FastAPI:
     """The FastAPI app serving `engine` (call it with uvicorn, or fastapi.testclient.TestClient).
 
     model_name: the id /v1/models lists and responses echo.
+    request_timeout: seconds a generation may run before it ends with finish_reason "length".
     """
+    if not request_timeout > 0:
+        raise ValueError(f"request_timeout={request_timeout}: give a positive number of seconds")
     app = FastAPI(title="verispec", description="OpenAI-compatible speculative decoding server")
-    served = _Served(engine, model_name)
+    served = _Served(engine, model_name, request_timeout)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError):
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
         return _error(f"invalid request: {problems}")
 
-    @app.exception_handler(ValueError)  # RequestRejected, SamplingParams, the engine (max_tokens, empty prompt)
-    async def _rejected(request: Request, exc: ValueError):
+    @app.exception_handler(VerispecError)  # RequestRejected, SamplingParams, the engine (max_tokens, empty prompt)
+    async def _rejected(request: Request, exc: VerispecError):
         return _error(str(exc), getattr(exc, "param", None), getattr(exc, "code", None))
+
+    @app.exception_handler(Exception)  # a bug: OpenAI's body, status 500 (the exception is still logged)
+    async def _internal(request: Request, exc: Exception):
+        return _error(f"internal error ({type(exc).__name__}): a bug in verispec or a plugin, not in the request",
+                      status_code=500, kind="server_error")
 
     @app.get("/health")
     async def health():
@@ -196,38 +233,58 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec") -> Fast
                                             "owned_by": "verispec"}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
+    async def completions(body: CompletionBody, request: Request):
         if isinstance(body.prompt, list):
             served.check_token_ids(body.prompt)
-        return await served.respond(body, body.prompt, body.logprobs, chat=False)
+        else:
+            _check_text(body.prompt, "prompt")
+        return await served.respond(request, body, body.prompt, body.logprobs, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody):
+    async def chat_completions(body: ChatBody, request: Request):
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestRejected("top_logprobs needs \"logprobs\": true", "top_logprobs")
-        messages = [m.as_dict() for m in body.messages]
-        return await served.respond(body, messages, (body.top_logprobs or 0) if body.logprobs else None, chat=True)
+        messages = [m.as_dict(i) for i, m in enumerate(body.messages)]
+        return await served.respond(request, body, messages, (body.top_logprobs or 0) if body.logprobs else None,
+                                    chat=True)
 
     return app
 
 
-def serve(engine: InferenceEngine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "verispec") -> None:
+def serve(engine: InferenceEngine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "verispec",
+          request_timeout: float = DEFAULT_REQUEST_TIMEOUT) -> None:
     """Run the server with uvicorn until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_app(engine, model_name=model_name), host=host, port=port)
+    uvicorn.run(create_app(engine, model_name=model_name, request_timeout=request_timeout), host=host, port=port)
 
 
-def _error(message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
-                                   "code": code}}, status_code=400)
+def _error(message: str, param: str | None = None, code: str | None = None, *, status_code: int = 400,
+           kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status_code)
+
+
+def _check_text(text: str, field: str) -> None:
+    """Reject a field that is not Unicode text (a lone surrogate from a JSON escape such as
+    "\\ud800"); the message names the field and never echoes the text (it cannot be encoded)."""
+    problem = text_problem(text)
+    if problem:
+        raise RequestRejected(f"{field}: {problem}; send Unicode text (valid UTF-8)", field, "invalid_text")
+
+
+async def _cancel_on_disconnect(request: Request, generation: Generation) -> None:
+    """Wait for the client to leave (the body is already read), then cancel its generation."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    generation.cancel()
 
 
 class _Served:
     """The engine, its lock, and the OpenAI response shapes for both endpoints."""
 
-    def __init__(self, engine: InferenceEngine, model_name: str):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: InferenceEngine, model_name: str, request_timeout: float = DEFAULT_REQUEST_TIMEOUT):
+        self.engine, self.model_name, self.request_timeout = engine, model_name, request_timeout
         self.lock = asyncio.Lock()
         self.created = int(time.time())
 
@@ -243,10 +300,23 @@ class _Served:
         for field, used in body.unsupported().items():
             if used:
                 raise RequestRejected(f"{field} is not supported by this server; leave it out", field)
+        stops, sampling = body.stops(), body.sampling(logprobs)
+        context = self.engine.target.max_context_length
         try:
-            return self.engine.generate(prompt, max_tokens=body.limit(self.engine.target.max_context_length),
-                                        sampling=body.sampling(logprobs), stop=body.stops(),
-                                        ignore_eos=body.ignore_eos)
+            ids = self.engine.encode(prompt)
+            max_tokens = body.limit(context)
+            requested = body.requested_limit()
+            if ids and len(ids) < context:
+                room = context - len(ids)
+                if requested is not None and requested[1] > room:
+                    field, value = requested
+                    raise RequestRejected(
+                        f"{field}={value} does not fit: the context holds {context} tokens and the prompt takes "
+                        f"{len(ids)}, leaving at most {room} new tokens; ask for at most {room}, or shorten the "
+                        "prompt", field, "context_length_exceeded")
+                max_tokens = min(max_tokens, room)  # completions' default 16 in a nearly full context
+            return self.engine.generate(ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
+                                        ignore_eos=body.ignore_eos, time_limit=self.request_timeout)
         except ContextOverflow as e:
             raise RequestRejected(
                 f"the prompt needs {e.required_len} positions (its tokens and one new token) but the context "
@@ -255,14 +325,25 @@ class _Served:
         except (TokenizerError, TemplateError) as e:  # NoChatTemplate, a template's raise_exception
             raise RequestRejected(f"cannot render the messages: {e}", param) from e
 
-    async def respond(self, body: _Body, prompt, logprobs: int | None, *, chat: bool):
+    async def respond(self, request: Request, body: _Body, prompt, logprobs: int | None, *, chat: bool):
         generation = self.start(body, prompt, logprobs, "messages" if chat else "prompt")
         shape = _Shape(self, chat=chat, logprobs=logprobs is not None)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return _EventStream(self._sse(shape, generation, usage), media_type="text/event-stream")
-        async with self.lock:
-            events = await anyio.to_thread.run_sync(list, generation)
+        error = None
+        async with anyio.create_task_group() as watching:
+            watching.start_soon(_cancel_on_disconnect, request, generation)
+            try:
+                async with self.lock:
+                    events = None if generation.cancelled else await anyio.to_thread.run_sync(list, generation)
+            except Exception as e:  # noqa: BLE001 -- raised below, outside the group (no ExceptionGroup)
+                error = e
+            watching.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        if events is None:  # the client left while queued: nobody reads this
+            return Response(status_code=499)
         return shape.response(events, generation.result)
 
     async def _sse(self, shape: _Shape, generation: Generation, usage: bool) -> AsyncIterator[str]:

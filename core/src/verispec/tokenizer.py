@@ -22,15 +22,18 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from verispec.errors import VerispecError
 from verispec.gguf_io import GGUFFile
 
 __all__ = [
     "DEFAULT_CHAT_TEMPLATES",
+    "InvalidText",
     "NoChatTemplate",
     "StreamDecoder",
     "Tokenizer",
     "TokenizerError",
     "UnsupportedTokenizer",
+    "text_problem",
 ]
 
 # bump when the way the backend is built changes: old cache entries are then ignored
@@ -69,8 +72,36 @@ DEFAULT_CHAT_TEMPLATES: Mapping[str, str] = {"gemma": _GEMMA_TEMPLATE, "gemma2":
                                              "gemma3": _GEMMA_TEMPLATE}
 
 
-class TokenizerError(Exception):
+class TokenizerError(VerispecError):
     """A tokenizer cannot be built from, or used with, this file."""
+
+
+class InvalidText(TokenizerError):
+    """`encode` was given something that is not Unicode text: not a str, or a str holding a
+    lone surrogate (which no UTF-8 byte sequence spells)."""
+
+    def __init__(self, problem: str):
+        self.problem = problem
+        super().__init__(f"cannot tokenize: {problem}; pass Unicode text (valid UTF-8)")
+
+
+def text_problem(text: str, *, os_bytes: bool = False) -> str | None:
+    """None when `text` is Unicode text (it encodes as UTF-8); else where the first fault is.
+
+    A lone surrogate is the fault: JSON's "\\ud800" escape makes one, and Python keeps each byte
+    of a command-line argument that is not UTF-8 as one (U+DC80..U+DCFF, surrogateescape).
+    os_bytes=True reads those as such bytes: "byte 0xe9 at byte 3 is not valid UTF-8".
+    """
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        i = e.start
+        code = ord(text[i])
+        if os_bytes and 0xDC80 <= code <= 0xDCFF:
+            offset = len(text[:i].encode("utf-8"))
+            return f"byte 0x{code - 0xDC00:02x} at byte {offset} is not valid UTF-8"
+        return f"a lone surrogate U+{code:04X} at character {i} is not Unicode text"
 
 
 class UnsupportedTokenizer(TokenizerError):
@@ -131,8 +162,14 @@ class Tokenizer:
     # -- ids --
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
-        """Token ids of `text`; with add_special, BOS/EOS as the file asks (add_bos_token)."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; with add_special, BOS/EOS as the file asks (add_bos_token).
+        Raises InvalidText for a non-str or a str holding a lone surrogate."""
+        try:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
+        except TypeError:  # `tokenizers` takes only str that encodes as UTF-8
+            if not isinstance(text, str):
+                raise InvalidText(f"encode takes a str, not {type(text).__name__}") from None
+            raise InvalidText(text_problem(text) or "the tokenizer refused the text") from None
         if add_special and self.add_bos:
             ids = [self.bos_id, *ids]
         if add_special and self.add_eos:

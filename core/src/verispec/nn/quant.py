@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec.errors import VerispecError
+
 WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4")
 #: other spellings accepted for the same dtypes (the CLI's --dtype uses the short ones).
 DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "i8": "int8", "i4": "int4"}
@@ -37,7 +39,7 @@ DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "i8": 
 _ROW_CHUNK = 16384  # rows quantised at a time: bounds the fp32 temporaries
 
 
-class UnknownWeightDtype(ValueError):
+class UnknownWeightDtype(VerispecError, ValueError):
     def __init__(self, dtype: object):
         self.dtype = dtype
         super().__init__(f"weight dtype {dtype!r} is not offered; choose one of {', '.join(WEIGHT_DTYPES)} "

@@ -7,6 +7,7 @@ plugin authors. Register it with an entry point `toy = "verispec.testing.toy_plu
 """
 from __future__ import annotations
 
+from verispec.errors import VerispecError
 from verispec.hookspecs import hookimpl
 from verispec.seams import DraftHeadKind, Speculator
 from verispec.specs import DraftFileSpec, SpeculatorSpec, TargetSpec
@@ -20,7 +21,7 @@ BLOCK_SPEC = SpeculatorSpec(name="toy-block", summary="drafts a block from a BLO
                             default_min_draft_prob=0.35, priority=5)
 
 
-class DrafterMismatch(ValueError):
+class DrafterMismatch(VerispecError, ValueError):
     """A drafter file bound to another trunk (vocabulary, width or taps differ)."""
 
 

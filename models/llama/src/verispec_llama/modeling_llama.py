@@ -31,6 +31,7 @@ from collections.abc import Mapping
 import attrs
 import torch
 from torch import nn
+from verispec.errors import VerispecError
 from verispec.gguf_io import MissingTensor, arch_value
 from verispec.nn.attention import attend_rows
 from verispec.nn.state import LinearKVCache
@@ -51,7 +52,7 @@ __all__ = [
 ROPE_STYLES = {"llama": "normal", "qwen2": "neox"}
 
 
-class UnsupportedLlamaVariant(ValueError):
+class UnsupportedLlamaVariant(VerispecError, ValueError):
     """The GGUF is a llama/qwen2 file whose math this package does not implement."""
 
     def __init__(self, source: str, what: str, fix: str):

@@ -1,0 +1,23 @@
+"""The marker for verispec's own errors: bad input, reported in one line that names the fix.
+
+Every error class verispec raises on purpose for something the user (or a plugin author)
+can fix — a foreign file, an unknown model, a prompt longer than the context, a sampling
+value out of range — derives from `VerispecError`, beside the builtin base it always had
+(ValueError, LookupError, ...), so existing `except ValueError` clauses keep working.
+
+The CLI prints a VerispecError as `verispec: error: <message>` (exit 1) and the server
+answers it with HTTP 400; any other exception is a bug (in verispec or a plugin): the CLI
+shows its traceback, the server answers 500.
+"""
+from __future__ import annotations
+
+__all__ = ["InvalidArgument", "VerispecError"]
+
+
+class VerispecError(Exception):
+    """Bad input, reported in one line; the message says how to fix it."""
+
+
+class InvalidArgument(VerispecError, ValueError):
+    """A value passed to verispec that it refuses (max_tokens < 1, an empty prompt, a
+    sampling value out of range, an unknown scenario)."""
