@@ -205,3 +205,30 @@ def test_recurrent_trunk_reuses_only_an_exact_continuation(tmp_path, registry):
     third, _ = run(engine, diverged, max_tokens=8, ignore_eos=True)
     assert third.reused_prefix_tokens == 0
     assert third.tokens == run(fresh, diverged, max_tokens=8, ignore_eos=True)[0].tokens
+
+
+def test_a_time_limit_or_a_cancel_ends_the_generation_at_a_token_with_length(model_path, registry):
+    import time
+
+    engine = api.load(model_path, registry=registry, spec_type="echo", adaptive=False)
+    plain = api.load(model_path, registry=registry, spec=SpecOptions(enabled=False))
+    generation = engine.generate(PROMPT, max_tokens=60, ignore_eos=True)
+    for n, _ in enumerate(generation, 1):
+        if n == 7:
+            generation.cancel()
+    cut = generation.result
+    assert cut.finish_reason == "length" and 7 <= len(cut.tokens) < 60  # a verify window may finish
+    assert cut.tokens == run(plain, max_tokens=len(cut.tokens), ignore_eos=True)[0].tokens
+    forward = engine.target.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(0.01)
+        return forward(*args, **kwargs)
+    engine.target.forward = slow_forward
+    limited, _ = run(engine, max_tokens=100, ignore_eos=True, time_limit=0.05)
+    assert limited.finish_reason == "length" and 1 <= len(limited.tokens) < 100
+    assert limited.tokens == run(plain, max_tokens=len(limited.tokens), ignore_eos=True)[0].tokens
+    del engine.target.forward
+    assert run(engine, max_tokens=20, ignore_eos=True)[0].tokens == run(plain, max_tokens=20, ignore_eos=True)[0].tokens
+    with pytest.raises(ValueError, match="time_limit=0"):
+        engine.generate(PROMPT, time_limit=0)

@@ -2,6 +2,7 @@
 StreamDecoder on fixtures; on the real checkpoints, ids against transformers' GGUF
 tokenizer, against SentencePiece built from the same vocabulary (Gemma), and against prompt
 lengths llama.cpp produced (reference/baselines.md)."""
+import re
 import time
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
@@ -453,3 +454,29 @@ def test_smol_chat_template_matches_transformers(smol, hf_smol):
             assert smol.render_chat(messages, add_generation_prompt=add_generation_prompt) == expected
             hf_ids = hf_smol(expected, add_special_tokens=False).input_ids
             assert smol.encode(expected, add_special=False) == hf_ids
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("caf\ud800 au lait", "a lone surrogate U+D800 at character 3 is not Unicode text"),
+    ("caf\udce9", "a lone surrogate U+DCE9 at character 3"),  # a surrogate-escaped argv byte, taken as text
+    (b"caf\xc3\xa9", "encode takes a str, not bytes"),
+    (None, "encode takes a str, not NoneType"),
+])
+def test_text_that_is_not_unicode_raises_invalid_text(tmp_path, text, problem):
+    from verispec.errors import VerispecError
+    from verispec.tokenizer import InvalidText, TokenizerError
+
+    tok = Tokenizer.from_gguf(_fixture(tmp_path))
+    with pytest.raises(InvalidText, match=re.escape(problem)) as info:
+        tok.encode(text)
+    assert isinstance(info.value, TokenizerError) and isinstance(info.value, VerispecError)
+    assert tok.encode("café") and tok.decode(tok.encode("café")) == "café"
+
+
+def test_text_problem_names_the_byte_or_the_surrogate():
+    from verispec.tokenizer import text_problem
+
+    assert text_problem("café 🙂") is None
+    assert text_problem("caf\udce9 au lait", os_bytes=True) == "byte 0xe9 at byte 3 is not valid UTF-8"
+    assert text_problem("é\udcff", os_bytes=True) == "byte 0xff at byte 2 is not valid UTF-8"  # offsets in bytes
+    assert text_problem("ab\ud800", os_bytes=True) == "a lone surrogate U+D800 at character 2 is not Unicode text"
