@@ -18,7 +18,8 @@ from verispec.nn.norm import RMSNorm
 from verispec.nn.quant import Int8Linear, swap_linears
 from verispec.testing.fixture_writer import write_gguf
 
-D, Q, F, E, L, V = 8, 12, 5, 3, 2, 11  # hidden, q rows, expert rows (gate and up each), experts, layers, vocab
+# hidden, q rows, gate and up rows each, experts, layers, vocab
+D, Q, F, E, L, V = 8, 12, 5, 3, 2, 11
 
 TABLE = (
     Tensor("token_embd.weight", "embed.weight"),
@@ -57,7 +58,8 @@ def _tensors(*, fused=True, scale=True, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = {"token_embd.weight": torch.randn(V, D, generator=g)}
     for i in range(L):
-        out |= {f"blk.{i}.norm.weight": torch.randn(D, generator=g), f"blk.{i}.attn_q.weight": torch.randn(Q, D, generator=g),
+        out |= {f"blk.{i}.norm.weight": torch.randn(D, generator=g),
+                f"blk.{i}.attn_q.weight": torch.randn(Q, D, generator=g),
                 f"blk.{i}.attn_q.bias": torch.randn(Q, generator=g)}
         if scale:
             out[f"blk.{i}.scale"] = torch.randn(1, generator=g)
@@ -128,7 +130,8 @@ def test_fp32_state_is_the_file_with_stacks_expert_slices_and_alternatives(tmp_p
             gate_up, experts = tensors[f"blk.{i}.gate_up.weight"], tensors[f"blk.{i}.exps_gate_up.weight"]
         else:
             gate_up = torch.cat([tensors[f"blk.{i}.gate.weight"], tensors[f"blk.{i}.up.weight"]])
-            experts = torch.cat([tensors[f"blk.{i}.exps_gate.weight"], tensors[f"blk.{i}.exps_up.weight"]], dim=1)
+            experts = torch.cat([tensors[f"blk.{i}.exps_gate.weight"], tensors[f"blk.{i}.exps_up.weight"]],
+                                dim=1)
         assert torch.equal(state[f"layers.{i}.gate_up.weight"], gate_up)
         for e in range(E):
             assert torch.equal(state[f"layers.{i}.experts.{e}.weight"], experts[e])
@@ -144,7 +147,8 @@ def test_the_first_present_alternative_wins(tmp_path):
     state = _load(gguf).state_dict()
     assert torch.equal(state["layers.0.gate_up.weight"], both["blk.0.gate_up.weight"])
     assert torch.equal(state["layers.1.experts.2.weight"], both["blk.1.exps_gate_up.weight"][2])
-    assert "blk.0.gate.weight" not in plan_weights(gguf, Tiny(), TABLE, num_layers=L, num_experts=E).gguf_names
+    plan = plan_weights(gguf, Tiny(), TABLE, num_layers=L, num_experts=E)
+    assert "blk.0.gate.weight" not in plan.gguf_names
 
 
 def test_an_absent_optional_entry_keeps_the_module_default(tmp_path):
@@ -212,7 +216,8 @@ def test_split_parts_are_shape_checked(tmp_path):
 def test_table_bugs_are_refused_by_name(tmp_path):
     gguf = _file(tmp_path, _tensors(scale=False))
     with pytest.raises(UnmappedParameter, match="layers.0.q_bias"):
-        plan_weights(gguf, Tiny(), [t for t in TABLE if t.target != "layers.{i}.q_bias"], num_layers=L, num_experts=E)
+        plan_weights(gguf, Tiny(), [t for t in TABLE if t.target != "layers.{i}.q_bias"], num_layers=L,
+                     num_experts=E)
     optional_linear = [Tensor(t.source, t.target, optional=True) if t.target == "layers.{i}.q.weight" else t
                        for t in TABLE]
     no_q = _file(tmp_path, {k: v for k, v in _tensors().items() if "attn_q.weight" not in k}, "no_q.gguf")

@@ -43,7 +43,8 @@ from verispec.gguf_io import GGUFFile
 from verispec.nn.quant import Float32Linear
 from verispec.weight_cache import cached_state
 
-__all__ = ["Stack", "Tensor", "TensorSource", "UnmappedParameter", "WeightPlan", "expand_table", "plan_weights"]
+__all__ = ["Stack", "Tensor", "TensorSource", "UnmappedParameter", "WeightPlan", "expand_table",
+           "plan_weights"]
 
 
 class UnmappedParameter(LookupError):
@@ -102,11 +103,12 @@ class Tensor:
     def __attrs_post_init__(self):
         for name in (n for s in self.sources for n in _parts(s)):
             if ("{i}" in name) != self.per_layer:
-                raise ValueError(f"Tensor({name!r} -> {self.target!r}): '{{i}}' must be in the target and every "
-                                 "GGUF name, or in none")
+                raise ValueError(f"Tensor({name!r} -> {self.target!r}): '{{i}}' must be in the target and "
+                                 "every GGUF name, or in none")
             _check_format(name, i=0)
         if ("{e}" in self.target) != self.per_expert:
-            raise ValueError(f"Tensor(-> {self.target!r}): the target holds '{{e}}' exactly when per_expert=True")
+            raise ValueError(f"Tensor(-> {self.target!r}): the target holds '{{e}}' exactly when "
+                             "per_expert=True")
         _check_format(self.target, i=0, e=0)
 
     @property
@@ -232,7 +234,8 @@ class WeightPlan:
         layout: the family's tag for its converted layout (part of the cache key).
         Raises what `convert` raises."""
         self.check()
-        state = cached_state(self.gguf, dtype, lambda: self.convert(progress), use_cache=use_cache, layout=layout)
+        state = cached_state(self.gguf, dtype, lambda: self.convert(progress), use_cache=use_cache,
+                             layout=layout)
         self.model.load_state_dict(state, assign=True)
         self.model.eval()
 
@@ -268,8 +271,8 @@ def plan_weights(gguf: GGUFFile, model: nn.Module, table: Iterable[Tensor], *, n
         parts = next((parts for parts in source.alternatives if all(p in gguf for p in parts)),
                      None if source.optional else source.alternatives[0])
         if parts is None and (linear is not None or value.is_meta):
-            raise ValueError(f"{name!r} is optional and absent from {gguf.path}, but the module has no default "
-                             "value for it (built on the meta device); make the entry required")
+            raise ValueError(f"{name!r} is optional and absent from {gguf.path}, but the module has no "
+                             "default value for it (built on the meta device); make the entry required")
         jobs[name] = _Job(linear, parts, _part_shape(name, shape, parts, source.expert, num_experts),
                           source.expert, value if parts is None else None)
     return WeightPlan(gguf, model, jobs)

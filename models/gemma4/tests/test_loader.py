@@ -27,12 +27,14 @@ def test_split_gate_and_up_experts_load_as_the_fused_tensor(tmp_path, moe):
     for i in range(config.num_hidden_layers):
         gate_up = split.pop(f"blk.{i}.ffn_gate_up_exps.weight")  # [E, 2·Fe, D]
         half = gate_up.shape[1] // 2
-        split[f"blk.{i}.ffn_gate_exps.weight"], split[f"blk.{i}.ffn_up_exps.weight"] = gate_up[:, :half], gate_up[:, half:]
+        split[f"blk.{i}.ffn_gate_exps.weight"] = gate_up[:, :half]
+        split[f"blk.{i}.ffn_up_exps.weight"] = gate_up[:, half:]
     fused = _load(tmp_path, config, tensors, "fused.gguf").state_dict()
     got = _load(tmp_path, config, split, "split.gguf").state_dict()
     assert got.keys() == fused.keys()
     assert all(torch.equal(got[k], fused[k]) for k in fused)
-    assert torch.equal(got["model.layers.2.experts.gate_up_proj.3.weight"], tensors["blk.2.ffn_gate_up_exps.weight"][3])
+    assert torch.equal(got["model.layers.2.experts.gate_up_proj.3.weight"],
+                       tensors["blk.2.ffn_gate_up_exps.weight"][3])
 
 
 def test_absent_layer_and_expert_scales_keep_the_default_one(tmp_path, moe):

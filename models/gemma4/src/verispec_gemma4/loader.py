@@ -71,7 +71,8 @@ GEMMA4_TENSORS = GEMMA3_TENSORS + (
     Tensor("blk.{i}.pre_ffw_norm_2.weight", "model.layers.{i}.pre_feedforward_layernorm_2.weight"),
     Tensor("blk.{i}.post_ffw_norm_1.weight", "model.layers.{i}.post_feedforward_layernorm_1.weight"),
     Tensor("blk.{i}.post_ffw_norm_2.weight", "model.layers.{i}.post_feedforward_layernorm_2.weight"),
-    Tensor("blk.{i}.ffn_gate_up_exps.weight", "model.layers.{i}.experts.gate_up_proj.{e}.weight", per_expert=True,
+    Tensor("blk.{i}.ffn_gate_up_exps.weight", "model.layers.{i}.experts.gate_up_proj.{e}.weight",
+           per_expert=True,
            alternatives=(Stack("blk.{i}.ffn_gate_exps.weight", "blk.{i}.ffn_up_exps.weight"),)),
     Tensor("blk.{i}.ffn_down_exps.weight", "model.layers.{i}.experts.down_proj.{e}.weight", per_expert=True),
 )
@@ -84,8 +85,9 @@ class UnsupportedArchitecture(ValueError):
 
 
 def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: int | None = None,
-         max_rows_per_forward: int | None = None, max_verify_rows: int = MAX_VERIFY_ROWS, use_cache: bool = True,
-         tokenizer: bool = True, progress: bool | None = None) -> Gemma3ForCausalLM | Gemma4ForCausalLM:
+         max_rows_per_forward: int | None = None, max_verify_rows: int = MAX_VERIFY_ROWS,
+         use_cache: bool = True, tokenizer: bool = True,
+         progress: bool | None = None) -> Gemma3ForCausalLM | Gemma4ForCausalLM:
     """Load a gemma3 or gemma4 GGUF as a `Gemma3ForCausalLM` / `Gemma4ForCausalLM` trunk.
 
     Returns the trunk in eval mode: linears in `dtype` (nn.quant), norms, scales and scalars
