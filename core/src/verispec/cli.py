@@ -253,7 +253,8 @@ def cmd_serve(args) -> int:
     try:
         from verispec.server import serve
     except ImportError as e:
-        raise CliError(f"verispec serve needs FastAPI and uvicorn ({e}); pip install 'verispec[serve]'") from None
+        raise CliError(f"verispec serve needs FastAPI and uvicorn ({e}): pip install 'fastapi>=0.110' "
+                       "'uvicorn>=0.29' (the serve extra of core/; ./scripts/setup.sh installs it)") from None
 
     engine = load_engine(args)
     serve(engine, host=args.host, port=args.port, model_name=args.model or "default",

