@@ -2,6 +2,7 @@
 the verification sidecar, and the cache listing. Pieces are real files of installed
 distributions (attrs' modules stand in for weight slices; expected hashes come from hashlib)."""
 import hashlib
+import os
 import time
 from importlib.metadata import distribution
 from pathlib import Path
@@ -153,3 +154,45 @@ def test_cache_root_follows_verispec_cache_then_xdg(monkeypatch, tmp_path):
     assert cache_dir() == tmp_path / "xdg" / "verispec"
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "own"))
     assert cache_dir() == tmp_path / "own"
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_killed_runs_partial_is_removed_by_the_next_run(cache):
+    """A first run killed mid-assembly leaves `<alias>.gguf.partial.<pid>`; the next one deletes
+    it (its writer is gone) and leaves a live writer's partial alone."""
+    store = cache_dir("checkpoints")
+    dead, live = _dead_pid(), os.getppid()  # another run, still going
+    stale = [store / f"toy.gguf.partial.{dead}", store / f"other.gguf.partial.{dead}",
+             store / f"toy.verified.json.{dead}.tmp"]
+    for path in stale:
+        path.write_bytes(b"half a checkpoint")
+    running = store / f"toy.gguf.partial.{live}"
+    running.write_bytes(b"being written")
+    keep = store / "notes.partial.txt"
+    keep.write_bytes(b"not ours")
+    path = assemble(_spec())
+    assert path.read_bytes() == _bytes(PIECES)
+    assert not any(p.exists() for p in stale) and running.exists() and keep.exists()
+
+
+def test_a_killed_runs_converted_weights_partial_is_removed(cache):
+    import torch
+
+    from verispec import weight_cache
+    from verispec.testing.toy import write_toy_gguf
+    from verispec.gguf_io import GGUFFile
+
+    weights = cache_dir("weights")
+    stale = weights / f"toy-int8-0123456789abcdef.pt.{_dead_pid()}.partial"
+    stale.write_bytes(b"half a state dict")
+    gguf = GGUFFile.open(write_toy_gguf(cache / "toy.gguf", vocab_size=110))
+    state = weight_cache.cached_state(gguf, "int8", lambda: {"w": torch.zeros(2)})
+    assert torch.equal(state["w"], torch.zeros(2)) and not stale.exists()

@@ -2,8 +2,9 @@
 
 A `CheckpointSpec` names (distribution, relative path) pieces. They are located through
 `importlib_metadata` (never imported), joined in order into `<cache>/checkpoints/<alias>.gguf`
-(written as `.partial` then renamed, so a crash never leaves a half file under the real
-name) and sha256-checked while they are copied. A single-piece checkpoint is used in place.
+(written as `<alias>.gguf.partial.<pid>` then renamed, so a crash never leaves a half file
+under the real name; the next run deletes a partial whose process is gone) and
+sha256-checked while they are copied. A single-piece checkpoint is used in place.
 Either way a sidecar `<alias>.verified.json` remembers (path, size, mtime) -> sha256, so the
 next start skips hashing.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -33,6 +35,7 @@ __all__ = [
     "clear_cache",
     "list_cache",
     "locate_pieces",
+    "remove_stale_partials",
 ]
 
 _MARKER = ".verispec-cache"  # clear_cache only empties a directory that carries this file
@@ -112,6 +115,7 @@ def assemble(spec: CheckpointSpec, *, progress: bool | None = None) -> Path:
     """
     pieces = locate_pieces(spec)
     store = cache_dir("checkpoints")
+    remove_stale_partials(store)
     sidecar = store / f"{spec.alias}.verified.json"
     target = pieces[0] if len(pieces) == 1 else store / f"{spec.alias}.gguf"
     if target.is_file() and _verified_sha(sidecar, target) == spec.sha256:
@@ -146,6 +150,41 @@ def _join(pieces: list[Path], target: Path, spec: CheckpointSpec, progress: bool
     finally:
         partial.unlink(missing_ok=True)
     return digest.hexdigest()
+
+
+#: temporary names the cache writes before an atomic rename, each carrying its writer's pid:
+#: `x.partial.<pid>` (checkpoints), `x.<pid>.partial` (weights), `x.<pid>.tmp` (tokenizers, sidecars).
+_PARTIAL = re.compile(r"\.(?:partial\.(\d+)|(\d+)\.partial|(\d+)\.tmp)$")
+
+
+def remove_stale_partials(directory: Path) -> list[Path]:
+    """Delete the half-written files in `directory` whose writer is gone (a killed first run
+    leaves a 250 MB `.partial`); a live writer's file is left alone. Returns what was deleted."""
+    removed = []
+    for path in directory.iterdir():
+        match = _PARTIAL.search(path.name)
+        if match is None or _alive(int(next(g for g in match.groups() if g))):
+            continue
+        try:
+            path.unlink()
+            removed.append(path)
+        except FileNotFoundError:  # another run got there first
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    except OverflowError:
+        return False
+    return True
 
 
 def _hash_file(path: Path, alias: str, progress: bool | None) -> str:

@@ -33,6 +33,10 @@ def cached_state(gguf: GGUFFile, dtype: str, convert: Callable[[], dict[str, tor
     A damaged entry counts as a miss and is replaced.
     """
     path = _cache_file(gguf, dtype, layout) if use_cache else None
+    if path is not None:
+        from verispec.checkpoints import remove_stale_partials
+
+        remove_stale_partials(path.parent)  # a run killed while saving left a .partial
     if path is not None and path.is_file():
         try:
             return torch.load(path, mmap=True, weights_only=True)
