@@ -192,3 +192,12 @@ def test_chat_on_a_model_without_a_template_is_a_one_line_error(env, tmp_path):
     path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
     r = verispec(env, "generate", "hi", "--model", str(path), "--chat")
     assert r.returncode == 1 and "has no tokenizer.chat_template" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.real_checkpoint
+def test_a_context_length_beyond_the_models_training_is_a_one_line_error(gemma3_270m_spec):
+    r = subprocess.run([sys.executable, "-m", "verispec.cli", "generate", "--model", "gemma3-270m",
+                        "--context-length", "1000000", "--max-tokens", "1"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 1 and r.stderr.startswith("verispec: error: --context-length 1000000 exceeds the 32768")
+    assert len(r.stderr.splitlines()) == 1, r.stderr

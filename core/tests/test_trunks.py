@@ -136,3 +136,23 @@ def test_view_kv_reads_committed_rows_only_and_never_the_trunks_buffers():
     assert toy.view().kv(seq, 1)[0].abs().sum() > 0
     with pytest.raises(ValueError, match="no attention KV"):
         toy.view().kv(seq, 0)  # the recurrent layer
+
+
+def test_a_context_length_beyond_the_trained_positions_is_refused():
+    """`--context-length 1000000` on a model trained on 32768 positions: an error naming both
+    (issue 14, item 6), raised by TrunkModule._init_sizes before any weight is allocated."""
+    from types import SimpleNamespace
+
+    from verispec.errors import VerispecError
+    from verispec.nn.trunk import ContextBeyondTraining, TrunkModule
+
+    config = SimpleNamespace(vocab_size=10, hidden_size=8, num_hidden_layers=1, max_position_embeddings=32768)
+    sizes = SimpleNamespace()
+    with pytest.raises(ContextBeyondTraining) as info:
+        TrunkModule._init_sizes(sizes, config, "int8", None, 1_000_000)
+    assert isinstance(info.value, VerispecError)
+    assert "--context-length 1000000 exceeds the 32768 positions" in str(info.value)
+    assert "choose at most 32768" in str(info.value)
+    for asked, got in ((None, 32768), (32768, 32768), (4096, 4096)):
+        TrunkModule._init_sizes(sizes, config, "int8", None, asked)
+        assert sizes.max_context_length == got

@@ -27,9 +27,21 @@ import attrs
 import torch
 from torch import nn
 
+from verispec.errors import VerispecError
 from verispec.nn.quant import canonical_dtype, module_batch_invariant, rows_per_forward, swap_linears
 from verispec.nn.state import SequenceState
 from verispec.seams import ContextOverflow, Segment, SegmentOutput, UnsupportedTap
+
+
+class ContextBeyondTraining(VerispecError, ValueError):
+    """A context length asked for beyond the positions the model was trained on."""
+
+    def __init__(self, context_length: int, trained: int):
+        self.context_length, self.trained = context_length, trained
+        super().__init__(
+            f"--context-length {context_length} exceeds the {trained} positions this model was trained on "
+            f"(its GGUF's context_length); positions past them give garbage: choose at most {trained}, "
+            "or leave --context-length out to use all of them")
 
 
 @attrs.frozen
@@ -272,11 +284,15 @@ class TrunkModule(SequenceTrunk, nn.Module):
 
     def _init_sizes(self, config, dtype: str, max_rows_per_forward: int | None, context_length: int | None) -> None:
         """The sizes the seam reads, from an HF-style config (vocab_size, hidden_size,
-        num_hidden_layers, max_position_embeddings); call first in a subclass's __init__."""
+        num_hidden_layers, max_position_embeddings); call first in a subclass's __init__.
+        Raises ContextBeyondTraining for a context_length above max_position_embeddings."""
         self.config, self.dtype = config, canonical_dtype(dtype)
         self.vocab_size, self.hidden_size, self.num_layers = (config.vocab_size, config.hidden_size,
                                                               config.num_hidden_layers)
-        self.max_context_length = int(context_length or config.max_position_embeddings)
+        trained = int(config.max_position_embeddings)
+        if context_length is not None and int(context_length) > trained:
+            raise ContextBeyondTraining(int(context_length), trained)
+        self.max_context_length = int(context_length or trained)
         self.max_rows_per_forward = max_rows_per_forward or rows_per_forward(self.dtype)
 
     def _finish_linears(self, device) -> None:
