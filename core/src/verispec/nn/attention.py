@@ -30,13 +30,16 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
     `layer` before it attends; None for a KV-shared layer, which reads what its source layer
     (`layer` is then the source's index) wrote in this forward. Returns fp32 [n, H, Dh].
     """
-    out = torch.empty_like(q)
+    out = None if len(rows.sequences) == 1 else torch.empty_like(q)
     for s in rows.sequences:  # each sequence attends to its own cache only
         cache = s.state.layers[layer]
         if k is not None:
             cache.write(s.start_pos, k[s.rows], v[s.rows])
-        out[s.rows] = attend(q[s.rows], cache, s.start_pos, scaling=scaling, sliding_window=sliding_window,
-                             softcap=softcap)
+        rows_out = attend(q[s.rows], cache, s.start_pos, scaling=scaling, sliding_window=sliding_window,
+                          softcap=softcap)
+        if out is None:  # one sequence (every plain decode and verify): no copy
+            return rows_out
+        out[s.rows] = rows_out
     return out
 
 
