@@ -1,0 +1,14 @@
+"""Entry point of verispec-nemotron: the Nemotron-H trunk loader (no torch here)."""
+from verispec.hookspecs import hookimpl
+from verispec.specs import TargetSpec
+
+
+@hookimpl
+def register_targets(register):
+    register(TargetSpec(
+        name="nemotron_h",
+        summary="Nemotron-H dense and MoE trunks (Mamba-2 with per-row state, attention, relu² MLP / "
+                "sigmoid-routed MoE)",
+        architectures=("nemotron_h", "nemotron_h_moe"),
+        loader="verispec_nemotron.loader:load",
+    ))
