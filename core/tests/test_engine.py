@@ -140,6 +140,17 @@ def test_explicit_type_that_cannot_serve_is_an_error(model_path, registry):
         api.load(model_path, registry=registry, spec_type="toy-block")
 
 
+def test_a_refusing_trunk_decodes_plainly_under_auto_and_errors_for_an_explicit_type(model_path, registry, caplog):
+    target = api.load_target(model_path, registry)
+    target.speculation_refusal = "verify rows differ from decode rows"
+    with pytest.raises(SpeculationUnavailable, match="the trunk refuses speculation: verify rows differ"):
+        InferenceEngine(target, registry=registry, spec=SpecOptions(spec_type="echo"))
+    with caplog.at_level("WARNING", logger="verispec"):
+        engine = InferenceEngine(target, registry=registry, spec=SpecOptions(spec_type="auto"))
+    assert engine.speculator is None
+    assert [r.getMessage() for r in caplog.records] == ["speculation off: verify rows differ from decode rows"]
+
+
 def test_block_head_from_a_draft_file_with_drafter_requested_taps(model_path, registry, tmp_path):
     drafter = toy_plugin.write_block_drafter(tmp_path / "drafter.gguf", vocab_size=110)
     engine = api.load(model_path, registry=registry, spec_type="block", draft_model=drafter, adaptive=False)
