@@ -1,0 +1,152 @@
+"""The Qwen 3.5 / 3.6 MTP (NextN) block as a PER_TOKEN `DraftHead` bound to its trunk.
+
+One draft step (reference/qwen35.md §7.1), for a hidden row h [D] and the token t that follows
+the position h came from, at MTP position p (the token's position: llama.cpp's convention):
+    x  = fc( [enorm(embed(t)) ‖ hnorm(h)] )                    embedding first, then hidden
+    x  = x + attn(input_layernorm(x))                          the head's own KV, partial RoPE, gate
+    x  = x + ffn(post_attention_layernorm(x))                  dense or MoE + shared, as the trunk
+    h' = norm(x);  logits = lm_head(h')                        trunk's LM head; h' feeds the next step
+The first step of a draft reads the trunk's final-normed row of the last committed position;
+chained steps read the head's own h'.
+
+Per-sequence state (`MtpState`): the head's KV cache (one entry per MTP position, computed
+from *trunk* hidden rows), the pairs (token, trunk hidden) committed but not yet run, and the
+trunk hidden row of the last committed position. Catch-up is folded into the first draft step:
+`draft_catch_up` only queues pairs, and the next `draft_step` runs queued pairs + its own row
+as one forward. Entries written by chained steps are provisional: `keep` (and the next step)
+drop them. A commit without hidden rows, or at a position the head did not expect, is a gap:
+the head restarts its KV from the next pair it can form (`draft_head_resumes_after_gap`).
+
+Shape letters: m rows in one head forward, D width, V vocabulary, Hkv / Dh as the trunk.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from verispec.nn.attention import attend
+from verispec.seams import DraftHeadKind
+
+__all__ = ["HeadKVCache", "MtpState", "Qwen35MtpHead"]
+
+
+class HeadKVCache:
+    """The head's KV: slot = position, fp32 [Hkv, S, Dh]; a slot holds a position only once written
+    (positions of a gap or of dropped provisional rows read as empty, -1). Grows on demand."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int):
+        self.k = torch.zeros(num_kv_heads, 0, head_dim)
+        self.v = torch.zeros(num_kv_heads, 0, head_dim)
+        self.tags = torch.full((0,), -1, dtype=torch.long)
+
+    def key_length(self, pos: int) -> int:
+        return pos + 1
+
+    def write(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: fp32 [m, Hkv, Dh] for positions start_pos .. start_pos + m - 1."""
+        end = start_pos + k.shape[0]
+        if end > self.k.shape[1]:
+            size = max(end, 2 * self.k.shape[1], 64)
+            grow = size - self.k.shape[1]
+            self.k = torch.cat([self.k, self.k.new_zeros(self.k.shape[0], grow, self.k.shape[2])], dim=1)
+            self.v = torch.cat([self.v, self.v.new_zeros(self.v.shape[0], grow, self.v.shape[2])], dim=1)
+            self.tags = torch.cat([self.tags, self.tags.new_full((grow,), -1)])
+        self.k[:, start_pos:end] = k.transpose(0, 1)
+        self.v[:, start_pos:end] = v.transpose(0, 1)
+        self.tags[start_pos:end] = torch.arange(start_pos, end)
+
+    def read(self, num_slots: int):
+        return self.k[:, :num_slots], self.v[:, :num_slots], self.tags[:num_slots]
+
+    def drop_from(self, pos: int) -> None:
+        """Forget every entry at position >= pos."""
+        self.tags[pos:] = -1
+
+
+class MtpState:
+    """What the head holds of one sequence."""
+
+    def __init__(self, kv: HeadKVCache):
+        self.kv = kv
+        #: committed positions the head has been told about (the pending token sits here).
+        self.num_seen = 0
+        #: MTP positions [.., num_valid) hold entries computed from trunk hidden rows.
+        self.num_valid = 0
+        #: trunk hidden row [D] of position num_seen - 1, or None after a gap.
+        self.last_hidden: torch.Tensor | None = None
+        #: committed pairs not yet run: (position, token, trunk hidden of position - 1), consecutive.
+        self.pending: list[tuple[int, int, torch.Tensor]] = []
+
+
+class Qwen35MtpHead:
+    """PER_TOKEN draft head over the trunk's `mtp` block; reads the trunk only through its view
+    (embedding, LM head) and the MTP weights it owns. Final-normed taps (tap_layers None)."""
+
+    draft_head_kind = DraftHeadKind.PER_TOKEN
+    draft_block_size = 1
+    draft_head_resumes_after_gap = True
+    tap_layers = None
+
+    def __init__(self, trunk):
+        self.mtp = trunk.mtp
+        self.view = trunk.view()
+        self.rotary_emb = trunk.model.rotary_emb
+        self.config = trunk.config
+        self.feature_size = self.view.tap_feature_size(self.tap_layers)
+
+    def new_state(self) -> MtpState:
+        return MtpState(HeadKVCache(self.config.num_key_value_heads, self.config.head_dim))
+
+    def draft_catch_up(self, state: MtpState, tokens: Sequence[int], h_rows, start_pos: int) -> None:
+        tokens = [int(t) for t in tokens]
+        if h_rows is None or start_pos != state.num_seen:  # a gap: restart from the next full pair
+            state.kv.drop_from(0)
+            state.pending, state.num_valid = [], 0
+            state.last_hidden = None if h_rows is None else h_rows[-1].float()
+            state.num_seen = start_pos + len(tokens)
+            if h_rows is not None:
+                state.pending = [(start_pos + j, tokens[j], h_rows[j - 1].float()) for j in range(1, len(tokens))]
+            return
+        for j, token in enumerate(tokens):
+            pos = start_pos + j
+            hidden = state.last_hidden if j == 0 else h_rows[j - 1].float()
+            if pos >= state.num_valid and hidden is not None:  # pos < num_valid: run as a first draft step
+                state.pending.append((pos, token, hidden))
+        state.last_hidden = h_rows[-1].float()
+        state.num_seen = start_pos + len(tokens)
+
+    @torch.no_grad()
+    def draft_step(self, state: MtpState, token: int, h_prev: torch.Tensor, pos: int):
+        """Logits fp32 [V] for position pos+1 and the head's normed row h' [D]. When pos is the
+        pending position (h_prev is the trunk's row) the queued catch-up rows run in the same forward."""
+        rows = [(pos, int(token), h_prev.float())]
+        first = pos == state.num_seen
+        if first:
+            rows = [r for r in state.pending if r[0] < pos] + rows
+            state.pending = []
+            state.kv.drop_from(rows[0][0])  # provisional rows of the last draft are gone
+        logits, h_out = self.forward_rows(state.kv, [r[1] for r in rows], torch.stack([r[2] for r in rows]), rows[0][0])
+        if first:
+            state.num_valid = pos + 1
+        return logits[-1], h_out[-1]
+
+    def keep(self, state: MtpState, num_rows: int) -> None:
+        state.kv.drop_from(state.num_valid)  # chained steps' rows were provisional
+
+    def forward_rows(self, kv: HeadKVCache, tokens: Sequence[int], hidden: torch.Tensor, start_pos: int):
+        """The MTP block over m consecutive pairs at positions start_pos..: tokens [m], trunk or head
+        hidden fp32 [m, D]. Writes their K/V to `kv`; returns (logits fp32 [1, V] of the last row, h' [m, D])."""
+        mtp, m = self.mtp, len(tokens)
+        positions = torch.arange(start_pos, start_pos + m)
+        cos, sin = self.rotary_emb.cos_sin(positions)
+        e = self.view.embed(torch.tensor(tokens))  # [m, D]
+        x = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(e), mtp.pre_fc_norm_hidden(hidden)], dim=-1))
+        attn = mtp.layer.self_attn
+
+        def attend_head(q, k, v):
+            kv.write(start_pos, k, v)
+            return attend(q, kv, start_pos, scaling=attn.scaling)
+
+        x = mtp.layer(x, lambda y: attn(y, self.rotary_emb, cos, sin, attend_head))
+        h_out = mtp.norm(x)
+        return self.view.logits(h_out[-1:]), h_out

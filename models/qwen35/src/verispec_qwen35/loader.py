@@ -1,0 +1,206 @@
+"""GGUF -> config -> module for qwen35 / qwen35moe files: I/O only, no math beyond dequantise.
+
+`load(path, dtype=..., context_length=...)` is the TargetSpec loader. Steps:
+1. `GGUFFile.open` (verispec.gguf_io): metadata and the tensor table.
+2. `config_from_gguf`: sizes from `{arch}.*` keys (reference/qwen35.md §2); the main stack is
+   block_count - nextn_predict_layers; layer types from `attention.recurrent_layers` when the
+   file has it, else the `full_attention_interval` rule.
+3. Weights: one typed tensor table (`TENSORS`, GGUF name -> HF-style parameter name) through
+   `verispec.gguf_load.plan_weights`; the MTP block `blk.{L}` maps onto `mtp.*` with the same
+   per-layer rows (`mtp_tensors`). Values are taken as the converter wrote them: norms already
+   hold 1 + w (except ssm_norm), ssm_a holds -exp(A_log), value heads are re-tiled; the
+   modeling file applies the matching math, so nothing is transformed here.
+   A file with tensors the plan does not read is refused (UnsupportedQwen35Variant).
+4. The MTP draft head (`draft_head.Qwen35MtpHead`) when the file holds an MTP block.
+5. The tokenizer from the file's own metadata.
+"""
+from __future__ import annotations
+
+import os
+
+from verispec.gguf_io import GGUFFile, MissingTensor, arch_value
+from verispec.gguf_load import Stack, Tensor, plan_weights
+from verispec.nn.quant import canonical_dtype
+
+from verispec_qwen35.modeling_qwen35 import (FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config, Qwen35ForCausalLM,
+                                             UnsupportedQwen35Variant)
+
+__all__ = ["ARCHITECTURES", "DEFAULT_DTYPE", "TENSORS", "config_from_gguf", "load", "mtp_tensors"]
+
+ARCHITECTURES = ("qwen35", "qwen35moe")
+#: int8 weight-only: batch-invariant (a verify row is bitwise the one-row decode).
+DEFAULT_DTYPE = "int8"
+
+_L = "model.layers.{i}."
+#: per-layer rows, shared by the main stack ("{i}") and the MTP block (`mtp_tensors`).
+LAYER_TENSORS = (
+    Tensor("blk.{i}.attn_norm.weight", _L + "input_layernorm.weight"),
+    Tensor("blk.{i}.post_attention_norm.weight", _L + "post_attention_layernorm.weight"),
+    # gated full attention (q and its output gate interleaved per head in attn_q)
+    Tensor("blk.{i}.attn_q.weight", _L + "self_attn.q_proj.weight"),
+    Tensor("blk.{i}.attn_k.weight", _L + "self_attn.k_proj.weight"),
+    Tensor("blk.{i}.attn_v.weight", _L + "self_attn.v_proj.weight"),
+    Tensor("blk.{i}.attn_output.weight", _L + "self_attn.o_proj.weight"),
+    Tensor("blk.{i}.attn_q_norm.weight", _L + "self_attn.q_norm.weight"),
+    Tensor("blk.{i}.attn_k_norm.weight", _L + "self_attn.k_norm.weight"),
+    # GatedDeltaNet (value heads in tiled order)
+    Tensor("blk.{i}.attn_qkv.weight", _L + "linear_attn.in_proj_qkv.weight"),
+    Tensor("blk.{i}.attn_gate.weight", _L + "linear_attn.in_proj_z.weight"),
+    Tensor("blk.{i}.ssm_beta.weight", _L + "linear_attn.in_proj_b.weight"),
+    Tensor("blk.{i}.ssm_alpha.weight", _L + "linear_attn.in_proj_a.weight"),
+    Tensor("blk.{i}.ssm_conv1d.weight", _L + "linear_attn.conv1d_weight"),
+    Tensor("blk.{i}.ssm_dt.bias", _L + "linear_attn.dt_bias"),
+    Tensor("blk.{i}.ssm_a", _L + "linear_attn.ssm_a"),
+    Tensor("blk.{i}.ssm_norm.weight", _L + "linear_attn.norm.weight"),
+    Tensor("blk.{i}.ssm_out.weight", _L + "linear_attn.out_proj.weight"),
+    # dense SwiGLU
+    Tensor("blk.{i}.ffn_gate.weight", _L + "mlp.gate_proj.weight"),
+    Tensor("blk.{i}.ffn_up.weight", _L + "mlp.up_proj.weight"),
+    Tensor("blk.{i}.ffn_down.weight", _L + "mlp.down_proj.weight"),
+    # MoE: router, experts (gate|up fused, or separate), shared expert and its gate vector
+    Tensor("blk.{i}.ffn_gate_inp.weight", _L + "mlp.gate.weight"),
+    Tensor("blk.{i}.ffn_gate_up_exps.weight", _L + "mlp.gate_up_proj.{e}.weight", per_expert=True,
+           alternatives=(Stack("blk.{i}.ffn_gate_exps.weight", "blk.{i}.ffn_up_exps.weight"),)),
+    Tensor("blk.{i}.ffn_down_exps.weight", _L + "mlp.down_proj.{e}.weight", per_expert=True),
+    Tensor("blk.{i}.ffn_gate_inp_shexp.weight", _L + "mlp.shared_expert_gate"),
+    Tensor("blk.{i}.ffn_gate_shexp.weight", _L + "mlp.shared_expert.gate_proj.weight"),
+    Tensor("blk.{i}.ffn_up_shexp.weight", _L + "mlp.shared_expert.up_proj.weight"),
+    Tensor("blk.{i}.ffn_down_shexp.weight", _L + "mlp.shared_expert.down_proj.weight"),
+)
+
+#: GGUF tensor -> parameter in our modules. Entries the model does not have are never looked up
+#: (`output.weight` when tied, attention rows on GDN layers, MoE rows on dense files, ...).
+TENSORS = (
+    Tensor("token_embd.weight", "model.embed_tokens.weight"),
+    Tensor("output.weight", "lm_head.weight"),
+    Tensor("output_norm.weight", "model.norm.weight"),
+    *LAYER_TENSORS,
+)
+
+
+def mtp_tensors(n: int) -> tuple[Tensor, ...]:
+    """The MTP block `blk.{n}` (n = main layer count) onto `mtp.*` (reference/qwen35.md §3.7)."""
+    def one(t: Tensor) -> Tensor:
+        source = t.source.format(i=n) if isinstance(t.source, str) else Stack(*(p.format(i=n) for p in t.source.parts))
+        alternatives = tuple(a.format(i=n) if isinstance(a, str) else Stack(*(p.format(i=n) for p in a.parts))
+                             for a in t.alternatives)
+        return Tensor(source, t.target.replace(_L, "mtp.layer."), alternatives=alternatives, per_expert=t.per_expert)
+    b = f"blk.{n}.nextn."
+    return (
+        Tensor(b + "eh_proj.weight", "mtp.fc.weight"),
+        Tensor(b + "enorm.weight", "mtp.pre_fc_norm_embedding.weight"),
+        Tensor(b + "hnorm.weight", "mtp.pre_fc_norm_hidden.weight"),
+        Tensor(b + "shared_head_norm.weight", "mtp.norm.weight", alternatives=("output_norm.weight",)),
+        *(one(t) for t in LAYER_TENSORS),
+    )
+
+
+def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: int | None = None,
+         max_rows_per_forward: int | None = None, use_cache: bool = True, tokenizer: bool = True,
+         progress: bool | None = None) -> Qwen35ForCausalLM:
+    """Load a qwen35 / qwen35moe GGUF as a `Qwen35ForCausalLM` trunk (with `.draft_head` when the
+    file holds an MTP block).
+
+    dtype: "int8" (default) | "bfloat16" | "float32" | "int4" (linears; everything else fp32).
+    context_length: max positions (default: the file's context_length).
+    Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...),
+    UnsupportedQwen35Variant (wrong architecture, qwen3next layouts, a standalone MTP file,
+    tensors the math would not use), nn.quant.UnknownWeightDtype.
+    """
+    path = os.fspath(path)
+    dtype = canonical_dtype(dtype or DEFAULT_DTYPE)
+    gguf = GGUFFile.open(path)
+    config = config_from_gguf(gguf)
+    model = Qwen35ForCausalLM(config, dtype=dtype, context_length=context_length,
+                              max_rows_per_forward=max_rows_per_forward)
+    table = TENSORS + (mtp_tensors(config.num_hidden_layers) if config.num_mtp_layers else ())
+    plan = plan_weights(gguf, model, table, num_layers=config.num_hidden_layers, num_experts=config.num_experts)
+    unused = sorted(set(gguf) - plan.gguf_names)
+    if unused:
+        raise UnsupportedQwen35Variant(path, f"tensors the {config.architecture} math does not use: {unused[:6]}",
+                                       "the file is another variant (qwen3next layout, dedicated MTP "
+                                       "embeddings, scale sidecars) and cannot be served here")
+    plan.load(dtype=dtype, layout="qwen35", use_cache=use_cache, progress=progress)
+    if config.num_mtp_layers:
+        from verispec_qwen35.draft_head import Qwen35MtpHead
+
+        model.draft_head = Qwen35MtpHead(model)
+    if tokenizer:
+        from verispec.tokenizer import Tokenizer
+
+        model.tokenizer = Tokenizer.from_gguf(gguf)
+    return model
+
+
+def config_from_gguf(gguf: GGUFFile) -> Qwen35Config:
+    """Read the `{arch}.*` keys of an opened qwen35 / qwen35moe GGUF (reference/qwen35.md §2).
+
+    Raises MissingKey, MissingTensor (token_embd), UnsupportedQwen35Variant."""
+    metadata, source = gguf.metadata, gguf.path
+    arch = metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedQwen35Variant(source, f"general.architecture is {arch!r}",
+                                       f"this package loads {', '.join(ARCHITECTURES)}")
+
+    def key(suffix, default=...):
+        return arch_value(metadata, suffix, default, source=source)
+
+    if "token_embd.weight" not in gguf:
+        raise MissingTensor("token_embd.weight", arch, source)
+    if "blk.0.attn_norm.weight" not in gguf:
+        raise UnsupportedQwen35Variant(source, "no main-stack tensors (blk.0.attn_norm.weight): a standalone MTP file",
+                                       "load the main GGUF; a separate MTP file is not supported yet")
+    if any(name.endswith((".ssm_ba.weight", ".ssm_in.weight")) for name in gguf):
+        raise UnsupportedQwen35Variant(source, "qwen3next GDN projections (ssm_ba / ssm_in)",
+                                       "this file has the qwen3next layout (grouped value heads), not qwen35's")
+    num_mtp = int(key("nextn_predict_layers", 0))
+    if num_mtp > 1:
+        raise UnsupportedQwen35Variant(source, f"{num_mtp} MTP layers", "only one MTP block is supported")
+    num_layers = int(key("block_count")) - num_mtp
+    recurrent = key("attention.recurrent_layers", None)
+    if recurrent is not None:
+        layer_types = tuple(LINEAR_ATTENTION if r else FULL_ATTENTION for r in list(recurrent)[:num_layers])
+    else:
+        interval = int(key("full_attention_interval", 4))
+        layer_types = tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers))
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    if int(key("attention.value_length", head_dim)) != head_dim:
+        raise UnsupportedQwen35Variant(source, "attention key and value head sizes differ",
+                                       "only equal K/V head sizes are supported")
+    nv, inner = int(key("ssm.time_step_rank")), int(key("ssm.inner_size"))
+    nk = int(key("ssm.group_count"))
+    if nv % nk or inner % nv:
+        raise UnsupportedQwen35Variant(source, f"GDN heads: {nv} value heads, {nk} key heads, inner size {inner}",
+                                       "value heads must be a multiple of key heads and divide inner_size")
+    num_experts = int(key("expert_count", 0)) if arch == "qwen35moe" else 0
+    if arch == "qwen35moe" and not num_experts:
+        raise UnsupportedQwen35Variant(source, "qwen35moe without expert_count", "the file's metadata is incomplete")
+    shexp = f"blk.{num_layers - 1}.ffn_gate_inp_shexp.weight"
+    return Qwen35Config(
+        architecture=arch,
+        vocab_size=int(gguf.tensor_info("token_embd.weight").shape[0]),
+        hidden_size=hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rotary_dim=int(key("rope.dimension_count", head_dim // 4)),
+        rope_theta=float(key("rope.freq_base", 10_000_000.0)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(key("context_length")),
+        layer_types=layer_types,
+        linear_conv_kernel_dim=int(key("ssm.conv_kernel")),
+        linear_key_head_dim=int(key("ssm.state_size")),
+        linear_value_head_dim=inner // nv,
+        linear_num_key_heads=nk,
+        linear_num_value_heads=nv,
+        intermediate_size=0 if num_experts else int(key("feed_forward_length")),
+        num_experts=num_experts,
+        num_experts_per_tok=int(key("expert_used_count")) if num_experts else 0,
+        moe_intermediate_size=int(key("expert_feed_forward_length")) if num_experts else 0,
+        shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length")) if num_experts else 0,
+        shared_expert_gate_shape=tuple(gguf.tensor_info(shexp).shape) if num_experts and shexp in gguf else (),
+        tie_word_embeddings="output.weight" not in gguf,
+        num_mtp_layers=num_mtp,
+    )

@@ -1,0 +1,329 @@
+"""Qwen 3.5 / 3.6 hybrid trunks: GatedDeltaNet and gated full-attention layers, dense SwiGLU or
+MoE with a sigmoid-gated shared expert, and the MTP block the draft head runs.
+
+Shape letters: n rows in a forward, V vocabulary, D model width, H / Hkv query / KV heads
+(full attention), Dh head dim, nk / nv GDN key / value heads, dk / dv their head dims,
+C = 2·nk·dk + nv·dv conv channels, W conv kernel width, E experts, L main layers.
+
+Per layer (pre-norm residual, as transformers Qwen3_5DecoderLayer):
+    h = h + mixer(input_layernorm(h))          mixer = GatedDeltaNet | gated attention
+    h = h + ffn(post_attention_layernorm(h))    ffn = SwiGLU | MoE + shared expert
+then logits = lm_head(norm(h)). Layer i is full attention iff (i + 1) % interval == 0.
+
+What the GGUF holds (reference/qwen35.md §4), so the math here is plain:
+- every `*norm.weight` except the GDN gated norm already holds 1 + w: RMSNorm multiplies by it;
+- `ssm_a` holds -exp(A_log): the log decay is g = ssm_a · softplus(a + dt_bias);
+- value heads are re-tiled: GGUF v-head p pairs with k-head p % nk, so q/k are expanded to
+  nv heads by tiling (`repeat`), not repeat_interleave as in transformers' grouped order.
+
+The GDN layer runs the delta rule one row at a time (exact; the reference a fused kernel must
+match) and hands the state after every row to its `nn.state.RecurrentState` during a verify,
+so `keep(seq, a)` selects the state after row a with no re-forward. Every op is per row with
+the same shapes whatever n, so with batch-invariant linears (int8) a row is the same bits
+alone or inside an n-row verify.
+Sources: transformers models/qwen3_5/modeling_qwen3_5.py, qwen3_5_moe (5.24);
+llama.cpp src/models/qwen35.cpp, qwen35moe.cpp, delta-net-base.cpp.
+"""
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+from verispec.errors import VerispecError
+from verispec.nn.attention import attend_rows
+from verispec.nn.mlp import GatedMLP
+from verispec.nn.norm import RMSNorm
+from verispec.nn.rope import RotaryEmbedding
+from verispec.nn.state import LinearKVCache, RecurrentState
+from verispec.nn.trunk import Rows, TrunkModule
+
+__all__ = ["Qwen35Config", "Qwen35ForCausalLM", "UnsupportedQwen35Variant"]
+
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
+
+
+class UnsupportedQwen35Variant(VerispecError, ValueError):
+    """The GGUF is a qwen35-family file whose layout or math this package does not implement."""
+
+    def __init__(self, source: str, what: str, fix: str):
+        self.source, self.what = source, what
+        super().__init__(f"{source}: {what}; {fix}")
+
+
+@attrs.frozen
+class Qwen35Config:
+    """The whole math of one trunk (HF field names); read from GGUF metadata by `loader`."""
+
+    architecture: str  # "qwen35" | "qwen35moe"
+    vocab_size: int
+    hidden_size: int  # D
+    num_hidden_layers: int  # L, the main stack (MTP layers not counted)
+    num_attention_heads: int  # H
+    num_key_value_heads: int  # Hkv
+    head_dim: int  # Dh
+    rotary_dim: int  # dims of each head that rotate (partial RoPE, NEOX pairing)
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    layer_types: tuple[str, ...]  # per main layer: LINEAR_ATTENTION | FULL_ATTENTION
+    linear_conv_kernel_dim: int  # W
+    linear_key_head_dim: int  # dk
+    linear_value_head_dim: int  # dv
+    linear_num_key_heads: int  # nk
+    linear_num_value_heads: int  # nv
+    intermediate_size: int = 0  # dense FFN width (qwen35)
+    num_experts: int = 0  # E; 0 = dense FFN
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    #: the shared-expert gate's stored shape: (D,) or (1, D) (writers differ; both are accepted).
+    shared_expert_gate_shape: tuple[int, ...] = ()
+    tie_word_embeddings: bool = False
+    #: MTP blocks in the file (0: no draft head); only 1 is supported.
+    num_mtp_layers: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+# -- GatedDeltaNet -------------------------------------------------------------------------
+
+
+class Qwen35GatedDeltaNet(nn.Module):
+    """Linear-attention mixer: short causal conv over Q‖K‖V, then the gated delta rule.
+
+    State per sequence (a RecurrentState): "conv" fp32 [C, W-1], the pre-conv channels of the
+    last W-1 rows, oldest first; "ssm" fp32 [nv, dk, dv]. x: fp32 [n, D] -> fp32 [n, D].
+    """
+
+    def __init__(self, c: Qwen35Config, *, device=None):
+        super().__init__()
+        self.nk, self.nv = c.linear_num_key_heads, c.linear_num_value_heads
+        self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = c.linear_conv_kernel_dim
+        d = c.hidden_size
+        self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False, device=device)
+        self.in_proj_z = nn.Linear(d, self.value_dim, bias=False, device=device)
+        self.in_proj_b = nn.Linear(d, self.nv, bias=False, device=device)
+        self.in_proj_a = nn.Linear(d, self.nv, bias=False, device=device)
+        self.out_proj = nn.Linear(self.value_dim, d, bias=False, device=device)
+        self.conv1d_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel, device=device), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.nv, device=device), requires_grad=False)
+        self.ssm_a = nn.Parameter(torch.empty(self.nv, device=device), requires_grad=False)  # -exp(A_log)
+        self.norm = RMSNorm(self.dv, c.rms_norm_eps)  # plain weight (no 1 + w), reference/qwen35.md §4.1
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"conv": (self.conv_dim, self.kernel - 1), "ssm": (self.nv, self.dk, self.dv)}
+
+    def forward(self, x: torch.Tensor, rows: Rows, layer_idx: int) -> torch.Tensor:
+        n = x.shape[0]
+        mix = self.in_proj_qkv(x)  # [n, C], pre-conv
+        z = self.in_proj_z(x).view(n, self.nv, self.dv)
+        beta = torch.sigmoid(self.in_proj_b(x))  # [n, nv]
+        g = self.ssm_a * F.softplus(self.in_proj_a(x) + self.dt_bias)  # [n, nv] log decay <= 0
+        core = torch.empty(n, self.nv, self.dv)
+        for s in rows.sequences:  # each sequence runs its own recurrence (never across sequences)
+            state = s.state.layers[layer_idx]
+            core[s.rows] = self.recurrence(mix[s.rows], beta[s.rows], g[s.rows], state,
+                                           record_rows=s.state.verify_rows is not None)
+        o = self.norm(core) * F.silu(z)  # gated RMSNorm per v-head over dv
+        return self.out_proj(o.reshape(n, self.value_dim))
+
+    def recurrence(self, mix: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, state: RecurrentState,
+                   *, record_rows: bool) -> torch.Tensor:
+        """One sequence's rows in order: mix fp32 [m, C], beta, g fp32 [m, nv] -> output [m, nv, dv].
+        Hands the state after every row (record_rows: a verify) or after the last to `state.update`."""
+        conv, ssm = state.values["conv"], state.values["ssm"]
+        convs, ssms, outputs = [], [], []
+        r = self.nv // self.nk
+        for t in range(mix.shape[0]):
+            window = torch.cat([conv, mix[t, :, None]], dim=1)  # [C, W]; column W-1 is this row
+            u = F.silu((window * self.conv1d_weight).sum(dim=1))  # [C]
+            conv = window[:, 1:]
+            q, k, v = u.split([self.key_dim, self.key_dim, self.value_dim])
+            q = _l2norm(q.view(self.nk, self.dk)) * self.dk ** -0.5
+            k = _l2norm(k.view(self.nk, self.dk))
+            q, k = q.repeat(r, 1), k.repeat(r, 1)  # [nv, dk]: v-head p reads k-head p % nk (tiled)
+            v = v.view(self.nv, self.dv)
+            ssm = ssm * g[t].exp()[:, None, None]  # decay
+            memory = torch.einsum("hkv,hk->hv", ssm, k)  # read with the decayed state
+            delta = beta[t][:, None] * (v - memory)  # [nv, dv]
+            ssm = ssm + k[:, :, None] * delta[:, None, :]  # rank-1 write
+            outputs.append(torch.einsum("hkv,hk->hv", ssm, q))  # read with the updated state
+            if record_rows:
+                convs.append(conv)
+                ssms.append(ssm)
+        if not record_rows:
+            convs, ssms = [conv], [ssm]
+        state.update({"conv": torch.stack(convs), "ssm": torch.stack(ssms)})
+        return torch.stack(outputs)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x · rsqrt(Σx² + eps) over the last dim (transformers / FLA l2norm)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+# -- gated full attention --------------------------------------------------------------------
+
+
+class Qwen35Attention(nn.Module):
+    """q_proj gives q and an output gate, interleaved per head [q_h | gate_h]; q/k RMSNorm over
+    Dh before partial NEOX RoPE; the output is multiplied by sigmoid(gate). x: fp32 [n, D]."""
+
+    def __init__(self, c: Qwen35Config, *, device=None):
+        super().__init__()
+        d, h, hkv, dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, dh
+        self.scaling = dh ** -0.5
+        self.q_proj = nn.Linear(d, h * dh * 2, bias=False, device=device)
+        self.k_proj = nn.Linear(d, hkv * dh, bias=False, device=device)
+        self.v_proj = nn.Linear(d, hkv * dh, bias=False, device=device)
+        self.o_proj = nn.Linear(h * dh, d, bias=False, device=device)
+        self.q_norm = RMSNorm(dh, c.rms_norm_eps)
+        self.k_norm = RMSNorm(dh, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
+                attend) -> torch.Tensor:
+        """attend(q [n, H, Dh], k, v [n, Hkv, Dh]) -> [n, H, Dh]: writes k/v to the right cache first."""
+        n = x.shape[0]
+        q, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [n, H, Dh] each
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = rope(self.q_norm(q), cos, sin), rope(self.k_norm(k), cos, sin)
+        out = attend(q, k, v) * torch.sigmoid(gate)  # [n, H, Dh]
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+# -- FFN -------------------------------------------------------------------------------------
+
+
+class Qwen35SparseMoe(nn.Module):
+    """Softmax router over E experts (fp32), top-k renormalised, SwiGLU experts, plus a shared
+    expert scaled by sigmoid(x · shared_expert_gate). x: fp32 [n, D] -> fp32 [n, D]."""
+
+    def __init__(self, c: Qwen35Config, *, device=None):
+        super().__init__()
+        d, ff = c.hidden_size, c.moe_intermediate_size
+        self.top_k, self.moe_intermediate_size = c.num_experts_per_tok, ff
+        self.gate = nn.Linear(d, c.num_experts, bias=False, device=device)  # router
+        # gate|up fused per expert (llama.cpp ffn_gate_up_exps, or ffn_gate_exps ‖ ffn_up_exps)
+        self.gate_up_proj = nn.ModuleList(nn.Linear(d, 2 * ff, bias=False, device=device)
+                                          for _ in range(c.num_experts))
+        self.down_proj = nn.ModuleList(nn.Linear(ff, d, bias=False, device=device) for _ in range(c.num_experts))
+        self.shared_expert = GatedMLP(d, c.shared_expert_intermediate_size, "silu", device=device)
+        self.shared_expert_gate = nn.Parameter(torch.empty(c.shared_expert_gate_shape or (d,), device=device),
+                                               requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [n, E]
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [n, k]
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():
+            rows, slot = torch.where(experts == e)
+            gate, up = self.gate_up_proj[e](x[rows]).split(self.moe_intermediate_size, dim=-1)
+            out.index_add_(0, rows, self.down_proj[e](F.silu(gate) * up) * weights[rows, slot, None])
+        shared_gate = torch.sigmoid(x @ self.shared_expert_gate.reshape(-1, 1))  # [n, 1]
+        return out + shared_gate * self.shared_expert(x)
+
+
+class Qwen35DecoderLayer(nn.Module):
+    def __init__(self, c: Qwen35Config, layer_type: str, *, device=None):
+        super().__init__()
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if layer_type == LINEAR_ATTENTION:
+            self.linear_attn = Qwen35GatedDeltaNet(c, device=device)
+        else:
+            self.self_attn = Qwen35Attention(c, device=device)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = Qwen35SparseMoe(c, device=device) if c.is_moe else GatedMLP(c.hidden_size, c.intermediate_size,
+                                                                                "silu", device=device)
+
+    def forward(self, hidden_states: torch.Tensor, mixer) -> torch.Tensor:
+        """hidden_states fp32 [n, D]; mixer(normed [n, D]) -> [n, D] runs this layer's token mixer."""
+        hidden_states = hidden_states + mixer(self.input_layernorm(hidden_states))
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class Qwen35Mtp(nn.Module):
+    """The MTP (NextN) block: HF's `mtp.*` names (fc, pre_fc_norm_embedding, pre_fc_norm_hidden,
+    norm) and one full-attention decoder layer. The math of a draft step lives in `draft_head`."""
+
+    def __init__(self, c: Qwen35Config, *, device=None):
+        super().__init__()
+        d = c.hidden_size
+        self.pre_fc_norm_embedding = RMSNorm(d, c.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(d, c.rms_norm_eps)
+        self.fc = nn.Linear(2 * d, d, bias=False, device=device)  # [embedding ‖ hidden] -> D
+        self.layer = Qwen35DecoderLayer(c, FULL_ATTENTION, device=device)
+        self.norm = RMSNorm(d, c.rms_norm_eps)  # shared_head_norm (or output_norm)
+
+
+class Qwen35Model(nn.Module):
+    def __init__(self, c: Qwen35Config, *, device=None):
+        super().__init__()
+        self.embed_tokens = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device=device)  # read by rows
+        self.layers = nn.ModuleList(Qwen35DecoderLayer(c, t, device=device) for t in c.layer_types)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding.default(c.rotary_dim, c.rope_theta, style="neox")
+
+
+class Qwen35ForCausalLM(TrunkModule):
+    """The Qwen 3.5 / 3.6 trunk: a `SpeculativeTarget` over GDN recurrent state and attention KV.
+
+    dtype: weight dtype of the linears ("int8" | "bfloat16" | "float32" | "int4", nn.quant);
+    norms, conv kernel, decay parameters and all state stay fp32.
+    Built on the meta device; the loader fills it. `draft_head` is the MTP head when the file
+    has an MTP block, else None (the engine reads it with getattr).
+    Truncation to a non-zero prefix is refused (CannotTruncate): GDN state is a fixed-size summary.
+    """
+
+    # The K ceiling, from the verify cost measured on the tiny benchmark fixture (README
+    # "Verify cost"): the per-row recurrence makes a k-row verify cost grow ~linearly in its
+    # GDN share, so wide windows only pay at high acceptance; MTP acceptance falls with depth.
+    spec_preferred_draft_window = 4
+
+    def __init__(self, config: Qwen35Config, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
+                 context_length: int | None = None, device="meta"):
+        super().__init__()
+        self._init_sizes(config, dtype, max_rows_per_forward, context_length)
+        self.model = Qwen35Model(config, device=device)
+        self.mtp = Qwen35Mtp(config, device=device) if config.num_mtp_layers else None
+        self._finish_linears(device)
+        self.draft_head = None  # set by the loader when the file has MTP weights
+
+    def _new_layer_states(self) -> list:
+        c, states = self.config, []
+        for layer in self.model.layers:
+            if layer.layer_type == LINEAR_ATTENTION:
+                states.append(RecurrentState(layer.linear_attn.state_shapes()))
+            else:
+                states.append(LinearKVCache(c.num_key_value_heads, c.head_dim, max_positions=self.max_context_length))
+        return states
+
+    def _embed(self, tokens):
+        return self.model.embed_tokens.rows(tokens)  # [n, D] fp32
+
+    def _forward_rows(self, rows: Rows):
+        """Final-normed rows fp32 [n, D] and the residual rows entering each layer (index L = after the last)."""
+        m = self.model
+        cos, sin = m.rotary_emb.cos_sin(rows.positions)  # [n, r/2]
+        x = self._embed(rows.tokens)
+        taps = {}
+        for i, layer in enumerate(m.layers):
+            taps[i] = x
+            if layer.layer_type == LINEAR_ATTENTION:
+                mixer = lambda y, layer=layer, i=i: layer.linear_attn(y, rows, i)  # noqa: E731
+            else:
+                attend = lambda q, k, v, layer=layer, i=i: attend_rows(  # noqa: E731
+                    q, k, v, rows, i, scaling=layer.self_attn.scaling)
+                mixer = lambda y, layer=layer, attend=attend: layer.self_attn(y, m.rotary_emb, cos, sin, attend)  # noqa: E731
+            x = layer(x, mixer)
+        taps[self.num_layers] = x
+        return m.norm(x), taps
