@@ -14,8 +14,8 @@ from verispec_nemotron.loader import load
 pytest.importorskip("transformers")  # the fixtures are written from transformers models
 
 
-@pytest.fixture(scope="module", params=[(name, dtype) for name in ("dense", "moe") for dtype in ("float32", "int8")],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", ids=lambda p: f"{p[0]}-{p[1]}",
+                params=[(name, dtype) for name in ("dense", "moe") for dtype in ("float32", "int8")])
 def loaded(request, tiny_fixture):
     name, dtype = request.param
     _, path = tiny_fixture(name)

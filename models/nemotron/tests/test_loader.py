@@ -26,9 +26,12 @@ def _metadata_and_shapes(path):
     ("dense", {"nemotron_h.nextn_predict_layers": 1}, UnsupportedNemotronVariant, "MTP"),
     ("moe", {"nemotron_h_moe.moe_latent_size": 16}, UnsupportedNemotronVariant, "latent MoE"),
     ("moe", {"nemotron_h_moe.expert_group_count": 2}, UnsupportedNemotronVariant, "1 group"),
-    ("moe", {"nemotron_h_moe.expert_used_count": [2, 2, 0, 2, 3]}, UnsupportedNemotronVariant, "same expert count"),
-    ("dense", {"nemotron_h.attention.head_count_kv": [0, 1, 0]}, UnsupportedNemotronVariant, "3 entries for 5"),
-    ("dense", {"nemotron_h.feed_forward_length": [0, 40, 40, 0, 40]}, UnsupportedNemotronVariant, "one mixer"),
+    ("moe", {"nemotron_h_moe.expert_used_count": [2, 2, 0, 2, 3]}, UnsupportedNemotronVariant,
+     "same expert count"),
+    ("dense", {"nemotron_h.attention.head_count_kv": [0, 1, 0]}, UnsupportedNemotronVariant,
+     "3 entries for 5"),
+    ("dense", {"nemotron_h.feed_forward_length": [0, 40, 40, 0, 40]}, UnsupportedNemotronVariant,
+     "one mixer"),
     ("dense", {"nemotron_h.ssm.group_count": 3}, UnsupportedNemotronVariant, "split into heads"),
     ("dense", {"nemotron_h.attention.value_length": 8}, UnsupportedNemotronVariant, "K/V head sizes"),
     ("dense", {"nemotron_h.ssm.state_size": None}, MissingKey, "nemotron_h.ssm.state_size"),
@@ -67,7 +70,8 @@ def dense_model():
 ])
 def test_files_with_wrong_tensors_are_refused(dense_model, tmp_path, variant, error, match):
     with pytest.raises(error, match=match):
-        load(write_fixture(dense_model, tmp_path / "variant.gguf", **variant), dtype="float32", use_cache=False)
+        load(write_fixture(dense_model, tmp_path / "variant.gguf", **variant), dtype="float32",
+             use_cache=False)
 
 
 def _assert_parity(hf_model, path):
@@ -75,7 +79,8 @@ def _assert_parity(hf_model, path):
     prompt = torch.randint(0, ours.vocab_size, (24,), generator=torch.Generator().manual_seed(4)).tolist()
     with torch.no_grad():
         expected = hf_model(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(forward_one(ours, ours.new_sequence(), prompt).logits, expected, atol=1e-4, rtol=0)
+    got = forward_one(ours, ours.new_sequence(), prompt).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
     return ours
 
 
@@ -116,7 +121,8 @@ def test_context_length_option_and_the_tokenizer(tiny_fixture):
 
 
 def test_hooks_register_without_importing_torch():
-    code = ("import sys; from verispec_nemotron import hooks; specs = []; hooks.register_targets(specs.append); "
+    code = ("import sys; from verispec_nemotron import hooks; specs = []; "
+            "hooks.register_targets(specs.append); "
             "assert 'torch' not in sys.modules, 'torch imported'; print(specs[0].architectures)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "('nemotron_h', 'nemotron_h_moe')"

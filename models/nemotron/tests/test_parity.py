@@ -47,8 +47,8 @@ def test_prefill_and_decode_logits_match_transformers(tiny_fixture, name):
     decodes = torch.cat([forward_one(ours, seq, [t], logits="last").logits for t in continuation])
     assert ours.seq_len(seq) == NUM_PROMPT + NUM_DECODE
     assert ours.vocab_size == hf_model.config.vocab_size
-    assert ours.config.layer_types == tuple({"linear_attention": "mamba", "full_attention": "attention"}.get(t, t)
-                                            for t in hf_model.config.layers_block_type)
+    hf_names = {"linear_attention": "mamba", "full_attention": "attention"}
+    assert ours.config.layer_types == tuple(hf_names.get(t, t) for t in hf_model.config.layers_block_type)
     torch.testing.assert_close(prefill, expected_prefill, atol=ATOL, rtol=0)
     torch.testing.assert_close(decodes, torch.cat(expected_decodes), atol=ATOL, rtol=0)
 

@@ -89,4 +89,5 @@ if __name__ == "__main__":  # print the README table
             path = write_fixture(build_hf_model(name), Path(tmp) / f"{name}.gguf")
             for dtype in ("float32", "int8"):
                 table = verify_vs_decode(load(path, dtype=dtype, use_cache=False, tokenizer=False))
-                print(f"| {name} | {dtype} | " + " | ".join(f"{max(r):.1e}" if max(r) else "0" for r in table) + " |")
+                cells = [f"{max(per_row):.1e}" if max(per_row) else "0" for per_row in table]
+                print(f"| {name} | {dtype} | " + " | ".join(cells) + " |")

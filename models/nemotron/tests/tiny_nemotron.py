@@ -81,7 +81,8 @@ _MIXER_NAMES = {
     "up_proj.weight": "ffn_up.weight", "down_proj.weight": "ffn_down.weight",
     "gate.weight": "ffn_gate_inp.weight", "gate.e_score_correction_bias": "exp_probs_b.bias",
     "experts.up_proj": "ffn_up_exps.weight", "experts.down_proj": "ffn_down_exps.weight",
-    "shared_experts.up_proj.weight": "ffn_up_shexp.weight", "shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "shared_experts.down_proj.weight": "ffn_down_shexp.weight",
 }
 
 
@@ -109,7 +110,8 @@ def hf_to_gguf(model) -> tuple[str, dict, dict]:
         f"{arch}.embedding_length": cfg.hidden_size,
         f"{arch}.block_count": len(types),
         f"{arch}.attention.head_count": cfg.num_attention_heads,
-        f"{arch}.attention.head_count_kv": [cfg.num_key_value_heads if t == "full_attention" else 0 for t in types],
+        f"{arch}.attention.head_count_kv": [cfg.num_key_value_heads if t == "full_attention" else 0
+                                            for t in types],
         f"{arch}.feed_forward_length": [ffn.get(t, 0) for t in types],
         f"{arch}.attention.key_length": cfg.head_dim,
         f"{arch}.attention.value_length": cfg.head_dim,
@@ -122,7 +124,8 @@ def hf_to_gguf(model) -> tuple[str, dict, dict]:
     }
     if moe:
         metadata.update({
-            f"{arch}.expert_count": cfg.n_routed_experts, f"{arch}.expert_used_count": cfg.num_experts_per_tok,
+            f"{arch}.expert_count": cfg.n_routed_experts,
+            f"{arch}.expert_used_count": cfg.num_experts_per_tok,
             f"{arch}.expert_feed_forward_length": cfg.moe_intermediate_size,
             f"{arch}.expert_shared_feed_forward_length": cfg.moe_shared_expert_intermediate_size,
             f"{arch}.expert_shared_count": 1, f"{arch}.expert_weights_norm": bool(cfg.norm_topk_prob),

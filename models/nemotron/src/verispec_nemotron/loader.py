@@ -21,7 +21,8 @@ from verispec.gguf_io import GGUFFile
 from verispec.gguf_load import Tensor, plan_weights
 from verispec.nn.quant import canonical_dtype
 
-from verispec_nemotron.modeling_nemotron_h import NemotronHConfig, NemotronHForCausalLM, UnsupportedNemotronVariant
+from verispec_nemotron.modeling_nemotron_h import (NemotronHConfig, NemotronHForCausalLM,
+                                                   UnsupportedNemotronVariant)
 
 __all__ = ["DEFAULT_DTYPE", "TENSORS", "config_from_gguf", "load"]
 
@@ -92,8 +93,8 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     unused = sorted(set(gguf) - plan.gguf_names)
     if unused:
         raise UnsupportedNemotronVariant(path, f"tensors the Nemotron-H math does not use: {unused[:6]}",
-                                         "the file is another variant (biases, latent MoE, MTP) and cannot be "
-                                         "served here")
+                                         "the file is another variant (biases, latent MoE, MTP) and cannot "
+                                         "be served here")
     plan.load(dtype=dtype, layout="nemotron_h", use_cache=use_cache, progress=progress)
     if tokenizer:
         from verispec.tokenizer import Tokenizer

@@ -48,7 +48,8 @@ from verispec.nn.norm import RMSNorm
 from verispec.nn.state import LinearKVCache, RecurrentState
 from verispec.nn.trunk import Rows, TrunkModule
 
-__all__ = ["ARCHITECTURES", "LAYER_TYPES", "NemotronHConfig", "NemotronHForCausalLM", "UnsupportedNemotronVariant"]
+__all__ = ["ARCHITECTURES", "LAYER_TYPES", "NemotronHConfig", "NemotronHForCausalLM",
+           "UnsupportedNemotronVariant"]
 
 ARCHITECTURES = ("nemotron_h", "nemotron_h_moe")
 #: one mixer per block; HF's layers_block_type names these linear_attention, full_attention, mlp, moe.
@@ -123,21 +124,8 @@ class NemotronHConfig:
             raise UnsupportedNemotronVariant(source, f"general.architecture is {arch!r}",
                                              f"this package loads {', '.join(ARCHITECTURES)}")
         key = functools.partial(arch_value, metadata, source=source)
-        num_layers = int(key("block_count"))
-        if int(key("nextn_predict_layers", 0)):
-            raise UnsupportedNemotronVariant(source, f"{arch}.nextn_predict_layers={key('nextn_predict_layers')} "
-                                             "(an MTP head, Nemotron 3 Super)", "only trunk-only files are supported")
-        if key("moe_latent_size", None):
-            raise UnsupportedNemotronVariant(source, f"{arch}.moe_latent_size={key('moe_latent_size')} (latent MoE)",
-                                             "only MoE experts at the full hidden width are supported")
-        kv_heads = _per_layer(key("attention.head_count_kv", 0), num_layers, "attention.head_count_kv", arch, source)
-        widths = _per_layer(key("feed_forward_length", 0), num_layers, "feed_forward_length", arch, source)
-        layer_types = tuple(_layer_type(i, kv, ff, tensor_shapes, arch, source)
-                            for i, (kv, ff) in enumerate(zip(kv_heads, widths)))
-        attention_kv = {kv for kv in kv_heads if kv}
-        if len(attention_kv) > 1:
-            raise UnsupportedNemotronVariant(source, f"attention blocks with different KV head counts {sorted(attention_kv)}",
-                                             "every attention block must have the same head_count_kv")
+        _refuse_variants(key, arch, source)
+        layer_types, widths, kv_heads = _block_pattern(key, tensor_shapes, arch, source)
         heads = int(key("attention.head_count"))
         head_dim = int(key("attention.key_length", int(key("embedding_length")) // heads))
         if int(key("attention.value_length", head_dim)) != head_dim:
@@ -159,7 +147,7 @@ class NemotronHConfig:
             layer_types=layer_types,
             intermediate_sizes=tuple(0 if t == "moe" else ff for t, ff in zip(layer_types, widths)),
             num_attention_heads=heads,
-            num_key_value_heads=attention_kv.pop() if attention_kv else heads,
+            num_key_value_heads=kv_heads or heads,
             head_dim=head_dim,
             mamba_num_heads=mamba_heads,
             mamba_head_dim=inner // mamba_heads,
@@ -169,18 +157,48 @@ class NemotronHConfig:
             # real files carry only layer_norm_epsilon; llama.cpp uses it as the RMS eps
             layer_norm_epsilon=float(key("attention.layer_norm_epsilon") if eps is None else eps),
             max_position_embeddings=int(key("context_length")),
-            use_conv_bias=any(f"blk.{i}.ssm_conv1d.bias" in tensor_shapes for i in range(num_layers)),
+            use_conv_bias=any(f"blk.{i}.ssm_conv1d.bias" in tensor_shapes for i in range(len(layer_types))),
             tie_word_embeddings="output.weight" not in tensor_shapes,
             **(_moe_fields(key, layer_types, widths, arch, source) if "moe" in layer_types else {}),
         )
+
+
+def _refuse_variants(key, arch: str, source: str) -> None:
+    """Nemotron 3 Super's MTP head and latent MoE are not implemented."""
+    if int(key("nextn_predict_layers", 0)):
+        raise UnsupportedNemotronVariant(
+            source, f"{arch}.nextn_predict_layers={key('nextn_predict_layers')} (an MTP head: Nemotron 3 "
+            "Super)",
+            "only trunk-only files are supported")
+    if key("moe_latent_size", None):
+        raise UnsupportedNemotronVariant(
+            source, f"{arch}.moe_latent_size={key('moe_latent_size')} (latent MoE)",
+            "only MoE experts at the full hidden width are supported")
+
+
+def _block_pattern(key, tensor_shapes, arch: str, source: str) -> tuple[tuple[str, ...], list[int], int]:
+    """(layer type per block, feed_forward_length per block, the attention blocks' KV heads or 0)."""
+    num_layers = int(key("block_count"))
+    kv_heads = _per_layer(key("attention.head_count_kv", 0), num_layers, "attention.head_count_kv", arch,
+                          source)
+    widths = _per_layer(key("feed_forward_length", 0), num_layers, "feed_forward_length", arch, source)
+    layer_types = tuple(_layer_type(i, kv, ff, tensor_shapes, source)
+                        for i, (kv, ff) in enumerate(zip(kv_heads, widths)))
+    attention_kv = {kv for kv in kv_heads if kv}
+    if len(attention_kv) > 1:
+        raise UnsupportedNemotronVariant(
+            source, f"attention blocks with KV head counts {sorted(attention_kv)}",
+            "every attention block must have the same head_count_kv")
+    return layer_types, widths, attention_kv.pop() if attention_kv else 0
 
 
 def _per_layer(value, num_layers: int, name: str, arch: str, source: str) -> list[int]:
     """A scalar or a per-layer array of length block_count (llama.cpp's rule) -> [L] ints."""
     if _is_array(value):
         if len(value) != num_layers:
-            raise UnsupportedNemotronVariant(source, f"{arch}.{name} has {len(value)} entries for {num_layers} blocks",
-                                             "a per-layer array needs one entry per block")
+            raise UnsupportedNemotronVariant(
+                source, f"{arch}.{name} has {len(value)} entries for {num_layers} blocks",
+                "a per-layer array needs one entry per block")
         return [int(v) for v in value]
     return [int(value)] * num_layers
 
@@ -190,10 +208,11 @@ def _is_array(value) -> bool:
     return not isinstance(value, str) and hasattr(value, "__len__")
 
 
-def _layer_type(i: int, kv: int, ff: int, tensor_shapes, arch: str, source: str) -> str:
+def _layer_type(i: int, kv: int, ff: int, tensor_shapes, source: str) -> str:
     if kv and ff:
-        raise UnsupportedNemotronVariant(source, f"block {i} has both head_count_kv {kv} and feed_forward_length {ff}",
-                                         "a Nemotron-H block holds one mixer (llama.cpp's pattern rule)")
+        raise UnsupportedNemotronVariant(
+            source, f"block {i} has both head_count_kv {kv} and feed_forward_length {ff}",
+            "a Nemotron-H block holds one mixer (llama.cpp's pattern rule)")
     if kv:
         return "attention"
     if not ff:
@@ -208,18 +227,19 @@ def _moe_fields(key, layer_types, widths, arch: str, source: str) -> dict:
                                          "only ungrouped expert routing (1 group) is supported")
     used = key("expert_used_count")
     used = {int(v) for v in used} if _is_array(used) else {int(used)}
-    # expert width: expert_feed_forward_length (scalar or per layer), else the MoE blocks' feed_forward_length
-    expert_width = key("expert_feed_forward_length", None)
-    if expert_width is None:
-        expert_width = [w for t, w in zip(layer_types, widths) if t == "moe"]
-    expert_width = {int(v) for v in expert_width} - {0} if _is_array(expert_width) else {int(expert_width)}
-    if len(used) != 1 or len(expert_width) != 1:
-        raise UnsupportedNemotronVariant(source, f"per-layer expert counts {sorted(used)} / widths {sorted(expert_width)}",
-                                         "every MoE block must use the same expert count and width")
+    # expert_feed_forward_length (scalar or per layer), else the MoE blocks' feed_forward_length
+    width = key("expert_feed_forward_length", None)
+    if width is None:
+        width = [w for t, w in zip(layer_types, widths) if t == "moe"]
+    width = {int(v) for v in width} - {0} if _is_array(width) else {int(width)}
+    if len(used) != 1 or len(width) != 1:
+        raise UnsupportedNemotronVariant(
+            source, f"per-layer expert counts {sorted(used)} / widths {sorted(width)}",
+            "every MoE block must use the same expert count and width")
     return {
         "n_routed_experts": int(key("expert_count")),
         "num_experts_per_tok": int(used.pop()),
-        "moe_intermediate_size": int(expert_width.pop()),
+        "moe_intermediate_size": int(width.pop()),
         "moe_shared_expert_intermediate_size": int(key("expert_shared_feed_forward_length")),
         "norm_topk_prob": bool(key("expert_weights_norm", False)),
         "routed_scaling_factor": float(key("expert_weights_scale", 1.0) or 1.0),
@@ -242,9 +262,11 @@ class NemotronHMamba2Mixer(nn.Module):
         self.num_heads, self.head_dim, self.n_groups = c.mamba_num_heads, c.mamba_head_dim, c.n_groups
         self.state_size, self.conv_kernel, self.eps = c.ssm_state_size, c.conv_kernel, c.layer_norm_epsilon
         self.inner, self.conv_dim = c.intermediate_size, c.conv_dim
-        self.in_proj = nn.Linear(c.hidden_size, self.inner + self.conv_dim + self.num_heads, bias=False, device=device)
+        self.in_proj = nn.Linear(c.hidden_size, self.inner + self.conv_dim + self.num_heads, bias=False,
+                                 device=device)
         self.conv_weight = _param(device, self.conv_dim, self.conv_kernel)
-        self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim), requires_grad=False) if c.use_conv_bias else None
+        self.conv_bias = (nn.Parameter(torch.zeros(self.conv_dim), requires_grad=False) if c.use_conv_bias
+                          else None)
         self.dt_bias = _param(device, self.num_heads)
         self.A = _param(device, self.num_heads, 1)  # -exp(A_log), as llama.cpp's converter stores it
         self.D = _param(device, self.num_heads, 1)
@@ -316,7 +338,8 @@ class NemotronHAttention(nn.Module):
 
     def __init__(self, config: NemotronHConfig, *, device=None):
         super().__init__()
-        d, h, hkv, dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        c = config
+        d, h, hkv, dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, dh
         self.q_proj = nn.Linear(d, h * dh, bias=False, device=device)
         self.k_proj = nn.Linear(d, hkv * dh, bias=False, device=device)
@@ -340,7 +363,8 @@ class NemotronHMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, device=device)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, device=device)
 
-    def forward(self, x: torch.Tensor, rows: Rows | None = None, layer_idx: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: Rows | None = None, layer_idx: int | None = None
+                ) -> torch.Tensor:
         return self.down_proj(torch.square(F.relu(self.up_proj(x))))
 
 
@@ -378,9 +402,11 @@ class NemotronHMoE(nn.Module):
         self.gate = NemotronHTopkRouter(c, device=device)
         self.experts = nn.ModuleList(NemotronHMLP(c.hidden_size, c.moe_intermediate_size, device=device)
                                      for _ in range(c.n_routed_experts))
-        self.shared_experts = NemotronHMLP(c.hidden_size, c.moe_shared_expert_intermediate_size, device=device)
+        self.shared_experts = NemotronHMLP(c.hidden_size, c.moe_shared_expert_intermediate_size,
+                                           device=device)
 
-    def forward(self, x: torch.Tensor, rows: Rows | None = None, layer_idx: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: Rows | None = None, layer_idx: int | None = None
+                ) -> torch.Tensor:
         ids, weights = self.gate(x)  # [n, k], [n, k]
         routed = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():  # ascending: each row sums its experts in one order
@@ -433,8 +459,8 @@ class NemotronHForCausalLM(TrunkModule):
     assign=True)` fills the weights.
     """
 
-    def __init__(self, config: NemotronHConfig, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
-                 context_length: int | None = None, device="meta"):
+    def __init__(self, config: NemotronHConfig, *, dtype: str = "int8",
+                 max_rows_per_forward: int | None = None, context_length: int | None = None, device="meta"):
         super().__init__()
         self._init_sizes(config, dtype, max_rows_per_forward, context_length)
         self.model = NemotronHModel(config, device=device)
@@ -447,7 +473,8 @@ class NemotronHForCausalLM(TrunkModule):
             if layer.block_type == "mamba":
                 states.append(layer.mixer.new_state())
             elif layer.block_type == "attention":
-                states.append(LinearKVCache(c.num_key_value_heads, c.head_dim, max_positions=self.max_context_length))
+                states.append(LinearKVCache(c.num_key_value_heads, c.head_dim,
+                                            max_positions=self.max_context_length))
             else:
                 states.append(None)
         return states
@@ -456,7 +483,7 @@ class NemotronHForCausalLM(TrunkModule):
         return self.model.embed_tokens.rows(tokens)  # [n, D] fp32
 
     def _forward_rows(self, rows: Rows):
-        """Final-normed rows fp32 [n, D] and the residual rows entering each layer (index L = after the last)."""
+        """Final-normed rows fp32 [n, D] and the residual rows entering each layer (L = after the last)."""
         x = self._embed(rows.tokens)
         taps = {}
         for i, layer in enumerate(self.model.layers):
