@@ -241,12 +241,24 @@ def _patch(path, offset, data):
         fh.write(data)
 
 
-@pytest.mark.parametrize("version, hint", [(1, "re-convert"), (4, "re-convert"), (3 << 24, "big-endian")])
+@pytest.mark.parametrize("version, hint", [(1, "re-convert"), (4, "newer format"), (255, "newer format"),
+                                           (3 << 24, "big-endian (version 3 byte-swapped)"), (2 << 24, "big-endian")])
 def test_unsupported_version(fixture_path, version, hint):
     _patch(fixture_path, 4, struct.pack("<I", version))
     with pytest.raises(UnsupportedGGUFVersion) as e:
         GGUFFile.open(fixture_path)
     assert e.value.version == version and hint in str(e.value)
+
+
+@pytest.mark.parametrize("garbage", [struct.pack("<I", 0xDEADBEEF), b"\x00\x01\x00\x00", b"hell", b"\xff" * 4,
+                                     b"\x03\x00\x01\x00"])
+def test_garbage_after_the_magic_is_corrupt_not_big_endian(fixture_path, garbage):
+    """Issue 14: "GGUF" then noise was reported as "it looks big-endian"."""
+    _patch(fixture_path, 4, garbage)
+    for opener in (GGUFFile.open, read_architecture):
+        with pytest.raises(CorruptGGUF, match="no GGUF version any writer produces") as e:
+            opener(fixture_path)
+        assert "big-endian" not in str(e.value) and "re-download or re-convert" in str(e.value)
 
 
 def _read(path):

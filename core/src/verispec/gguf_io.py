@@ -52,6 +52,13 @@ __all__ = [
 
 _MAGIC = b"GGUF"
 _SUPPORTED_VERSIONS = (2, 3)  # v1 counted with u32 and predates every file in use
+_KNOWN_VERSIONS = (1, 2, 3)
+#: a version field above this is garbage (no writer has got near it), unless it is a known
+#: version byte-swapped (a big-endian file).
+_MAX_PLAUSIBLE_VERSION = 255
+#: arrays of arrays nest at most this deep (llama.cpp writes none); deeper is corruption,
+#: refused before Python's recursion limit is reached.
+_MAX_ARRAY_DEPTH = 8
 _DEFAULT_ALIGNMENT = 32  # llama.cpp's GGUF_DEFAULT_ALIGNMENT
 
 # scalar value types: struct format and numpy dtype (little-endian)
@@ -101,10 +108,18 @@ class TruncatedGGUF(GGUFError):
 
 
 class UnsupportedGGUFVersion(GGUFError):
+    """A GGUF version this reader does not take: v1, a newer one, or a big-endian file (its
+    version reads byte-swapped). A version field no writer produces is CorruptGGUF instead."""
+
     def __init__(self, path: str, version: int):
         self.path, self.version = path, version
-        hint = ("it looks big-endian; use a little-endian file"
-                if version >= 1 << 16 else "re-convert it with a current llama.cpp (writes v3)")
+        swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+        if swapped in _KNOWN_VERSIONS:
+            hint = f"it is big-endian (version {swapped} byte-swapped); use a little-endian file"
+        elif version > max(_SUPPORTED_VERSIONS):
+            hint = "a newer format than this reader knows; re-convert it with the llama.cpp release that writes v3"
+        else:
+            hint = "re-convert it with a current llama.cpp (writes v3)"
         super().__init__(f"{path} is GGUF version {version}; supported: "
                          f"{', '.join(map(str, _SUPPORTED_VERSIONS))}; {hint}")
 
@@ -220,7 +235,7 @@ class _Cursor:
         self.pos = pos
         return out
 
-    def value(self, vtype: int, key: str) -> Any:
+    def value(self, vtype: int, key: str, depth: int = 0) -> Any:
         what = f"metadata value {key!r}"
         if vtype in _SCALAR_FORMAT:
             return self.unpack(struct.Struct(_SCALAR_FORMAT[vtype]), what)[0]
@@ -237,7 +252,9 @@ class _Cursor:
             if element_type == GGUFValueType.STRING:
                 return self.string_array(count, what)
             if element_type == GGUFValueType.ARRAY:
-                return [self.value(GGUFValueType.ARRAY, key) for _ in range(count)]
+                if depth >= _MAX_ARRAY_DEPTH:
+                    raise CorruptGGUF(self.path, f"metadata key {key!r} nests arrays deeper than {_MAX_ARRAY_DEPTH}")
+                return [self.value(GGUFValueType.ARRAY, key, depth + 1) for _ in range(count)]
             raise CorruptGGUF(self.path, f"metadata key {key!r} is an array of unknown type {element_type}")
         raise CorruptGGUF(self.path, f"metadata key {key!r} has unknown value type {vtype}")
 
@@ -256,6 +273,10 @@ def _read_header(cur: _Cursor) -> tuple[int, int, int]:
     cur.pos = 4
     (version,) = cur.unpack(_U32, "the GGUF header")
     if version not in _SUPPORTED_VERSIONS:
+        swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+        if version > _MAX_PLAUSIBLE_VERSION and swapped not in _KNOWN_VERSIONS:
+            raise CorruptGGUF(cur.path, f"the bytes after the magic (version field 0x{version:08x}) are no "
+                                        "GGUF version any writer produces")
         raise UnsupportedGGUFVersion(cur.path, version)
     tensor_count, kv_count = cur.unpack(struct.Struct("<QQ"), "the GGUF header")
     # each entry takes at least 8 bytes, so a count beyond the file size is corruption, not a big file
@@ -289,8 +310,14 @@ def read_architecture(path: str | os.PathLike) -> str:
         (vtype,) = cur.unpack(_U32, f"metadata key {key!r}")
         value = cur.value(vtype, key)
         if key == "general.architecture":
-            return value
+            return _architecture_text(value, path)
     raise MissingKey("general.architecture", None, path)
+
+
+def _architecture_text(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise CorruptGGUF(path, f"general.architecture is a {type(value).__name__}, not text")
+    return value
 
 
 class GGUFFile:
@@ -334,7 +361,10 @@ class GGUFFile:
             (vtype,) = cur.unpack(_U32, f"metadata key {key!r}")
             metadata[key] = cur.value(vtype, key)
             kv_spans[key] = (start, cur.pos)
-        alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+        alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+        if isinstance(alignment, bool) or not isinstance(alignment, (int, np.integer)):
+            raise CorruptGGUF(path, f"general.alignment is a {type(alignment).__name__}, not an integer")
+        alignment = int(alignment)
         if alignment <= 0 or alignment & (alignment - 1):
             raise CorruptGGUF(path, f"general.alignment={alignment} is not a power of two")
         entries = [_read_tensor_entry(cur) for _ in range(tensor_count)]
@@ -355,8 +385,8 @@ class GGUFFile:
 
     @property
     def architecture(self) -> str:
-        """`general.architecture`; raises MissingKey when absent."""
-        return self.require("general.architecture")
+        """`general.architecture`; raises MissingKey when absent, CorruptGGUF when not text."""
+        return _architecture_text(self.require("general.architecture"), self.path)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -465,6 +495,10 @@ def _read_tensor_entry(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
 
 def _tensor_info(path: str, name: str, shape: tuple[int, ...], ggml_type: int, offset: int,
                  alignment: int) -> TensorInfo:
+    # ggml counts elements in int64 (llama.cpp's gguf.c refuses the same): a dim of 2**60 beside
+    # a zero one would otherwise pass the size check and break every view of the tensor
+    if math.prod(max(d, 1) for d in shape) >= 1 << 63:
+        raise CorruptGGUF(path, f"tensor {name!r} claims shape {list(shape)}, more elements than int64 counts")
     try:
         qtype = GGMLQuantizationType(ggml_type)
         block_size, type_size = GGML_QUANT_SIZES[qtype]
