@@ -293,12 +293,13 @@ class NemotronHMamba2Mixer(nn.Module):
         z, xbc, dt_raw = projected.split([self.inner, self.conv_dim, self.num_heads], dim=-1)
         window = torch.cat([state.values["conv"], xbc])  # [K-1 + m, C]: the conv tail, then these rows
         ssm = state.values["ssm"]  # [Hm, P, N]
-        outputs, ssms = [], []
-        for t in range(projected.shape[0]):
-            ssm, y = self._step(window[t:t + self.conv_kernel], dt_raw[t], z[t], ssm)
-            outputs.append(y)
-            ssms.append(ssm)
         m, k = projected.shape[0], self.conv_kernel
+        outputs, ssms = [], []
+        for t in range(m):
+            ssm, y = self._step(window[t:t + k], dt_raw[t], z[t], ssm)
+            outputs.append(y)
+            if record_every_row:  # a prefill holds only the state it ends with
+                ssms.append(ssm)
         if record_every_row:
             convs = torch.stack([window[t + 1:t + k] for t in range(m)])  # [m, K-1, C]
             state.update({"conv": convs, "ssm": torch.stack(ssms)})
