@@ -18,6 +18,18 @@ def _private_cache(tmp_path_factory):
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    """Tiny configs are thousands of small ops: one thread is ~10x faster than two on a shared
+    2-core runner (OpenMP spin-waits), and CI stays well under its budget."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_fixture(tmp_path_factory):
     """tiny_fixture(name) -> (transformers model, MTP state dict or None, GGUF path); built once per session."""

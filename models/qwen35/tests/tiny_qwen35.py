@@ -35,6 +35,12 @@ TINY_CONFIGS = {
                                                         "moe_intermediate_size": 19,
                                                         "shared_expert_intermediate_size": 23},
                       {"mtp": True, "fuse_gate_up": True, "shexp_2d": True}),
+    # conformance: core GatedMLP's silu is batch-invariant only over whole SIMD blocks, so the
+    # FFN widths it sees are multiples of 64 (as in real checkpoints); everything else stays odd
+    "dense_conf": ("qwen3_5_text", "qwen35", {**_COMMON, "intermediate_size": 128}, {}),
+    "moe_conf": ("qwen3_5_moe_text", "qwen35moe", {**_COMMON, "num_experts": 5, "num_experts_per_tok": 2,
+                                                   "moe_intermediate_size": 19, "shared_expert_intermediate_size": 64},
+                 {}),
     # the benchmark fixture: a forward costs >= 5 ms on a CPU core
     "bench": ("qwen3_5_text", "qwen35", {**_COMMON, "vocab_size": 2048, "hidden_size": 256, "num_hidden_layers": 8,
                                          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,

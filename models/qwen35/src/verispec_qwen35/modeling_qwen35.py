@@ -123,14 +123,14 @@ class Qwen35GatedDeltaNet(nn.Module):
         n = x.shape[0]
         mix = self.in_proj_qkv(x)  # [n, C], pre-conv
         z = self.in_proj_z(x).view(n, self.nv, self.dv)
-        beta = torch.sigmoid(self.in_proj_b(x))  # [n, nv]
-        g = self.ssm_a * F.softplus(self.in_proj_a(x) + self.dt_bias)  # [n, nv] log decay <= 0
+        beta = rowwise(torch.sigmoid, self.in_proj_b(x))  # [n, nv]
+        g = self.ssm_a * rowwise(F.softplus, self.in_proj_a(x) + self.dt_bias)  # [n, nv] log decay <= 0
         core = torch.empty(n, self.nv, self.dv)
         for s in rows.sequences:  # each sequence runs its own recurrence (never across sequences)
             state = s.state.layers[layer_idx]
             core[s.rows] = self.recurrence(mix[s.rows], beta[s.rows], g[s.rows], state,
                                            record_rows=s.state.verify_rows is not None)
-        o = self.norm(core) * F.silu(z)  # gated RMSNorm per v-head over dv
+        o = self.norm(core) * rowwise(F.silu, z)  # gated RMSNorm per v-head over dv
         return self.out_proj(o.reshape(n, self.value_dim))
 
     def recurrence(self, mix: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, state: RecurrentState,
@@ -161,6 +161,15 @@ class Qwen35GatedDeltaNet(nn.Module):
             convs, ssms = [conv], [ssm]
         state.update({"conv": torch.stack(convs), "ssm": torch.stack(ssms)})
         return torch.stack(outputs)
+
+
+def rowwise(fn, x: torch.Tensor, multiple: int = 64) -> torch.Tensor:
+    """fn (an elementwise sigmoid / silu / softplus) over x [..., w] with each last-dim row padded
+    to a multiple of 64 elements. ATen runs such ops vectorised over whole SIMD blocks and the tail
+    by a scalar path whose bits differ (sigmoid, silu, softplus: 1 ulp), so without padding a row
+    would round differently inside an n-row verify than alone; padded, every row is whole blocks."""
+    pad = -x.shape[-1] % multiple
+    return fn(F.pad(x, (0, pad)))[..., :x.shape[-1]] if pad else fn(x)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -195,7 +204,7 @@ class Qwen35Attention(nn.Module):
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         q, k = rope(self.q_norm(q), cos, sin), rope(self.k_norm(k), cos, sin)
-        out = attend(q, k, v) * torch.sigmoid(gate)  # [n, H, Dh]
+        out = attend(q, k, v) * rowwise(torch.sigmoid, gate)  # [n, H, Dh]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
@@ -227,8 +236,8 @@ class Qwen35SparseMoe(nn.Module):
         for e in experts.unique().tolist():
             rows, slot = torch.where(experts == e)
             gate, up = self.gate_up_proj[e](x[rows]).split(self.moe_intermediate_size, dim=-1)
-            out.index_add_(0, rows, self.down_proj[e](F.silu(gate) * up) * weights[rows, slot, None])
-        shared_gate = torch.sigmoid(x @ self.shared_expert_gate.reshape(-1, 1))  # [n, 1]
+            out.index_add_(0, rows, self.down_proj[e](rowwise(F.silu, gate) * up) * weights[rows, slot, None])
+        shared_gate = rowwise(torch.sigmoid, (x * self.shared_expert_gate.reshape(-1)).sum(-1, keepdim=True))  # [n, 1]
         return out + shared_gate * self.shared_expert(x)
 
 

@@ -1,0 +1,81 @@
+"""verispec's TargetConformance suite on tiny qwen35 / qwen35moe fixtures, fp32 and int8, and
+the recurrent state itself after `keep`.
+
+int8 declares `spec_batch_invariant` (every linear is int8pack_mm, every other op is per row),
+so the suite demands bitwise-equal rows there; fp32 (MKL gemm) is held to the suite's atol.
+"""
+import pytest
+import torch
+from verispec.nn.state import CannotTruncate, RecurrentState
+from verispec.seams import SpeculativeTarget, declared
+from verispec.testing import TargetConformance, forward_one
+from verispec_qwen35.loader import load
+
+pytest.importorskip("transformers")  # the fixtures are written from transformers models
+
+
+@pytest.fixture(scope="module", params=[("dense_conf", "float32"), ("dense_conf", "int8"), ("moe_conf", "float32"),
+                                        ("moe_conf", "int8")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def loaded(request, tiny_fixture):
+    name, dtype = request.param
+    _, _, path = tiny_fixture(name)
+    return load(path, dtype=dtype)
+
+
+class TestQwen35Conformance(TargetConformance):
+    prompt = [1, 5, 9, 2, 7, 3, 11, 4, 8, 6, 10, 12, 40, 77, 101, 3]
+
+    @pytest.fixture
+    def target(self, loaded):
+        return loaded
+
+
+def test_declarations_are_truthful(loaded):
+    assert isinstance(loaded, SpeculativeTarget)
+    assert declared(loaded, "spec_batch_invariant") == (loaded.dtype == "int8")
+    assert declared(loaded, "speculation_refusal") is None
+    assert 1 <= declared(loaded, "spec_preferred_draft_window") <= 8
+    assert loaded.view().tap_feature_size(None) == loaded.hidden_size
+    assert loaded.draft_head is None  # these fixtures carry no MTP block
+
+
+def _recurrent_values(target, seq) -> list[dict[str, torch.Tensor]]:
+    return [dict(s.values) for s in target._state(seq).layers if isinstance(s, RecurrentState)]
+
+
+@pytest.mark.parametrize("width", [1, 4, 9, 16])
+def test_state_after_keep_equals_a_plain_runs_state(loaded, width):
+    """After a `width`-row verify and keep(a), every GDN layer's conv tail and delta state equal
+    those of a sequence that only ever saw the kept rows (bitwise when batch-invariant)."""
+    g = torch.Generator().manual_seed(width)
+    prompt = torch.randint(0, loaded.vocab_size, (11,), generator=g).tolist()
+    rows = torch.randint(0, loaded.vocab_size, (width,), generator=g).tolist()
+    for kept in range(width + 1):
+        seq, plain = loaded.new_sequence(), loaded.new_sequence()
+        forward_one(loaded, seq, prompt, logits="none")
+        forward_one(loaded, seq, rows, logits="none", verify=True)
+        loaded.keep(seq, kept)
+        for t in prompt + rows[:kept]:
+            forward_one(loaded, plain, [t], logits="none")
+        got, expected = _recurrent_values(loaded, seq), _recurrent_values(loaded, plain)
+        assert len(got) == 3
+        for layer, (a, b) in enumerate(zip(got, expected)):
+            for name in ("conv", "ssm"):
+                if declared(loaded, "spec_batch_invariant"):
+                    assert torch.equal(a[name], b[name]), f"kept {kept}/{width}, GDN layer {layer} {name}"
+                else:
+                    torch.testing.assert_close(a[name], b[name], atol=1e-4, rtol=1e-4)
+        loaded.release(seq)
+        loaded.release(plain)
+
+
+def test_truncate_refuses_a_prefix_but_empties(loaded):
+    seq = loaded.new_sequence()
+    first = forward_one(loaded, seq, [3, 4, 5], logits="last").logits
+    forward_one(loaded, seq, [9, 9], logits="none")
+    with pytest.raises(CannotTruncate, match="recurrent"):
+        loaded.truncate(seq, 3)
+    assert loaded.seq_len(seq) == 5
+    loaded.truncate(seq, 0)
+    assert torch.equal(forward_one(loaded, seq, [3, 4, 5], logits="last").logits, first)
