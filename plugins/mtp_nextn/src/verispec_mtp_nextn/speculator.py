@@ -1,0 +1,86 @@
+"""The `mtp` speculator: chain a PER_TOKEN draft head one token per step.
+
+A step, with the pending token x at position p and the trunk's tapped row h of position p-1
+(`DraftContext.hidden_prev`):
+
+    logits, h1 = head.draft_step(state, x, h, p)        # also runs the head's catch-up rows
+    d1 = argmax(logits)                                  # kept if its gate passes
+    logits, h2 = head.draft_step(state, d1, h1, p + 1)   # chained on the head's own row
+    ...
+
+The gate (--spec-pmin, default 0.15): the top-1 probability of a softmax over the step's ten
+largest logits; drafting stops at the first step below it (reference/qwen35.md §7, llama.cpp's
+draft p_min). It stops after a stop token (the stop is drafted) and at the window; a pending
+stop token gets no draft. Greedy argmax drafts: the loop's acceptance keeps the output exact
+for any sampler.
+
+Per-sequence state is the head's (`head.new_state()`): its private KV and the rows it has been
+told about. `commit` hands the kept tokens and their trunk rows to `head.draft_catch_up` (the
+head folds them into its next first step), `keep` tells the head how many verify rows stayed.
+Works with any PER_TOKEN head: Qwen 3.5/3.6 MTP today, GLM NextN later.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from verispec.seams import DraftContext, DraftHeadKind, Speculator
+
+from verispec_mtp_nextn.hooks import SPEC
+
+if TYPE_CHECKING:
+    import torch
+
+#: the gate's softmax runs over this many largest logits (the `--spec-pmin` units, DESIGN §5).
+GATE_TOP_K = 10
+
+
+def top1_gate_prob(logits: "torch.Tensor") -> float:
+    """Top-1 probability of a softmax over the GATE_TOP_K largest of logits fp32 [V]."""
+    import torch
+
+    top = torch.topk(logits.float(), min(GATE_TOP_K, logits.numel())).values
+    return float(torch.softmax(top, dim=0)[0])
+
+
+class MtpSpeculator(Speculator):
+    """Drafts by chaining a PER_TOKEN `DraftHead` (see the module docstring)."""
+
+    def __init__(self, head, spec=SPEC, **kwargs):
+        if head.draft_head_kind is not DraftHeadKind.PER_TOKEN:
+            raise ValueError(f"MtpSpeculator chains PER_TOKEN heads, got a {head.draft_head_kind.value} head")
+        super().__init__(spec, **kwargs)
+        self.head = head
+        self.tap_layers = head.tap_layers
+
+    def new_state(self) -> Any:
+        return self.head.new_state()
+
+    def propose(self, state: Any, ctx: DraftContext) -> list[int]:
+        if ctx.hidden_prev is None or ctx.last_token in ctx.stop_token_ids:
+            return []
+        window = min(ctx.draft_window, self.max_draft_tokens)
+        draft: list[int] = []
+        token, hidden, pos = ctx.last_token, ctx.hidden_prev, ctx.pos
+        while len(draft) < window:
+            logits, hidden = self.head.draft_step(state, token, hidden, pos)
+            if top1_gate_prob(logits) < ctx.min_draft_prob:
+                break
+            token, pos = int(logits.argmax()), pos + 1
+            draft.append(token)
+            if token in ctx.stop_token_ids:
+                break
+        return draft
+
+    def commit(self, state: Any, tokens: Sequence[int], hidden_rows, start_pos: int) -> None:
+        self.head.draft_catch_up(state, tokens, hidden_rows, start_pos)
+
+    def keep(self, state: Any, num_rows: int) -> None:
+        self.head.keep(state, num_rows)
+
+
+def create(target, *, spec, max_draft_tokens, min_draft_prob, draft_head):
+    """SpeculatorSpec factory: None (declined) unless the trunk offers a PER_TOKEN head."""
+    if draft_head is None or draft_head.draft_head_kind is not DraftHeadKind.PER_TOKEN:
+        return None
+    return MtpSpeculator(draft_head, spec, max_draft_tokens=max_draft_tokens, min_draft_prob=min_draft_prob)
