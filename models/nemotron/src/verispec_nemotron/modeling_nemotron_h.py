@@ -292,14 +292,13 @@ class NemotronHMamba2Mixer(nn.Module):
         (every row in a verify, else only the last)."""
         z, xbc, dt_raw = projected.split([self.inner, self.conv_dim, self.num_heads], dim=-1)
         window = torch.cat([state.values["conv"], xbc])  # [K-1 + m, C]: the conv tail, then these rows
-        ssm = state.values["ssm"]  # [Hm, P, N]
+        ssm = state.values["ssm"].clone()  # [Hm, P, N], updated in place (the held state never changes)
         m, k = projected.shape[0], self.conv_kernel
         outputs, ssms = [], []
         for t in range(m):
-            ssm, y = self._step(window[t:t + k], dt_raw[t], z[t], ssm)
-            outputs.append(y)
+            outputs.append(self._step(window[t:t + k], dt_raw[t], z[t], ssm))
             if record_every_row:  # a prefill holds only the state it ends with
-                ssms.append(ssm)
+                ssms.append(ssm.clone())
         if record_every_row:
             convs = torch.stack([window[t + 1:t + k] for t in range(m)])  # [m, K-1, C]
             state.update({"conv": convs, "ssm": torch.stack(ssms)})
@@ -308,9 +307,9 @@ class NemotronHMamba2Mixer(nn.Module):
         return torch.stack(outputs)
 
     def _step(self, window: torch.Tensor, dt_raw: torch.Tensor, z: torch.Tensor,
-              ssm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row: window fp32 [K, C] (conv inputs up to this row), dt_raw [Hm], z [di], state
-        [Hm, P, N] -> (new state [Hm, P, N], y [di])."""
+              ssm: torch.Tensor) -> torch.Tensor:
+        """One row: window fp32 [K, C] (conv inputs up to this row), dt_raw [Hm], z [di]; advances
+        the state ssm [Hm, P, N] in place (one pass over it, not three) and returns y [di]."""
         hm, p, g, n = self.num_heads, self.head_dim, self.n_groups, self.state_size
         conv = window[0] * self.conv_weight[:, 0]
         for j in range(1, self.conv_kernel):
@@ -323,11 +322,11 @@ class NemotronHMamba2Mixer(nn.Module):
         c = xbc[self.inner + g * n:].view(g, 1, n).expand(g, hm // g, n).reshape(hm, n, 1)  # [Hm, N, 1]
         dt = F.softplus(dt_raw + self.dt_bias)  # [Hm]; no dt clamp (time_step_limit (0, inf))
         decay = torch.exp(dt[:, None] * self.A)  # [Hm, 1]
-        ssm = ssm * decay[:, :, None] + (x * dt[:, None])[:, :, None] * b[:, None, :]  # [Hm, P, N]
+        ssm.mul_(decay[:, :, None]).addcmul_((x * dt[:, None])[:, :, None], b[:, None, :])  # [Hm, P, N]
         y = torch.bmm(ssm, c).view(hm, p) + self.D * x  # [Hm, P]
         y = (y.reshape(-1) * F.silu(z)).view(g, -1)  # [G, di/G]: gate before the norm
         y = F.rms_norm(y, (y.shape[-1],), None, self.eps) * self.norm_weight
-        return ssm, y.reshape(-1)
+        return y.reshape(-1)
 
 
 def _param(device, *shape: int) -> nn.Parameter:
