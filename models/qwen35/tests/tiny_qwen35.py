@@ -229,3 +229,41 @@ def write_fixture(model, path, *, mtp=None, options=None, extra_metadata=None, e
     arch, metadata, tensors = hf_to_gguf(model, mtp, options)
     tensors = {k: v for k, v in {**tensors, **(extra_tensors or {})}.items() if k not in drop_tensors}
     return write_gguf(path, arch=arch, metadata={**metadata, **(extra_metadata or {})}, tensors=tensors)
+
+
+class HfMtpReference(torch.nn.Module):
+    """The MTP block rebuilt from transformers' own modules (decoder layer, zero-centred RMSNorm,
+    rotary embedding; the trunk's embedding and LM head), in HF's `mtp.*` names: the independent
+    reference for the draft head, and a differentiable copy to train (`mtp_state_dict()` goes
+    back through `hf_to_gguf`).
+
+    forward(tokens int64 [T], hidden fp32 [T, D], positions int64 [T]): pair j is (hidden[j],
+    tokens[j]) at positions[j], all causal over each other; returns (logits [T, V], h' [T, D]).
+    """
+
+    def __init__(self, hf_model, mtp: dict[str, torch.Tensor]):
+        super().__init__()
+        cfg = hf_model.config
+        self.hf = [hf_model]  # not a submodule: its weights are not trained here
+        full = cfg.layer_types.index("full_attention")
+        norm_cls = type(hf_model.model.norm)
+        d = cfg.hidden_size
+        self.fc = torch.nn.Linear(2 * d, d, bias=False)
+        self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm = (norm_cls(d, eps=cfg.rms_norm_eps)
+                                                                          for _ in range(3))
+        self.layers = torch.nn.ModuleList([type(hf_model.model.layers[full])(cfg, full)])
+        self.load_state_dict({k.removeprefix("mtp."): v for k, v in mtp.items()})
+
+    def mtp_state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"mtp.{k}": v.detach().clone() for k, v in self.state_dict().items()}
+
+    def forward(self, tokens, hidden, positions):
+        hf = self.hf[0]
+        e = hf.model.embed_tokens(tokens[None])  # [1, T, D]
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden[None])], dim=-1))
+        cos_sin = hf.model.rotary_emb(x, positions[None])
+        t = tokens.numel()
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        x = self.layers[0](x, position_embeddings=cos_sin, attention_mask=mask)
+        h_out = self.norm(x)[0]
+        return hf.lm_head(h_out), h_out

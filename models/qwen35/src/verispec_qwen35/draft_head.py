@@ -130,6 +130,9 @@ class Qwen35MtpHead:
             state.num_valid = pos + 1
         return logits[-1], h_out[-1]
 
+    def draft_block(self, state, last_token, h_prev, pos):
+        raise NotImplementedError("the MTP head drafts one token per step (PER_TOKEN)")
+
     def keep(self, state: MtpState, num_rows: int) -> None:
         state.kv.drop_from(state.num_valid)  # chained steps' rows were provisional
 

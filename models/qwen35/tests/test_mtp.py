@@ -1,0 +1,85 @@
+"""The MTP draft head: its steps against an independent reference built from transformers'
+modules, its per-sequence KV through commits, keeps and gaps, and exact streams under the
+`mtp` speculator (when verispec-mtp-nextn is installed)."""
+import pytest
+import torch
+from tiny_qwen35 import HfMtpReference
+from verispec.seams import DraftHead, DraftHeadKind
+from verispec_qwen35.loader import load
+
+pytest.importorskip("transformers")
+
+ATOL = 1e-4
+
+
+def _reference_and_head(tiny_fixture, name, n=30):
+    hf_model, mtp, path = tiny_fixture(name)
+    head = load(path, dtype="float32").draft_head
+    reference = HfMtpReference(hf_model, mtp).eval()
+    tokens = torch.randint(0, hf_model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hidden = hf_model(tokens[None], output_hidden_states=True).hidden_states[-1][0]  # final-normed [n, D]
+    return reference, head, tokens, hidden
+
+
+@pytest.mark.parametrize("name", ["dense_mtp", "moe_fused_mtp"])
+def test_draft_steps_match_the_reference(tiny_fixture, name):
+    """Commits in chunks as the loop makes them, a first step per chunk (catch-up folded in) and one
+    chained step on the head's own row, provisional rows dropped by keep: every logits row equals
+    the reference over the pairs (h[j], t[j+1]) at position j+1 (+ the chained pair)."""
+    reference, head, tokens, hidden = _reference_and_head(tiny_fixture, name)
+    assert isinstance(head, DraftHead) and head.draft_head_kind is DraftHeadKind.PER_TOKEN
+    with torch.no_grad():
+        ref_logits, ref_hidden = reference(tokens[1:], hidden[:-1], torch.arange(1, len(tokens)))
+    state = head.new_state()
+    head.draft_catch_up(state, tokens[:10].tolist(), hidden[:10], 0)
+    pos = 10
+    for kept in (3, 1, 5, 2, 4):
+        logits, h_out = head.draft_step(state, int(tokens[pos]), hidden[pos - 1], pos)
+        torch.testing.assert_close(logits, ref_logits[pos - 1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(h_out, ref_hidden[pos - 1], atol=ATOL, rtol=0)
+        draft = int(logits.argmax())
+        chained, _ = head.draft_step(state, draft, h_out, pos + 1)
+        with torch.no_grad():
+            expected, _ = reference(torch.cat([tokens[1:pos + 1], torch.tensor([draft])]),
+                                    torch.cat([hidden[:pos], ref_hidden[pos - 1:pos]]), torch.arange(1, pos + 2))
+        torch.testing.assert_close(chained, expected[-1], atol=ATOL, rtol=0)
+        head.keep(state, kept)
+        head.draft_catch_up(state, tokens[pos:pos + kept].tolist(), hidden[pos:pos + kept], pos)
+        pos += kept
+
+
+def test_head_restarts_after_a_gap(tiny_fixture):
+    """Tokens committed without hidden rows (prefix reuse): the head's KV restarts at the next pair
+    it can form, and steps equal the reference run over only those pairs."""
+    reference, head, tokens, hidden = _reference_and_head(tiny_fixture, "dense_mtp")
+    state = head.new_state()
+    head.draft_catch_up(state, tokens[:8].tolist(), hidden[:8], 0)
+    head.draft_step(state, int(tokens[8]), hidden[7], 8)
+    head.keep(state, 1)
+    head.draft_catch_up(state, tokens[8:14].tolist(), None, 8)  # a gap: no hidden rows
+    head.draft_catch_up(state, tokens[14:20].tolist(), hidden[14:20], 14)
+    logits, _ = head.draft_step(state, int(tokens[20]), hidden[19], 20)
+    with torch.no_grad():  # pairs (h[j], t[j+1]) for j = 14..19 at positions 15..20
+        expected, _ = reference(tokens[15:21], hidden[14:20], torch.arange(15, 21))
+    torch.testing.assert_close(logits, expected[-1], atol=ATOL, rtol=0)
+
+
+def test_no_mtp_block_no_head(tiny_fixture):
+    _, _, path = tiny_fixture("dense")
+    assert load(path, dtype="float32").draft_head is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_mtp_speculation_gives_the_plain_stream(tiny_fixture, dtype):
+    speculator_mod = pytest.importorskip("verispec_mtp_nextn.speculator")
+    from verispec.testing import run_greedy
+
+    _, _, path = tiny_fixture("moe_fused_mtp")
+    target = load(path, dtype=dtype)
+    prompt = [1, 5, 9, 2, 7, 3, 11, 4, 8, 6, 10, 12]
+    plain = run_greedy(target, prompt, 48)[0]
+    speculator = speculator_mod.MtpSpeculator(target.draft_head, max_draft_tokens=4, min_draft_prob=0.0)
+    got, ex = run_greedy(target, prompt, 48, speculator, draft_window=4)
+    assert got == plain
+    assert ex.stats.num_draft_tokens > 0 and ex.stats.num_spec_steps > 0
