@@ -16,3 +16,23 @@ class TestToyAttentionOnly(TargetConformance):
     @classmethod
     def target(cls):
         return ToyTarget(vocab_size=32, recurrent=False)
+
+
+def test_a_target_with_too_short_a_context_fails_at_once_naming_what_it_needs(tmp_path):
+    """The README's requirement is the suite's: 219 positions with the defaults."""
+    import subprocess
+    import sys
+
+    assert TargetConformance.required_context_length() == 219
+    (tmp_path / "test_short.py").write_text(
+        "import pytest\nfrom verispec.testing import TargetConformance, ToyTarget\n"
+        "class TestShort(TargetConformance):\n"
+        "    @pytest.fixture(scope='class')\n    @classmethod\n"
+        "    def target(cls):\n        return ToyTarget(vocab_size=32, recurrent=False, max_context_length=218)\n"
+        "class TestEnough(TestShort):\n"
+        "    @pytest.fixture(scope='class')\n    @classmethod\n"
+        "    def target(cls):\n        return ToyTarget(vocab_size=32, recurrent=False, max_context_length=219)\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                        str(tmp_path / "test_short.py")], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "max_context_length >= 219" in r.stdout and "this one holds 218" in r.stdout
+    assert "10 passed, 10 errors" in r.stdout, r.stdout[-2000:]

@@ -243,3 +243,23 @@ def test_a_time_limit_or_a_cancel_ends_the_generation_at_a_token_with_length(mod
     assert run(engine, max_tokens=20, ignore_eos=True)[0].tokens == run(plain, max_tokens=20, ignore_eos=True)[0].tokens
     with pytest.raises(ValueError, match="time_limit=0"):
         engine.generate(PROMPT, time_limit=0)
+
+
+def test_a_speculator_class_without_a_name_reports_its_registered_name(model_path):
+    """Issue 14: a speculator class that sets no `name` showed as `speculator=speculator`. The
+    name now comes from the SpeculatorSpec it was built over (Speculator.name is spec.name)."""
+    class Nameless(EchoSpeculator):
+        pass
+
+    class NamelessPlugin:
+        @hookimpl
+        def register_speculators(self, register):
+            register(SpeculatorSpec(name="nameless-echo", summary="no name attribute (test)", priority=10,
+                                    factory=lambda t, **kw: Nameless(kw["spec"], max_draft_tokens=kw["max_draft_tokens"])))
+
+    assert "name" not in vars(Nameless) and "name" not in vars(EchoSpeculator)
+    engine = api.load(model_path, registry=Registry.from_plugins({"toy": toy_plugin, "n": NamelessPlugin()}),
+                      spec_type="nameless-echo", adaptive=False)
+    result, _ = run(engine, max_tokens=8)
+    assert engine.speculator.name == "nameless-echo" and result.speculator == "nameless-echo"
+    assert result.spec.num_draft_tokens > 0

@@ -16,6 +16,9 @@ when the target does not declare `spec_batch_invariant`):
 A speculator plugin subclasses `SpeculatorConformance` and provides `make_speculator`, a
 fixture returning a zero-argument factory; the suite runs it on the toy trunk.
 
+The target must hold `required_context_length()` positions per sequence (219 with the
+default prompt and num_drift_steps; the suite fails at once, saying so, when it holds fewer).
+
 Target cases: (a) an n-row verify equals n one-row decodes; (b) a prefill's last row equals
 its rows' logits; (c) `keep` at every row count 0..K, K = 1..16, leaves the next logits
 equal to a plain run; (d) truncation is exact (or refused with CannotTruncate); (e) two and
@@ -84,6 +87,21 @@ class TargetConformance:
     #: verify widths K for the keep case (rows 0..K kept for every K in 1..max_keep_rows).
     max_keep_rows = 16
     num_drift_steps = 200
+
+    @classmethod
+    def required_context_length(cls) -> int:
+        """The positions one sequence needs: the drift case decodes num_drift_steps + 8 tokens
+        after its longest prompt (219 with the defaults)."""
+        longest = max(len(cls.prompt), len(cls.prompt[::-1]), 2 * len(cls.prompt[1::2]))
+        return longest + cls.num_drift_steps + 7
+
+    @pytest.fixture(autouse=True)
+    def _context_is_long_enough(self, target):
+        need = self.required_context_length()
+        if target.max_context_length < need:
+            pytest.fail(f"TargetConformance needs a target with max_context_length >= {need} (the longest prompt "
+                        f"+ num_drift_steps + 7); this one holds {target.max_context_length}: load it with a "
+                        "longer context, or lower num_drift_steps / shorten prompt in the subclass")
 
     @pytest.fixture
     def vocab_size(self, target):
