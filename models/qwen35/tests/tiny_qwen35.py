@@ -258,12 +258,16 @@ class HfMtpReference(torch.nn.Module):
         return {f"mtp.{k}": v.detach().clone() for k, v in self.state_dict().items()}
 
     def forward(self, tokens, hidden, positions):
-        hf = self.hf[0]
-        e = hf.model.embed_tokens(tokens[None])  # [1, T, D]
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden[None])], dim=-1))
+        """Also batched: tokens [B, T], hidden [B, T, D], positions [T] -> [B, T, V], [B, T, D]."""
+        hf, batched = self.hf[0], tokens.dim() == 2
+        if not batched:
+            tokens, hidden = tokens[None], hidden[None]
+        e = hf.model.embed_tokens(tokens)  # [B, T, D]
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden)], dim=-1))
         cos_sin = hf.model.rotary_emb(x, positions[None])
-        t = tokens.numel()
+        t = tokens.shape[1]
         mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
         x = self.layers[0](x, position_embeddings=cos_sin, attention_mask=mask)
-        h_out = self.norm(x)[0]
-        return hf.lm_head(h_out), h_out
+        h_out = self.norm(x)
+        logits = hf.lm_head(h_out)
+        return (logits, h_out) if batched else (logits[0], h_out[0])
