@@ -539,3 +539,36 @@ def test_an_internal_error_is_a_500_with_an_openai_error_body(model_path, regist
         "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "server_error" and "IndexError" in r.json()["error"]["message"]
+
+
+def test_over_a_real_socket_a_client_that_times_out_stops_its_generation(slow_engine, reference):
+    """uvicorn on a loopback port: a non-streaming client gives up after 0.3 s; its generation
+    ends at the next token (about 15 of 90 forwards ran), and the next client is served at once."""
+    import threading
+
+    import uvicorn
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(slow_engine), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        request = {"prompt": PROMPT, "max_tokens": 90, "temperature": 0, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json=request, timeout=0.3)
+        time.sleep(0.3)  # the step under way ends, the disconnect is seen
+        left_at = slow_engine.forwards
+        time.sleep(0.3)
+        assert slow_engine.forwards == left_at < 45  # stopped: 90 forwards would take > 1.8 s
+        started = time.monotonic()
+        r = httpx.post(url, json={**request, "max_tokens": 5}, timeout=30)
+        assert r.status_code == 200 and time.monotonic() - started < 1.5
+        assert r.json()["choices"][0]["text"] == reference(PROMPT, max_tokens=5, ignore_eos=True)[0].text
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
