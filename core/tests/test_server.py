@@ -499,7 +499,7 @@ def test_a_whole_response_whose_client_left_stops_and_frees_the_engine(slow_engi
 
     left_at, answer = anyio.run(leave_after_five_forwards_then_ask_again)
     assert sent[0]["status"] == 200
-    assert 5 <= left_at <= 8  # the step under way finished; the other ~85 never ran
+    assert 5 <= left_at < 45  # the step under way finished; 90 forwards were asked for
     expected, _ = reference(PROMPT, max_tokens=10, ignore_eos=True)
     assert answer["choices"][0]["text"] == expected.text  # the abandoned request left the engine exact
 
@@ -507,11 +507,10 @@ def test_a_whole_response_whose_client_left_stops_and_frees_the_engine(slow_engi
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_generation_past_the_request_timeout_ends_with_finish_reason_length(slow_engine, reference, stream):
     client = TestClient(create_app(slow_engine, request_timeout=0.2))
-    started = time.monotonic()
     r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 90, "temperature": 0,
                                              "ignore_eos": True, "stream": stream,
                                              "stream_options": {"include_usage": True}})
-    assert r.status_code == 200 and time.monotonic() - started < 1.5  # 90 tokens would take > 1.8 s
+    assert r.status_code == 200
     if stream:
         payloads = sse_payloads(r)
         assert payloads[-1] == "[DONE]" and payloads[-3]["choices"][0]["finish_reason"] == "length"
@@ -521,7 +520,7 @@ def test_a_generation_past_the_request_timeout_ends_with_finish_reason_length(sl
         choice = r.json()["choices"][0]
         assert choice["finish_reason"] == "length"
         text, n = choice["text"], r.json()["usage"]["completion_tokens"]
-    assert 1 <= n < 50
+    assert 1 <= n < 50  # each token takes >= 20 ms: 0.2 s hold about 10
     expected, _ = reference(PROMPT, max_tokens=n, ignore_eos=True)
     assert text == expected.text  # cut at a token, as max_tokens=n would
     again = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
@@ -543,7 +542,8 @@ def test_an_internal_error_is_a_500_with_an_openai_error_body(model_path, regist
 
 def test_over_a_real_socket_a_client_that_times_out_stops_its_generation(slow_engine, reference):
     """uvicorn on a loopback port: a non-streaming client gives up after 0.3 s; its generation
-    ends at the next token (about 15 of 90 forwards ran), and the next client is served at once."""
+    ends at the next token (far fewer than its 90 forwards run), and the next client's 5 tokens
+    come right after (no forward of the abandoned request runs meanwhile)."""
     import threading
 
     import uvicorn
@@ -561,13 +561,14 @@ def test_over_a_real_socket_a_client_that_times_out_stops_its_generation(slow_en
         request = {"prompt": PROMPT, "max_tokens": 90, "temperature": 0, "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url, json=request, timeout=0.3)
-        time.sleep(0.3)  # the step under way ends, the disconnect is seen
-        left_at = slow_engine.forwards
-        time.sleep(0.3)
-        assert slow_engine.forwards == left_at < 45  # stopped: 90 forwards would take > 1.8 s
-        started = time.monotonic()
-        r = httpx.post(url, json={**request, "max_tokens": 5}, timeout=30)
-        assert r.status_code == 200 and time.monotonic() - started < 1.5
+        left_at, settle_by = -1, time.monotonic() + 30
+        while slow_engine.forwards != left_at:  # the step under way ends, the disconnect is seen
+            left_at = slow_engine.forwards
+            time.sleep(0.3)
+            assert time.monotonic() < settle_by
+        assert left_at < 45
+        r = httpx.post(url, json={**request, "max_tokens": 5}, timeout=60)
+        assert r.status_code == 200 and slow_engine.forwards - left_at <= 6  # prefill + 4 decodes (+1 spare)
         assert r.json()["choices"][0]["text"] == reference(PROMPT, max_tokens=5, ignore_eos=True)[0].text
     finally:
         server.should_exit = True
