@@ -50,7 +50,8 @@ def test_engine_auto_logs_the_reason_once_and_decodes_plainly(path, refusing, ca
         first = engine.generate(PROMPT, max_tokens=12, ignore_eos=True)
         list(first)
         list(engine.generate(PROMPT + " again", max_tokens=4, ignore_eos=True))
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    # only the engine's own lines: discovery may warn about an unrelated plugin that fails to import
+    warnings = [r.getMessage() for r in caplog.records if "speculation" in r.getMessage()]
     assert warnings == [f"speculation off: {REASON}"]
     assert engine.speculator is None
     assert first.result.speculator is None and first.result.spec.num_draft_tokens == 0
