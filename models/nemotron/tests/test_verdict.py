@@ -74,6 +74,25 @@ def test_keep_selects_recorded_state_without_a_re_forward(tiny_fixture, monkeypa
         target.release(seq)
 
 
+def test_a_verify_split_across_forward_chunks_keeps_every_row_count(tiny_fixture):
+    """A 12-row verify in 5-row forward chunks arrives at the Mamba-2 state in three pieces;
+    keep(a) still selects the state after row a, bitwise (int8)."""
+    _, path = tiny_fixture("dense")
+    target = load(path, dtype="int8", use_cache=False, tokenizer=False, max_rows_per_forward=5)
+    prefix = [2, 71, 82, 81, 82, 8, 45, 90]
+    rows = [23, 53, 60, 28, 74, 71, 35, 26, 62, 49, 77, 57]
+    reference = plain_logits(target, prefix + rows)
+    for kept in range(len(rows)):
+        seq = target.new_sequence()
+        forward_one(target, seq, prefix, logits="none")
+        verify = forward_one(target, seq, rows, verify=True).logits
+        assert torch.equal(verify, reference[len(prefix):])
+        target.keep(seq, kept)
+        after = forward_one(target, seq, [rows[kept]]).logits[0]
+        assert torch.equal(after, reference[len(prefix) + kept])
+        target.release(seq)
+
+
 if __name__ == "__main__":  # print the README table
     import sys
     from pathlib import Path
