@@ -42,11 +42,11 @@ TINY_CONFIGS = {
                                                    "moe_intermediate_size": 19, "shared_expert_intermediate_size": 64},
                  {}),
     # the benchmark fixture: a forward costs >= 5 ms on a CPU core
-    "bench": ("qwen3_5_text", "qwen35", {**_COMMON, "vocab_size": 2048, "hidden_size": 256, "num_hidden_layers": 8,
+    "bench": ("qwen3_5_text", "qwen35", {**_COMMON, "vocab_size": 2048, "hidden_size": 320, "num_hidden_layers": 12,
                                          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
                                          "linear_num_key_heads": 4, "linear_num_value_heads": 8,
                                          "linear_key_head_dim": 32, "linear_value_head_dim": 32,
-                                         "intermediate_size": 688}, {"mtp": True}),
+                                         "intermediate_size": 864, "max_position_embeddings": 4096}, {"mtp": True}),
 }
 
 
