@@ -326,7 +326,7 @@ def test_verispec_serve_answers_on_localhost(tmp_path, model_path):
     port = _free_port()
     code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
     process = subprocess.Popen([sys.executable, "-c", code, "serve", "--model", str(model_path), "--port", str(port),
-                                "--no-spec"], env=_toy_site(tmp_path), stdout=subprocess.PIPE,
+                                "--no-spec", "--request-timeout", "30"], env=_toy_site(tmp_path), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60

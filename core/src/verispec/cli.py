@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="verispec", description="Speculative decoding, exactly.", epilog=EPILOG)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text from a prompt", epilog=EPILOG)
+    gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, type=_text("the prompt"),
                      help="UTF-8 text (default: a short built-in prompt)")
     gen.add_argument("--chat", action="store_true", help="render the prompt through the model's chat template")
@@ -161,11 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
     serve.add_argument("--port", type=_ranged(int, 0, 65535, "--port"), default=8000)
-    serve.add_argument("--request-timeout", type=_ranged(float, 0.01, 1e7, "--request-timeout"), default=600.0,
-                       metavar="SECONDS", help="a generation running longer ends there with finish_reason "
-                       "\"length\" (default 600; time waiting for the engine does not count)")
+    serve.add_argument("--request-timeout", type=_ranged(float, 0.01, 1e7, "--request-timeout"),
+                       default=600.0, metavar="SECONDS",
+                       help="a generation running longer ends there with finish_reason \"length\" "
+                            "(default 600; time waiting for the engine does not count)")
     _add_model_args(serve)
     _add_spec_args(serve)
+    for command in sub.choices.values():
+        command.epilog = EPILOG
     return parser
 
 

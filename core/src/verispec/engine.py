@@ -189,7 +189,8 @@ class InferenceEngine:
         if time_limit is not None and not time_limit > 0:
             raise InvalidArgument(f"time_limit={time_limit}: give a positive number of seconds, or None")
         generation = Generation(None)
-        generation._events = self._run(ids, max_tokens, sampling, tuple(stop), ignore_eos, time_limit, generation)
+        generation._events = self._run(ids, max_tokens, sampling, tuple(stop), ignore_eos, time_limit,
+                                       generation)
         return generation
 
     def _run(self, ids: list[int], max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...],

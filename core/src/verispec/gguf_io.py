@@ -117,7 +117,7 @@ class UnsupportedGGUFVersion(GGUFError):
         if swapped in _KNOWN_VERSIONS:
             hint = f"it is big-endian (version {swapped} byte-swapped); use a little-endian file"
         elif version > max(_SUPPORTED_VERSIONS):
-            hint = "a newer format than this reader knows; re-convert it with the llama.cpp release that writes v3"
+            hint = "a newer format than this reader knows; re-convert it with a llama.cpp that writes v3"
         else:
             hint = "re-convert it with a current llama.cpp (writes v3)"
         super().__init__(f"{path} is GGUF version {version}; supported: "
@@ -253,7 +253,8 @@ class _Cursor:
                 return self.string_array(count, what)
             if element_type == GGUFValueType.ARRAY:
                 if depth >= _MAX_ARRAY_DEPTH:
-                    raise CorruptGGUF(self.path, f"metadata key {key!r} nests arrays deeper than {_MAX_ARRAY_DEPTH}")
+                    raise CorruptGGUF(self.path,
+                                      f"metadata key {key!r} nests arrays deeper than {_MAX_ARRAY_DEPTH}")
                 return [self.value(GGUFValueType.ARRAY, key, depth + 1) for _ in range(count)]
             raise CorruptGGUF(self.path, f"metadata key {key!r} is an array of unknown type {element_type}")
         raise CorruptGGUF(self.path, f"metadata key {key!r} has unknown value type {vtype}")
@@ -498,7 +499,8 @@ def _tensor_info(path: str, name: str, shape: tuple[int, ...], ggml_type: int, o
     # ggml counts elements in int64 (llama.cpp's gguf.c refuses the same): a dim of 2**60 beside
     # a zero one would otherwise pass the size check and break every view of the tensor
     if math.prod(max(d, 1) for d in shape) >= 1 << 63:
-        raise CorruptGGUF(path, f"tensor {name!r} claims shape {list(shape)}, more elements than int64 counts")
+        raise CorruptGGUF(path,
+                          f"tensor {name!r} claims shape {list(shape)}, more elements than int64 counts")
     try:
         qtype = GGMLQuantizationType(ggml_type)
         block_size, type_size = GGML_QUANT_SIZES[qtype]

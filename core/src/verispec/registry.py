@@ -67,7 +67,8 @@ def repository_distributions(folder: str) -> list[str]:
     root = checkout_root()
     if root is None:
         return []
-    return sorted(f"{folder}/{d.name}" for d in (Path(root) / folder).iterdir() if (d / "pyproject.toml").is_file())
+    found = (d for d in (Path(root) / folder).iterdir() if (d / "pyproject.toml").is_file())
+    return sorted(f"{folder}/{d.name}" for d in found)
 
 
 #: what provides the model `verispec generate` runs without --model.

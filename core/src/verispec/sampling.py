@@ -170,7 +170,8 @@ class Sampler:
         vocab_size: V, the length of every logits row. Raises ValueError on a token id outside [0, V).
         """
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-            raise InvalidArgument(f"vocab_size={vocab_size!r}: give the trunk's logits width, an integer >= 1")
+            raise InvalidArgument(
+                f"vocab_size={vocab_size!r}: give the trunk's logits width, an integer >= 1")
         self.params = params
         self.vocab_size = vocab_size
         #: the seed actually used (params.seed modulo 2^64, or the random one); report it to replay.

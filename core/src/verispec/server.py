@@ -213,14 +213,15 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
         return _error(f"invalid request: {problems}")
 
-    @app.exception_handler(VerispecError)  # RequestRejected, SamplingParams, the engine (max_tokens, empty prompt)
+    # RequestRejected, SamplingParams, the engine (max_tokens, empty prompt), ContextOverflow, ...
+    @app.exception_handler(VerispecError)
     async def _rejected(request: Request, exc: VerispecError):
         return _error(str(exc), getattr(exc, "param", None), getattr(exc, "code", None))
 
     @app.exception_handler(Exception)  # a bug: OpenAI's body, status 500 (the exception is still logged)
     async def _internal(request: Request, exc: Exception):
-        return _error(f"internal error ({type(exc).__name__}): a bug in verispec or a plugin, not in the request",
-                      status_code=500, kind="server_error")
+        return _error(f"internal error ({type(exc).__name__}): a bug in verispec or a plugin, not in the "
+                      "request", status_code=500, kind="server_error")
 
     @app.get("/health")
     async def health():
@@ -245,8 +246,8 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestRejected("top_logprobs needs \"logprobs\": true", "top_logprobs")
         messages = [m.as_dict(i) for i, m in enumerate(body.messages)]
-        return await served.respond(request, body, messages, (body.top_logprobs or 0) if body.logprobs else None,
-                                    chat=True)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await served.respond(request, body, messages, logprobs, chat=True)
 
     return app
 
@@ -256,7 +257,8 @@ def serve(engine: InferenceEngine, *, host: str = "127.0.0.1", port: int = 8000,
     """Run the server with uvicorn until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_app(engine, model_name=model_name, request_timeout=request_timeout), host=host, port=port)
+    app = create_app(engine, model_name=model_name, request_timeout=request_timeout)
+    uvicorn.run(app, host=host, port=port)
 
 
 def _error(message: str, param: str | None = None, code: str | None = None, *, status_code: int = 400,
@@ -283,7 +285,8 @@ async def _cancel_on_disconnect(request: Request, generation: Generation) -> Non
 class _Served:
     """The engine, its lock, and the OpenAI response shapes for both endpoints."""
 
-    def __init__(self, engine: InferenceEngine, model_name: str, request_timeout: float = DEFAULT_REQUEST_TIMEOUT):
+    def __init__(self, engine: InferenceEngine, model_name: str,
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT):
         self.engine, self.model_name, self.request_timeout = engine, model_name, request_timeout
         self.lock = asyncio.Lock()
         self.created = int(time.time())
@@ -311,9 +314,9 @@ class _Served:
                 if requested is not None and requested[1] > room:
                     field, value = requested
                     raise RequestRejected(
-                        f"{field}={value} does not fit: the context holds {context} tokens and the prompt takes "
-                        f"{len(ids)}, leaving at most {room} new tokens; ask for at most {room}, or shorten the "
-                        "prompt", field, "context_length_exceeded")
+                        f"{field}={value} does not fit: the context holds {context} tokens and the prompt "
+                        f"takes {len(ids)}, leaving at most {room} new tokens; ask for at most {room}, or "
+                        "shorten the prompt", field, "context_length_exceeded")
                 max_tokens = min(max_tokens, room)  # completions' default 16 in a nearly full context
             return self.engine.generate(ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
                                         ignore_eos=body.ignore_eos, time_limit=self.request_timeout)
@@ -336,7 +339,10 @@ class _Served:
             watching.start_soon(_cancel_on_disconnect, request, generation)
             try:
                 async with self.lock:
-                    events = None if generation.cancelled else await anyio.to_thread.run_sync(list, generation)
+                    if generation.cancelled:
+                        events = None
+                    else:
+                        events = await anyio.to_thread.run_sync(list, generation)
             except Exception as e:  # noqa: BLE001 -- raised below, outside the group (no ExceptionGroup)
                 error = e
             watching.cancel_scope.cancel()

@@ -99,9 +99,9 @@ class TargetConformance:
     def _context_is_long_enough(self, target):
         need = self.required_context_length()
         if target.max_context_length < need:
-            pytest.fail(f"TargetConformance needs a target with max_context_length >= {need} (the longest prompt "
-                        f"+ num_drift_steps + 7); this one holds {target.max_context_length}: load it with a "
-                        "longer context, or lower num_drift_steps / shorten prompt in the subclass")
+            pytest.fail(f"TargetConformance needs a target with max_context_length >= {need} (the longest "
+                        f"prompt + num_drift_steps + 7); this one holds {target.max_context_length}: load it "
+                        "with a longer context, or lower num_drift_steps / shorten prompt in the subclass")
 
     @pytest.fixture
     def vocab_size(self, target):
