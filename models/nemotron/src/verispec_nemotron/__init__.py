@@ -1,1 +1,2 @@
-"""verispec-nemotron: NVIDIA Nemotron-H trunks (Mamba-2 + attention + relu² MLP / MoE hybrids)."""
+"""verispec-nemotron: NVIDIA Nemotron-H trunks for verispec (see hooks.py for what it registers)."""
+__version__ = "0.1.0"
