@@ -137,29 +137,31 @@ class Qwen35GatedDeltaNet(nn.Module):
                    *, record_rows: bool) -> torch.Tensor:
         """One sequence's rows in order: mix fp32 [m, C], beta, g fp32 [m, nv] -> output [m, nv, dv].
         Hands the state after every row (record_rows: a verify) or after the last to `state.update`."""
-        conv, ssm = state.values["conv"], state.values["ssm"]
-        convs, ssms, outputs = [], [], []
-        r = self.nv // self.nk
-        for t in range(mix.shape[0]):
-            window = torch.cat([conv, mix[t, :, None]], dim=1)  # [C, W]; column W-1 is this row
-            u = F.silu((window * self.conv1d_weight).sum(dim=1))  # [C]
-            conv = window[:, 1:]
-            q, k, v = u.split([self.key_dim, self.key_dim, self.value_dim])
-            q = _l2norm(q.view(self.nk, self.dk)) * self.dk ** -0.5
-            k = _l2norm(k.view(self.nk, self.dk))
-            q, k = q.repeat(r, 1), k.repeat(r, 1)  # [nv, dk]: v-head p reads k-head p % nk (tiled)
-            v = v.view(self.nv, self.dv)
-            ssm = ssm * g[t].exp()[:, None, None]  # decay
-            memory = torch.einsum("hkv,hk->hv", ssm, k)  # read with the decayed state
-            delta = beta[t][:, None] * (v - memory)  # [nv, dv]
-            ssm = ssm + k[:, :, None] * delta[:, None, :]  # rank-1 write
-            outputs.append(torch.einsum("hkv,hk->hv", ssm, q))  # read with the updated state
+        m, r = mix.shape[0], self.nv // self.nk
+        # short causal conv: row t reads the window X[:, t : t+W] of X = [conv tail | this chunk's rows]
+        x = torch.cat([state.values["conv"], mix.t()], dim=1)  # [C, W-1+m]
+        windows = x.unfold(1, self.kernel, 1)  # [C, m, W]; column W-1 is the row itself
+        u = rowwise(F.silu, (windows * self.conv1d_weight[:, None, :]).sum(dim=-1).t().contiguous())  # [m, C]
+        q, k, v = u.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = _l2norm(q.reshape(m, self.nk, self.dk)) * self.dk ** -0.5
+        k = _l2norm(k.reshape(m, self.nk, self.dk))
+        q, k = q.repeat(1, r, 1), k.repeat(1, r, 1)  # [m, nv, dk]: v-head p reads k-head p % nk (tiled)
+        v = v.reshape(m, self.nv, self.dv)
+        decay = g.exp()  # [m, nv]
+        ssm, ssms, outputs = state.values["ssm"], [], []
+        for t in range(m):  # the delta rule, state [nv, dk, dv]
+            ssm = ssm * decay[t][:, None, None]
+            memory = torch.einsum("hkv,hk->hv", ssm, k[t])  # read with the decayed state
+            delta = beta[t][:, None] * (v[t] - memory)  # [nv, dv]
+            ssm = ssm + k[t][:, :, None] * delta[:, None, :]  # rank-1 write
+            outputs.append(torch.einsum("hkv,hk->hv", ssm, q[t]))  # read with the updated state
             if record_rows:
-                convs.append(conv)
                 ssms.append(ssm)
-        if not record_rows:
-            convs, ssms = [conv], [ssm]
-        state.update({"conv": torch.stack(convs), "ssm": torch.stack(ssms)})
+        if record_rows:
+            convs = windows[:, :, 1:].permute(1, 0, 2).contiguous()  # [m, C, W-1]: the tail after each row
+            state.update({"conv": convs, "ssm": torch.stack(ssms)})
+        else:
+            state.update({"conv": x[:, m:].contiguous()[None], "ssm": ssm[None]})
         return torch.stack(outputs)
 
 
