@@ -72,7 +72,8 @@ class NemotronHConfig:
     vocab_size: int  # V: rows of token_embd
     hidden_size: int  # D
     #: one of LAYER_TYPES per block (the file's per-layer head_count_kv / feed_forward_length).
-    layer_types: tuple[str, ...]
+    layer_types: tuple[str, ...] = attrs.field(
+        converter=tuple, validator=attrs.validators.deep_iterable(attrs.validators.in_(LAYER_TYPES)))
     #: MLP width per block (0 for blocks without one); MoE blocks use moe_intermediate_size.
     intermediate_sizes: tuple[int, ...]
     num_attention_heads: int  # H
