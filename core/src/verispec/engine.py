@@ -188,7 +188,7 @@ class InferenceEngine:
             raise ContextOverflow(len(ids) + 1, self.target.max_context_length)
         if time_limit is not None and not time_limit > 0:
             raise InvalidArgument(f"time_limit={time_limit}: give a positive number of seconds, or None")
-        generation = Generation(None)
+        generation = Generation()  # its events read generation.cancelled
         generation._events = self._run(ids, max_tokens, sampling, tuple(stop), ignore_eos, time_limit,
                                        generation)
         return generation
@@ -251,7 +251,7 @@ class InferenceEngine:
 class Generation:
     """Iterator over TokenEvents of one request; `.result` (a GenerationResult) once exhausted."""
 
-    def __init__(self, events: Iterator[TokenEvent | GenerationResult] | None):
+    def __init__(self, events: Iterator[TokenEvent | GenerationResult] | None = None):
         self._events = events
         self.result: GenerationResult | None = None
         self.cancelled = False
