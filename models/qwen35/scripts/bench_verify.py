@@ -99,9 +99,9 @@ def bench(path, dtype, ks, ctx, reps):
         keep_only = timed(lambda a=a: model.keep(seq, a), reps, setup=verify)
         reforward = timed(lambda a=a: model.forward([Segment(seq, new[:max(a, 1)], logits="none")]), reps)
         rows.append((k, a, full, partial, keep_only, reforward))
-        print(f"{dtype:8s} verify k={k}: {full[0]:.2f} ms ({full[0] / base[0]:.2f}x one row) | verify + keep({a}): "
-              f"{partial[0]:.2f} ms | keep({a}) alone: {keep_only[0] * 1e3:.0f} us | a re-forward of "
-              f"{max(a, 1)} rows would add {reforward[0]:.2f} ms", flush=True)
+        print(f"{dtype:8s} verify k={k}: {full[0]:.2f} ms ({full[0] / base[0]:.2f}x one row) | "
+              f"verify + keep({a}): {partial[0]:.2f} ms | keep({a}) alone: {keep_only[0] * 1e3:.0f} us | "
+              f"a re-forward of {max(a, 1)} rows would add {reforward[0]:.2f} ms", flush=True)
     return base, rows
 
 

@@ -32,14 +32,15 @@ def _one_thread():
 
 @pytest.fixture(scope="session")
 def tiny_fixture(tmp_path_factory):
-    """tiny_fixture(name) -> (transformers model, MTP state dict or None, GGUF path); built once per session."""
+    """tiny_fixture(name) -> (transformers model, MTP state dict or None, GGUF path), once per session."""
     built = {}
 
     def make(name: str):
         if name not in built:
             model, mtp = build_hf_model(name)
             options = TINY_CONFIGS[name][3]
-            path = write_fixture(model, tmp_path_factory.mktemp(name) / f"{name}.gguf", mtp=mtp, options=options)
+            path = write_fixture(model, tmp_path_factory.mktemp(name) / f"{name}.gguf", mtp=mtp,
+                                 options=options)
             built[name] = (model, mtp, path)
         return built[name]
 

@@ -14,8 +14,8 @@ from verispec_qwen35.loader import load
 pytest.importorskip("transformers")  # the fixtures are written from transformers models
 
 
-@pytest.fixture(scope="module", params=[("dense_conf", "float32"), ("dense_conf", "int8"), ("moe_conf", "float32"),
-                                        ("moe_conf", "int8")],
+@pytest.fixture(scope="module", params=[("dense_conf", "float32"), ("dense_conf", "int8"),
+                                        ("moe_conf", "float32"), ("moe_conf", "int8")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def loaded(request, tiny_fixture):
     name, dtype = request.param

@@ -39,7 +39,8 @@ def test_config_from_metadata(tiny_fixture):
     assert (config.linear_num_key_heads, config.linear_num_value_heads) == (2, 6)
     assert (config.linear_key_head_dim, config.linear_value_head_dim) == (8, 12)
     assert config.rotary_dim == 8 and config.head_dim == 32
-    assert config.num_experts == 5 and config.num_experts_per_tok == 2 and config.shared_expert_gate_shape == (1, 48)
+    assert (config.num_experts, config.num_experts_per_tok) == (5, 2)
+    assert config.shared_expert_gate_shape == (1, 48)
 
 
 def test_recurrent_layers_key_overrides_the_interval(tiny_fixture, tmp_path):
@@ -47,7 +48,8 @@ def test_recurrent_layers_key_overrides_the_interval(tiny_fixture, tmp_path):
     import numpy as np
 
     flags = np.array([True, False, True, False], dtype=np.bool_)
-    path = write_fixture(hf_model, tmp_path / "r.gguf", extra_metadata={"qwen35.attention.recurrent_layers": flags})
+    path = write_fixture(hf_model, tmp_path / "r.gguf",
+                         extra_metadata={"qwen35.attention.recurrent_layers": flags})
     config = config_from_gguf(GGUFFile.open(path))
     assert config.layer_types == (LINEAR_ATTENTION, FULL_ATTENTION, LINEAR_ATTENTION, FULL_ATTENTION)
 
@@ -57,10 +59,12 @@ def test_bad_files_raise_named_errors(tiny_fixture, tmp_path):
     missing = write_fixture(hf_model, tmp_path / "missing.gguf", drop_tensors=("blk.1.ssm_a",))
     with pytest.raises(MissingTensor, match="blk.1.ssm_a"):
         load(missing, dtype="float32", use_cache=False)
-    extra = write_fixture(hf_model, tmp_path / "extra.gguf", extra_tensors={"blk.0.ffn_gate_inp.weight": torch.ones(5, 48)})
+    extra = write_fixture(hf_model, tmp_path / "extra.gguf",
+                          extra_tensors={"blk.0.ffn_gate_inp.weight": torch.ones(5, 48)})
     with pytest.raises(UnsupportedQwen35Variant, match="does not use"):
         load(extra, dtype="float32", use_cache=False)
-    nxt = write_fixture(hf_model, tmp_path / "next.gguf", extra_tensors={"blk.0.ssm_ba.weight": torch.ones(12, 48)})
+    nxt = write_fixture(hf_model, tmp_path / "next.gguf",
+                        extra_tensors={"blk.0.ssm_ba.weight": torch.ones(12, 48)})
     with pytest.raises(UnsupportedQwen35Variant, match="qwen3next"):
         load(nxt, dtype="float32", use_cache=False)
     arch, metadata, tensors = hf_to_gguf(hf_model, mtp)
@@ -70,7 +74,8 @@ def test_bad_files_raise_named_errors(tiny_fixture, tmp_path):
     path = write_gguf(tmp_path / "mtp-only.gguf", arch=arch, metadata=metadata, tensors=mtp_only)
     with pytest.raises(UnsupportedQwen35Variant, match="standalone MTP"):
         load(path, dtype="float32", use_cache=False)
-    wrong = write_gguf(tmp_path / "llama.gguf", arch="llama", metadata={}, tensors={"token_embd.weight": torch.ones(4, 4)},
+    wrong = write_gguf(tmp_path / "llama.gguf", arch="llama", metadata={},
+                       tensors={"token_embd.weight": torch.ones(4, 4)},
                        vocab=None)
     with pytest.raises(UnsupportedQwen35Variant, match="general.architecture"):
         load(wrong, dtype="float32", use_cache=False)

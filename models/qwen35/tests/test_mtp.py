@@ -42,7 +42,8 @@ def test_draft_steps_match_the_reference(tiny_fixture, name):
         chained, _ = head.draft_step(state, draft, h_out, pos + 1)
         with torch.no_grad():
             expected, _ = reference(torch.cat([tokens[1:pos + 1], torch.tensor([draft])]),
-                                    torch.cat([hidden[:pos], ref_hidden[pos - 1:pos]]), torch.arange(1, pos + 2))
+                                    torch.cat([hidden[:pos], ref_hidden[pos - 1:pos]]),
+                                    torch.arange(1, pos + 2))
         torch.testing.assert_close(chained, expected[-1], atol=ATOL, rtol=0)
         head.keep(state, kept)
         head.draft_catch_up(state, tokens[pos:pos + kept].tolist(), hidden[pos:pos + kept], pos)

@@ -31,7 +31,8 @@ def _greedy_streams(trunk, vocab_size):
         prompt = torch.randint(0, vocab_size, (PROMPT_LEN,), generator=g).tolist()
         stream = prompt + run_greedy(trunk, prompt, NUM_GENERATED)[0]
         seq = trunk.new_sequence()
-        hidden.append(forward_one(trunk, seq, stream, logits="none", hidden=True).hidden)  # final-normed [T, D]
+        out = forward_one(trunk, seq, stream, logits="none", hidden=True)
+        hidden.append(out.hidden)  # final-normed rows [T, D]
         trunk.release(seq)
         prompts.append(prompt)
         tokens.append(torch.tensor(stream))

@@ -54,7 +54,8 @@ def test_prefill_split_into_chunks_matches_transformers(tiny_fixture):
     hf_model, _, path = tiny_fixture("moe")
     ours = load(path, dtype="float32")
     ours.max_rows_per_forward = 7  # 40 rows -> 7, 7, 7, 7, 7, 5
-    prompt = torch.randint(0, hf_model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, hf_model.config.vocab_size, (40,), generator=g).tolist()
     with torch.no_grad():
         expected = hf_model(torch.tensor([prompt])).logits[0]
     got = forward_one(ours, ours.new_sequence(), prompt).logits

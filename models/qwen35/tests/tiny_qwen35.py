@@ -28,8 +28,8 @@ TINY_CONFIGS = {
     "dense_tied": ("qwen3_5_text", "qwen35", {**_COMMON, "intermediate_size": 41, "tie_word_embeddings": True,
                                               "vocab_size": 137}, {}),
     "moe": ("qwen3_5_moe_text", "qwen35moe", {**_COMMON, "num_experts": 5, "num_experts_per_tok": 2,
-                                              "moe_intermediate_size": 19, "shared_expert_intermediate_size": 23},
-            {}),
+                                              "moe_intermediate_size": 19,
+                                              "shared_expert_intermediate_size": 23}, {}),
     # fused ffn_gate_up_exps and a 2-D shared-expert gate [1, D], with MTP
     "moe_fused_mtp": ("qwen3_5_moe_text", "qwen35moe", {**_COMMON, "num_experts": 5, "num_experts_per_tok": 2,
                                                         "moe_intermediate_size": 19,
@@ -39,14 +39,16 @@ TINY_CONFIGS = {
     # FFN widths it sees are multiples of 64 (as in real checkpoints); everything else stays odd
     "dense_conf": ("qwen3_5_text", "qwen35", {**_COMMON, "intermediate_size": 128}, {}),
     "moe_conf": ("qwen3_5_moe_text", "qwen35moe", {**_COMMON, "num_experts": 5, "num_experts_per_tok": 2,
-                                                   "moe_intermediate_size": 19, "shared_expert_intermediate_size": 64},
-                 {}),
+                                                   "moe_intermediate_size": 19,
+                                                   "shared_expert_intermediate_size": 64}, {}),
     # the benchmark fixture: a forward costs >= 5 ms on a CPU core
-    "bench": ("qwen3_5_text", "qwen35", {**_COMMON, "vocab_size": 2048, "hidden_size": 320, "num_hidden_layers": 12,
-                                         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "bench": ("qwen3_5_text", "qwen35", {**_COMMON, "vocab_size": 2048, "hidden_size": 320,
+                                         "num_hidden_layers": 12, "num_attention_heads": 4,
+                                         "num_key_value_heads": 2, "head_dim": 64,
                                          "linear_num_key_heads": 4, "linear_num_value_heads": 8,
                                          "linear_key_head_dim": 32, "linear_value_head_dim": 32,
-                                         "intermediate_size": 864, "max_position_embeddings": 4096}, {"mtp": True}),
+                                         "intermediate_size": 864, "max_position_embeddings": 4096},
+              {"mtp": True}),
 }
 
 
@@ -59,8 +61,10 @@ def build_hf_model(name: str, seed: int = 0):
     model_type, _, kwargs, options = TINY_CONFIGS[name]
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
+    # transformers' grouped_mm experts need 16-byte-aligned strides; the eager loop does not
+    experts = {"experts_implementation": "eager"} if "moe" in model_type else {}
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32,
-                                             **({"experts_implementation": "eager"} if "moe" in model_type else {})).eval()
+                                             **experts).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -87,7 +91,7 @@ def _draw(pname: str, shape, g) -> torch.Tensor:
 
 
 def _draw_mtp(model, g) -> dict[str, torch.Tensor]:
-    """A random MTP block in HF names: mtp.fc, three norms, and layers.0 shaped like a full-attention layer."""
+    """A random MTP block in HF names: mtp.fc, three norms, layers.0 shaped like a full-attention layer."""
     d = model.config.hidden_size
     full = model.config.layer_types.index("full_attention")
     out = {"mtp.fc.weight": torch.randn(d, 2 * d, generator=g) / math.sqrt(2 * d)}
@@ -101,7 +105,8 @@ def _draw_mtp(model, g) -> dict[str, torch.Tensor]:
 # --- HF -> GGUF (llama.cpp conversion/qwen.py: Qwen3NextModel / _LinearAttentionVReorderBase) ---
 
 _ATTN = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
@@ -192,7 +197,8 @@ def hf_to_gguf(model, mtp=None, options=None) -> tuple[str, dict, dict]:
     if arch == "qwen35":
         metadata[f"{a}.feed_forward_length"] = cfg.intermediate_size
     else:
-        metadata.update({f"{a}.expert_count": cfg.num_experts, f"{a}.expert_used_count": cfg.num_experts_per_tok,
+        metadata.update({f"{a}.expert_count": cfg.num_experts,
+                         f"{a}.expert_used_count": cfg.num_experts_per_tok,
                          f"{a}.expert_feed_forward_length": cfg.moe_intermediate_size,
                          f"{a}.expert_shared_feed_forward_length": cfg.shared_expert_intermediate_size})
     tensors = {}
@@ -210,8 +216,10 @@ def hf_to_gguf(model, mtp=None, options=None) -> tuple[str, dict, dict]:
             for suffix, t in _layer_tensors(cfg, rest, w, options).items():
                 tensors[f"blk.{bid}.{suffix}"] = t
     for name, w in (mtp or {}).items():
-        top = {"mtp.fc.weight": "nextn.eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
-               "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "mtp.norm.weight": "nextn.shared_head_norm.weight"}
+        top = {"mtp.fc.weight": "nextn.eh_proj.weight",
+               "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+               "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight",
+               "mtp.norm.weight": "nextn.shared_head_norm.weight"}
         if name in top:
             tensors[f"blk.{n_main}.{top[name]}"] = w + 1 if "norm" in name else w
         else:

@@ -79,7 +79,8 @@ def test_stops_after_a_drafted_stop_token_and_never_at_a_pending_one():
     target = ToyTarget(vocab_size=16)
     speculator = MtpSpeculator(ToyNextHead(target.view()), max_draft_tokens=8, min_draft_prob=0.0)
     free = speculator.propose(speculator.new_state(), _ctx(target, speculator, 4))
-    stopped = speculator.propose(speculator.new_state(), _ctx(target, speculator, 4, stop=frozenset({free[1]})))
+    ctx = _ctx(target, speculator, 4, stop=frozenset({free[1]}))
+    stopped = speculator.propose(speculator.new_state(), ctx)
     assert stopped == free[:free.index(free[1]) + 1]
     assert speculator.propose(speculator.new_state(), _ctx(target, speculator, 4, stop=frozenset({3}))) == []
 

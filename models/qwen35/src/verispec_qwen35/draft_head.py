@@ -105,7 +105,8 @@ class Qwen35MtpHead:
             state.last_hidden = None if h_rows is None else h_rows[-1].float()
             state.num_seen = start_pos + len(tokens)
             if h_rows is not None:
-                state.pending = [(start_pos + j, tokens[j], h_rows[j - 1].float()) for j in range(1, len(tokens))]
+                state.pending = [(start_pos + j, tokens[j], h_rows[j - 1].float())
+                                 for j in range(1, len(tokens))]
             return
         for j, token in enumerate(tokens):
             pos = start_pos + j
@@ -125,7 +126,8 @@ class Qwen35MtpHead:
             rows = [r for r in state.pending if r[0] < pos] + rows
             state.pending = []
             state.kv.drop_from(rows[0][0])  # provisional rows of the last draft are gone
-        logits, h_out = self.forward_rows(state.kv, [r[1] for r in rows], torch.stack([r[2] for r in rows]), rows[0][0])
+        hidden = torch.stack([r[2] for r in rows])  # [m, D]
+        logits, h_out = self.forward_rows(state.kv, [r[1] for r in rows], hidden, rows[0][0])
         if first:
             state.num_valid = pos + 1
         return logits[-1], h_out[-1]
@@ -138,7 +140,8 @@ class Qwen35MtpHead:
 
     def forward_rows(self, kv: HeadKVCache, tokens: Sequence[int], hidden: torch.Tensor, start_pos: int):
         """The MTP block over m consecutive pairs at positions start_pos..: tokens [m], trunk or head
-        hidden fp32 [m, D]. Writes their K/V to `kv`; returns (logits fp32 [1, V] of the last row, h' [m, D])."""
+        hidden fp32 [m, D]. Writes their K/V to `kv`; returns (logits fp32 [1, V] of the last row,
+        h' [m, D])."""
         mtp, m = self.mtp, len(tokens)
         positions = torch.arange(start_pos, start_pos + m)
         cos, sin = self.rotary_emb.cos_sin(positions)

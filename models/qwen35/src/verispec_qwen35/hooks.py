@@ -7,7 +7,7 @@ from verispec.specs import TargetSpec
 def register_targets(register):
     register(TargetSpec(
         name="qwen35",
-        summary="Qwen 3.5 / 3.6 dense and MoE trunks (GatedDeltaNet + gated attention hybrid; MTP draft head)",
+        summary="Qwen 3.5 / 3.6 dense and MoE trunks (GatedDeltaNet + gated attention; MTP draft head)",
         architectures=("qwen35", "qwen35moe"),
         loader="verispec_qwen35.loader:load",
     ))

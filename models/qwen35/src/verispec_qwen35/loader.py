@@ -22,8 +22,8 @@ from verispec.gguf_io import GGUFFile, MissingTensor, arch_value
 from verispec.gguf_load import Stack, Tensor, plan_weights
 from verispec.nn.quant import canonical_dtype
 
-from verispec_qwen35.modeling_qwen35 import (FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config, Qwen35ForCausalLM,
-                                             UnsupportedQwen35Variant)
+from verispec_qwen35.modeling_qwen35 import (FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config,
+                                             Qwen35ForCausalLM, UnsupportedQwen35Variant)
 
 __all__ = ["ARCHITECTURES", "DEFAULT_DTYPE", "TENSORS", "config_from_gguf", "load", "mtp_tensors"]
 
@@ -80,11 +80,14 @@ TENSORS = (
 
 def mtp_tensors(n: int) -> tuple[Tensor, ...]:
     """The MTP block `blk.{n}` (n = main layer count) onto `mtp.*` (reference/qwen35.md §3.7)."""
+    def at(source):
+        if isinstance(source, str):
+            return source.format(i=n)
+        return Stack(*(p.format(i=n) for p in source.parts))
+
     def one(t: Tensor) -> Tensor:
-        source = t.source.format(i=n) if isinstance(t.source, str) else Stack(*(p.format(i=n) for p in t.source.parts))
-        alternatives = tuple(a.format(i=n) if isinstance(a, str) else Stack(*(p.format(i=n) for p in a.parts))
-                             for a in t.alternatives)
-        return Tensor(source, t.target.replace(_L, "mtp.layer."), alternatives=alternatives, per_expert=t.per_expert)
+        return Tensor(at(t.source), t.target.replace(_L, "mtp.layer."),
+                      alternatives=tuple(at(a) for a in t.alternatives), per_expert=t.per_expert)
     b = f"blk.{n}.nextn."
     return (
         Tensor(b + "eh_proj.weight", "mtp.fc.weight"),
@@ -114,10 +117,12 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     model = Qwen35ForCausalLM(config, dtype=dtype, context_length=context_length,
                               max_rows_per_forward=max_rows_per_forward)
     table = TENSORS + (mtp_tensors(config.num_hidden_layers) if config.num_mtp_layers else ())
-    plan = plan_weights(gguf, model, table, num_layers=config.num_hidden_layers, num_experts=config.num_experts)
+    plan = plan_weights(gguf, model, table, num_layers=config.num_hidden_layers,
+                        num_experts=config.num_experts)
     unused = sorted(set(gguf) - plan.gguf_names)
     if unused:
-        raise UnsupportedQwen35Variant(path, f"tensors the {config.architecture} math does not use: {unused[:6]}",
+        raise UnsupportedQwen35Variant(path, f"tensors the {config.architecture} math does not use: "
+                                       f"{unused[:6]}",
                                        "the file is another variant (qwen3next layout, dedicated MTP "
                                        "embeddings, scale sidecars) and cannot be served here")
     plan.load(dtype=dtype, layout="qwen35", use_cache=use_cache, progress=progress)
@@ -148,11 +153,13 @@ def config_from_gguf(gguf: GGUFFile) -> Qwen35Config:
     if "token_embd.weight" not in gguf:
         raise MissingTensor("token_embd.weight", arch, source)
     if "blk.0.attn_norm.weight" not in gguf:
-        raise UnsupportedQwen35Variant(source, "no main-stack tensors (blk.0.attn_norm.weight): a standalone MTP file",
+        raise UnsupportedQwen35Variant(source, "no main-stack tensors (blk.0.attn_norm.weight): "
+                                       "a standalone MTP file",
                                        "load the main GGUF; a separate MTP file is not supported yet")
     if any(name.endswith((".ssm_ba.weight", ".ssm_in.weight")) for name in gguf):
         raise UnsupportedQwen35Variant(source, "qwen3next GDN projections (ssm_ba / ssm_in)",
-                                       "this file has the qwen3next layout (grouped value heads), not qwen35's")
+                                       "this file has the qwen3next layout (grouped value heads), "
+                                       "not qwen35's")
     num_mtp = int(key("nextn_predict_layers", 0))
     if num_mtp > 1:
         raise UnsupportedQwen35Variant(source, f"{num_mtp} MTP layers", "only one MTP block is supported")
@@ -162,7 +169,8 @@ def config_from_gguf(gguf: GGUFFile) -> Qwen35Config:
         layer_types = tuple(LINEAR_ATTENTION if r else FULL_ATTENTION for r in list(recurrent)[:num_layers])
     else:
         interval = int(key("full_attention_interval", 4))
-        layer_types = tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers))
+        layer_types = tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
+                            for i in range(num_layers))
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", hidden // heads))
     if int(key("attention.value_length", head_dim)) != head_dim:
@@ -171,12 +179,15 @@ def config_from_gguf(gguf: GGUFFile) -> Qwen35Config:
     nv, inner = int(key("ssm.time_step_rank")), int(key("ssm.inner_size"))
     nk = int(key("ssm.group_count"))
     if nv % nk or inner % nv:
-        raise UnsupportedQwen35Variant(source, f"GDN heads: {nv} value heads, {nk} key heads, inner size {inner}",
+        raise UnsupportedQwen35Variant(source, f"GDN heads: {nv} value heads, {nk} key heads, inner size "
+                                       f"{inner}",
                                        "value heads must be a multiple of key heads and divide inner_size")
     num_experts = int(key("expert_count", 0)) if arch == "qwen35moe" else 0
     if arch == "qwen35moe" and not num_experts:
-        raise UnsupportedQwen35Variant(source, "qwen35moe without expert_count", "the file's metadata is incomplete")
+        raise UnsupportedQwen35Variant(source, "qwen35moe without expert_count",
+                                       "the file's metadata is incomplete")
     shexp = f"blk.{num_layers - 1}.ffn_gate_inp_shexp.weight"
+    shexp_shape = tuple(gguf.tensor_info(shexp).shape) if num_experts and shexp in gguf else ()
     return Qwen35Config(
         architecture=arch,
         vocab_size=int(gguf.tensor_info("token_embd.weight").shape[0]),
@@ -200,7 +211,7 @@ def config_from_gguf(gguf: GGUFFile) -> Qwen35Config:
         num_experts_per_tok=int(key("expert_used_count")) if num_experts else 0,
         moe_intermediate_size=int(key("expert_feed_forward_length")) if num_experts else 0,
         shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length")) if num_experts else 0,
-        shared_expert_gate_shape=tuple(gguf.tensor_info(shexp).shape) if num_experts and shexp in gguf else (),
+        shared_expert_gate_shape=shexp_shape,
         tie_word_embeddings="output.weight" not in gguf,
         num_mtp_layers=num_mtp,
     )

@@ -111,7 +111,8 @@ class Qwen35GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(d, self.nv, bias=False, device=device)
         self.in_proj_a = nn.Linear(d, self.nv, bias=False, device=device)
         self.out_proj = nn.Linear(self.value_dim, d, bias=False, device=device)
-        self.conv1d_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel, device=device), requires_grad=False)
+        self.conv1d_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel, device=device),
+                                          requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.nv, device=device), requires_grad=False)
         self.ssm_a = nn.Parameter(torch.empty(self.nv, device=device), requires_grad=False)  # -exp(A_log)
         self.norm = RMSNorm(self.dv, c.rms_norm_eps)  # plain weight (no 1 + w), reference/qwen35.md §4.1
@@ -202,7 +203,8 @@ class Qwen35Attention(nn.Module):
                 attend) -> torch.Tensor:
         """attend(q [n, H, Dh], k, v [n, Hkv, Dh]) -> [n, H, Dh]: writes k/v to the right cache first."""
         n = x.shape[0]
-        q, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [n, H, Dh] each
+        qg = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim)  # [q_h | gate_h] per head
+        q, gate = qg.chunk(2, dim=-1)  # [n, H, Dh] each
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         q, k = rope(self.q_norm(q), cos, sin), rope(self.k_norm(k), cos, sin)
@@ -225,7 +227,8 @@ class Qwen35SparseMoe(nn.Module):
         # gate|up fused per expert (llama.cpp ffn_gate_up_exps, or ffn_gate_exps ‖ ffn_up_exps)
         self.gate_up_proj = nn.ModuleList(nn.Linear(d, 2 * ff, bias=False, device=device)
                                           for _ in range(c.num_experts))
-        self.down_proj = nn.ModuleList(nn.Linear(ff, d, bias=False, device=device) for _ in range(c.num_experts))
+        self.down_proj = nn.ModuleList(nn.Linear(ff, d, bias=False, device=device)
+                                       for _ in range(c.num_experts))
         self.shared_expert = GatedMLP(d, c.shared_expert_intermediate_size, "silu", device=device)
         self.shared_expert_gate = nn.Parameter(torch.empty(c.shared_expert_gate_shape or (d,), device=device),
                                                requires_grad=False)
@@ -239,7 +242,8 @@ class Qwen35SparseMoe(nn.Module):
             rows, slot = torch.where(experts == e)
             gate, up = self.gate_up_proj[e](x[rows]).split(self.moe_intermediate_size, dim=-1)
             out.index_add_(0, rows, self.down_proj[e](rowwise(F.silu, gate) * up) * weights[rows, slot, None])
-        shared_gate = rowwise(torch.sigmoid, (x * self.shared_expert_gate.reshape(-1)).sum(-1, keepdim=True))  # [n, 1]
+        shared_logit = (x * self.shared_expert_gate.reshape(-1)).sum(-1, keepdim=True)  # [n, 1], per row
+        shared_gate = rowwise(torch.sigmoid, shared_logit)
         return out + shared_gate * self.shared_expert(x)
 
 
@@ -253,8 +257,8 @@ class Qwen35DecoderLayer(nn.Module):
         else:
             self.self_attn = Qwen35Attention(c, device=device)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = Qwen35SparseMoe(c, device=device) if c.is_moe else GatedMLP(c.hidden_size, c.intermediate_size,
-                                                                                "silu", device=device)
+        self.mlp = (Qwen35SparseMoe(c, device=device) if c.is_moe
+                    else GatedMLP(c.hidden_size, c.intermediate_size, "silu", device=device))
 
     def forward(self, hidden_states: torch.Tensor, mixer) -> torch.Tensor:
         """hidden_states fp32 [n, D]; mixer(normed [n, D]) -> [n, D] runs this layer's token mixer."""
@@ -315,26 +319,32 @@ class Qwen35ForCausalLM(TrunkModule):
             if layer.layer_type == LINEAR_ATTENTION:
                 states.append(RecurrentState(layer.linear_attn.state_shapes()))
             else:
-                states.append(LinearKVCache(c.num_key_value_heads, c.head_dim, max_positions=self.max_context_length))
+                states.append(LinearKVCache(c.num_key_value_heads, c.head_dim,
+                                            max_positions=self.max_context_length))
         return states
 
     def _embed(self, tokens):
         return self.model.embed_tokens.rows(tokens)  # [n, D] fp32
 
     def _forward_rows(self, rows: Rows):
-        """Final-normed rows fp32 [n, D] and the residual rows entering each layer (index L = after the last)."""
+        """Final-normed rows fp32 [n, D] and the residual rows entering each layer (L = after the last)."""
         m = self.model
         cos, sin = m.rotary_emb.cos_sin(rows.positions)  # [n, r/2]
         x = self._embed(rows.tokens)
         taps = {}
         for i, layer in enumerate(m.layers):
             taps[i] = x
-            if layer.layer_type == LINEAR_ATTENTION:
-                mixer = lambda y, layer=layer, i=i: layer.linear_attn(y, rows, i)  # noqa: E731
-            else:
-                attend = lambda q, k, v, layer=layer, i=i: attend_rows(  # noqa: E731
-                    q, k, v, rows, i, scaling=layer.self_attn.scaling)
-                mixer = lambda y, layer=layer, attend=attend: layer.self_attn(y, m.rotary_emb, cos, sin, attend)  # noqa: E731
-            x = layer(x, mixer)
+            x = layer(x, self._mixer(layer, i, rows, cos, sin))
         taps[self.num_layers] = x
         return m.norm(x), taps
+
+    def _mixer(self, layer: Qwen35DecoderLayer, i: int, rows: Rows, cos: torch.Tensor, sin: torch.Tensor):
+        """Layer i's token mixer for this chunk: normed rows fp32 [n, D] -> [n, D]."""
+        if layer.layer_type == LINEAR_ATTENTION:
+            return lambda y: layer.linear_attn(y, rows, i)
+        attn = layer.self_attn
+
+        def attend(q, k, v):  # writes this chunk's K/V into each sequence's cache of layer i
+            return attend_rows(q, k, v, rows, i, scaling=attn.scaling)
+
+        return lambda y: attn(y, self.model.rotary_emb, cos, sin, attend)

@@ -7,7 +7,7 @@ from verispec.specs import SpeculatorSpec
 
 SPEC = SpeculatorSpec(
     name="mtp",
-    summary="chains a PER_TOKEN draft head (NextN / MTP) one token per step; gate = top-1 prob over its top-10 logits",
+    summary="chains a PER_TOKEN draft head (NextN / MTP); gate: top-1 prob over its top-10 logits",
     factory="verispec_mtp_nextn.speculator:create",
     requires_draft_head=True,
     # the head restarts its private KV after a gap (draft_head_resumes_after_gap), so a reused
