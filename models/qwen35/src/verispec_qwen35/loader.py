@@ -100,12 +100,13 @@ def mtp_tensors(n: int) -> tuple[Tensor, ...]:
 
 def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: int | None = None,
          max_rows_per_forward: int | None = None, use_cache: bool = True, tokenizer: bool = True,
-         progress: bool | None = None) -> Qwen35ForCausalLM:
+         progress: bool | None = None, chunked_prefill_min_rows: int | None = None) -> Qwen35ForCausalLM:
     """Load a qwen35 / qwen35moe GGUF as a `Qwen35ForCausalLM` trunk (with `.draft_head` when the
     file holds an MTP block).
 
     dtype: "int8" (default) | "bfloat16" | "float32" | "int4" (linears; everything else fp32).
     context_length: max positions (default: the file's context_length).
+    chunked_prefill_min_rows: see Qwen35ForCausalLM (default None: the exact row loop only).
     Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...),
     UnsupportedQwen35Variant (wrong architecture, qwen3next layouts, a standalone MTP file,
     tensors the math would not use), nn.quant.UnknownWeightDtype.
@@ -115,7 +116,8 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     gguf = GGUFFile.open(path)
     config = config_from_gguf(gguf)
     model = Qwen35ForCausalLM(config, dtype=dtype, context_length=context_length,
-                              max_rows_per_forward=max_rows_per_forward)
+                              max_rows_per_forward=max_rows_per_forward,
+                              chunked_prefill_min_rows=chunked_prefill_min_rows)
     table = TENSORS + (mtp_tensors(config.num_hidden_layers) if config.num_mtp_layers else ())
     plan = plan_weights(gguf, model, table, num_layers=config.num_hidden_layers,
                         num_experts=config.num_experts)

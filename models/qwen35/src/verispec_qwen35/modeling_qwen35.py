@@ -116,6 +116,8 @@ class Qwen35GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.nv, device=device), requires_grad=False)
         self.ssm_a = nn.Parameter(torch.empty(self.nv, device=device), requires_grad=False)  # -exp(A_log)
         self.norm = RMSNorm(self.dv, c.rms_norm_eps)  # plain weight (no 1 + w), reference/qwen35.md §4.1
+        #: run a non-verify chunk of at least this many rows through `chunked_delta_rule` (None: never).
+        self.chunked_min_rows: int | None = None
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"conv": (self.conv_dim, self.kernel - 1), "ssm": (self.nv, self.dk, self.dv)}
@@ -148,6 +150,10 @@ class Qwen35GatedDeltaNet(nn.Module):
         k = _l2norm(k.reshape(m, self.nk, self.dk))
         q, k = q.repeat(1, r, 1), k.repeat(1, r, 1)  # [m, nv, dk]: v-head p reads k-head p % nk (tiled)
         v = v.reshape(m, self.nv, self.dv)
+        if not record_rows and self.chunked_min_rows and m >= self.chunked_min_rows:
+            out, ssm = chunked_delta_rule(q, k, v, beta, g, state.values["ssm"])
+            state.update({"conv": x[:, m:].contiguous()[None], "ssm": ssm[None]})
+            return out
         decay = g.exp()  # [m, nv]
         ssm, ssms, outputs = state.values["ssm"], [], []
         for t in range(m):  # the delta rule, state [nv, dk, dv]
@@ -164,6 +170,47 @@ class Qwen35GatedDeltaNet(nn.Module):
         else:
             state.update({"conv": x[:, m:].contiguous()[None], "ssm": ssm[None]})
         return torch.stack(outputs)
+
+
+#: rows per chunk of the parallel form (HF, FLA and llama.cpp all use 64).
+DELTA_CHUNK = 64
+
+
+def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                       g: torch.Tensor, state: torch.Tensor,
+                       chunk: int = DELTA_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule re-associated in chunks (prefill): the same function as the row loop
+    in `recurrence`, equal to it within fp32 rounding (tests/test_chunked.py: <= 2e-5, measured
+    6e-7 on unit-scale inputs), not bitwise.
+
+    q, k: fp32 [m, nv, dk] (q scaled, both L2-normed, tiled); v: [m, nv, dv]; beta, g: [m, nv];
+    state: [nv, dk, dv]. Returns (outputs [m, nv, dv], the state after the last row).
+    Per chunk, with Γ the in-chunk cumulative log decay and L_ij = β_i e^(Γ_i−Γ_j) k_i·k_j (j < i):
+    U = (I + L)⁻¹ (β⊙V − β⊙e^Γ⊙K · S₀), o_i = e^Γ_i q_i S₀ + Σ_{j≤i} e^(Γ_i−Γ_j) (q_i·k_j) u_j,
+    S = e^Γ_C S₀ + Σ_j e^(Γ_C−Γ_j) k_j u_jᵀ (reference/qwen35.md §5.4). The upper triangle is
+    masked before exponentiating (Γ_i − Γ_j > 0 there); padded rows have β = g = 0 (inert).
+    """
+    m = q.shape[0]
+    pad = -m % chunk
+    q, k, v, beta, g = (F.pad(t.transpose(0, 1), (0, 0, 0, pad) if t.dim() == 3 else (0, pad))
+                        for t in (q, k, v, beta, g))  # heads first: [nv, m', d] / [nv, m']
+    outputs = []
+    causal = torch.ones(chunk, chunk, dtype=torch.bool).tril()  # j <= i
+    for start in range(0, m + pad, chunk):
+        rows = slice(start, start + chunk)
+        qc, kc, vc, bc = q[:, rows], k[:, rows], v[:, rows], beta[:, rows]
+        gamma = g[:, rows].cumsum(dim=-1)  # [nv, C]
+        diff = (gamma[:, :, None] - gamma[:, None, :]).masked_fill(~causal, float("-inf"))
+        decay = diff.exp()  # [nv, C, C]: e^(Γ_i − Γ_j) for j <= i, else 0
+        kb = kc * bc[..., None]  # β⊙K
+        lower = (kb @ kc.transpose(1, 2)) * decay.tril(-1)  # strictly lower L
+        eye = torch.eye(chunk).expand_as(lower)
+        rhs = vc * bc[..., None] - (kb * gamma.exp()[..., None]) @ state  # [nv, C, dv]
+        u = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
+        outputs.append((qc * gamma.exp()[..., None]) @ state + ((qc @ kc.transpose(1, 2)) * decay) @ u)
+        last = gamma[:, -1:]  # [nv, 1]
+        state = state * last.exp()[..., None] + (kc * (last - gamma).exp()[..., None]).transpose(1, 2) @ u
+    return torch.cat(outputs, dim=1)[:, :m].transpose(0, 1), state
 
 
 def rowwise(fn, x: torch.Tensor, multiple: int = 64) -> torch.Tensor:
@@ -294,6 +341,9 @@ class Qwen35ForCausalLM(TrunkModule):
 
     dtype: weight dtype of the linears ("int8" | "bfloat16" | "float32" | "int4", nn.quant);
     norms, conv kernel, decay parameters and all state stay fp32.
+    chunked_prefill_min_rows: non-verify chunks of at least this many rows run the chunked delta
+    rule (equal within fp32 rounding, not bitwise: the trunk then declares no batch invariance);
+    None (default): every row through the exact row loop.
     Built on the meta device; the loader fills it. `draft_head` is the MTP head when the file
     has an MTP block, else None (the engine reads it with getattr).
     Truncation to a non-zero prefix is refused (CannotTruncate): GDN state is a fixed-size summary.
@@ -305,13 +355,24 @@ class Qwen35ForCausalLM(TrunkModule):
     spec_preferred_draft_window = 4
 
     def __init__(self, config: Qwen35Config, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
-                 context_length: int | None = None, device="meta"):
+                 context_length: int | None = None, chunked_prefill_min_rows: int | None = None,
+                 device="meta"):
         super().__init__()
         self._init_sizes(config, dtype, max_rows_per_forward, context_length)
         self.model = Qwen35Model(config, device=device)
+        self.chunked_prefill_min_rows = chunked_prefill_min_rows
+        for layer in self.model.layers:
+            if layer.layer_type == LINEAR_ATTENTION:
+                layer.linear_attn.chunked_min_rows = chunked_prefill_min_rows
         self.mtp = Qwen35Mtp(config, device=device) if config.num_mtp_layers else None
         self._finish_linears(device)
         self.draft_head = None  # set by the loader when the file has MTP weights
+
+    @property
+    def spec_batch_invariant(self) -> bool:
+        """The linears' verdict (TrunkModule), unless prefill chunks take the chunked delta rule,
+        whose rows differ from the row loop's in the last bits."""
+        return not self.chunked_prefill_min_rows and super().spec_batch_invariant
 
     def _new_layer_states(self) -> list:
         c, states = self.config, []
