@@ -9,7 +9,8 @@ dtype times, from the same `--ctx` positions each call:
 - verify k: a k-row verify (`verify=True`, logits of every row) then `keep(seq, 0)`;
 - verify k + keep(a): the same verify, then keep a = k // 2 rows (a partial acceptance);
 - keep(a) alone: selecting the recorded per-row state (all a partial acceptance adds);
-- a re-forward of a rows: what a snapshot + re-forward rollback would add instead.
+- a re-forward of a rows: what a snapshot + re-forward rollback would add instead;
+- the MTP head: a first draft step with one catch-up row folded in, and a chained step.
 The sequence grows by the kept rows as the reps go (a few hundred positions at most), which
 changes the attention share of a call by well under the noise.
 Reports min and median ms over `--reps` back-to-back calls after waiting for a quiet machine.
@@ -102,7 +103,30 @@ def bench(path, dtype, ks, ctx, reps):
         print(f"{dtype:8s} verify k={k}: {full[0]:.2f} ms ({full[0] / base[0]:.2f}x one row) | "
               f"verify + keep({a}): {partial[0]:.2f} ms | keep({a}) alone: {keep_only[0] * 1e3:.0f} us | "
               f"a re-forward of {max(a, 1)} rows would add {reforward[0]:.2f} ms", flush=True)
+    _bench_head(model, seq, new, reps, base)
     return base, rows
+
+
+def _bench_head(model, seq, new, reps, base):
+    """The MTP head: a first draft step folding in 2 catch-up rows, and a chained step."""
+    head = model.draft_head
+    if head is None:
+        return
+    state = head.new_state()
+    n = model.seq_len(seq)
+    hidden = model.forward([Segment(seq, new[:3], logits="none", hidden=True, verify=True)])[0].hidden
+    model.keep(seq, 0)
+    head.draft_catch_up(state, new[:2].tolist(), hidden[:2], n)  # positions n, n+1 (n: no pair, a gap)
+
+    def first():
+        state.num_valid, state.pending = n + 1, [(n + 1, int(new[1]), hidden[0])]  # one catch-up row queued
+        return head.draft_step(state, int(new[2]), hidden[1], n + 2)
+
+    _, h_out = first()
+    step = timed(first, reps)
+    chained = timed(lambda: head.draft_step(state, int(new[0]), h_out, n + 3), reps)
+    print(f"{model.dtype:8s} MTP first step (+1 catch-up row): {step[0]:.2f} ms ({step[0] / base[0]:.2f}x one "
+          f"trunk row) | chained step: {chained[0]:.2f} ms ({chained[0] / base[0]:.2f}x)", flush=True)
 
 
 def main():
