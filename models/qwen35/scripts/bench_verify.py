@@ -119,7 +119,8 @@ def _bench_head(model, seq, new, reps, base):
     head.draft_catch_up(state, new[:2].tolist(), hidden[:2], n)  # positions n, n+1 (n: no pair, a gap)
 
     def first():
-        state.num_valid, state.pending = n + 1, [(n + 1, int(new[1]), hidden[0])]  # one catch-up row queued
+        # one catch-up row queued, as after a verify that kept two rows
+        state.num_valid, state.pending = n + 1, [(n + 1, int(new[1]), hidden[0])]
         return head.draft_step(state, int(new[2]), hidden[1], n + 2)
 
     _, h_out = first()
