@@ -127,7 +127,8 @@ def _bench_head(model, seq, new, reps, base):
     step = timed(first, reps)
     chained = timed(lambda: head.draft_step(state, int(new[0]), h_out, n + 3), reps)
     print(f"{model.dtype:8s} MTP first step (+1 catch-up row): {step[0]:.2f} ms "
-          f"({step[0] / base[0]:.2f}x one trunk row) | chained step: {chained[0]:.2f} ms ({chained[0] / base[0]:.2f}x)", flush=True)
+          f"({step[0] / base[0]:.2f}x one trunk row) | chained step: {chained[0]:.2f} ms "
+          f"({chained[0] / base[0]:.2f}x)", flush=True)
 
 
 def main():
