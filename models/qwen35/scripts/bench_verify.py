@@ -71,7 +71,7 @@ def bench(path, dtype, ks, ctx, reps):
     model = load(path, dtype=dtype, use_cache=False)
     g = torch.Generator().manual_seed(0)
     context = torch.randint(0, model.vocab_size, (ctx,), generator=g)
-    new = torch.randint(0, model.vocab_size, (max(ks),), generator=g)
+    new = torch.randint(0, model.vocab_size, (max(*ks, 3),), generator=g)
     seq = model.new_sequence()
     model.forward([Segment(seq, context, logits="last")])
 
