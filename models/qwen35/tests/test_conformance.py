@@ -44,30 +44,36 @@ def _recurrent_values(target, seq) -> list[dict[str, torch.Tensor]]:
     return [dict(s.values) for s in target._state(seq).layers if isinstance(s, RecurrentState)]
 
 
-@pytest.mark.parametrize("width", [1, 4, 9, 16])
-def test_state_after_keep_equals_a_plain_runs_state(loaded, width):
-    """After a `width`-row verify and keep(a), every GDN layer's conv tail and delta state equal
-    those of a sequence that only ever saw the kept rows (bitwise when batch-invariant)."""
-    g = torch.Generator().manual_seed(width)
+def test_state_after_keep_equals_a_plain_runs_state(loaded):
+    """For every verify width 1..16 and every kept count a: after keep(seq, a) every GDN layer's
+    conv tail and delta state equal those of a sequence fed only the kept rows one at a time
+    (bitwise when batch-invariant)."""
+    g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, loaded.vocab_size, (11,), generator=g).tolist()
-    rows = torch.randint(0, loaded.vocab_size, (width,), generator=g).tolist()
-    for kept in range(width + 1):
-        seq, plain = loaded.new_sequence(), loaded.new_sequence()
-        forward_one(loaded, seq, prompt, logits="none")
-        forward_one(loaded, seq, rows, logits="none", verify=True)
-        loaded.keep(seq, kept)
-        for t in prompt + rows[:kept]:
+    rows = torch.randint(0, loaded.vocab_size, (16,), generator=g).tolist()
+    plain, plain_states = loaded.new_sequence(), []
+    for t in prompt:
+        forward_one(loaded, plain, [t], logits="none")
+    for t in [None, *rows]:  # the plain state after prompt + rows[:a], a = 0..16
+        if t is not None:
             forward_one(loaded, plain, [t], logits="none")
-        got, expected = _recurrent_values(loaded, seq), _recurrent_values(loaded, plain)
-        assert len(got) == 3
-        for layer, (a, b) in enumerate(zip(got, expected)):
-            for name in ("conv", "ssm"):
-                if declared(loaded, "spec_batch_invariant"):
-                    assert torch.equal(a[name], b[name]), f"kept {kept}/{width}, GDN layer {layer} {name}"
-                else:
-                    torch.testing.assert_close(a[name], b[name], atol=1e-4, rtol=1e-4)
-        loaded.release(seq)
-        loaded.release(plain)
+        plain_states.append(_recurrent_values(loaded, plain))
+    loaded.release(plain)
+    for width in range(1, 17):
+        for kept in range(width + 1):
+            seq = loaded.new_sequence()
+            forward_one(loaded, seq, prompt, logits="none")
+            forward_one(loaded, seq, rows[:width], logits="none", verify=True)
+            loaded.keep(seq, kept)
+            got = _recurrent_values(loaded, seq)
+            assert len(got) == 3
+            for layer, (a, b) in enumerate(zip(got, plain_states[kept])):
+                for name in ("conv", "ssm"):
+                    if declared(loaded, "spec_batch_invariant"):
+                        assert torch.equal(a[name], b[name]), f"kept {kept}/{width}, GDN layer {layer} {name}"
+                    else:
+                        torch.testing.assert_close(a[name], b[name], atol=1e-4, rtol=1e-4)
+            loaded.release(seq)
 
 
 def test_truncate_refuses_a_prefix_but_empties(loaded):
