@@ -3,13 +3,18 @@
 Tests assemble checkpoints, build tokenizers and convert weights (the real Gemma 3 270M in
 fp32, bf16 and int8 alone is ~1.9 GB); all of it goes to a temporary VERISPEC_CACHE that is
 removed when the session ends, never to the user's ~/.cache/verispec. Set it in os.environ,
-so `verispec` subprocesses started by tests use it too. VERISPEC_TEST_CACHE=DIR keeps one
-cache between runs instead (conversions then happen once: reruns are ~30 s faster).
+so `verispec` subprocesses started by tests use it too. A session killed before its end
+leaves its directory; the next session removes it (the name carries the owner's pid).
+VERISPEC_TEST_CACHE=DIR keeps one cache between runs instead (conversions then happen once:
+reruns are ~30 s faster).
 """
 import os
+import re
 import shutil
 import tempfile
+from pathlib import Path
 
+_PREFIX = "verispec-test-cache-"
 _temporary: str | None = None
 
 
@@ -18,11 +23,30 @@ def pytest_configure(config):
     kept = os.environ.get("VERISPEC_TEST_CACHE")
     if kept:
         os.environ["VERISPEC_CACHE"] = kept
-    else:
-        _temporary = tempfile.mkdtemp(prefix="verispec-test-cache-")
-        os.environ["VERISPEC_CACHE"] = _temporary
+        return
+    _remove_orphans()
+    _temporary = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
+    os.environ["VERISPEC_CACHE"] = _temporary
 
 
 def pytest_unconfigure(config):
     if _temporary is not None:
         shutil.rmtree(_temporary, ignore_errors=True)
+
+
+def _remove_orphans() -> None:
+    """Caches of sessions whose process is gone (killed before pytest_unconfigure)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*-*"):
+        match = re.fullmatch(re.escape(_PREFIX) + r"(\d+)-.*", path.name)
+        if match and not _alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True

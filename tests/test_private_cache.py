@@ -34,3 +34,20 @@ def test_a_nested_session_removes_its_cache_and_leaves_the_users_alone(tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     used = Path(next(line for line in r.stdout.splitlines() if "CACHE=" in line).split("CACHE=", 1)[1])
     assert not used.exists() and not (home / ".cache" / "verispec").exists()
+
+
+def test_a_killed_sessions_cache_is_removed_by_the_next_session(tmp_path):
+    """A session killed mid-run leaves verispec-test-cache-<pid>-*; the next one deletes it
+    once that pid is gone, and leaves a live session's cache alone."""
+    code = ("import os, sys, tempfile; sys.path.insert(0, sys.argv[1]); import conftest\n"
+            "conftest.pytest_configure(None); print(os.environ['VERISPEC_CACHE'])")
+    root = str(Path(__file__).resolve().parents[1])
+    orphan = Path(subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True,
+                                 check=True).stdout.strip())
+    assert orphan.is_dir() and orphan.name.startswith("verispec-test-cache-")  # never unconfigured: "killed"
+    (orphan / "weights").mkdir()
+    (orphan / "weights" / "converted.pt").write_bytes(b"x" * 1000)
+    ours = Path(os.environ["VERISPEC_CACHE"])
+    next_session = code + "\nconftest.pytest_unconfigure(None)"
+    subprocess.run([sys.executable, "-c", next_session, root], capture_output=True, text=True, check=True)
+    assert not orphan.exists() and ours.exists()
