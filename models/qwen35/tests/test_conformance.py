@@ -85,3 +85,21 @@ def test_truncate_refuses_a_prefix_but_empties(loaded):
     assert loaded.seq_len(seq) == 5
     loaded.truncate(seq, 0)
     assert torch.equal(forward_one(loaded, seq, [3, 4, 5], logits="last").logits, first)
+
+
+def test_keep_inside_a_verify_split_across_forward_chunks(tiny_fixture):
+    """A verify longer than the forward chunk arrives at the state in pieces; keep(a) still picks
+    row a's state (bitwise: int8) for a on either side of the chunk boundary."""
+    _, _, path = tiny_fixture("dense_conf")
+    target = load(path, dtype="int8", max_rows_per_forward=5)
+    prompt, rows = [3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8]
+    for kept in (0, 3, 5, 6, 12):
+        seq, plain = target.new_sequence(), target.new_sequence()
+        forward_one(target, seq, prompt, logits="none")
+        forward_one(target, seq, rows, logits="none", verify=True)
+        target.keep(seq, kept)
+        forward_one(target, plain, prompt + rows[:kept], logits="none")
+        for a, b in zip(_recurrent_values(target, seq), _recurrent_values(target, plain)):
+            assert all(torch.equal(a[name], b[name]) for name in ("conv", "ssm")), f"kept {kept}"
+        nxt = [forward_one(target, s, [7]).logits for s in (seq, plain)]
+        assert torch.equal(nxt[0], nxt[1])
