@@ -14,14 +14,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_nemotron import build_hf_model, write_fixture
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _private_cache(tmp_path_factory):
-    """Tokenizers and converted weights go to a per-session cache, not the user's."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VERISPEC_CACHE", str(tmp_path_factory.mktemp("verispec-cache")))
-        yield
-
-
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Tiny models gain nothing from threads, and on a shared 2-core box OpenMP's spin-waits

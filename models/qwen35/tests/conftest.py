@@ -11,14 +11,6 @@ from tiny_qwen35 import TINY_CONFIGS, build_hf_model, write_fixture  # noqa: E40
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _private_cache(tmp_path_factory):
-    """Tokenizers and converted weights go to a per-session cache, not the user's."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VERISPEC_CACHE", str(tmp_path_factory.mktemp("verispec-cache")))
-        yield
-
-
-@pytest.fixture(scope="session", autouse=True)
 def _one_thread():
     """Tiny configs are thousands of small ops: one thread is ~10x faster than two on a shared
     2-core runner (OpenMP spin-waits), and CI stays well under its budget."""
