@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from verispec.errors import VerispecError
 from verispec.nn.attention import attend_rows
+from verispec.nn.elementwise import rowwise
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.rope import RotaryEmbedding
@@ -211,15 +212,6 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
         last = gamma[:, -1:]  # [nv, 1]
         state = state * last.exp()[..., None] + (kc * (last - gamma).exp()[..., None]).transpose(1, 2) @ u
     return torch.cat(outputs, dim=1)[:, :m].transpose(0, 1), state
-
-
-def rowwise(fn, x: torch.Tensor, multiple: int = 64) -> torch.Tensor:
-    """fn (an elementwise sigmoid / silu / softplus) over x [..., w] with each last-dim row padded
-    to a multiple of 64 elements. ATen runs such ops vectorised over whole SIMD blocks and the tail
-    by a scalar path whose bits differ (sigmoid, silu, softplus: 1 ulp), so without padding a row
-    would round differently inside an n-row verify than alone; padded, every row is whole blocks."""
-    pad = -x.shape[-1] % multiple
-    return fn(F.pad(x, (0, pad)))[..., :x.shape[-1]] if pad else fn(x)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
