@@ -439,3 +439,31 @@ def test_discover_lists_plugins_without_importing_torch(tmp_path):
     assert (broken["kind"], broken["distribution"], broken["version"]) == ("error", "toy-broken", "0.0.1")
     assert "needs libtoy 2.0" in broken["error"]
     assert torch_line == "False", "listing plugins imported torch"
+
+
+def test_a_third_party_plugin_cannot_take_a_shipped_name(monkeypatch):
+    """verispec's own distributions load first, whatever the names sort to: the outsider that
+    registers `ngram` again is the one reported and skipped."""
+    from types import SimpleNamespace
+
+    import importlib_metadata
+
+    from verispec.hookspecs import hookimpl
+    from verispec.specs import SpeculatorSpec
+
+    def plugin(summary):
+        class Plugin:
+            @hookimpl
+            def register_speculators(self, register):
+                register(SpeculatorSpec(name="ngram", summary=summary, factory="x:y"))
+        return Plugin()
+
+    eps = [SimpleNamespace(name="aaa", dist=SimpleNamespace(name="aardvark-drafters", version="9"),
+                           load=lambda: plugin("impostor")),
+           SimpleNamespace(name="ngram", dist=SimpleNamespace(name="verispec-ngram", version="0.1.0"),
+                           load=lambda: plugin("shipped"))]
+    monkeypatch.setattr(importlib_metadata, "entry_points", lambda group: eps)
+    registry = Registry.discover()
+    assert registry.speculators["ngram"].spec.summary == "shipped"
+    assert [e.distribution for e in registry.errors] == ["aardvark-drafters"]
+    assert "already taken by plugin 'ngram' (verispec-ngram 0.1.0)" in registry.errors[0].error

@@ -12,6 +12,7 @@ factories and loaders are "module:attr" strings resolved only when a speculator 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -184,9 +185,13 @@ class Registry:
 
     @classmethod
     def discover(cls, group: str = "verispec") -> Registry:
-        """Load every entry point of `group`, one plugin at a time, each isolated from the others."""
+        """Load every entry point of `group`, one plugin at a time, each isolated from the others.
+
+        On a name clash the plugin loaded first keeps the name; verispec's own distributions
+        (`verispec`, `verispec-*`) load first, so a third-party plugin cannot take a shipped name
+        (`ngram`, an architecture): it is the one reported and skipped."""
         builder = _Builder()
-        for ep in importlib_metadata.entry_points(group=group):
+        for ep in sorted(importlib_metadata.entry_points(group=group), key=_load_order):
             dist = ep.dist
             builder.add(ep.name, ep.load, dist.name if dist else None, dist.version if dist else None)
         return builder.build()
@@ -335,7 +340,8 @@ def _build(spec: SpeculatorSpec, target, draft_head, max_draft_tokens, min_draft
             target, spec=spec, max_draft_tokens=max_draft_tokens, draft_head=draft_head,
             min_draft_prob=spec.default_min_draft_prob if min_draft_prob is None else min_draft_prob)
     except Exception as exc:  # a broken plugin declines; it never takes the engine down
-        logger.warning("speculator %r failed to build", spec.name, exc_info=True)
+        logger.warning("speculator %r failed to build: %s", spec.name, _text(exc),
+                       exc_info=os.environ.get("VERISPEC_DEBUG") == "1")  # the traceback on request
         return None, f"{spec.name} failed to build: {_text(exc)}"
     if speculator is None:
         return None, f"{spec.name} cannot serve this trunk"
@@ -371,7 +377,7 @@ class _Builder:
         origin = (name, distribution, version)
         problem = self._add(origin, load)
         if problem:
-            logger.warning("verispec plugin %s skipped: %s", _origin(origin), problem)
+            logger.warning("verispec: %s skipped: %s", _origin(origin), problem)
             self.errors.append(PluginError(name, distribution, version, problem))
 
     def _add(self, origin: tuple, load: Callable[[], Any]) -> str | None:
@@ -484,6 +490,12 @@ def format_plugin_table(rows: list[dict]) -> str:
 
 def _show(value) -> str:
     return ",".join(value) if isinstance(value, list) else str(value)
+
+
+def _load_order(ep) -> bool:
+    """Sort key: verispec's own distributions first; otherwise the environment's order (sys.path)."""
+    dist = ep.dist.name if ep.dist else ""
+    return not (dist == "verispec" or dist.startswith("verispec-"))
 
 
 def _origin(origin: tuple) -> str:
