@@ -149,6 +149,9 @@ def test_the_first_present_alternative_wins(tmp_path):
     assert torch.equal(state["layers.1.experts.2.weight"], both["blk.1.exps_gate_up.weight"][2])
     plan = plan_weights(gguf, Tiny(), TABLE, num_layers=L, num_experts=E)
     assert "blk.0.gate.weight" not in plan.gguf_names
+    unused = plan.unused_tensors()  # the losing alternative's tensors: a family would refuse the file
+    assert unused == sorted(set(both) - set(_tensors(fused=True))) and "blk.0.gate.weight" in unused
+    assert plan.unused_tensors(read_elsewhere=unused) == []
 
 
 def test_an_absent_optional_entry_keeps_the_module_default(tmp_path):

@@ -184,6 +184,11 @@ class WeightPlan:
         files with tensors it would not use compares this with the file's tensor names."""
         return frozenset(name for job in self.jobs.values() for name in job.parts or ())
 
+    def unused_tensors(self, read_elsewhere: Iterable[str] = ()) -> list[str]:
+        """The file's tensors neither this plan nor the family (`read_elsewhere`, e.g. rope_freqs
+        read into the config) reads, sorted: a family refuses such a file as another variant."""
+        return sorted(set(self.gguf) - self.gguf_names - set(read_elsewhere))
+
     def check(self) -> None:
         """Every tensor the plan reads is in the file with the expected shape.
         Raises MissingTensor (naming the first absent tensor of the entry's first source, the

@@ -84,7 +84,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     model = LlamaForCausalLM(config, dtype=dtype, context_length=context_length,
                              max_rows_per_forward=max_rows_per_forward)
     plan = plan_weights(gguf, model, TENSORS, num_layers=config.num_hidden_layers)
-    unused = sorted(set(gguf) - plan.gguf_names - {ROPE_FREQS})
+    unused = plan.unused_tensors(read_elsewhere={ROPE_FREQS})
     if unused:
         raise UnsupportedLlamaVariant(path, f"tensors the llama/qwen2 math does not use: {unused[:6]}",
                                       "the file is another variant (MoE, extra norms) and cannot be served here")

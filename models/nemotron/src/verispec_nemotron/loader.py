@@ -90,7 +90,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
                                  max_rows_per_forward=max_rows_per_forward)
     plan = plan_weights(gguf, model, TENSORS, num_layers=config.num_hidden_layers,
                         num_experts=config.n_routed_experts)
-    unused = sorted(set(gguf) - plan.gguf_names)
+    unused = plan.unused_tensors()
     if unused:
         raise UnsupportedNemotronVariant(path, f"tensors the Nemotron-H math does not use: {unused[:6]}",
                                          "the file is another variant (biases, latent MoE, MTP) and cannot "

@@ -121,7 +121,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     table = TENSORS + (mtp_tensors(config.num_hidden_layers) if config.num_mtp_layers else ())
     plan = plan_weights(gguf, model, table, num_layers=config.num_hidden_layers,
                         num_experts=config.num_experts)
-    unused = sorted(set(gguf) - plan.gguf_names)
+    unused = plan.unused_tensors()
     if unused:
         raise UnsupportedQwen35Variant(path, f"tensors the {config.architecture} math does not use: "
                                        f"{unused[:6]}",
