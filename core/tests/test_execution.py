@@ -93,18 +93,26 @@ def test_draft_window_is_clipped_to_the_context():
         assert len(PROMPT) + len(draws) == target.max_context_length  # and decoding ran up to it
 
 
-def test_empty_proposals_stop_tapping_hidden_rows(toy):
-    segments = []
+def test_empty_proposals_still_hand_the_drafter_fresh_hidden_rows(toy):
+    """A drafter that proposed nothing for a while gets the hidden row of the latest committed
+    position on every step (a tap is a slice of rows the forward computes anyway), never a stale one."""
+    segments, seen = [], []
     orig_forward = toy.forward
     toy.forward = lambda batch: segments.extend(batch) or orig_forward(batch)
-    speculator = ScriptedSpeculator(lambda ctx: [], needs_hidden_state=True)
+
+    def script(ctx):
+        seen.append(ctx.hidden_prev)
+        return []
+
+    speculator = ScriptedSpeculator(script, needs_hidden_state=True)
     draws, ex = generate(toy, speculator, max_tokens=10)
     toy.forward = orig_forward
     assert [d.token for d in draws] == plain_stream(toy)[:10]
     assert ex.stats.num_no_draft_steps == 9 and ex.stats.num_spec_steps == 0
-    # prefill + the first two no-draft steps tap hidden rows; later ones are plain one-row decodes
-    assert [s.hidden for s in segments] == [True] * 3 + [False] * 7
-    assert not any(s.verify for s in segments) and all(s.logits == "last" for s in segments)
+    assert all(s.hidden for s in segments) and not any(s.verify for s in segments)
+    rows = speculator.last_state.hidden_rows  # one per committed position: prompt + 9 decodes
+    assert len(rows) == len(PROMPT) + 9
+    assert all(torch.equal(h, rows[len(PROMPT) - 1 + i]) for i, h in enumerate(seen))
 
 
 def test_seed_committed_respects_can_arm_after_prefix_reuse(toy):
@@ -343,3 +351,17 @@ def test_a_speculator_method_that_raises_is_switched_off(toy, method):
     draws, ex = generate(toy, speculator, max_tokens=30)
     assert [d.token for d in draws] == plain[:30]
     assert ex.fault == f"speculator 'scripted': {method} raised Boom: {method}"
+
+
+def test_parked_steps_still_commit_hidden_rows_to_a_drafter_that_needs_them(toy):
+    """A head parked by the governor must not see a gap when drafting resumes: every committed
+    position arrives with its hidden row."""
+    class Parked:
+        def should_speculate(self): return False
+        def record_plain_step(self, elapsed_s, num_emitted=1): pass
+        def record_spec_step(self, *a, **k): raise AssertionError("parked: no speculative step")
+
+    speculator = ScriptedSpeculator(lambda ctx: [], needs_hidden_state=True)
+    draws, ex = generate(toy, speculator, max_tokens=8, governor=Parked())
+    assert ex.stats.num_plain_steps == 7
+    assert len(speculator.last_state.committed) == len(speculator.last_state.hidden_rows) == len(PROMPT) + 7

@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("verispec")
 
-#: steps with an empty proposal after which no-draft steps stop tapping hidden rows.
-NO_DRAFT_STEPS_BEFORE_PLAIN = 2
 #: the --spec-draft default (DESIGN §5).
 DEFAULT_DRAFT_WINDOW = 8
 MAX_DRAFT_WINDOW = 64
@@ -102,7 +100,6 @@ class SpeculativeExecution:
         self._on_plugin_fault = on_plugin_fault or (
             lambda reason: log.warning("%s; switched off for this sequence, decoding plainly", reason))
         self._hidden_prev = None
-        self._no_draft_streak = 0
         self._view = trunk.view() if speculator is not None else None
         self._state = self._plugin_call("new_state", speculator.new_state) if speculator is not None else None
 
@@ -213,12 +210,10 @@ class SpeculativeExecution:
                            stop_token_ids=self.stop_token_ids, seq=self.seq, trunk=self._view)
         draft = self._checked_draft(self._plugin_call("propose", self.speculator.propose, self._state, ctx), k)
         if draft:
-            self._no_draft_streak = 0
             return self._speculative_step(draft, sampler, on_token, start)
-        self._no_draft_streak += 1
         self.stats.num_no_draft_steps += 1
         stop = self._decode_one(sampler, on_token,
-                                hidden=self._no_draft_streak <= NO_DRAFT_STEPS_BEFORE_PLAIN and self._needs_hidden)
+                                hidden=self._needs_hidden)  # a tap is a slice of rows the forward computes anyway
         if self.governor is not None:
             self.governor.record_spec_step(self.clock() - start, num_emitted=1, num_accepted=0, num_drafted=0)
         return stop
@@ -237,7 +232,7 @@ class SpeculativeExecution:
 
     def _plain_step(self, sampler, on_token: OnToken) -> bool:
         start = self.clock()
-        stop = self._decode_one(sampler, on_token, hidden=False)
+        stop = self._decode_one(sampler, on_token, hidden=self._needs_hidden)  # parked: the head still sees every row
         if self.governor is not None:
             self.governor.record_plain_step(self.clock() - start, num_emitted=1)
         if self.window is not None and self.governor is not None and self.governor.stats.plain_ms_per_token:
