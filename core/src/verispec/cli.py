@@ -92,7 +92,8 @@ def _ranged(kind, lo, hi, name):
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF path or checkpoint alias (default: the embedded default model)")
     p.add_argument("--dtype", choices=["int8", "int4", "bf16", "fp32"], help="weight dtype (default: the model's choice)")
-    p.add_argument("--threads", type=_ranged(int, 1, 1024, "--threads"))
+    p.add_argument("--threads", type=_ranged(int, 1, 1024, "--threads"),
+                   help="torch threads (default: the cores idle at start-up, sampled for 0.2 s)")
     p.add_argument("--context-length", type=_ranged(int, 16, 1 << 20, "--context-length"))
 
 
@@ -197,8 +198,10 @@ def sampling_params(args):
 
 def load_engine(args):
     from verispec.api import load
+    from verispec.cpu import default_threads
 
-    return load(args.model, dtype=args.dtype, threads=args.threads, context_length=args.context_length,
+    threads = args.threads or default_threads()  # idle cores now: one busy core halves a 2-thread decode
+    return load(args.model, dtype=args.dtype, threads=threads, context_length=args.context_length,
                 spec=spec_options(args))
 
 
