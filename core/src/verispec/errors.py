@@ -11,7 +11,7 @@ shows its traceback, the server answers 500.
 """
 from __future__ import annotations
 
-__all__ = ["InvalidArgument", "VerispecError"]
+__all__ = ["InvalidArgument", "UnsupportedVariant", "VerispecError"]
 
 
 class VerispecError(Exception):
@@ -21,3 +21,12 @@ class VerispecError(Exception):
 class InvalidArgument(VerispecError, ValueError):
     """A value passed to verispec that it refuses (max_tokens < 1, an empty prompt, a
     sampling value out of range, an unknown scenario)."""
+
+
+class UnsupportedVariant(VerispecError, ValueError):
+    """A file of a family a model package loads, in a variant whose math or layout it does not
+    implement. Message: `<source>: <what>; <fix>`. Each family subclasses it with its own name."""
+
+    def __init__(self, source: str, what: str, fix: str):
+        self.source, self.what = source, what
+        super().__init__(f"{source}: {what}; {fix}")

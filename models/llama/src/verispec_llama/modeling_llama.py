@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import attrs
 import torch
 from torch import nn
-from verispec.errors import VerispecError
+from verispec.errors import UnsupportedVariant
 from verispec.gguf_io import MissingTensor, arch_value
 from verispec.nn.attention import attend_rows
 from verispec.nn.state import LinearKVCache
@@ -52,12 +52,8 @@ __all__ = [
 ROPE_STYLES = {"llama": "normal", "qwen2": "neox"}
 
 
-class UnsupportedLlamaVariant(VerispecError, ValueError):
+class UnsupportedLlamaVariant(UnsupportedVariant):
     """The GGUF is a llama/qwen2 file whose math this package does not implement."""
-
-    def __init__(self, source: str, what: str, fix: str):
-        self.source, self.what = source, what
-        super().__init__(f"{source}: {what}; {fix}")
 
 
 @attrs.frozen

@@ -41,7 +41,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
-from verispec.errors import VerispecError
+from verispec.errors import UnsupportedVariant
 from verispec.gguf_io import MissingTensor, arch_value
 from verispec.nn.attention import attend_rows
 from verispec.nn.norm import RMSNorm
@@ -56,12 +56,8 @@ ARCHITECTURES = ("nemotron_h", "nemotron_h_moe")
 LAYER_TYPES = ("mamba", "attention", "mlp", "moe")
 
 
-class UnsupportedNemotronVariant(VerispecError, ValueError):
+class UnsupportedNemotronVariant(UnsupportedVariant):
     """The GGUF is a Nemotron-H file whose math or layout this package does not implement."""
-
-    def __init__(self, source: str, what: str, fix: str):
-        self.source, self.what = source, what
-        super().__init__(f"{source}: {what}; {fix}")
 
 
 @attrs.frozen

@@ -30,7 +30,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
-from verispec.errors import VerispecError
+from verispec.errors import UnsupportedVariant
 from verispec.nn.attention import attend_rows
 from verispec.nn.elementwise import rowwise
 from verispec.nn.mlp import GatedMLP
@@ -44,12 +44,8 @@ __all__ = ["Qwen35Config", "Qwen35ForCausalLM", "UnsupportedQwen35Variant"]
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 
 
-class UnsupportedQwen35Variant(VerispecError, ValueError):
+class UnsupportedQwen35Variant(UnsupportedVariant):
     """The GGUF is a qwen35-family file whose layout or math this package does not implement."""
-
-    def __init__(self, source: str, what: str, fix: str):
-        self.source, self.what = source, what
-        super().__init__(f"{source}: {what}; {fix}")
 
 
 @attrs.frozen
