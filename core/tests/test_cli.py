@@ -201,3 +201,23 @@ def test_a_context_length_beyond_the_models_training_is_a_one_line_error(gemma3_
                        timeout=300)
     assert r.returncode == 1 and r.stderr.startswith("verispec: error: --context-length 1000000 exceeds the 32768")
     assert len(r.stderr.splitlines()) == 1, r.stderr
+
+
+# -- issue 14 leftovers: what ended a run, a directory as --model, the last line --------------
+
+def test_plain_text_output_ends_with_a_newline_and_a_full_context_is_named(env, tmp_path):
+    path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
+    r = verispec(env, "generate", "hello hello", "--model", str(path), "--max-tokens", "200",
+                 "--context-length", "16", "--ignore-eos", "--no-spec")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.endswith("\n")
+    assert "finish=length (context full at 16 tokens; raise --context-length)" in r.stderr
+    r = verispec(env, "generate", "hello hello", "--model", str(path), "--max-tokens", "3", "--ignore-eos")
+    assert "finish=length," in r.stderr  # --max-tokens itself ended it: nothing to explain
+
+
+def test_a_directory_as_model_names_the_gguf_files_inside(env, tmp_path):
+    write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
+    r = verispec(env, "generate", "hi", "--model", str(tmp_path))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "a directory; give the .gguf file itself (here: toy.gguf)" in r.stderr

@@ -18,6 +18,10 @@ def resolve_model_path(model: str | None, registry: Registry) -> str:
         return str(assemble(registry.default_checkpoint()))
     if os.path.isfile(model):
         return model
+    if os.path.isdir(model):
+        found = sorted(name for name in os.listdir(model) if name.endswith(".gguf"))
+        raise IsADirectoryError(f"--model {model}: a directory; give the .gguf file itself"
+                                + (f" (here: {', '.join(found[:5])})" if found else " (it holds no .gguf file)"))
     if model.endswith(".gguf") or os.sep in model:
         raise FileNotFoundError(f"--model {model}: no such GGUF file; give an existing .gguf path or a "
                                 f"checkpoint alias ({', '.join(sorted(registry.checkpoints)) or 'none installed'})")

@@ -222,7 +222,10 @@ def cmd_generate(args) -> int:
         if not args.json:
             print(event.text, end="", flush=True)
     r = generation.result
-    summary = (f"{len(r.tokens)} tokens, finish={r.finish_reason}, ttft {r.ttft_ms:.0f} ms, "
+    finish = r.finish_reason
+    if finish == "length" and len(r.tokens) < args.max_tokens:  # not --max-tokens: say what ended it
+        finish += f" (context full at {r.prompt_tokens + len(r.tokens)} tokens; raise --context-length)"
+    summary = (f"{len(r.tokens)} tokens, finish={finish}, ttft {r.ttft_ms:.0f} ms, "
                f"decode {r.decode_tokens_per_s:.1f} tok/s, speculator={r.speculator}, "
                f"drafted={r.spec.num_draft_tokens} accepted={r.spec.num_accepted_tokens}")
     if args.json:
@@ -232,8 +235,23 @@ def cmd_generate(args) -> int:
                           "speculator": r.speculator, "drafted": r.spec.num_draft_tokens,
                           "accepted": r.spec.num_accepted_tokens, "governor": r.governor}))
     else:
-        print(f"\n\n[{summary}]" + (f"\n[{r.governor}]" if r.governor else ""), file=sys.stderr)
+        print(flush=True)  # the text ends with a newline, so a file or pipe gets a whole last line
+        print(f"\n[{summary}]" + (f"\n[{r.governor}]" if r.governor else ""), file=sys.stderr)
+        hint = _slow_decode_hint(engine, r)
+        if hint:
+            print(hint, file=sys.stderr)
     return 0
+
+
+def _slow_decode_hint(engine, result) -> str | None:
+    """cpu.slow_decode_hint for a finished generation (issue 14: a loaded machine is silent otherwise)."""
+    import torch
+
+    from verispec.cpu import slow_decode_hint, weight_bytes
+
+    if result.decode_tokens_per_s <= 0 or len(result.tokens) < 8 or not isinstance(engine.target, torch.nn.Module):
+        return None
+    return slow_decode_hint(1e3 / result.decode_tokens_per_s, weight_bytes(engine.target), torch.get_num_threads())
 
 
 def cmd_bench(args) -> int:

@@ -45,3 +45,35 @@ def default_threads(interval_s: float = 0.1, samples: int = 2) -> int | None:
         return None
     idle = max(idle_cores_between(a, b, os.cpu_count() or num_cores) for a, b in zip(times, times[1:]))
     return max(1, min(num_cores, round(idle)))
+
+
+#: the slowest sustained weight-streaming rate a decode here should see (bytes/s): a quiet
+#: 2-core EPYC streams ~22 GB/s, so a step slower than its weights at 10 GB/s, times
+#: SLOW_FACTOR, is waiting on something else (measured: Gemma 3 270M int8, 2 threads beside a
+#: compile, 600 ms/token against 21 ms quiet).
+FLOOR_BYTES_PER_S = 10e9
+SLOW_FACTOR = 3.0
+
+
+def weight_bytes(module) -> int:
+    """Bytes of every parameter and buffer a forward reads (a tied table counted once)."""
+    seen, total = set(), 0
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if id(tensor) not in seen and not tensor.is_meta:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def slow_decode_hint(ms_per_token: float, num_bytes: int, threads: int | None) -> str | None:
+    """One line when a decode ran far slower than streaming its weights should take, else None.
+
+    ms_per_token: measured decode time per emitted token (ms); num_bytes: `weight_bytes`.
+    """
+    expected_ms = 1e3 * num_bytes / FLOOR_BYTES_PER_S
+    if ms_per_token <= SLOW_FACTOR * expected_ms:
+        return None
+    fix = "pass --threads 1" if (threads or 0) > 1 else "stop the other work on the cores"
+    return (f"hint: decode took {ms_per_token:.0f} ms/token, over {SLOW_FACTOR:.0f}x the {expected_ms:.0f} ms that "
+            f"reading its {num_bytes / 1e6:.0f} MB of weights should take; another process is probably using the "
+            f"cores: {fix}")

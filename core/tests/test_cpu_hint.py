@@ -1,0 +1,20 @@
+"""verispec.cpu.slow_decode_hint: one line when a decode runs far below what its weights cost."""
+import torch
+
+from verispec.cpu import SLOW_FACTOR, slow_decode_hint, weight_bytes
+
+
+def test_weight_bytes_counts_a_shared_tensor_once():
+    module = torch.nn.Module()
+    module.a = torch.nn.Linear(4, 8, bias=False)  # 32 fp32 = 128 bytes
+    module.b = module.a  # tied
+    module.register_buffer("scales", torch.zeros(8, dtype=torch.bfloat16))  # 16 bytes
+    assert weight_bytes(module) == 128 + 16
+
+
+def test_hint_only_when_far_above_the_weight_streaming_cost():
+    num_bytes = 100_000_000  # 10 ms at the 10 GB/s floor
+    assert slow_decode_hint(SLOW_FACTOR * 10 - 1, num_bytes, threads=2) is None
+    hint = slow_decode_hint(600.0, num_bytes, threads=2)
+    assert hint.startswith("hint: decode took 600 ms/token") and "100 MB" in hint and "--threads 1" in hint
+    assert "--threads 1" not in slow_decode_hint(600.0, num_bytes, threads=1)
