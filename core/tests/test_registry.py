@@ -174,6 +174,10 @@ def test_draft_head_and_block_groups():
     assert choice.name == "per-token" and "block speculator" in choice.reason
     with pytest.raises(SpeculationUnavailable, match="draft head"):
         registry.choose_speculator("draft-head", Trunk(), max_draft_tokens=8)
+    with pytest.raises(SpeculationUnavailable) as info:  # no head at all: say block, not "no draft head"
+        registry.choose_speculator("block", Trunk(), max_draft_tokens=8)
+    assert all(r.startswith("--spec-type block needs a block draft head and none is loaded")
+               for r in info.value.reasons.values())
 
 
 def test_group_without_members_and_unknown_name():

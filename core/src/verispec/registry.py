@@ -321,11 +321,13 @@ def _precheck(spec: SpeculatorSpec, spec_type: str, target: Any, draft_head: Any
     if spec_type == "auto" and not declared(target, "speculation_profitable"):
         return "the trunk declares speculation unprofitable (an explicit --spec-type still runs)"
     head_kind = getattr(draft_head, "draft_head_kind", DraftHeadKind.NONE)
+    if spec_type == "block" and head_kind is not DraftHeadKind.BLOCK:  # before the generic no-head line
+        loaded = "none is loaded" if head_kind is DraftHeadKind.NONE else f"the loaded one is {head_kind.value}"
+        return (f"--spec-type block needs a block draft head and {loaded}; pass a block drafter GGUF with "
+                "--draft-model PATH")
     if spec.requires_draft_head and head_kind is DraftHeadKind.NONE:
         return (f"no draft head: {spec.name} drafts with trained drafter weights and none are loaded "
                 "for this trunk; pass --draft-model PATH, or pick a weight-free --spec-type")
-    if spec_type == "block" and head_kind is not DraftHeadKind.BLOCK:
-        return f"--spec-type block needs a block draft head; the loaded one is {head_kind.value}"
     return None
 
 
