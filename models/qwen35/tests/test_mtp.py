@@ -127,3 +127,67 @@ def test_one_speculator_serves_interleaved_sequences(tiny_fixture, kind):
     streams, stats = _interleaved(target, new(), prompts, 32)
     assert streams == plains
     assert stats == solos
+
+
+# -- a standalone MTP GGUF paired with a main file without one (reference/qwen35.md §3.7, variant 3) --
+
+def _split_files(tiny_fixture, tmp_path, name="dense_mtp"):
+    """(main GGUF without the MTP block, the MTP-only GGUF, the combined GGUF) of one model."""
+    from tiny_qwen35 import hf_to_gguf, write_fixture
+
+    hf_model, mtp, combined = tiny_fixture(name)
+    _, _, tensors = hf_to_gguf(hf_model, mtp)
+    n_main = hf_model.config.num_hidden_layers
+    main = write_fixture(hf_model, tmp_path / "main.gguf")
+    keep = ("token_embd.weight", "output_norm.weight", "output.weight")
+    mtp_only = write_fixture(hf_model, tmp_path / "mtp-model.gguf", mtp=mtp,
+                             drop_tensors=[k for k in tensors if not (k.startswith(f"blk.{n_main}.") or k in keep)])
+    return main, mtp_only, combined
+
+
+def test_a_standalone_mtp_file_drafts_as_the_block_inside_a_main_file(tiny_fixture, tmp_path):
+    from verispec_qwen35.loader import load_mtp_file
+
+    main, mtp_only, combined = _split_files(tiny_fixture, tmp_path)
+    trunk = load(main, dtype="float32", use_cache=False)
+    assert trunk.draft_head is None
+    head = load_mtp_file(mtp_only, trunk, use_cache=False)
+    inside = load(combined, dtype="float32", use_cache=False).draft_head
+    tokens = list(range(3, 15))
+    hidden = torch.randn(len(tokens), trunk.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    got, want = head.new_state(), inside.new_state()
+    head.draft_catch_up(got, tokens[:8], hidden[:8], 0)
+    inside.draft_catch_up(want, tokens[:8], hidden[:8], 0)
+    logits, h_out = head.draft_step(got, tokens[8], hidden[7], 8)
+    expected, h_expected = inside.draft_step(want, tokens[8], hidden[7], 8)
+    assert torch.equal(logits, expected) and torch.equal(h_out, h_expected)
+
+
+def test_standalone_mtp_file_errors_name_the_fix(tiny_fixture, tmp_path):
+    from verispec_qwen35.loader import load_mtp_file
+    from verispec_qwen35.modeling_qwen35 import UnsupportedQwen35Variant
+
+    main, mtp_only, combined = _split_files(tiny_fixture, tmp_path)
+    with pytest.raises(UnsupportedQwen35Variant, match="pass this file as --draft-model"):
+        load(mtp_only)
+    trunk = load(main, dtype="float32", use_cache=False)
+    with pytest.raises(UnsupportedQwen35Variant, match="a main GGUF .* not a standalone MTP file"):
+        load_mtp_file(combined, trunk)
+    other = load(tiny_fixture("dense_tied")[2], dtype="float32", use_cache=False)  # another vocab and FFN
+    with pytest.raises(UnsupportedQwen35Variant, match=r"another trunk: vocab_size 131 \(trunk 137\)"):
+        load_mtp_file(mtp_only, other)
+
+
+def test_mtp_speculation_through_draft_model(tiny_fixture, tmp_path):
+    pytest.importorskip("verispec_mtp_nextn")
+    import verispec
+
+    main, mtp_only, _ = _split_files(tiny_fixture, tmp_path)
+    plain = verispec.load(main, dtype="float32", enabled=False)
+    prompt = [1, 5, 9, 2, 7, 3, 11, 4, 8, 6, 10, 12]
+    want = [e.token for e in plain.generate(prompt, max_tokens=32, ignore_eos=True)]
+    engine = verispec.load(main, dtype="float32", spec_type="mtp", draft_model=mtp_only, adaptive=False)
+    generation = engine.generate(prompt, max_tokens=32, ignore_eos=True)
+    got = [e.token for e in generation]
+    assert got == want and generation.result.speculator == "mtp"
+    assert generation.result.spec.num_draft_tokens > 0

@@ -87,8 +87,9 @@ class Qwen35MtpHead:
     draft_head_resumes_after_gap = True
     tap_layers = None
 
-    def __init__(self, trunk):
-        self.mtp = trunk.mtp
+    def __init__(self, trunk, mtp=None):
+        """mtp: the `Qwen35Mtp` block (default: the trunk's own, from a main file that holds one)."""
+        self.mtp = trunk.mtp if mtp is None else mtp
         self.view = trunk.view()
         self.rotary_emb = trunk.model.rotary_emb
         self.config = trunk.config

@@ -11,13 +11,15 @@
    hold 1 + w (except ssm_norm), ssm_a holds -exp(A_log), value heads are re-tiled; the
    modeling file applies the matching math, so nothing is transformed here.
    A file with tensors the plan does not read is refused (UnsupportedQwen35Variant).
-4. The MTP draft head (`draft_head.Qwen35MtpHead`) when the file holds an MTP block.
+4. The MTP draft head (`draft_head.Qwen35MtpHead`) when the file holds an MTP block, or from a
+   standalone MTP file paired with the main one (`load_mtp_file`, the `--draft-model` loader).
 5. The tokenizer from the file's own metadata.
 """
 from __future__ import annotations
 
 import os
 
+import attrs
 from verispec.gguf_io import GGUFFile, MissingTensor, arch_value
 from verispec.gguf_load import Stack, Tensor, plan_weights
 from verispec.nn.quant import canonical_dtype
@@ -25,7 +27,7 @@ from verispec.nn.quant import canonical_dtype
 from verispec_qwen35.modeling_qwen35 import (FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config,
                                              Qwen35ForCausalLM, UnsupportedQwen35Variant)
 
-__all__ = ["ARCHITECTURES", "DEFAULT_DTYPE", "TENSORS", "config_from_gguf", "load", "mtp_tensors"]
+__all__ = ["ARCHITECTURES", "DEFAULT_DTYPE", "TENSORS", "config_from_gguf", "load", "load_mtp_file", "mtp_tensors"]
 
 ARCHITECTURES = ("qwen35", "qwen35moe")
 #: int8 weight-only: batch-invariant (a verify row is bitwise the one-row decode).
@@ -139,9 +141,58 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     return model
 
 
-def config_from_gguf(gguf: GGUFFile) -> Qwen35Config:
+def load_mtp_file(path: str | os.PathLike, target, *, use_cache: bool = True):
+    """A standalone MTP GGUF (reference/qwen35.md §3.7, variant 3) as the draft head of `target`,
+    the `DraftFileSpec` loader behind `--draft-model` for qwen35 / qwen35moe files.
+
+    The block is loaded in the trunk's weight dtype; the head reads the trunk's embedding and LM
+    head (the file's copies of token_embd / output are not read). Returns a `Qwen35MtpHead`.
+    Raises UnsupportedQwen35Variant (not an MTP-only file, or `target` is not a qwen35 trunk, or
+    its config differs from the file's: the fields are named), gguf_io errors for a broken file.
+    """
+    from torch import nn
+    from verispec.nn.quant import swap_linears
+
+    from verispec_qwen35.draft_head import Qwen35MtpHead
+    from verispec_qwen35.modeling_qwen35 import Qwen35Mtp
+
+    path = os.fspath(path)
+    gguf = GGUFFile.open(path)
+    config = config_from_gguf(gguf, standalone_mtp=True)
+    if not isinstance(target, Qwen35ForCausalLM):
+        raise UnsupportedQwen35Variant(path, f"a qwen35 MTP head, but the model is {type(target).__name__}",
+                                       "load the main GGUF this MTP file was converted with")
+    main = attrs.asdict(target.config)
+    differ = [name for name, value in attrs.asdict(config).items()
+              if name not in _PER_FILE_FIELDS and main[name] != value]
+    if differ:
+        what = ", ".join(f"{name} {getattr(config, name)!r} (trunk {main[name]!r})" for name in differ[:4])
+        raise UnsupportedQwen35Variant(path, f"an MTP head for another trunk: {what}",
+                                       "pass the MTP file converted with the same checkpoint as --model")
+    holder = nn.Module()  # state names "mtp.*", as in a main file's table
+    holder.mtp = Qwen35Mtp(config, device="meta")
+    swap_linears(holder, target.dtype)
+    plan = plan_weights(gguf, holder, mtp_tensors(config.num_hidden_layers), num_layers=config.num_hidden_layers,
+                        num_experts=config.num_experts)
+    unused = plan.unused_tensors(read_elsewhere=_READ_FROM_TRUNK)
+    if unused:
+        raise UnsupportedQwen35Variant(path, f"tensors an MTP head does not use: {unused[:6]}",
+                                       "the file is another variant (dedicated MTP embeddings, scale sidecars)")
+    plan.load(dtype=target.dtype, layout="qwen35-mtp", use_cache=use_cache, progress=False)
+    return Qwen35MtpHead(target, mtp=holder.mtp)
+
+
+#: config fields a standalone MTP file may state differently from its main file.
+_PER_FILE_FIELDS = {"num_mtp_layers", "tie_word_embeddings", "shared_expert_gate_shape"}
+#: a standalone MTP file's copies of the trunk's tensors: the head reads the trunk's instead.
+_READ_FROM_TRUNK = ("token_embd.weight", "output.weight", "output_norm.weight")
+
+
+def config_from_gguf(gguf: GGUFFile, *, standalone_mtp: bool = False) -> Qwen35Config:
     """Read the `{arch}.*` keys of an opened qwen35 / qwen35moe GGUF (reference/qwen35.md §2).
 
+    standalone_mtp: the file is the converter's separate MTP GGUF (§3.7, variant 3: the main
+    file's metadata, only `blk.{n_main}.*` plus embedding/norm/head tensors) rather than a main file.
     Raises MissingKey, MissingTensor (token_embd), UnsupportedQwen35Variant."""
     metadata, source = gguf.metadata, gguf.path
     arch = metadata.get("general.architecture")
@@ -154,10 +205,15 @@ def config_from_gguf(gguf: GGUFFile) -> Qwen35Config:
 
     if "token_embd.weight" not in gguf:
         raise MissingTensor("token_embd.weight", arch, source)
-    if "blk.0.attn_norm.weight" not in gguf:
+    has_main_stack = "blk.0.attn_norm.weight" in gguf
+    if not has_main_stack and not standalone_mtp:
         raise UnsupportedQwen35Variant(source, "no main-stack tensors (blk.0.attn_norm.weight): "
                                        "a standalone MTP file",
-                                       "load the main GGUF; a separate MTP file is not supported yet")
+                                       "load the main GGUF as --model and pass this file as --draft-model")
+    if has_main_stack and standalone_mtp:
+        raise UnsupportedQwen35Variant(source, "a main GGUF (it has blk.0.attn_norm.weight), not a standalone "
+                                       "MTP file", "pass the MTP-only file as --draft-model, or load this one "
+                                       "as --model: an MTP block inside it is found by itself")
     if any(name.endswith((".ssm_ba.weight", ".ssm_in.weight")) for name in gguf):
         raise UnsupportedQwen35Variant(source, "qwen3next GDN projections (ssm_ba / ssm_in)",
                                        "this file has the qwen3next layout (grouped value heads), "
@@ -165,6 +221,9 @@ def config_from_gguf(gguf: GGUFFile) -> Qwen35Config:
     num_mtp = int(key("nextn_predict_layers", 0))
     if num_mtp > 1:
         raise UnsupportedQwen35Variant(source, f"{num_mtp} MTP layers", "only one MTP block is supported")
+    if standalone_mtp and num_mtp != 1:
+        raise UnsupportedQwen35Variant(source, "a standalone file without nextn_predict_layers = 1",
+                                       "this is not an MTP GGUF; pass the converter's --mtp output")
     num_layers = int(key("block_count")) - num_mtp
     recurrent = key("attention.recurrent_layers", None)
     if recurrent is not None:
@@ -188,7 +247,7 @@ def config_from_gguf(gguf: GGUFFile) -> Qwen35Config:
     if arch == "qwen35moe" and not num_experts:
         raise UnsupportedQwen35Variant(source, "qwen35moe without expert_count",
                                        "the file's metadata is incomplete")
-    shexp = f"blk.{num_layers - 1}.ffn_gate_inp_shexp.weight"
+    shexp = f"blk.{num_layers if standalone_mtp else num_layers - 1}.ffn_gate_inp_shexp.weight"
     shexp_shape = tuple(gguf.tensor_info(shexp).shape) if num_experts and shexp in gguf else ()
     return Qwen35Config(
         architecture=arch,
