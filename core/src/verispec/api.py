@@ -46,16 +46,24 @@ def load_target(path: str, registry: Registry, *, dtype: str | None = None, thre
 
 
 def load(model: str | None = None, *, dtype: str | None = None, threads: int | None = None,
-         context_length: int | None = None, spec=None, registry: Registry | None = None, **spec_options):
+         context_length: int | None = None, spec=None, registry: Registry | None = None,
+         prefill_chunk: int | None = None, max_running: int | None = None, **spec_options):
     """Load `model` and return an InferenceEngine.
 
     model: GGUF path, checkpoint alias (e.g. "gemma3-270m"), or None for the default.
     spec: a SpecOptions, or pass its fields as keywords (spec_type="ngram", draft_window=8, ...).
+    prefill_chunk, max_running: the engine's rows per step and concurrent requests (None = its defaults).
+    Raises InvalidArgument when both `spec` and its fields as keywords are given.
     """
     from verispec.engine import InferenceEngine, SpecOptions
+    from verispec.errors import InvalidArgument
 
+    if spec is not None and spec_options:
+        raise InvalidArgument(f"give either spec= or its fields as keywords ({', '.join(spec_options)}), not both")
     registry = registry or Registry.discover()
     spec = spec or SpecOptions(**spec_options)
     target = load_target(resolve_model_path(model, registry), registry, dtype=dtype, threads=threads,
                          context_length=context_length)
-    return InferenceEngine(target, registry=registry, spec=spec)
+    engine_options = {k: v for k, v in (("prefill_chunk", prefill_chunk), ("max_running", max_running))
+                      if v is not None}
+    return InferenceEngine(target, registry=registry, spec=spec, **engine_options)

@@ -102,6 +102,8 @@ class SpeculativeExecution:
         self._hidden_prev = None
         self._view = trunk.view() if speculator is not None else None
         self._state = self._plugin_call("new_state", speculator.new_state) if speculator is not None else None
+        if self._needs_hidden:
+            self._check_taps()
 
     @property
     def seq_len(self) -> int:
@@ -112,14 +114,18 @@ class SpeculativeExecution:
     def _needs_hidden(self) -> bool:
         return self._armed and self.speculator.spec.needs_hidden_state
 
-    def _forward(self, tokens: Sequence[int], *, logits: str, hidden: bool, verify: bool = False):
-        tap_layers = self.speculator.tap_layers if hidden else None
-        segment = Segment(self.seq, list(tokens), logits=logits, hidden=hidden, tap_layers=tap_layers, verify=verify)
+    def segment(self, tokens: Sequence[int], *, logits: str = "last", verify: bool = False) -> Segment:
+        """The segment appending `tokens` to this sequence; it asks for hidden rows while the speculator needs them."""
+        hidden = self._needs_hidden
+        return Segment(self.seq, list(tokens), logits=logits, hidden=hidden,
+                       tap_layers=self.speculator.tap_layers if hidden else None, verify=verify)
+
+    def _check_taps(self) -> None:
+        """Refuse, before any forward, hidden taps the trunk cannot serve: the drafter's fault."""
         try:
-            return self.trunk.forward([segment])[0]
-        except UnsupportedTap as exc:  # refused before anything was written: the drafter's fault
+            self._view.tap_feature_size(self.speculator.tap_layers)
+        except UnsupportedTap as exc:
             self._plugin_fault(f"asked for hidden taps the trunk cannot serve ({exc})")
-            return self.trunk.forward([Segment(self.seq, list(tokens), logits=logits, verify=verify)])[0]
 
     # -- plugin faults -----------------------------------------------------------------
 
@@ -161,18 +167,25 @@ class SpeculativeExecution:
         """Append prompt tokens after what the sequence holds; returns logits fp32 [V] of the last row."""
         out = None
         for start in range(0, len(tokens), chunk_size):
-            base = self.seq_len
             chunk = tokens[start:start + chunk_size]
-            out = self._forward(chunk, logits="last", hidden=self._needs_hidden)
-            self._commit(chunk, out.hidden, base)
+            out = self.trunk.forward([self.segment(chunk)])[0]
+            self.take_prefill(chunk, out)
         return out.logits[-1]
+
+    def take_prefill(self, tokens: Sequence[int], out) -> None:
+        """This sequence's output (a SegmentOutput) of a forward of `segment(tokens)`, run by the
+        caller beside other sequences: commit the prompt tokens to the speculator."""
+        self._commit(tokens, out.hidden, self.seq_len - len(tokens))
 
     def start(self, prompt: Sequence[int], sampler, on_token: OnToken) -> bool:
         """Prefill the prompt and emit the first new token; returns True when it said stop.
 
         After prefix reuse the caller has already called `seed_committed` with the reused tokens.
         """
-        logits = self.prefill(prompt)
+        return self.emit_first(sampler, self.prefill(prompt), on_token)
+
+    def emit_first(self, sampler, logits, on_token: OnToken) -> bool:
+        """Draw the first new token from the prompt's last row (logits fp32 [V]); returns True when it said stop."""
         token, stop = self._emit(sampler, logits, self.seq_len, on_token)
         self.last_token = token
         return stop
@@ -192,8 +205,9 @@ class SpeculativeExecution:
         """Tokens decoded plainly elsewhere while this context was set aside (a 1 → N → 1 interlude)."""
         self._commit(tokens, None, start_pos)
 
-    def disarm(self) -> None:
-        self._armed = False
+    def detach(self) -> None:
+        """Stop drafting for, and reporting to, the speculator (it was replaced or switched off)."""
+        self._armed = self._follows = False
 
     # -- one step ------------------------------------------------------------------------
 
@@ -212,8 +226,7 @@ class SpeculativeExecution:
         if draft:
             return self._speculative_step(draft, sampler, on_token, start)
         self.stats.num_no_draft_steps += 1
-        stop = self._decode_one(sampler, on_token,
-                                hidden=self._needs_hidden)  # a tap is a slice of rows the forward computes anyway
+        stop = self._decode_one(sampler, on_token)  # with hidden rows: a tap is a slice of rows computed anyway
         if self.governor is not None:
             self.governor.record_spec_step(self.clock() - start, num_emitted=1, num_accepted=0, num_drafted=0)
         return stop
@@ -232,7 +245,7 @@ class SpeculativeExecution:
 
     def _plain_step(self, sampler, on_token: OnToken) -> bool:
         start = self.clock()
-        stop = self._decode_one(sampler, on_token, hidden=self._needs_hidden)  # parked: the head still sees every row
+        stop = self._decode_one(sampler, on_token)  # parked: the head still sees every row
         if self.governor is not None:
             self.governor.record_plain_step(self.clock() - start, num_emitted=1)
         if self.window is not None and self.governor is not None and self.governor.stats.plain_ms_per_token:
@@ -240,9 +253,22 @@ class SpeculativeExecution:
         self.stats.num_plain_steps += 1
         return stop
 
-    def _decode_one(self, sampler, on_token: OnToken, *, hidden: bool) -> bool:
-        base, last = self.seq_len, self.last_token
-        out = self._forward([last], logits="last", hidden=hidden)
+    def _decode_one(self, sampler, on_token: OnToken) -> bool:
+        return self._take_decode(self.trunk.forward([self.decode_segment()])[0], sampler, on_token)
+
+    def decode_segment(self) -> Segment:
+        """The one-row segment of a plain decode of the pending token."""
+        return self.segment([self.last_token])
+
+    def take_decode(self, out, sampler, on_token: OnToken) -> bool:
+        """This sequence's output (a SegmentOutput) of `decode_segment()` forwarded by the caller beside
+        other sequences: a plain step the governor never times (a batched row is not the model's own
+        decode). Returns True when on_token said stop."""
+        self.stats.num_plain_steps += 1
+        return self._take_decode(out, sampler, on_token)
+
+    def _take_decode(self, out, sampler, on_token: OnToken) -> bool:
+        base, last = self.seq_len - 1, self.last_token
         self._commit([last], out.hidden, base)
         token, stop = self._emit(sampler, out.logits[-1], base + 1, on_token)
         self.last_token = token
@@ -251,7 +277,7 @@ class SpeculativeExecution:
     def _speculative_step(self, draft: list[int], sampler, on_token: OnToken, start: float) -> bool:
         base = self.seq_len
         rows = [self.last_token, *draft]
-        out = self._forward(rows, logits="all", hidden=self._needs_hidden, verify=True)
+        out = self.trunk.forward([self.segment(rows, logits="all", verify=True)])[0]
         i = num_accepted = 0
         while True:
             token, stop = self._emit(sampler, out.logits[i], base + 1 + i, on_token)

@@ -1,0 +1,516 @@
+"""Scheduler: continuous batching of requests over one trunk, one engine step at a time.
+
+Requests wait in a queue and are admitted while others decode (at most `max_running` run
+at once). Each step is one of:
+
+- solo: exactly one request runs and its prompt is in. Its `SpeculativeExecution.step` runs:
+  the only place speculation happens (a draft, one verify, keep), timed by the shared
+  governor. A request speculates only while it is alone in the engine.
+- batched: one `target.forward(batch)` over every running request's next rows — a one-row
+  decode of each decoding request beside prefill chunks of newcomers, the chunks sharing a
+  budget of `max_rows_per_step` rows. Never speculates; the executions still commit every
+  token to their speculator state, so a request that was speculating resumes after a
+  1 → N → 1 interlude without re-arming.
+
+Each request samples its own rows with its own SamplingParams, stops, max_tokens and time
+limit; its events reach its `Generation` as they are drawn, and it leaves the batch the step
+it finishes. A cancelled request leaves at the next step and its sequence is released.
+
+Prefix cache (a first step before paged KV): a finished request's sequence is kept idle with
+the tokens it holds (at most `max_idle_sequences`, least recently used released first). A new
+request adopts the idle sequence sharing its longest prefix, cut back to that prefix
+(`target.truncate`), and prefills only the rest; a trunk whose state cannot be cut back
+(recurrent) reuses only an exact continuation. Only finished sequences are shared: a prefix
+of a sequence still running is not (that needs a fork of its state).
+
+Thread safety: `submit` may be called from any thread; `step` is serialised by a lock, and a
+Generation's events may be read from another thread than the stepping one.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import attrs
+
+from verispec.execution import ExecutionStats, SpeculativeExecution
+from verispec.sampling import Sampler, SamplingParams
+from verispec.nn.state import CannotTruncate
+
+log = logging.getLogger("verispec")
+
+#: rows one batched step forwards at most (decodes first, then prefill chunks).
+DEFAULT_MAX_ROWS_PER_STEP = 512
+#: requests decoding at once; later ones wait in the queue.
+DEFAULT_MAX_RUNNING = 16
+#: finished sequences kept for prefix reuse.
+DEFAULT_MAX_IDLE_SEQUENCES = 4
+
+
+@attrs.frozen
+class TokenEvent:
+    token: int
+    #: text this token completes (may be "" mid-character or inside a held-back stop string).
+    text: str
+    #: the token's processed logprob (verispec.sampling), when SamplingParams.logprobs is set; else None.
+    logprob: float | None = None
+    #: (token, logprob) of the SamplingParams.logprobs most likely tokens, most likely first.
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.define
+class GenerationResult:
+    tokens: list[int]
+    text: str
+    #: "stop" (stop token or string), "length" (max_tokens, a full context, the time limit, or
+    #: Generation.cancel()).
+    finish_reason: str
+    prompt_tokens: int
+    reused_prefix_tokens: int
+    #: time to first token from admission (prefill of the unreused prompt + the first draw).
+    ttft_ms: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    speculator: str | None
+    spec: ExecutionStats
+    governor: str | None
+
+
+@attrs.frozen
+class Speculation:
+    """The engine's speculation policy as requests use it: one speculator, and one governor and
+    draft window shared by every request (DESIGN §3: per (model, drafter, backend))."""
+
+    speculator: object  # seams.Speculator
+    draft_window: int
+    governor: object  # SpeculationCostGovernor
+    window: object  # DraftWindow
+    #: called once with a one-line reason when the speculator faults.
+    on_plugin_fault: Callable[[str], None]
+
+
+@attrs.define
+class SchedulerMetrics:
+    """Counters over the scheduler's life (what /metrics exports)."""
+
+    num_finished_requests: int = 0
+    num_generated_tokens: int = 0
+    #: admissions that adopted a cached prefix, and the prompt tokens they did not prefill.
+    num_prefix_cache_hits: int = 0
+    num_reused_prefix_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+class Generation:
+    """One request's handle: iterate it for TokenEvents, then read `.result` (a GenerationResult).
+
+    Iterating steps the engine whenever no event is ready, so the synchronous API needs no
+    thread; a server that steps the engine in its own thread sets `listener` instead and reads
+    `poll()`. A failure of the engine step that ran this request is raised by the iteration.
+    """
+
+    def __init__(self, step: Callable[[], None]):
+        self._step = step
+        self._items: collections.deque = collections.deque()  # TokenEvents, then the result or an error
+        self.result: GenerationResult | None = None
+        self.cancelled = False
+        #: called from the stepping thread after new items arrive (e.g. to wake an event loop).
+        self.listener: Callable[[], None] | None = None
+
+    def cancel(self) -> None:
+        """End the generation at its next token, as max_tokens would (finish_reason "length"), or
+        before it starts; its sequence is released. Safe to call from another thread."""
+        self.cancelled = True
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    def _deliver(self, items: Sequence) -> None:
+        if items:
+            self._items.extend(items)
+            if self.listener is not None:
+                self.listener()
+
+    def poll(self) -> list[TokenEvent]:
+        """The events that arrived since the last poll; sets `.result` (or raises the step's error)
+        once the request finished."""
+        events = []
+        while self._items:
+            item = self._items.popleft()
+            if isinstance(item, GenerationResult):
+                self.result = item
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                events.append(item)
+        return events
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while True:
+            yield from self.poll()
+            if self.result is not None:
+                return
+            if not self._items:
+                self._step()
+
+
+class Request:
+    """One generation inside the scheduler: its prompt, limits, sequence, execution and stop state."""
+
+    def __init__(self, generation: Generation, ids: list[int], *, tokenizer, max_tokens: int,
+                 sampling: SamplingParams, stop: tuple[str, ...], stop_ids: tuple[int, ...],
+                 max_context_length: int, vocab_size: int, time_limit: float | None):
+        self.generation, self.ids, self.max_tokens, self.time_limit = generation, ids, max_tokens, time_limit
+        self.stop_ids = stop_ids
+        self.state = StopState(tokenizer, ids, stop_ids, stop, max_tokens, max_context_length, generation=generation)
+        self.sampler = Sampler(sampling, ids, vocab_size)
+        self.max_context_length = max_context_length
+        self.seq: int | None = None
+        self.execution: SpeculativeExecution | None = None
+        self.speculation: Speculation | None = None
+        self.reused = 0
+        self.num_prefilled = 0  # prompt tokens the sequence holds (the reused ones included)
+        self.admitted_at = self.first_token_at = self.finished_at = 0.0
+
+    @property
+    def decoding(self) -> bool:
+        """The prompt is in and the first token drawn."""
+        return self.execution is not None and self.execution.last_token is not None
+
+    @property
+    def num_tokens_left(self) -> int:
+        """Tokens it may still emit (max_tokens and the context both bound it)."""
+        room = self.max_context_length - len(self.ids) - len(self.state.tokens)
+        return min(self.max_tokens - len(self.state.tokens), room)
+
+    def on_token(self, draw) -> bool:
+        stop = self.state.on_token(draw)
+        if self.first_token_at == 0.0:
+            self.first_token_at = time.perf_counter()
+        return stop
+
+    def result(self) -> GenerationResult:
+        ttft_s = max(self.first_token_at - self.admitted_at, 1e-9) if self.first_token_at else 0.0
+        n = len(self.state.tokens)
+        decode_s = self.finished_at - self.first_token_at
+        speculation = self.speculation
+        stats = self.execution.stats if self.execution is not None else ExecutionStats()
+        return GenerationResult(
+            tokens=self.state.tokens, text=self.state.text(), finish_reason=self.state.finish_reason,
+            prompt_tokens=len(self.ids), reused_prefix_tokens=self.reused, ttft_ms=1e3 * ttft_s,
+            prefill_tokens_per_s=(len(self.ids) - self.reused) / ttft_s if ttft_s else 0.0,
+            decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+            speculator=speculation.speculator.name if speculation is not None else None, spec=stats,
+            governor=speculation.governor.stats_line() if speculation is not None else None)
+
+
+class Scheduler:
+    """Continuous batching over `target` (seams.SpeculativeTarget); see the module docstring.
+
+    max_rows_per_step: rows one batched forward carries at most (>= 1).
+    max_running: requests admitted at once (>= 1). max_idle_sequences: finished sequences kept
+    for prefix reuse (0 = no prefix cache).
+    """
+
+    def __init__(self, target, *, max_rows_per_step: int = DEFAULT_MAX_ROWS_PER_STEP,
+                 max_running: int = DEFAULT_MAX_RUNNING, max_idle_sequences: int = DEFAULT_MAX_IDLE_SEQUENCES):
+        if max_rows_per_step < 1 or max_running < 1 or max_idle_sequences < 0:
+            raise ValueError(f"max_rows_per_step={max_rows_per_step}, max_running={max_running}, "
+                             f"max_idle_sequences={max_idle_sequences}: choose >= 1, >= 1 and >= 0")
+        self.target = target
+        self.max_rows_per_step, self.max_running, self.max_idle_sequences = (max_rows_per_step, max_running,
+                                                                               max_idle_sequences)
+        self.speculation: Speculation | None = None
+        self.metrics = SchedulerMetrics()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._waiting_lock = threading.Lock()  # submit() runs on any thread
+        self._running: list[Request] = []
+        self._idle: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # seq -> tokens held
+        self._governed: Request | None = None  # the request the governor was last started for
+        self._was_solo = False
+        self.step_lock = threading.RLock()  # one step at a time; held to change the policy between steps
+
+    # -- what the engine and the server read -------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; it is admitted at a coming step."""
+        with self._waiting_lock:
+            self._waiting.append(request)
+
+    def set_speculation(self, speculation: Speculation | None) -> None:
+        """The policy for requests admitted from now on; running requests stop speculating (their
+        speculator may be closed). Call with `step_lock` held."""
+        self.speculation = speculation
+        for request in self._running:
+            if request.execution.speculator is not None:
+                request.execution.detach()
+        self._governed = None
+
+    def reset_cache(self) -> None:
+        """Release every idle sequence: later requests prefill from scratch."""
+        with self.step_lock:
+            while self._idle:
+                self.target.release(self._idle.popitem(last=False)[0])
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Admit waiting requests, run one solo or batched step, retire finished requests."""
+        with self.step_lock:
+            self._retire_cancelled()
+            self._admit()
+            if not self._running:
+                return
+            solo = self._running[0] if len(self._running) == 1 and self._running[0].decoding else None
+            try:
+                if solo is not None:
+                    self._solo_step(solo)
+                else:
+                    self._batched_step()
+            except Exception as exc:  # noqa: BLE001 -- the step's requests fail, the engine goes on
+                log.exception("an engine step failed; its %d request(s) fail with it", len(self._running))
+                self._fail_running(exc)
+            self._was_solo = solo is not None
+
+    def _retire_cancelled(self) -> None:
+        with self._waiting_lock:
+            cancelled = [r for r in self._waiting if r.generation.cancelled]
+            for request in cancelled:
+                self._waiting.remove(request)
+        for request in cancelled:
+            self._finish(request, release=False)
+        for request in [r for r in self._running if r.generation.cancelled]:
+            request.state.cut()
+            self._finish(request, release=True)
+
+    def _admit(self) -> None:
+        while len(self._running) < self.max_running:
+            with self._waiting_lock:
+                if not self._waiting:
+                    return
+                request = self._waiting.popleft()
+            request.seq, request.reused = self._adopt(request.ids)
+            request.num_prefilled = request.reused
+            request.admitted_at = time.perf_counter()
+            if request.time_limit is not None:
+                request.state.deadline = request.admitted_at + request.time_limit
+            self._start_execution(request)
+            if request.reused:
+                self.metrics.num_prefix_cache_hits += 1
+                self.metrics.num_reused_prefix_tokens += request.reused
+            self._running.append(request)
+
+    def _start_execution(self, request: Request) -> None:
+        speculation = self.speculation
+        request.speculation = speculation
+        if speculation is None:
+            request.execution = SpeculativeExecution(self.target, request.seq, None, stop_token_ids=request.stop_ids)
+            return
+        request.execution = SpeculativeExecution(
+            self.target, request.seq, speculation.speculator, draft_window=speculation.draft_window,
+            stop_token_ids=request.stop_ids, governor=speculation.governor, window=speculation.window,
+            on_plugin_fault=speculation.on_plugin_fault)
+        if request.reused:
+            request.execution.seed_committed(request.ids[:request.reused])
+
+    def _adopt(self, ids: list[int]) -> tuple[int, int]:
+        """(sequence, reused tokens): the idle sequence sharing the longest prefix with `ids`, cut
+        back to it (at least the last prompt token is re-forwarded), or a new sequence."""
+        best, common = None, 0
+        for seq, tokens in self._idle.items():
+            n = _common_prefix(tokens, ids, limit=len(ids) - 1)
+            if n > common:
+                best, common = seq, n
+        if best is None:
+            return self.target.new_sequence(), 0
+        del self._idle[best]
+        try:
+            self.target.truncate(best, common)
+        except CannotTruncate:  # e.g. recurrent state: only an exact continuation is reusable
+            self.target.truncate(best, 0)
+            common = 0
+        return best, common
+
+    def _solo_step(self, request: Request) -> None:
+        """The request is alone: its execution steps itself, speculating when the governor lets it."""
+        if not self._was_solo or self._governed is not request:
+            self._start_governing(request)
+        stop = request.execution.step(request.sampler, request.on_token)
+        self._after_tokens(request, stop)
+
+    def _start_governing(self, request: Request) -> None:
+        """A solo phase begins: the shared governor hears of it (its first plain step follows a
+        transition; a request with fewer than two tokens left is never armed)."""
+        speculation = request.speculation
+        if speculation is None or request.execution.speculator is None:
+            return
+        if self._governed is not request:
+            speculation.window.reset()  # acceptance is per request; measured row costs carry over
+        speculation.governor.start_request(request.num_tokens_left)
+        self._governed = request
+
+    def _batched_step(self) -> None:
+        """One forward over every running request's next rows; nobody speculates."""
+        budget = max(self.max_rows_per_step - sum(r.decoding for r in self._running), 1)
+        batch, owners = [], []
+        for request in self._running:
+            if request.decoding:
+                batch.append(request.execution.decode_segment())
+                owners.append((request, None))
+                continue
+            n = min(len(request.ids) - request.num_prefilled, budget)
+            if n <= 0:
+                continue  # its prefill waits for a later step's budget
+            budget -= n
+            chunk = request.ids[request.num_prefilled:request.num_prefilled + n]
+            batch.append(request.execution.segment(chunk))
+            owners.append((request, chunk))
+        outputs = self.target.forward(batch)
+        for (request, chunk), out in zip(owners, outputs):
+            if chunk is None:
+                stop = request.execution.take_decode(out, request.sampler, request.on_token)
+            else:
+                stop = self._take_prefill(request, chunk, out)
+                if stop is None:
+                    continue
+            self._after_tokens(request, stop)
+
+    def _take_prefill(self, request: Request, chunk: list[int], out) -> bool | None:
+        """Commit a prefill chunk; at the prompt's end draw the first token. None while the prompt is not in."""
+        request.execution.take_prefill(chunk, out)
+        request.num_prefilled += len(chunk)
+        if request.num_prefilled < len(request.ids):
+            return None
+        return request.execution.emit_first(request.sampler, out.logits[-1], request.on_token)
+
+    def _after_tokens(self, request: Request, stop: bool) -> None:
+        events = list(request.state.drain())
+        self.metrics.num_generated_tokens += len(events)
+        request.generation._deliver(events)
+        if stop:
+            self._finish(request, release=False)
+
+    # -- leaving -------------------------------------------------------------------------------
+
+    def _finish(self, request: Request, *, release: bool) -> None:
+        """Deliver the result; the sequence is released, or kept idle for prefix reuse."""
+        request.finished_at = time.perf_counter()
+        if request in self._running:
+            self._running.remove(request)
+        if request.seq is not None:
+            self._park_sequence(request, release)
+        if self._governed is request:
+            self._governed = None
+        result = request.result()
+        self.metrics.num_finished_requests += 1
+        self.metrics.num_draft_tokens += result.spec.num_draft_tokens
+        self.metrics.num_accepted_tokens += result.spec.num_accepted_tokens
+        request.generation._deliver([*request.state.drain(), result])
+
+    def _park_sequence(self, request: Request, release: bool) -> None:
+        if release or self.max_idle_sequences == 0:
+            self.target.release(request.seq)
+            return
+        # the sequence holds the prompt and every emitted token but the pending last one
+        held = self.target.seq_len(request.seq)
+        self._idle[request.seq] = (request.ids + request.state.tokens)[:held]
+        while len(self._idle) > self.max_idle_sequences:
+            self.target.release(self._idle.popitem(last=False)[0])
+
+    def _fail_running(self, exc: Exception) -> None:
+        """A step raised: every request in it fails with that error and its sequence is released
+        (its state may be half-written); later requests are served."""
+        for request in list(self._running):
+            self._running.remove(request)
+            self.target.release(request.seq)
+            if self._governed is request:
+                self._governed = None
+            request.generation._deliver([exc])
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    limit = min(limit, len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class StopState:
+    """Decides, token by token, whether generation ends there (stop id, stop string, length),
+    and turns tokens into the text of TokenEvents (holding back a possible stop string)."""
+
+    def __init__(self, tokenizer, prompt: list[int], stop_ids, stop: tuple[str, ...], max_tokens: int,
+                 max_context: int, *, deadline: float | None = None, generation: Generation | None = None):
+        from verispec.tokenizer import StreamDecoder
+
+        self.deadline, self.generation = deadline, generation
+        self.stop_ids, self.stop, self.max_tokens = set(stop_ids), stop, max_tokens
+        self.prompt_len, self.max_context = len(prompt), max_context
+        self.decoder = StreamDecoder(tokenizer, context=prompt)
+        self.tokens: list[int] = []
+        self.draws: list = []  # verispec.sampling.Draw per token (logprobs when asked for)
+        self._text = ""
+        self._sent = 0  # characters of _text already handed to the consumer
+        self._pending: list[TokenEvent] = []
+        self.finish_reason = "length"
+
+    def on_token(self, draw) -> bool:
+        token = draw.token
+        self.tokens.append(token)
+        self.draws.append(draw)
+        self._text += self.decoder.feed(token)
+        stop = True
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif (len(self.tokens) >= self.max_tokens or self.prompt_len + len(self.tokens) >= self.max_context
+              or (self.generation is not None and self.generation.cancelled)
+              or (self.deadline is not None and time.perf_counter() >= self.deadline)):
+            self.finish_reason = "length"
+        else:
+            stop = False
+        if stop:
+            self._text += self.decoder.flush()  # bytes of an unfinished character, as decode() shows them
+        for s in self.stop:
+            cut = self._text.find(s)
+            if cut >= 0:
+                self._text, self.finish_reason, stop = self._text[:cut], "stop", True
+        self._emit(draw, final=stop)
+        return stop
+
+    def cut(self) -> None:
+        """End between tokens (a cancel): finish_reason "length"; text held back for a possible
+        stop string stays in the result's text only."""
+        self._text += self.decoder.flush()
+        self.finish_reason = "length"
+
+    def _emit(self, draw, *, final: bool) -> None:
+        # Hold back text that could be the start of a stop string until it is decided.
+        hold = 0 if final else max((len(s) - 1 for s in self.stop), default=0)
+        ready = max(self._sent, len(self._text) - hold)
+        self._pending.append(TokenEvent(draw.token, self._text[self._sent:ready], draw.logprob, draw.top_logprobs))
+        self._sent = ready
+
+    def drain(self) -> Iterator[TokenEvent]:
+        events, self._pending = self._pending, []
+        return iter(events)
+
+    def text(self) -> str:
+        return self._text
