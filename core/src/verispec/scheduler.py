@@ -306,16 +306,25 @@ class Scheduler:
                 if not self._waiting:
                     return
                 request = self._waiting.popleft()
-            request.seq, request.reused = self._adopt(request.ids)
-            request.num_prefilled = request.reused
-            request.admitted_at = time.perf_counter()
-            if request.time_limit is not None:
-                request.state.deadline = request.admitted_at + request.time_limit
-            self._start_execution(request)
-            if request.reused:
-                self.metrics.num_prefix_cache_hits += 1
-                self.metrics.num_reused_prefix_tokens += request.reused
-            self._running.append(request)
+            try:
+                self._admit_one(request)
+            except Exception as exc:  # noqa: BLE001 -- that request fails, the engine goes on
+                log.exception("admitting a request failed")
+                if request.seq is not None:
+                    self.target.release(request.seq)
+                request.generation._deliver([exc])
+
+    def _admit_one(self, request: Request) -> None:
+        request.seq, request.reused = self._adopt(request.ids)
+        request.num_prefilled = request.reused
+        request.admitted_at = time.perf_counter()
+        if request.time_limit is not None:
+            request.state.deadline = request.admitted_at + request.time_limit
+        self._start_execution(request)
+        if request.reused:
+            self.metrics.num_prefix_cache_hits += 1
+            self.metrics.num_reused_prefix_tokens += request.reused
+        self._running.append(request)
 
     def _start_execution(self, request: Request) -> None:
         speculation = self.speculation

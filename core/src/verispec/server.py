@@ -4,14 +4,19 @@
   POST /v1/chat/completions   `messages`, rendered through the model's chat template
   GET  /v1/models             the one loaded model
   GET  /health                {"status": "ok", "speculator": name | null}
+  GET  /metrics               Prometheus text: requests running/waiting, tokens generated,
+                              drafted/accepted tokens, prefix-cache hits
 
-One request at a time: the engine holds a single sequence (its KV cache and the prefix the
-next request may reuse), so an asyncio.Lock admits one generation and the others wait their
-turn. The engine runs in a worker thread, so /health answers meanwhile. A client that leaves
-— mid-stream, or while waiting for a whole response — frees the engine once the step under
-way ends (a request abandoned while queued never runs). A generation that runs longer than
-`request_timeout` seconds (`verispec serve --request-timeout`, default 600; queueing time not
-counted) ends at that token with finish_reason "length", as if max_tokens had been reached.
+Many clients at once: a handler queues its request in the engine's scheduler (continuous
+batching: verispec.scheduler) and awaits its events; one engine thread steps the scheduler
+while requests run or wait, so every running request advances in each step's one forward,
+and the event loop (/health, /metrics, new requests) never waits on the model. A client that
+leaves — mid-stream, or while waiting for a whole response — cancels its request: it leaves
+the batch at the next step and its sequence is freed (a request abandoned while queued never
+runs). A generation that runs longer than `request_timeout` seconds (`verispec serve
+--request-timeout`, default 600; queueing time not counted) ends at that token with
+finish_reason "length", as if max_tokens had been reached. An engine error fails the
+requests of that step (HTTP 500), never the server.
 Speculation is the server's policy (the --spec* flags of `verispec serve`), never a request's.
 
 Request fields, as OpenAI's API: max_tokens (completions: 16 by default, as OpenAI; chat:
@@ -47,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -55,7 +61,7 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -72,6 +78,8 @@ MIN_LOGPROB = -9999.0
 ASSISTANT = "assistant"
 #: seconds a generation may run (`verispec serve --request-timeout`).
 DEFAULT_REQUEST_TIMEOUT = 600.0
+#: seconds the engine thread waits idle before it ends (the next request starts it again).
+ENGINE_THREAD_IDLE_S = 30.0
 
 
 class RequestRejected(VerispecError, ValueError):
@@ -228,6 +236,10 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
         speculator = engine.speculator
         return {"status": "ok", "speculator": speculator.name if speculator is not None else None}
 
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        return PlainTextResponse(prometheus_text(engine), media_type="text/plain; version=0.0.4")
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": served.created,
@@ -275,6 +287,29 @@ def _check_text(text: str, field: str) -> None:
         raise RequestRejected(f"{field}: {problem}; send Unicode text (valid UTF-8)", field, "invalid_text")
 
 
+def prometheus_text(engine: InferenceEngine) -> str:
+    """The engine's counters in Prometheus' text exposition format (version 0.0.4)."""
+    scheduler = engine.scheduler
+    m = scheduler.metrics
+    acceptance = m.num_accepted_tokens / m.num_draft_tokens if m.num_draft_tokens else 0.0
+    rows = [
+        ("requests_running", "gauge", "Requests in the running batch.", scheduler.num_running),
+        ("requests_waiting", "gauge", "Requests queued for admission.", scheduler.num_waiting),
+        ("requests_finished_total", "counter", "Requests finished (any reason).", m.num_finished_requests),
+        ("generated_tokens_total", "counter", "Tokens emitted to clients.", m.num_generated_tokens),
+        ("draft_tokens_total", "counter", "Draft tokens verified (finished requests).", m.num_draft_tokens),
+        ("accepted_tokens_total", "counter", "Draft tokens accepted (finished requests).", m.num_accepted_tokens),
+        ("acceptance_rate", "gauge", "accepted_tokens_total / draft_tokens_total.", acceptance),
+        ("prefix_cache_hits_total", "counter", "Requests that adopted a cached prefix.", m.num_prefix_cache_hits),
+        ("prefix_cache_reused_tokens_total", "counter", "Prompt tokens not prefilled thanks to the prefix cache.",
+         m.num_reused_prefix_tokens),
+    ]
+    lines = []
+    for name, kind, help_text, value in rows:
+        lines += [f"# HELP verispec_{name} {help_text}", f"# TYPE verispec_{name} {kind}", f"verispec_{name} {value}"]
+    return "\n".join(lines) + "\n"
+
+
 async def _cancel_on_disconnect(request: Request, generation: Generation) -> None:
     """Wait for the client to leave (the body is already read), then cancel its generation."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -282,13 +317,43 @@ async def _cancel_on_disconnect(request: Request, generation: Generation) -> Non
     generation.cancel()
 
 
+class _EngineThread:
+    """The one thread that steps the engine while requests run or wait (started on demand; it
+    ends after ENGINE_THREAD_IDLE_S seconds without work)."""
+
+    def __init__(self, engine: InferenceEngine):
+        self.engine = engine
+        self._work = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def wake(self) -> None:
+        """Something was queued or cancelled: step until the engine has no work."""
+        with self._lock:
+            self._work.set()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            if not self._work.wait(ENGINE_THREAD_IDLE_S):
+                with self._lock:
+                    if not self._work.is_set():
+                        self._thread = None
+                        return
+            self._work.clear()
+            while self.engine.has_work:
+                self.engine.step()  # failures reach the requests of that step, never this thread
+
+
 class _Served:
-    """The engine, its lock, and the OpenAI response shapes for both endpoints."""
+    """The engine, the thread stepping it, and the OpenAI response shapes for both endpoints."""
 
     def __init__(self, engine: InferenceEngine, model_name: str,
                  request_timeout: float = DEFAULT_REQUEST_TIMEOUT):
         self.engine, self.model_name, self.request_timeout = engine, model_name, request_timeout
-        self.lock = asyncio.Lock()
+        self.engine_thread = _EngineThread(engine)
         self.created = int(time.time())
 
     def check_token_ids(self, ids: list[int]) -> None:
@@ -299,7 +364,7 @@ class _Served:
                                   "send ids from this model's tokenizer", "prompt")
 
     def start(self, body: _Body, prompt, logprobs: int | None, param: str) -> Generation:
-        """Validate and encode (no engine state is touched): every rejection happens here, before a 200."""
+        """Validate, encode and queue: every rejection happens here, before a 200."""
         for field, used in body.unsupported().items():
             if used:
                 raise RequestRejected(f"{field} is not supported by this server; leave it out", field)
@@ -318,8 +383,8 @@ class _Served:
                         f"takes {len(ids)}, leaving at most {room} new tokens; ask for at most {room}, or "
                         "shorten the prompt", field, "context_length_exceeded")
                 max_tokens = min(max_tokens, room)  # completions' default 16 in a nearly full context
-            return self.engine.generate(ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
-                                        ignore_eos=body.ignore_eos, time_limit=self.request_timeout)
+            generation = self.engine.generate(ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
+                                              ignore_eos=body.ignore_eos, time_limit=self.request_timeout)
         except ContextOverflow as e:
             raise RequestRejected(
                 f"the prompt needs {e.required_len} positions (its tokens and one new token) but the context "
@@ -327,6 +392,26 @@ class _Served:
                 "--context-length", param, "context_length_exceeded") from e
         except (TokenizerError, TemplateError) as e:  # NoChatTemplate, a template's raise_exception
             raise RequestRejected(f"cannot render the messages: {e}", param) from e
+        self.engine_thread.wake()
+        return generation
+
+    def cancel(self, generation: Generation) -> None:
+        if not generation.done:
+            generation.cancel()
+            self.engine_thread.wake()
+
+    async def events(self, generation: Generation) -> AsyncIterator[TokenEvent]:
+        """The generation's events as the engine thread draws them; ends with `.result` set.
+        Raises what the engine step that ran it raised."""
+        loop, arrived = asyncio.get_running_loop(), asyncio.Event()
+        generation.listener = lambda: loop.call_soon_threadsafe(arrived.set)
+        while True:
+            for event in generation.poll():
+                yield event
+            if generation.done:
+                return
+            await arrived.wait()
+            arrived.clear()
 
     async def respond(self, request: Request, body: _Body, prompt, logprobs: int | None, *, chat: bool):
         generation = self.start(body, prompt, logprobs, "messages" if chat else "prompt")
@@ -334,33 +419,32 @@ class _Served:
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return _EventStream(self._sse(shape, generation, usage), media_type="text/event-stream")
-        error = None
+        events, error = [], None
         async with anyio.create_task_group() as watching:
-            watching.start_soon(_cancel_on_disconnect, request, generation)
+            watching.start_soon(self._watch, request, generation)
             try:
-                async with self.lock:
-                    if generation.cancelled:
-                        events = None
-                    else:
-                        events = await anyio.to_thread.run_sync(list, generation)
+                events = [event async for event in self.events(generation)]
             except Exception as e:  # noqa: BLE001 -- raised below, outside the group (no ExceptionGroup)
                 error = e
             watching.cancel_scope.cancel()
         if error is not None:
             raise error
-        if events is None:  # the client left while queued: nobody reads this
+        if generation.cancelled and not generation.result.tokens:  # the client left before a token
             return Response(status_code=499)
         return shape.response(events, generation.result)
 
+    async def _watch(self, request: Request, generation: Generation) -> None:
+        await _cancel_on_disconnect(request, generation)
+        self.engine_thread.wake()
+
     async def _sse(self, shape: _Shape, generation: Generation, usage: bool) -> AsyncIterator[str]:
-        async with self.lock:
+        try:
             if shape.chat:
                 yield _sse(shape.chunk({"role": ASSISTANT, "content": ""}))
-            # A client gone mid-step: the step finishes, then the lock is let go (see _EventStream);
-            # the engine's prefix record stays valid for a generation left half-way.
-            iterator = iter(generation)
-            while (event := await anyio.to_thread.run_sync(next, iterator, None)) is not None:
+            async for event in self.events(generation):
                 yield _sse(shape.token_chunk(event))
+        finally:  # the client left mid-stream (see _EventStream): its request leaves the batch
+            self.cancel(generation)
         result = generation.result
         yield _sse(shape.chunk({} if shape.chat else "", finish_reason=result.finish_reason))
         if usage:
@@ -372,8 +456,8 @@ class _EventStream(StreamingResponse):
     """A StreamingResponse that closes its body generator however the stream ends.
 
     When the client leaves while a chunk is being sent, Starlette stops iterating, and the
-    generator, suspended at `yield` inside `async with lock`, would hold the engine until
-    garbage collection got to it; closing it here lets go of the lock at once.
+    generator, suspended at a `yield`, would keep its request in the batch until garbage
+    collection got to it; closing it here cancels the request at once.
     """
 
     async def stream_response(self, send) -> None:
