@@ -7,13 +7,18 @@ name) and its config reading. It builds its module on the meta device and calls
     plan.load(dtype=dtype, layout="llama", use_cache=use_cache, progress=progress)
 
 `plan_weights` walks the module's state dict and, for every entry, finds its table row and
-picks the GGUF source present in the file; `WeightPlan.check` (run by `load`) refuses a missing
+picks the GGUF source present in the file (in the `gguf` weight mode it first gives each
+placeholder linear the class for its source's ggml types, `nn.quant.resolve_gguf_linears`);
+`WeightPlan.check` (run by `load`) refuses a missing
 (gguf_io.MissingTensor) or misshapen (BadTensorShape, via `GGUFFile.expect_shape`) tensor
 before any conversion starts. `WeightPlan.convert` reads each source (dequantised to fp32 by
 `GGUFFile.tensor`) and decides its dtype:
 - the weight of a linear (`nn.quant.Float32Linear` and subclasses) is converted to that
   linear's weight dtype by `type(module).from_float(tensor)`; its state entries (`weight`,
   int8 `scales`, int4 `packed`/`nibbles`/`scales_zeros`) are what that module holds;
+- a linear whose class has `from_gguf` (the `gguf` weight mode's GGUFInt4Linear) gets the
+  stored blocks instead (`nn.gguf_blocks.GGUFBlocks`: ggml type + raw bytes, stacked parts
+  and expert slices as for fp32), so the file's quantised values reach it unrequantised;
 - everything else (norms, biases, scales, scalars) stays fp32 as stored.
 `WeightPlan.load` goes through `verispec.weight_cache.cached_state` (the next load
 memory-maps the converted state) and fills the module with `load_state_dict(assign=True)`.
@@ -36,11 +41,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import attrs
+import numpy as np
 import torch
+from gguf.constants import GGMLQuantizationType
 from torch import nn
 
 from verispec.gguf_io import GGUFFile
-from verispec.nn.quant import Float32Linear
+from verispec.nn.gguf_blocks import GGUFBlocks
+from verispec.nn.quant import Float32Linear, resolve_gguf_linears
 from verispec.weight_cache import cached_state
 
 __all__ = ["Stack", "Tensor", "TensorSource", "UnmappedParameter", "WeightPlan", "expand_table",
@@ -200,7 +208,9 @@ class WeightPlan:
     def convert(self, progress: bool | None = None) -> dict[str, torch.Tensor]:
         """The model's state dict read from the file, no cache: for each linear, the entries of
         `type(linear).from_float(weight)` (fp32 / bf16 [out, in], int8 [out, in'] + bf16 scales
-        [out], int4 packed groups: see nn.quant); every other entry fp32 in its module's shape
+        [out], int4 packed groups: see nn.quant), or of `from_gguf(blocks)` when the class has
+        it (the stored blocks of each stacked part, an expert's slice); every other entry fp32
+        in its module's shape
         (an absent optional entry: a copy of the module's default).
 
         progress: tqdm bar (None: on a terminal, after a second).
@@ -214,21 +224,28 @@ class WeightPlan:
                               disable=None if progress is None else not progress, delay=1.0):
             if job.parts is None:
                 state[name] = job.default.clone()
-                continue
-            if job.expert is None:
-                tensors = [self.gguf.tensor(part) for part in job.parts]
+            elif job.linear is not None and hasattr(type(job.linear), "from_gguf"):
+                blocks = [self._blocks(part, job.expert) for part in job.parts]
+                state |= _prefixed(name, type(job.linear).from_gguf(blocks))
             else:
-                if job.parts not in experts:
-                    experts = {job.parts: [self.gguf.tensor(part) for part in job.parts]}
-                tensors = [stacked[job.expert] for stacked in experts[job.parts]]
-            tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-            if job.linear is None:
-                state[name] = tensor.float()
-                continue
-            prefix = name.rpartition(".")[0]
-            for key, value in type(job.linear).from_float(tensor).state_dict().items():
-                state[f"{prefix}.{key}"] = value
+                if job.expert is None:
+                    tensors = [self.gguf.tensor(part) for part in job.parts]
+                else:
+                    if job.parts not in experts:
+                        experts = {job.parts: [self.gguf.tensor(part) for part in job.parts]}
+                    tensors = [stacked[job.expert] for stacked in experts[job.parts]]
+                tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+                if job.linear is None:
+                    state[name] = tensor.float()
+                else:
+                    state |= _prefixed(name, type(job.linear).from_float(tensor))
         return state
+
+    def _blocks(self, part: str, expert: int | None) -> GGUFBlocks:
+        """The stored blocks of a 2-D part, or of expert `expert`'s slice of a 3-D one."""
+        raw, ggml_type, shape = self.gguf.raw_tensor(part)
+        raw = raw if expert is None else raw[expert]
+        return GGUFBlocks(ggml_type, torch.from_numpy(np.array(raw)), shape[-1])  # copied out of the map
 
     def load(self, *, dtype: str, layout: str, use_cache: bool = True, progress: bool | None = None) -> None:
         """Fill the model: `check`, the converted state from `weight_cache.cached_state` (read
@@ -245,20 +262,30 @@ class WeightPlan:
         self.model.eval()
 
 
+def _prefixed(weight_name: str, module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module`'s state entries named as the entries of the linear whose weight is `weight_name`."""
+    prefix = weight_name.rpartition(".")[0]
+    return {f"{prefix}.{key}": value for key, value in module.state_dict().items()}
+
+
 def plan_weights(gguf: GGUFFile, model: nn.Module, table: Iterable[Tensor], *, num_layers: int,
                  num_experts: int = 0) -> WeightPlan:
     """Match every state entry of `model` (built on the meta device) to its source in `gguf`:
     the first source whose tensors are all in the file. Nothing is read or checked yet
     (`WeightPlan.check`), so a family can first refuse a file for what else it holds.
 
+    GGUFLinear placeholders (`gguf` weight mode) first become the class for the ggml types of
+    their first present source (nn.quant.gguf_linear_class).
     A linear's entries are planned as one tensor, `<linear>.weight`, of shape
     [out_features, in_features]; every other entry has its module's shape. A stacked source's
     parts each take an equal share of the rows; a per-expert part is [num_experts, *shape].
-    Raises UnmappedParameter for a state entry the table does not fill, ValueError for an
+    Raises UnmappedParameter for a state entry the table does not fill, nn.quant.UnmappedGGUFType
+    for a `gguf`-mode linear stored in a type that mode has no mapping for, ValueError for an
     optional entry absent from the file whose module has no default value (a linear, or a
     meta tensor) and for rows a stack cannot share evenly.
     """
     sources = expand_table(table, num_layers, num_experts)
+    resolve_gguf_linears(model, lambda prefix: _part_types(gguf, sources.get(f"{prefix}.weight")))
     linears = {prefix: m for prefix, m in model.named_modules() if isinstance(m, Float32Linear)}
     jobs: dict[str, _Job] = {}
     for name, value in model.state_dict().items():
@@ -281,6 +308,15 @@ def plan_weights(gguf: GGUFFile, model: nn.Module, table: Iterable[Tensor], *, n
         jobs[name] = _Job(linear, parts, _part_shape(name, shape, parts, source.expert, num_experts),
                           source.expert, value if parts is None else None)
     return WeightPlan(gguf, model, jobs)
+
+
+def _part_types(gguf: GGUFFile, source: TensorSource | None) -> dict[str, GGMLQuantizationType]:
+    """GGUF name -> ggml type of the first alternative present in `gguf` (none present: empty,
+    and the planning that follows refuses the entry by name)."""
+    for parts in source.alternatives if source is not None else ():
+        if all(p in gguf for p in parts):
+            return {p: gguf.tensor_info(p).ggml_type for p in parts}
+    return {}
 
 
 def _part_shape(name: str, shape: tuple[int, ...], parts: tuple[str, ...] | None, expert: int | None,

@@ -1,6 +1,6 @@
 """verispec's TargetConformance suite on tiny llama and qwen2 fixtures, in every weight dtype.
 
-int8 and int4 declare `spec_batch_invariant`, so the suite demands bitwise-equal rows there;
+int8, int4 and gguf declare `spec_batch_invariant`, so the suite demands bitwise-equal rows there;
 bf16 (oneDNN blocking that depends on the CPU) and float32 (MKL gemm) do not, and are held to
 the suite's atol instead.
 """
@@ -45,7 +45,7 @@ class TestLlamaConformance(TargetConformance):
 
 def test_declarations_are_truthful(loaded):
     assert isinstance(loaded, SpeculativeTarget)
-    assert declared(loaded, "spec_batch_invariant") == (loaded.dtype in ("int8", "int4"))
+    assert declared(loaded, "spec_batch_invariant") == (loaded.dtype in ("int8", "int4", "gguf"))
     assert declared(loaded, "speculation_refusal") is None
     assert declared(loaded, "speculation_profitable") is True
     assert 1 <= declared(loaded, "spec_preferred_draft_window") <= 8

@@ -26,13 +26,17 @@ module (one int8 copy of Gemma's 262k x 640 table, not two).
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+
 import torch
 import torch.nn.functional as F
+from gguf.constants import GGMLQuantizationType
 from torch import nn
 
 from verispec.errors import VerispecError
+from verispec.nn.gguf_blocks import INT4_TYPES, GGUFBlocks, unpack_int4
 
-WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4")
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4", "gguf")
 #: other spellings accepted for the same dtypes (the CLI's --dtype uses the short ones).
 DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "i8": "int8", "i4": "int4"}
 
@@ -174,10 +178,15 @@ class Int4Linear(Float32Linear):
     def from_float(cls, weight: torch.Tensor) -> Int4Linear:
         module = cls(weight.shape[1], weight.shape[0], device="meta")
         w = F.pad(weight.float(), (0, module.padded_in - module.in_features, 0, module.padded_out - module.out_features))
-        q, module.scales_zeros = quantize_int4(w, cls.GROUP)
-        module.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        module.nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+        q, scales_zeros = quantize_int4(w, cls.GROUP)
+        module._fill(q, scales_zeros)
         return module
+
+    def _fill(self, q: torch.Tensor, scales_zeros: torch.Tensor) -> None:
+        """Set the buffers from padded int32 q [out', in'] in [0, 15] and bf16 [in'/GROUP, out', 2]."""
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+        self.scales_zeros = scales_zeros
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16)
@@ -195,8 +204,88 @@ class Int4Linear(Float32Linear):
         return ((q - 8) * scale + zero)[:, :self.in_features]
 
 
+class GGUFInt4Linear(Int4Linear):
+    """A Q4_0 / Q4_1 / Q4_K tensor's own 4-bit values and per-32 scales in Int4Linear's kernel:
+    nothing is requantised (block layouts and the mapping: nn.gguf_blocks).
+
+    The kernel's fast path takes bf16 activations with bf16 scales and zeros only (fp32 and
+    fp16 run a scalar loop, 40-90x slower, measured here at decode shapes), so the file's
+    scale and zero are rounded to bf16: each dequantised weight is within
+    2^-8 · (|q - 8| · |scale| + |zero|) of `gguf.quants.dequantize` (plus one fp32 rounding),
+    i.e. 2^-8 relative for Q4_0. The 4-bit values themselves are the file's.
+    """
+
+    @classmethod
+    def from_gguf(cls, parts: Sequence[GGUFBlocks]) -> GGUFInt4Linear:
+        """parts: one or more INT4_TYPES tensors with equal `cols`, stacked along rows (e.g.
+        separate gate and up tensors read as one fused weight)."""
+        q, scale, zero = (torch.cat(t) for t in zip(*map(unpack_int4, parts)))  # [out, in], [out, in/32] x2
+        module = cls(parts[0].cols, q.shape[0], device="meta")
+        pad = module.padded_out - module.out_features  # in is a multiple of 32 for every int4 type
+        q, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (q, scale, zero))
+        scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1)  # [in/32, out', 2]
+        module._fill(q.int(), scales_zeros.to(torch.bfloat16).contiguous())
+        return module
+
+
+#: the class a `--dtype gguf` linear takes for the file's ggml types that have no exact kernel:
+#: per-output-channel int8, the families' default, requantised from the dequantised weights.
+GGUF_REQUANTISED = frozenset(GGMLQuantizationType[name] for name in (
+    "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F16", "BF16", "F32"))
+
+
+class UnmappedGGUFType(VerispecError, ValueError):
+    """`--dtype gguf` met a tensor whose ggml type it has no mapping for."""
+
+    def __init__(self, name: str, ggml_type: GGMLQuantizationType):
+        self.name, self.ggml_type = name, ggml_type
+        exact = ", ".join(sorted(t.name for t in INT4_TYPES))
+        wider = ", ".join(sorted(t.name for t in GGUF_REQUANTISED))
+        super().__init__(f"{name} is stored as {ggml_type.name}, which the gguf weight mode has no kernel "
+                         "for "
+                         f"(it maps {exact} to int4 groups and {wider} to int8); load it with --dtype int8, "
+                         "which requantises any type gguf can dequantise")
+
+
+class GGUFLinear(Float32Linear):
+    """The `gguf` weight mode's linear before the file is read: a meta placeholder that
+    `resolve_gguf_linears` replaces by the class for its tensor's ggml types
+    (`gguf_linear_class`). Built from float weights (no file blocks, e.g. a drafter swapped
+    to its trunk's mode) it is an Int8Linear, as for an F32 tensor."""
+
+    batch_invariant = True  # every class it resolves to is
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Int8Linear:
+        return Int8Linear.from_float(weight)
+
+
+def gguf_linear_class(part_types: Mapping[str, GGMLQuantizationType]) -> type[Float32Linear]:
+    """The `gguf` mode's class for a linear read from GGUF tensors name -> ggml type (stacked
+    parts, in order): GGUFInt4Linear when every part is Q4_0/Q4_1/Q4_K, else Int8Linear (not
+    exact: requantised per output channel). Raises UnmappedGGUFType naming the tensor."""
+    for name, ggml_type in part_types.items():
+        if ggml_type not in INT4_TYPES | GGUF_REQUANTISED:
+            raise UnmappedGGUFType(name, ggml_type)
+    return GGUFInt4Linear if part_types and set(part_types.values()) <= INT4_TYPES else Int8Linear
+
+
+def resolve_gguf_linears(model: nn.Module,
+                         part_types: Callable[[str], Mapping[str, GGMLQuantizationType]]) -> nn.Module:
+    """Replace every GGUFLinear placeholder in `model` (meta) by an empty module of
+    `gguf_linear_class(part_types(prefix))`, `prefix` its module name; in place.
+    Raises UnmappedGGUFType."""
+    def choose(prefix: str, old: nn.Module) -> nn.Module:
+        if not isinstance(old, GGUFLinear):
+            return old
+        return gguf_linear_class(part_types(prefix))(old.in_features, old.out_features, device="meta")
+
+    return _replace_linears(model, choose)
+
+
 LINEAR_CLASSES: dict[str, type[Float32Linear]] = {
     "float32": Float32Linear, "bfloat16": BFloat16Linear, "int8": Int8Linear, "int4": Int4Linear,
+    "gguf": GGUFLinear,
 }
 
 
@@ -245,25 +334,30 @@ def swap_linears(model: nn.Module, dtype: str) -> nn.Module:
     Shared modules stay shared (a tied embedding and LM head remain one module).
     """
     cls = linear_class(dtype)
-    swapped: dict[int, nn.Module] = {}
 
-    def convert(old: nn.Module) -> nn.Module:
-        if id(old) not in swapped:
-            weight = old.weight
-            if weight.is_meta:
-                swapped[id(old)] = cls(weight.shape[1], weight.shape[0], device="meta")
-            else:
-                dense = old.rows(torch.arange(weight.shape[0])) if isinstance(old, Float32Linear) else weight
-                swapped[id(old)] = cls.from_float(dense.detach())
-        return swapped[id(old)]
+    def convert(_: str, old: nn.Module) -> nn.Module:
+        weight = old.weight
+        if weight.is_meta:
+            return cls(weight.shape[1], weight.shape[0], device="meta")
+        dense = old.rows(torch.arange(weight.shape[0])) if isinstance(old, Float32Linear) else weight
+        return cls.from_float(dense.detach())
 
-    for parent in list(model.modules()):
+    return _replace_linears(model, convert)
+
+
+def _replace_linears(model: nn.Module, make: Callable[[str, nn.Module], nn.Module]) -> nn.Module:
+    """Set every linear of `model` to `make(module name, linear)`, called once per distinct module
+    (shared modules stay shared, plain attributes that alias one follow it); in place."""
+    made: dict[int, nn.Module] = {}
+    for prefix, parent in list(model.named_modules()):
         for name, child in list(parent._modules.items()):  # not named_children(): it skips repeats
             if isinstance(child, (nn.Linear, Float32Linear)):
-                setattr(parent, name, convert(child))
-    for name, value in list(vars(model).items()):  # plain attributes that alias a swapped module
-        if isinstance(value, nn.Module) and id(value) in swapped:
-            setattr(model, name, swapped[id(value)])
+                if id(child) not in made:
+                    made[id(child)] = make(f"{prefix}.{name}" if prefix else name, child)
+                setattr(parent, name, made[id(child)])
+    for name, value in list(vars(model).items()):  # plain attributes that alias a replaced module
+        if isinstance(value, nn.Module) and id(value) in made:
+            setattr(model, name, made[id(value)])
     return model
 
 

@@ -122,6 +122,8 @@ def write_gguf(path: str | os.PathLike, *, arch: str, metadata: Mapping[str, Any
       `token_embd.weight`), an explicit mapping of `tokenizer.*` keys, or None (no tokenizer).
     tensor_types: GGUF name -> "F32" (default) | "F16" | "BF16" | "Q8_0" | any type
       `gguf.quants.quantize` implements; quantised rows must be a multiple of the block size.
+      A uint8 array with a quantised type is taken as the stored blocks themselves
+      ([..., row_bytes], e.g. random Q4_K blocks, which gguf-py cannot quantise).
     """
     tensor_types = dict(tensor_types or {})
     unknown = set(tensor_types) - set(tensors)
@@ -148,6 +150,8 @@ def write_gguf(path: str | os.PathLike, *, arch: str, metadata: Mapping[str, Any
             writer.add_tensor(name, array.astype(np.float32))
         elif qtype == GGMLQuantizationType.F16:
             writer.add_tensor(name, array.astype(np.float16))
+        elif array.dtype == np.uint8:
+            writer.add_tensor(name, array, raw_dtype=qtype)
         else:
             writer.add_tensor(name, quantize(array.astype(np.float32), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
