@@ -112,8 +112,8 @@ def test_concurrent_streams_each_equal_their_solo_output(served, solo, num_clien
     with ThreadPoolExecutor(num_clients) as pool:
         texts = list(pool.map(lambda i: _stream(base_url, i, delay * i), range(num_clients)))
     assert texts == solo[:num_clients]
-    if num_clients > 1:
-        assert max(batch_sizes) > 1  # they shared forwards
+    if num_clients > 1 and (arrival == "simultaneous" or num_clients == 8):  # 2 staggered may not overlap
+        assert max(batch_sizes) > 1, batch_sizes  # they shared forwards
     metrics = _metrics(base_url)
     assert metrics["verispec_requests_running"] == 0 and metrics["verispec_requests_waiting"] == 0
 

@@ -18,10 +18,11 @@ it finishes. A cancelled request leaves at the next step and its sequence is rel
 
 Prefix cache (a first step before paged KV): a finished request's sequence is kept idle with
 the tokens it holds (at most `max_idle_sequences`, least recently used released first). A new
-request adopts the idle sequence sharing its longest prefix, cut back to that prefix
-(`target.truncate`), and prefills only the rest; a trunk whose state cannot be cut back
-(recurrent) reuses only an exact continuation. Only finished sequences are shared: a prefix
-of a sequence still running is not (that needs a fork of its state).
+request starts from the longest prefix it shares with an idle or a running sequence and
+prefills only the rest: it takes over an idle sequence it continues whole (the next chat
+turn), and otherwise gets a copy of the prefix (`target.fork`), the source left as it was. A
+trunk whose state cannot be cut back (recurrent) reuses only a whole sequence. Copies are
+whole tensors, not shared blocks: paged KV would share them without copying.
 
 Thread safety: `submit` may be called from any thread; `step` is serialised by a lock, and a
 Generation's events may be read from another thread than the stepping one.
@@ -315,7 +316,7 @@ class Scheduler:
                 request.generation._deliver([exc])
 
     def _admit_one(self, request: Request) -> None:
-        request.seq, request.reused = self._adopt(request.ids)
+        request.seq, request.reused = self._reuse_prefix(request.ids)
         request.num_prefilled = request.reused
         request.admitted_at = time.perf_counter()
         if request.time_limit is not None:
@@ -339,23 +340,34 @@ class Scheduler:
         if request.reused:
             request.execution.seed_committed(request.ids[:request.reused])
 
-    def _adopt(self, ids: list[int]) -> tuple[int, int]:
-        """(sequence, reused tokens): the idle sequence sharing the longest prefix with `ids`, cut
-        back to it (at least the last prompt token is re-forwarded), or a new sequence."""
+    def _reuse_prefix(self, ids: list[int]) -> tuple[int, int]:
+        """(sequence, reused tokens) for a prompt: the longest prefix it shares with an idle or a
+        running sequence (at least its last token is left to forward), or a new sequence.
+
+        An idle sequence the prompt continues whole is taken over (nothing is lost); any other
+        source is forked: its prefix is copied and the source stays as it is.
+        """
         best, common = None, 0
-        for seq, tokens in self._idle.items():
+        for seq, tokens in self._cached_sequences():
             n = _common_prefix(tokens, ids, limit=len(ids) - 1)
             if n > common:
                 best, common = seq, n
         if best is None:
             return self.target.new_sequence(), 0
-        del self._idle[best]
+        if len(self._idle.get(best, ())) == common:
+            del self._idle[best]
+            return best, common
         try:
-            self.target.truncate(best, common)
-        except CannotTruncate:  # e.g. recurrent state: only an exact continuation is reusable
-            self.target.truncate(best, 0)
-            common = 0
-        return best, common
+            return self.target.fork(best, common), common
+        except CannotTruncate:  # e.g. recurrent state: only a whole sequence can be continued
+            return self.target.new_sequence(), 0
+
+    def _cached_sequences(self) -> Iterator[tuple[int, list[int]]]:
+        """(sequence, the tokens it holds) of every idle and running sequence."""
+        yield from self._idle.items()
+        for request in self._running:
+            held = self.target.seq_len(request.seq)
+            yield request.seq, (request.ids + request.state.tokens)[:held]
 
     def _solo_step(self, request: Request) -> None:
         """The request is alone: its execution steps itself, speculating when the governor lets it."""

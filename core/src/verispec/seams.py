@@ -137,6 +137,11 @@ class SpeculativeTarget(Protocol):
         """Cut `seq` back to its first `length` positions (chat-turn prefix reuse); 0 always
         works. Raises nn.state.CannotTruncate with the reason when the state kinds cannot."""
 
+    def fork(self, seq: int, length: int) -> int:
+        """A new sequence holding a copy of the first `length` positions of `seq` (prefix caching;
+        `seq` is unchanged); returns its id. Raises nn.state.CannotTruncate with the reason where
+        `truncate(seq, length)` would (recurrent state forks only at seq_len(seq))."""
+
     def view(self) -> "TrunkView":
         """The read-only face a draft head binds to."""
 

@@ -18,6 +18,10 @@ and implements `keep` (after a verify) and `truncate` (prefix reuse) once for ev
   state after row a with no re-forward; a full acceptance copies nothing. A recurrent state
   cannot be truncated to an arbitrary prefix (`CannotTruncate`).
 
+`SequenceState.fork(length)` copies a sequence's first `length` positions into a new one
+(prefix caching): each kind copies itself (`fork`), then the copy is truncated, so a kind
+forks exactly where it can truncate (a recurrent state only at the sequence's full length).
+
 KV reads are by key length: a query at position p reads slots [0, key_length(p)), with
 key_length(p) = round_up(p + 1, key_block) capped at the ring size. It depends on p only,
 so a row's attention reductions have the same length whether it is computed alone or
@@ -28,6 +32,7 @@ Shape letters: Hkv KV heads, S slots, Dh head dim, n rows written, T slots read.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -106,6 +111,14 @@ class LinearKVCache:
 
     check_keep, keep = check_truncate, truncate
 
+    def fork(self, length: int) -> "LinearKVCache":
+        """A copy holding slots [0, length) (rounded up to key_block; later slots are not copied)."""
+        new = copy.copy(self)
+        size = min(self.capacity, _round_up(length, self.key_block))
+        new.k, new.v = self.k[:, :size].clone(), self.v[:, :size].clone()
+        new.slot_positions = torch.arange(size)
+        return new
+
 
 class RingKVCache:
     """Sliding-window ring. k, v: fp32 [Hkv, S, Dh] with S = window + max_rows - 1; tags int64 [S]."""
@@ -157,6 +170,12 @@ class RingKVCache:
 
     # After a verify: one wider than the ring's slack (max_rows) is refused here, loudly.
     check_keep, keep = check_truncate, truncate
+
+    def fork(self, length: int) -> "RingKVCache":
+        """A copy of the whole ring (the caller truncates it to `length`)."""
+        new = copy.copy(self)
+        new.k, new.v, new.tags = self.k.clone(), self.v.clone(), self.tags.clone()
+        return new
 
 
 class RecurrentState:
@@ -221,6 +240,13 @@ class RecurrentState:
     def truncate(self, length: int) -> None:
         self.values = self._zeros()  # SequenceState calls this with 0 only (check_truncate refuses the rest)
 
+    def fork(self, length: int) -> "RecurrentState":
+        """A copy of the current state (SequenceState forks it only at the sequence's full length, or 0)."""
+        new = copy.copy(self)
+        new.values = {name: value.clone() for name, value in self.values.items()}
+        new._verify_base, new._before, new._rows = None, None, {}
+        return new
+
 
 class SequenceState:
     """One sequence's per-layer states (None for a layer that stores nothing, e.g. a KV-shared
@@ -253,6 +279,19 @@ class SequenceState:
         for state in self._states:
             state.keep(length)
         self.seq_len, self.verify_rows = length, None
+
+    def fork(self, length: int) -> "SequenceState":
+        """A new SequenceState holding copies of this one's first `length` positions (this one is
+        unchanged). Raises CannotTruncate (copying nothing) where `truncate(length)` would."""
+        if not 0 <= length <= self.seq_len:
+            raise ValueError(f"cannot fork {length} positions: the sequence holds {self.seq_len}")
+        if 0 < length < self.seq_len:
+            for state in self._states:
+                state.check_truncate(length)
+        new = SequenceState([None if state is None else state.fork(length) for state in self.layers])
+        new.seq_len = self.seq_len
+        new.truncate(length)
+        return new
 
     def truncate(self, length: int) -> None:
         """Cut back to the first `length` positions (prefix reuse). 0 always works; otherwise

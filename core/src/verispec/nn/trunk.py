@@ -2,7 +2,7 @@
 
 `SequenceTrunk` implements `seams.SpeculativeTarget` for any trunk whose state is a list of
 per-layer state objects (`nn.state`): `new_sequence` / `release` / `seq_len`, `keep`,
-`truncate`, the batch-shaped `forward` and the read-only `view`. A family writes the math:
+`truncate`, `fork`, the batch-shaped `forward` and the read-only `view`. A family writes the math:
 
     _new_layer_states(self) -> list of nn.state objects (None for a stateless layer), per sequence
     _embed(self, tokens int64 [n]) -> fp32 [n, D]           what the first layer sees
@@ -111,6 +111,11 @@ class SequenceTrunk:
 
     def truncate(self, seq: int, length: int) -> None:
         self._state(seq).truncate(length)
+
+    def fork(self, seq: int, length: int) -> int:
+        new = next(self._seq_ids)
+        self._sequences[new] = self._state(seq).fork(length)
+        return new
 
     def _state(self, seq: int) -> SequenceState:
         try:

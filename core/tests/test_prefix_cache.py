@@ -1,0 +1,117 @@
+"""Prefix caching: `fork` on the trunk seam (nn.state / nn.trunk) and the scheduler adopting
+the longest cached prefix of an idle or a running sequence instead of prefilling it."""
+import pytest
+import torch
+
+from verispec import api
+from verispec.engine import SpecOptions
+from verispec.nn.state import CannotTruncate, RingKVCache, SequenceState
+from verispec.registry import Registry
+from verispec.seams import Segment
+from verispec.testing import ToyTarget, forward_one, plain_logits, toy_plugin
+from verispec.testing.toy import write_toy_gguf
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]
+
+
+def test_a_fork_holds_the_prefix_and_leaves_the_source_unchanged():
+    toy = ToyTarget(recurrent=False)
+    source = toy.new_sequence()
+    forward_one(toy, source, PROMPT)
+    fork = toy.fork(source, 5)
+    assert (toy.seq_len(fork), toy.seq_len(source)) == (5, len(PROMPT))
+    out = toy.forward([Segment(fork, [7, 7, 2], logits="all"), Segment(source, [4], logits="all")])
+    assert torch.equal(out[0].logits, plain_logits(toy, PROMPT[:5] + [7, 7, 2])[5:])
+    assert torch.equal(out[1].logits, plain_logits(toy, PROMPT + [4])[-1:])
+
+
+def test_a_recurrent_sequence_forks_only_whole():
+    toy = ToyTarget(recurrent=True)
+    source = toy.new_sequence()
+    forward_one(toy, source, PROMPT)
+    with pytest.raises(CannotTruncate, match="recurrent state"):
+        toy.fork(source, 5)
+    whole = toy.fork(source, len(PROMPT))
+    out = toy.forward([Segment(whole, [4], logits="all")])[0]
+    assert torch.equal(out.logits, plain_logits(toy, PROMPT + [4])[-1:])
+    again = toy.forward([Segment(source, [4], logits="all")])[0]  # the copy did not share its state
+    assert torch.equal(again.logits, out.logits)
+
+
+def test_a_ring_forks_with_its_own_buffers():
+    def written(n):
+        state = SequenceState([RingKVCache(1, 2, window=4, max_rows=2, key_block=1)])
+        for pos in range(n):
+            state.begin(1, verify=False)
+            state.layers[0].write(pos, torch.full((1, 1, 2), float(pos)), torch.full((1, 1, 2), float(pos)))
+            state.seq_len += 1
+        return state
+
+    source = written(5)  # ring of 5 slots: positions 0..4
+    fork = source.fork(4)
+    assert fork.seq_len == 4 and sorted(fork.layers[0].tags.tolist()) == [-1, 0, 1, 2, 3]
+    assert sorted(source.layers[0].tags.tolist()) == [0, 1, 2, 3, 4]
+    fork.layers[0].k.zero_()
+    assert source.layers[0].k.sum() > 0
+    with pytest.raises(CannotTruncate, match="sliding-window ring"):
+        written(9).fork(2)  # positions 0..3 were overwritten
+
+
+# -- the scheduler's prefix cache ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def registry():
+    return Registry.from_plugins({"toy": toy_plugin})
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return write_toy_gguf(tmp_path_factory.mktemp("toy") / "toy.gguf", vocab_size=110, recurrent=False, seed=3)
+
+
+SYSTEM = "you are a cat. you sit on the mat. you are a cat. "
+
+
+def solo(model_path, registry, prompt, n):
+    engine = api.load(model_path, registry=registry, spec=SpecOptions(enabled=False))
+    generation = engine.generate(prompt, max_tokens=n, ignore_eos=True)
+    list(generation)
+    return generation.result
+
+
+def test_a_newcomer_copies_the_prefix_of_a_running_sequence(model_path, registry):
+    engine = api.load(model_path, registry=registry, spec=SpecOptions(enabled=False))
+    first = engine.generate(SYSTEM + "where?", max_tokens=20, ignore_eos=True)
+    for _ in range(3):
+        engine.step()
+    second = engine.generate(SYSTEM + "why?", max_tokens=12, ignore_eos=True)
+    while not (first.done and second.done):
+        engine.step()
+        first.poll(), second.poll()
+    shared = _shared(engine, SYSTEM + "where?", SYSTEM + "why?")
+    assert second.result.reused_prefix_tokens == shared > len(engine.encode(SYSTEM)) - 2
+    assert first.result.tokens == solo(model_path, registry, SYSTEM + "where?", 20).tokens
+    assert second.result.tokens == solo(model_path, registry, SYSTEM + "why?", 12).tokens
+    assert engine.scheduler.metrics.num_prefix_cache_hits == 1
+
+
+def _shared(engine, a, b):
+    x, y = engine.encode(a), engine.encode(b)
+    n = 0
+    while x[n] == y[n]:
+        n += 1
+    return n
+
+
+def test_an_idle_prefix_serves_several_requests(model_path, registry):
+    """Forking leaves the cached sequence: two later requests both skip the shared prefix."""
+    engine = api.load(model_path, registry=registry, spec=SpecOptions(enabled=False))
+    list(engine.generate(SYSTEM + "hello", max_tokens=4, ignore_eos=True))
+    results = []
+    for question in ("where?", "why?"):
+        generation = engine.generate(SYSTEM + question, max_tokens=8, ignore_eos=True)
+        list(generation)
+        results.append(generation.result)
+        assert generation.result.tokens == solo(model_path, registry, SYSTEM + question, 8).tokens
+    assert all(r.reused_prefix_tokens >= len(engine.encode(SYSTEM)) - 1 for r in results)
+    assert engine.scheduler.metrics.num_prefix_cache_hits == 2
