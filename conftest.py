@@ -20,6 +20,10 @@ _temporary: str | None = None
 
 def pytest_configure(config):
     global _temporary
+    # llama.cpp built by benchmarks/llama_cpp.py --build lives in the user's cache: keep it visible
+    user_cache = os.environ.get("VERISPEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "verispec")
+    os.environ.setdefault("VERISPEC_LLAMA_CPP", os.path.join(user_cache, "llama.cpp"))
     kept = os.environ.get("VERISPEC_TEST_CACHE")
     if kept:
         os.environ["VERISPEC_CACHE"] = kept

@@ -1,16 +1,22 @@
-"""llama.cpp's own `llama-bench`, built once into the verispec cache, run on the same GGUF.
+"""Plain decode and prefill, verispec vs llama.cpp's own `llama-bench`, on the same GGUF files.
 
-    python benchmarks/llama_cpp.py --build            # ~10-20 min on 2 cores, once
-    python benchmarks/llama_cpp.py --model gemma3-270m
+    python benchmarks/llama_cpp.py --build         # once: ~10-20 min on 2 cores
+    python benchmarks/llama_cpp.py                 # the three checkpoints, 2 threads
+    python benchmarks/llama_cpp.py --models gemma3-270m --dtype int8
 
 The build takes llama.cpp's sources from the `llama-cpp-python` sdist on the package index
 (pinned: LLAMA_CPP_PYTHON), configures its CMake project with GGML_NATIVE (this CPU's own
-instruction set, as a user building llama.cpp here would) and builds only the `llama-bench`
-target into `<verispec cache>/llama.cpp/<version>/`. Nothing is installed in the venv.
+instruction set, as a user building llama.cpp here would) and builds only `llama-bench` (and
+`llama-perplexity`, for the qwen35 cross-check test) into
+`<verispec cache>/llama.cpp/<version>/` (or `$VERISPEC_LLAMA_CPP/<version>/`). Nothing is
+installed in the venv.
 
-`llama_bench(path, threads)` returns llama-bench's tg128 decode (its default configuration,
-weight repacking on) and pp512 prefill tok/s. Prefill is also measured with `--repack 0`:
-on a Xeon with AMX the repacked path died with SIGILL in prefill (issue 10).
+Per model, one row: llama-bench tg128 (its default configuration: weight repacking on) and
+pp512 with and without repacking (`--repack 0`: on a Xeon with AMX the repacked path died with
+SIGILL in prefill, issue 10); ours measured the same way in this process: 128 greedy tokens
+after a one-token prompt (decode tok/s excludes the first, as tg128 does), and the prefill of a
+512-token prompt of random ids (prompt tokens / time to the first token); then the ratios.
+Run it on a quiet machine: two threads beside other work measure the contention, not the code.
 """
 from __future__ import annotations
 
@@ -26,6 +32,9 @@ LLAMA_CPP_PYTHON = "0.3.36"
 
 
 def build_dir() -> Path:
+    """`$VERISPEC_LLAMA_CPP/<version>`, else `<verispec cache>/llama.cpp/<version>`."""
+    if os.environ.get("VERISPEC_LLAMA_CPP"):
+        return Path(os.environ["VERISPEC_LLAMA_CPP"]) / LLAMA_CPP_PYTHON
     from verispec.checkpoints import cache_dir
 
     return cache_dir("llama.cpp") / LLAMA_CPP_PYTHON
@@ -54,7 +63,8 @@ def build(jobs: int = 2) -> Path:
     subprocess.run(["cmake", "-S", str(source), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
                     "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                     "-DLLAMA_BUILD_SERVER=OFF"], check=True)
-    subprocess.run(["cmake", "--build", str(out), "--target", "llama-bench", "-j", str(jobs)], check=True)
+    subprocess.run(["cmake", "--build", str(out), "--target", "llama-bench", "llama-perplexity", "-j", str(jobs)],
+                   check=True)  # llama-perplexity: models/qwen35/tests/test_llama_cpp_crosscheck.py
     binary = bench_binary()
     if binary is None:
         raise RuntimeError(f"the build finished but {out}/bin/llama-bench is missing")
@@ -88,19 +98,59 @@ def llama_bench(path: str, threads: int = 2, repetitions: int = 3) -> dict[str, 
     return figures
 
 
+def ours(model: str, threads: int, dtype: str | None) -> dict[str, float]:
+    """verispec's plain decode (tg128-like) and prefill (pp512-like) tok/s on `model`."""
+    import torch
+
+    import verispec
+
+    engine = verispec.load(model, dtype=dtype, threads=threads, enabled=False)
+    bos = engine.encode("")[:1] or [1]
+    engine.generate(bos + [100] * 8, max_tokens=8, ignore_eos=True).result  # warm-up
+    decode = []
+    for _ in range(2):
+        engine.reset_cache()
+        generation = engine.generate(bos, max_tokens=128, ignore_eos=True)
+        for _ in generation:
+            pass
+        decode.append(generation.result.decode_tokens_per_s)
+    ids = torch.randint(100, engine.target.vocab_size - 100, (512,), generator=torch.Generator().manual_seed(0))
+    prefill = []
+    for _ in range(2):
+        engine.reset_cache()
+        generation = engine.generate(ids.tolist(), max_tokens=1, ignore_eos=True)
+        for _ in generation:
+            pass
+        prefill.append(generation.result.prefill_tokens_per_s)
+    return {"verispec_tg128": max(decode), "verispec_pp512": max(prefill)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", action="store_true", help="download and build llama-bench (once)")
-    parser.add_argument("--model", default=None, help="alias or GGUF path (default: the embedded default)")
+    parser.add_argument("--models", nargs="+",
+                        default=["gemma3-270m", "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
+    parser.add_argument("--dtype", default=None, help="our weight dtype (default: the model's choice)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     if args.build:
         print(build(jobs=os.cpu_count() or 2))
         return
     from verispec.api import resolve_model_path
+    from verispec.errors import VerispecError
     from verispec.registry import Registry
 
-    print(json.dumps(llama_bench(resolve_model_path(args.model, Registry.discover()), args.threads)))
+    registry = Registry.discover()
+    for model in args.models:
+        try:
+            path = resolve_model_path(model, registry)
+        except VerispecError as error:  # a checkpoint package not installed: say so, go on
+            print(json.dumps({"model": model, "skipped": str(error)}))
+            continue
+        row = {"model": model, **ours(path, args.threads, args.dtype), **llama_bench(path, args.threads)}
+        row["decode_ratio"] = row["verispec_tg128"] / row["llama_cpp_tg128"]
+        row["prefill_ratio_vs_repack0"] = row["verispec_pp512"] / row["llama_cpp_pp512_repack0"]
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,74 @@
+"""Cross-check against llama.cpp itself: its own loader and math run our tiny qwen35 / qwen35moe
+fixtures (llama.cpp's tensor names, keys and layouts, as `tiny_qwen35.hf_to_gguf` writes them)
+and its `llama-perplexity` must give the perplexity our trunk gives on the same text.
+
+Runs only where llama.cpp is built (`python benchmarks/llama_cpp.py --build`, ~10-20 min once;
+CI does not build it, so there it skips). llama.cpp's
+qwen35 code takes the GDN value head size from `ssm.state_size` (head_v_dim = head_k_dim), so
+these fixtures use dk == dv (the other fixtures keep them distinct to catch a transposed state).
+Its KV cache is asked for in fp32 (`-ctk f32 -ctv f32`); the rest of its CPU math on F32
+weights is fp32. Measured: dense 784.1662 (llama.cpp) vs 784.1638 (ours), MoE 1976.7411 vs
+1976.7429: within 3e-6 relative; the bound is 2e-5. The MTP block is in both files (llama.cpp
+loads it by its NEXTN names; perplexity does not run it).
+"""
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+llama_cpp = pytest.importorskip("llama_cpp", reason="benchmarks/llama_cpp.py not found")  # our script, not the pip package
+from tiny_qwen35 import TINY_CONFIGS, _COMMON, build_hf_model, write_fixture  # noqa: E402
+from verispec.seams import Segment  # noqa: E402
+from verispec_qwen35.loader import load  # noqa: E402
+
+N_CTX = 64
+TEXT = " ".join(["the cat sat on the mat and then the dog ran to the park with a ball"] * 12) + "\n"
+
+
+def _perplexity_binary() -> Path:
+    root = llama_cpp.build_dir() / "build" / "bin" / "llama-perplexity"
+    if not root.is_file():
+        pytest.skip("llama.cpp's llama-perplexity is not built: python benchmarks/llama_cpp.py --build")
+    return root
+
+
+def _ours(path: str) -> float:
+    target = load(path, dtype="float32", use_cache=False)
+    ids = target.tokenizer.encode(TEXT)
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) // N_CTX * N_CTX, N_CTX):
+        chunk = ids[start:start + N_CTX]
+        if target.tokenizer.add_bos:  # llama-perplexity: BOS replaces each chunk's first token
+            chunk[0] = target.tokenizer.bos_id
+        seq = target.new_sequence()
+        logits = target.forward([Segment(seq, torch.tensor(chunk), logits="all")])[0].logits.double()
+        target.release(seq)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        for k in range(N_CTX // 2, N_CTX - 1):  # the second half, as llama-perplexity scores
+            nll -= float(logprobs[k, chunk[k + 1]])
+            count += 1
+    return math.exp(nll / count)
+
+
+@pytest.mark.parametrize("name", ["dense_mtp", "moe_fused_mtp"])
+def test_llama_cpp_perplexity_equals_ours(name, tmp_path):
+    binary = _perplexity_binary()
+    model_type, _, kwargs, options = TINY_CONFIGS[name]
+    TINY_CONFIGS[f"{name}_dk_eq_dv"] = (model_type, _, {**kwargs, "linear_value_head_dim": _COMMON["linear_key_head_dim"]},
+                                        options)
+    hf_model, mtp = build_hf_model(f"{name}_dk_eq_dv")
+    path = write_fixture(hf_model, tmp_path / "model.gguf", mtp=mtp, options=options,
+                         extra_metadata={"tokenizer.ggml.pre": "default"})  # this llama.cpp refuses "gpt2"
+    (tmp_path / "text.txt").write_text(TEXT)
+    done = subprocess.run([str(binary), "-m", path, "-f", str(tmp_path / "text.txt"), "-c", str(N_CTX),
+                           "-b", str(N_CTX), "-t", "1", "-ctk", "f32", "-ctv", "f32"],
+                          capture_output=True, text=True, timeout=300)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+    assert found, (done.stdout + done.stderr)[-3000:]
+    theirs = float(found.group(1))
+    assert abs(_ours(path) - theirs) <= 2e-5 * theirs
