@@ -12,7 +12,9 @@ The writer knows no family: keys arrive fully spelled (`{arch}.block_count`, ...
 in torch order ([out, in] for a linear; the GGUF dims are written reversed, as llama.cpp
 expects). Value types follow llama.cpp's readers: see `_value_type`.
 
-`byte_level_vocab(vocab_size)` is a tokenizer llama.cpp and `verispec.tokenizer` both load,
+`byte_level_vocab(vocab_size)` is a tokenizer `verispec.tokenizer` loads (llama.cpp too, once
+`tokenizer.ggml.pre` is overridden to "default": the llama.cpp vendored by llama-cpp-python
+0.3.36 refuses the "gpt2" name written here; models/qwen35/tests/test_llama_cpp_crosscheck.py),
 sized to fit a tiny config's vocabulary (e.g. 131 or 300), so `verispec generate` runs on a
 fixture. Layout (ids in this order):
 
