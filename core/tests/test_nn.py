@@ -192,8 +192,10 @@ def _naive_attention(q, k, v, q_positions, scaling, window=None):
 
 
 @pytest.mark.parametrize("ring", [False, True])
-def test_attention_matches_naive_and_is_batch_invariant(ring):
-    H, Hkv, Dh, T, window = 4, 2, 8, 40, 6
+@pytest.mark.parametrize("H, Hkv", [(4, 2), (6, 3), (3, 1)])
+def test_attention_matches_naive_and_is_batch_invariant(ring, H, Hkv):
+    # one row batches its KV heads in one bmm, n rows loop over them: the same bits per row
+    Dh, T, window = 8, 40, 6
     k, v = torch.randn(T, Hkv, Dh, generator=_gen()), torch.randn(T, Hkv, Dh, generator=_gen(1))
     q = torch.randn(T, H, Dh, generator=_gen(2))
     if ring:
@@ -213,6 +215,31 @@ def test_attention_matches_naive_and_is_batch_invariant(ring):
     for i in range(9):  # each row alone, as a one-row decode after a rewind would compute it
         alone = attend(q[start + i:start + i + 1], cache, start + i, scaling=0.3, sliding_window=sliding)
         assert torch.equal(alone[0], rows[i])
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_layers_sharing_a_mask_memo_attend_as_alone(n):
+    # attend_rows keeps one mask per forward for every layer whose cache has the same mask_key:
+    # rings fed the same writes and rollbacks (as a sequence's layers are) must agree with
+    # masks built per layer
+    Hkv, Dh, window = 1, 8, 6
+    rings = [RingKVCache(Hkv, Dh, window=window, max_rows=5, key_block=8) for _ in range(2)]
+    sequence = SequenceState(rings)
+    kv = torch.randn(40, Hkv, Dh, generator=_gen(3))
+    for _ in range(6):  # 5-row verifies keeping 3 rows: rejected rows leave stale, masked slots
+        start = sequence.begin(5, verify=True)
+        for ring in rings:
+            ring.write(start, kv[start:start + 5], kv[start:start + 5])
+        sequence.seq_len += 5
+        sequence.keep(3)
+    start = sequence.begin(n, verify=False)
+    q = torch.randn(n, 2, Dh, generator=_gen(4))
+    masks = {}
+    for ring in rings:
+        ring.write(start, kv[start:start + n], kv[start:start + n])
+        shared = attend(q, ring, start, scaling=0.3, sliding_window=window, masks=masks)
+        assert torch.equal(shared, attend(q, ring, start, scaling=0.3, sliding_window=window))
+    assert len(masks) == 1
 
 
 def test_ring_refuses_a_truncation_it_cannot_serve():

@@ -7,7 +7,8 @@ Batch invariance on CPU (reference/cpu-kernel-facts.md): a row computed inside a
 verify must be bitwise the row computed alone. Two things make that true here:
 1. Every product is one query row per bmm batch item ([g, Dh] @ [Dh, T], then
    [g, T] @ [T, Dh]); the kernels give the same bits whatever the batch count, whereas a
-   [n·g, Dh] @ [Dh, T] gemm changes its blocking with n.
+   [n·g, Dh] @ [Dh, T] gemm changes its blocking with n. n rows loop over the KV heads with
+   the rows as the batch; one row (a decode) makes its KV heads the batch: one bmm pair.
 2. A row at position p reads exactly key_length(p) slots (`nn.state`), a function of p
    alone: padding a reduction with masked slots changes its summation order, so rows are
    grouped by key length and each group runs at its own T.
@@ -36,7 +37,7 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
         if k is not None:
             cache.write(s.start_pos, k[s.rows], v[s.rows])
         rows_out = attend(q[s.rows], cache, s.start_pos, scaling=scaling, sliding_window=sliding_window,
-                          softcap=softcap)
+                          softcap=softcap, masks=s.masks)
         if out is None:  # one sequence (every plain decode and verify): no copy
             return rows_out
         out[s.rows] = rows_out
@@ -44,45 +45,75 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
 
 
 def attend(q: torch.Tensor, cache, start_pos: int, *, scaling: float, sliding_window: int | None = None,
-           softcap: float | None = None) -> torch.Tensor:
+           softcap: float | None = None, masks: dict | None = None) -> torch.Tensor:
     """Attention of n new rows at positions start_pos .. start_pos + n - 1.
 
     q: fp32 [n, H, Dh] (already normed/roped). cache: an `nn.state` KV cache that already
-    holds these rows' K/V. Returns fp32 [n, H, Dh].
+    holds these rows' K/V. masks: a dict the layers of one forward of this sequence share
+    (`RowsOfSequence.masks`), so the visibility mask is built once per forward, not per
+    layer; None builds it here. Returns fp32 [n, H, Dh].
     """
     n = q.shape[0]
-    out = torch.empty_like(q)
-    row = 0
-    while row < n:  # rows sharing a key length form one group (at most 2 when n <= key_block)
+    groups = []  # (first row, end row, key length): rows sharing a key length form one group
+    for row in range(n):
         num_slots = cache.key_length(start_pos + row)
-        end = row + 1
-        while end < n and cache.key_length(start_pos + end) == num_slots:
-            end += 1
-        out[row:end] = _attend_group(q[row:end], cache, start_pos + row, num_slots,
-                                     scaling=scaling, sliding_window=sliding_window, softcap=softcap)
-        row = end
+        if groups and groups[-1][2] == num_slots:
+            groups[-1][1] = row + 1
+        else:
+            groups.append([row, row + 1, num_slots])
+    if len(groups) == 1:  # every decode, most verifies: no output copy
+        return _attend_group(q, cache, start_pos, groups[0][2], scaling=scaling, sliding_window=sliding_window,
+                             softcap=softcap, masks=masks)
+    out = torch.empty_like(q)
+    for row, end, num_slots in groups:
+        out[row:end] = _attend_group(q[row:end], cache, start_pos + row, num_slots, scaling=scaling,
+                                     sliding_window=sliding_window, softcap=softcap, masks=masks)
     return out
 
 
 def _attend_group(q: torch.Tensor, cache, start_pos: int, num_slots: int, *, scaling: float,
-                  sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+                  sliding_window: int | None, softcap: float | None, masks: dict | None) -> torch.Tensor:
     n, num_heads, head_dim = q.shape
     k, v, slot_pos = cache.read(num_slots)  # [Hkv, T, Dh], [Hkv, T, Dh], [T]
     num_kv_heads = k.shape[0]
     group = num_heads // num_kv_heads
-    q_pos = torch.arange(start_pos, start_pos + n)[:, None]  # [n, 1]
-    visible = (slot_pos[None, :] >= 0) & (slot_pos[None, :] <= q_pos)  # [n, T]
-    if sliding_window is not None:
-        visible &= q_pos - slot_pos[None, :] < sliding_window
-    hidden = ~visible[:, None, :]  # [n, 1, T]
+    hidden = _hidden_slots(cache, slot_pos, start_pos, n, sliding_window, masks)  # [n, 1, T]
+    if n == 1:  # one row: its KV heads are the bmm batch, still one query row per item
+        out = _attend_heads(q.view(num_kv_heads, group, head_dim), k.transpose(1, 2), v, hidden,
+                            scaling=scaling, softcap=softcap)  # [Hkv, g, Dh]
+        return out.view(1, num_heads, head_dim)
     q = q.view(n, num_kv_heads, group, head_dim)
-    out = torch.empty(n, num_kv_heads, group, head_dim)
-    for j in range(num_kv_heads):
-        keys = k[j].t().expand(n, head_dim, num_slots)  # [n, Dh, T], no copy
-        scores = torch.bmm(q[:, j], keys) * scaling  # [n, g, T]
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        scores.masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[:, j] = torch.bmm(probs, v[j].expand(n, num_slots, head_dim))  # [n, g, Dh]
-    return out.view(n, num_heads, head_dim)
+    out = [_attend_heads(q[:, j], k[j].t().expand(n, head_dim, num_slots), v[j].expand(n, num_slots, head_dim),
+                         hidden, scaling=scaling, softcap=softcap) for j in range(num_kv_heads)]  # Hkv x [n, g, Dh]
+    return torch.stack(out, dim=1).view(n, num_heads, head_dim)
+
+
+def _hidden_slots(cache, slot_pos: torch.Tensor, start_pos: int, n: int, sliding_window: int | None,
+                  masks: dict | None) -> torch.Tensor:
+    """bool [n, 1, T]: True where query row i (at start_pos + i) must not see slot t. Memoised in
+    `masks` under the cache's `mask_key`: caches with equal keys hold equal slot positions."""
+    if masks is None:
+        return _build_hidden(slot_pos, start_pos, n, sliding_window)
+    key = (cache.mask_key, start_pos, n, slot_pos.shape[0], sliding_window)
+    if key not in masks:
+        masks[key] = _build_hidden(slot_pos, start_pos, n, sliding_window)
+    return masks[key]
+
+
+def _build_hidden(slot_pos: torch.Tensor, start_pos: int, n: int, sliding_window: int | None) -> torch.Tensor:
+    q_pos = torch.arange(start_pos, start_pos + n)[:, None]  # [n, 1]
+    visible = (slot_pos >= 0) & (slot_pos <= q_pos)  # [n, T]
+    if sliding_window is not None:
+        visible &= q_pos - slot_pos < sliding_window
+    return ~visible[:, None, :]
+
+
+def _attend_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor, *,
+                  scaling: float, softcap: float | None) -> torch.Tensor:
+    """softmax(q·keys · scaling, masked) · values per bmm item: q [b, g, Dh], keys [b, Dh, T],
+    values [b, T, Dh], hidden bool [b or 1, 1, T] -> [b, g, Dh]. Each item is one query row."""
+    scores = torch.bmm(q, keys).mul_(scaling)  # [b, g, T]
+    if softcap is not None:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
+    scores.masked_fill_(hidden, float("-inf"))
+    return torch.bmm(torch.softmax(scores, dim=-1), values)

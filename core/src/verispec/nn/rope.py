@@ -55,7 +55,8 @@ class RotaryEmbedding(nn.Module):
 
     inv_freq: fp32 [r/2]; rotates dims [0, r) of each head (r = rotary_dim <= Dh).
     Usage: `cos, sin = rope.cos_sin(positions)` once per forward, then
-    `rope(x, cos, sin)` for q and k. cos/sin: fp32 [n, r/2].
+    `rope(x, cos, sin)` for q and k of every layer. cos/sin: fp32 [n, 1, r], laid out as
+    the rotation reads them (sin signed), so a layer pays three elementwise ops.
     """
 
     def __init__(self, inv_freq: torch.Tensor, *, style: str = "neox", scaling: InvFreqScaling | None = None):
@@ -75,22 +76,29 @@ class RotaryEmbedding(nn.Module):
         return cls(default_inv_freq(rotary_dim, theta), style=style, scaling=scaling)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: int64 [n] -> (cos, sin) fp32 [n, r/2]."""
+        """positions: int64 [n] -> (cos, sin) fp32 [n, 1, r]: neox [c, c] and [-s, s] by halves,
+        normal (c, c) and (-s, s) by pairs, so rope(x) = x·cos + swap(x)·sin (`forward`)."""
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # [n, r/2]
-        return angles.cos(), angles.sin()
+        cos, sin = angles.cos(), angles.sin()
+        if self.style == "neox":
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # [n, r]
+        else:
+            cos, sin = torch.stack([cos, cos], dim=-1).flatten(-2), torch.stack([-sin, sin], dim=-1).flatten(-2)
+        return cos[:, None, :], sin[:, None, :]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: fp32 [n, H, Dh] -> fp32 [n, H, Dh] (new tensor)."""
+        """x: fp32 [n, H, Dh] -> fp32 [n, H, Dh] (new tensor).
+
+        x·cos + swap(x)·sin is transformers' `x·cos + rotate_half(x)·sin`: bitwise the pairwise
+        form x1·c - x2·s, x2·c + x1·s (a + b·(-s) rounds as a - b·s)."""
         r = self.rotary_dim
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [n, 1, r/2]
-        rot, rest = x[..., :r], x[..., r:]
+        rot, rest = (x, None) if r == x.shape[-1] else (x[..., :r], x[..., r:])
         if self.style == "neox":
-            x1, x2 = rot[..., : r // 2], rot[..., r // 2:]
-            rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+            swapped = torch.cat([rot[..., r // 2:], rot[..., :r // 2]], dim=-1)  # [x2, x1]
         else:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
-        return rotated if rest.shape[-1] == 0 else torch.cat([rotated, rest], dim=-1)
+            swapped = rot.unflatten(-1, (r // 2, 2)).flip(-1).flatten(-2)  # (x2, x1) per pair
+        rotated = rot * cos + swapped * sin
+        return rotated if rest is None else torch.cat([rotated, rest], dim=-1)
 
     def extra_repr(self) -> str:
         return f"rotary_dim={self.rotary_dim}, style={self.style!r}"

@@ -65,6 +65,10 @@ def _round_up(x: int, multiple: int) -> int:
 class LinearKVCache:
     """Slot = position. k, v: fp32 [Hkv, S, Dh]; S a multiple of key_block, grown on demand."""
 
+    #: caches with equal keys hold the same position in every slot they both have, so the
+    #: layers of one forward share one visibility mask (`attention.attend`): slot = position here.
+    mask_key = ("linear",)
+
     def __init__(self, num_kv_heads: int, head_dim: int, *, key_block: int = 64, max_positions: int):
         self.num_kv_heads, self.head_dim, self.key_block = num_kv_heads, head_dim, key_block
         self.max_capacity = _round_up(max_positions, key_block)
@@ -130,6 +134,9 @@ class RingKVCache:
         self.v = torch.zeros(num_kv_heads, self.size, head_dim)
         self.tags = torch.full((self.size,), -1, dtype=torch.long)
         self.high_water = -1  # the highest position ever written since the sequence began
+        # Every ring of a sequence gets the same writes, keeps and truncations, so rings of one
+        # size hold equal tags (a layer writes before it attends) and may share a mask.
+        self.mask_key = ("ring", self.size)
 
     def ensure_capacity(self, num_positions: int) -> None:
         pass  # fixed size

@@ -52,6 +52,8 @@ class RowsOfSequence:
     start_pos: int
     begin: int
     end: int
+    #: scratch the layers of this forward share (`attention.attend` keeps its masks here).
+    masks: dict = attrs.field(factory=dict, eq=False, repr=False)
 
     @property
     def rows(self) -> slice:
@@ -193,7 +195,7 @@ class SequenceTrunk:
             positions.append(torch.arange(p.start_pos, p.start_pos + p.n))
             sequences.append(RowsOfSequence(states[p.index], p.start_pos, row, row + p.n))
             row += p.n
-        rows = Rows(torch.cat(tokens), torch.cat(positions), tuple(sequences))
+        rows = Rows(_cat(tokens), _cat(positions), tuple(sequences))
         normed, taps = self._forward_rows(rows)
         want, owners = [], []  # chunk rows that want logits, and whose they are
         for p, s in zip(chunk, sequences):
@@ -209,7 +211,8 @@ class SequenceTrunk:
                 hidden[p.index].append(normed[s.rows] if seg.tap_layers is None
                                        else torch.cat([taps[i][s.rows] for i in seg.tap_layers], dim=-1))
         if want:
-            head = self._lm_head(normed[want])  # [r, V]: one LM-head matmul for every sequence
+            contiguous = want[-1] - want[0] == len(want) - 1  # always so for one sequence: a view
+            head = self._lm_head(normed[want[0]:want[-1] + 1] if contiguous else normed[want])  # [r, V]
             for index, group in itertools.groupby(range(len(owners)), key=owners.__getitem__):
                 group = list(group)
                 logits[index].append(head[group[0]:group[-1] + 1])
@@ -227,6 +230,11 @@ class SequenceTrunk:
 
     def _lm_head(self, normed: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+
+def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat, without the copy when there is one piece (every decode and verify)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 class TrunkView:

@@ -256,7 +256,7 @@ class LlamaForCausalLM(TrunkModule):
     def _forward_rows(self, rows: Rows):
         """Final-normed rows fp32 [n, D] and the residual rows entering each layer (index L = after the last)."""
         m = self.model
-        cos, sin = m.rotary_emb.cos_sin(rows.positions)  # [n, r/2]
+        cos, sin = m.rotary_emb.cos_sin(rows.positions)  # [n, 1, r]
         x = self._embed(rows.tokens)
         taps = {}  # layer index -> residual rows entering it [n, D]
         for i, layer in enumerate(m.layers):
