@@ -1,0 +1,105 @@
+"""Concurrent requests through the engine's scheduler: aggregate decode tok/s and time to
+first token for N = 1, 2, 4, 8 requests arriving together, speculation off and on.
+
+    python benchmarks/concurrency.py [--models gemma3-270m smollm2-135m-instruct] [--new 64]
+
+Each of the N requests has its own prompt (the bench scenarios' prompts, cycled, each with a
+distinct first line so they share no prefix), greedy, stop tokens ignored, `--new` tokens.
+All N are queued at once and the engine is stepped in this thread until every one is done:
+with N > 1 every step is one batched forward over the N sequences (speculation runs only
+while a request is alone, so "on" at N > 1 should match "off"). Reported per row:
+
+- agg decode tok/s: tokens after each request's first / the time from the last first token
+  to the last finish (all N decode together over that window);
+- ttft ms: mean time from admission to first token (the N prefills share one forward);
+- identical: every stream equals the same prompt's stream at N = 1 with speculation off.
+
+Timing is wall clock on whatever else the machine runs: compare rows of one run only.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import verispec
+from verispec.bench import load_scenarios
+from verispec.engine import SpecOptions
+
+NUM_REQUESTS = (1, 2, 4, 8)
+
+
+def prompts(engine, count: int) -> list:
+    """`count` distinct prompts: scenario prompts cycled, each behind its own first line."""
+    texts = [s.get("prompt") or s["turns"][0] for s in load_scenarios()]
+    out = []
+    for i in range(count):
+        text = f"Request {i + 1}.\n{texts[i % len(texts)]}"
+        out.append([{"role": "user", "content": text}] if engine.tokenizer.chat_template else text)
+    return out
+
+
+def run_together(engine, batch: list, new: int) -> dict:
+    """Queue every prompt at once, step until all are done; the row's figures and streams."""
+    engine.reset_cache()
+    generations = [engine.generate(p, max_tokens=new, ignore_eos=True) for p in batch]
+    first_at: dict[int, float] = {}
+    while not all(g.done for g in generations):
+        engine.step()
+        now = time.perf_counter()
+        for i, g in enumerate(generations):
+            if g.poll() and i not in first_at:
+                first_at[i] = now
+    end = time.perf_counter()
+    results = [g.result for g in generations]
+    window = end - max(first_at.values())
+    decoded = sum(len(r.tokens) - 1 for r in results)
+    return {"agg_tps": decoded / window if window > 0 else 0.0,
+            "ttft_ms": statistics.mean(r.ttft_ms for r in results),
+            "drafted": sum(r.spec.num_draft_tokens for r in results),
+            "accepted": sum(r.spec.num_accepted_tokens for r in results),
+            "streams": [r.tokens for r in results]}
+
+
+def bench_model(model: str, new: int, threads: int | None) -> list[dict]:
+    engine = verispec.load(model, threads=threads, spec=SpecOptions(enabled=False))
+    batch = prompts(engine, max(NUM_REQUESTS))
+    run_together(engine, batch[:2], 8)  # warm-up: first forwards, allocator
+    solo = [run_together(engine, [p], new)["streams"][0] for p in batch]
+    rows = []
+    for label, spec in (("off", SpecOptions(enabled=False)), ("on", SpecOptions(spec_type="auto"))):
+        engine.update_speculation(spec)
+        for n in NUM_REQUESTS:
+            row = run_together(engine, batch[:n], new)
+            row.update(model=model, spec=label, n=n, speculator=engine.speculator.name if engine.speculator else "-",
+                       identical=row.pop("streams") == solo[:n])
+            rows.append(row)
+            print(format_row(row), flush=True)
+    return rows
+
+
+def format_row(row: dict) -> str:
+    return (f"| {row['model']} | {row['spec']} ({row['speculator']}) | {row['n']} | {row['agg_tps']:.1f} | "
+            f"{row['ttft_ms']:.0f} | {row['accepted']}/{row['drafted']} | {row['identical']} |")
+
+
+HEADER = ("| model | speculation | N | agg decode tok/s | mean TTFT ms | accepted/drafted | identical |\n"
+          "|---|---|---|---|---|---|---|")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["gemma3-270m", "smollm2-135m-instruct"])
+    parser.add_argument("--new", type=int, default=64, help="tokens per request")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    print(HEADER, flush=True)
+    for model in args.models:
+        rows = bench_model(model, args.new, args.threads)
+        by = {(r["spec"], r["n"]): r["agg_tps"] for r in rows}
+        print(f"{model}: N=4 / N=1 aggregate (off) = {by[('off', 4)] / by[('off', 1)]:.2f}x; "
+              f"N=1 on / off = {by[('on', 1)] / by[('off', 1)]:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
