@@ -21,7 +21,8 @@ default prompt and num_drift_steps; the suite fails at once, saying so, when it 
 
 Target cases: (a) an n-row verify equals n one-row decodes; (b) a prefill's last row equals
 its rows' logits; (c) `keep` at every row count 0..K, K = 1..16, leaves the next logits
-equal to a plain run; (d) truncation is exact (or refused with CannotTruncate); (e) two and
+equal to a plain run; (d) truncation is exact (or refused with CannotTruncate), and so is a
+fork, which never disturbs its source (a fork at the full length always works); (e) two and
 three sequences in one forward — prefill beside decode beside verify — each equal their
 solo run; (f) 200 random batched steps over three sequences with random accept counts do
 not drift; (g) an always-wrong and a perfect drafter both give the plain greedy stream;
@@ -168,6 +169,30 @@ class TargetConformance:
         assert target.seq_len(seq) == 0
         forward_one(target, seq, self.prompt, logits="none")
         assert torch.equal(forward_one(target, seq, tail).logits, first)
+
+    def test_fork_is_exact_or_refused_and_leaves_the_source(self, target):
+        tail = self._greedy_continuation(target, 6)
+        source = target.new_sequence()
+        forward_one(target, source, self.prompt, logits="none")
+        expected = forward_one(target, source, tail).logits  # the tail's rows after the prompt
+        try:
+            prefix = target.fork(source, len(self.prompt))
+        except CannotTruncate:
+            pass  # the state kinds cannot be cut back there (recurrent state)
+        else:
+            assert target.seq_len(prefix) == len(self.prompt)
+            assert torch.equal(forward_one(target, prefix, tail).logits, expected)
+            target.release(prefix)
+        whole = target.fork(source, target.seq_len(source))
+        from_fork = forward_one(target, whole, tail[:3]).logits
+        from_source = forward_one(target, source, tail[:3]).logits  # after the fork wrote its own rows
+        assert torch.equal(from_fork, from_source)
+        fresh = target.new_sequence()
+        forward_one(target, fresh, self.prompt + tail, logits="none")
+        _assert_rows_equal(target, from_source, forward_one(target, fresh, tail[:3]).logits, self.atol,
+                           "the source after a fork:")
+        for seq in (source, whole, fresh):
+            target.release(seq)
 
     def test_sequences_in_one_forward_equal_their_solo_runs(self, target):
         """Prefill of one sequence beside decodes and verifies of others, two and three at a time."""
