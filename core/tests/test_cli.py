@@ -134,6 +134,7 @@ def test_a_prompt_that_is_not_utf8_is_an_error_naming_the_byte(env, tmp_path):
     (["generate", "--max-tokens", "0"], "--max-tokens 0: choose 1..1048576"),
     (["generate", "--bogus"], "unrecognized arguments: --bogus"),
     (["serve", "--request-timeout", "0"], "--request-timeout 0.0: choose 0.01..10000000.0"),
+    (["serve", "--max-running", "0"], "--max-running 0: choose 1..1024"),
     ([], "the following arguments are required: command"),
 ])
 def test_bad_flags_print_the_error_and_a_one_line_usage(env, args, message):

@@ -153,3 +153,35 @@ def test_metrics_is_prometheus_text(served):
     names = set(_metrics(base_url))
     assert {"verispec_requests_running", "verispec_requests_waiting", "verispec_generated_tokens_total",
             "verispec_acceptance_rate", "verispec_prefix_cache_hits_total"} <= names
+
+
+def test_a_hundred_concurrent_streams_none_lost_none_mixed_up(served, model_path, registry):
+    """100 streaming completions at once (16 decode, the rest queue): each gets its own prompt's
+    solo text, and the server is healthy and idle afterwards."""
+    import asyncio
+
+    base_url, _, _ = served
+    reference = api.load(model_path, registry=registry, context_length=CONTEXT, spec=SpecOptions(enabled=False))
+    expected = []
+    for prompt in PROMPTS:
+        generation = reference.generate(prompt, max_tokens=6, ignore_eos=True)
+        list(generation)
+        expected.append(generation.result.text)
+
+    async def one(client, i):
+        stream = await client.completions.create(model="toy", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=6,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_of_them():
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(100)))
+        finally:
+            await client.close()
+
+    texts = asyncio.run(all_of_them())
+    assert texts == [expected[i % len(PROMPTS)] for i in range(100)]
+    metrics = _metrics(base_url)
+    assert metrics["verispec_requests_running"] == 0 and metrics["verispec_requests_waiting"] == 0
+    assert httpx.get(f"{base_url}/health", timeout=10).json()["status"] == "ok"

@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                        default=600.0, metavar="SECONDS",
                        help="a generation running longer ends there with finish_reason \"length\" "
                             "(default 600; time waiting for the engine does not count)")
+    serve.add_argument("--max-running", type=_ranged(int, 1, 1024, "--max-running"), default=16, metavar="N",
+                       help="requests decoding together in one batch (default 16); later ones queue")
     _add_model_args(serve)
     _add_spec_args(serve)
     for command in sub.choices.values():
@@ -202,7 +204,7 @@ def load_engine(args):
 
     threads = args.threads or default_threads()  # idle cores now: one busy core halves a 2-thread decode
     return load(args.model, dtype=args.dtype, threads=threads, context_length=args.context_length,
-                spec=spec_options(args))
+                spec=spec_options(args), max_running=getattr(args, "max_running", None))
 
 
 def cmd_plugins(args) -> int:
