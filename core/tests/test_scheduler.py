@@ -238,3 +238,20 @@ def test_admission_is_capped_and_waiting_requests_run_later(model_path, registry
     results = drain(engine, generations)
     for prompt, got in zip(PROMPTS, results):
         assert got.tokens == solo(model_path, registry, prompt, max_tokens=5, ignore_eos=True).tokens
+
+
+def test_update_speculation_applies_between_steps(model_path, registry):
+    """A policy change mid-request: the running request goes on plainly (its speculator is
+    closed), its stream unchanged; the next request uses the new policy."""
+    engine = api.load(model_path, registry=registry, spec_type="echo", adaptive=False)
+    first = engine.generate(PROMPTS[0], max_tokens=40, ignore_eos=True)
+    for _ in range(6):
+        engine.step()
+    engine.update_speculation(SpecOptions(enabled=False))
+    calls = record_forwards(engine)
+    drain(engine, [first])
+    assert not any(s.verify for _, batch in calls for s in batch)
+    assert first.result.tokens == solo(model_path, registry, PROMPTS[0], max_tokens=40, ignore_eos=True).tokens
+    engine.update_speculation(SpecOptions(spec_type="echo", adaptive=False))
+    (second,) = drain(engine, [engine.generate(PROMPTS[0], max_tokens=40, ignore_eos=True)])
+    assert second.speculator == "echo" and second.spec.num_spec_steps > 0
