@@ -255,3 +255,10 @@ def test_update_speculation_applies_between_steps(model_path, registry):
     engine.update_speculation(SpecOptions(spec_type="echo", adaptive=False))
     (second,) = drain(engine, [engine.generate(PROMPTS[0], max_tokens=40, ignore_eos=True)])
     assert second.speculator == "echo" and second.spec.num_spec_steps > 0
+
+
+def test_scheduler_sizes_are_checked(model_path, registry):
+    from verispec.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="max_running=0"):
+        api.load(model_path, registry=registry, max_running=0)

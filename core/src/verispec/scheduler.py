@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
+from verispec.errors import InvalidArgument
 from verispec.execution import ExecutionStats, SpeculativeExecution
 from verispec.sampling import Sampler, SamplingParams
 from verispec.nn.state import CannotTruncate
@@ -215,14 +216,14 @@ class Scheduler:
 
     max_rows_per_step: rows one batched forward carries at most (>= 1).
     max_running: requests admitted at once (>= 1). max_idle_sequences: finished sequences kept
-    for prefix reuse (0 = no prefix cache).
+    for prefix reuse (0 = no prefix cache). Raises InvalidArgument outside those ranges.
     """
 
     def __init__(self, target, *, max_rows_per_step: int = DEFAULT_MAX_ROWS_PER_STEP,
                  max_running: int = DEFAULT_MAX_RUNNING, max_idle_sequences: int = DEFAULT_MAX_IDLE_SEQUENCES):
         if max_rows_per_step < 1 or max_running < 1 or max_idle_sequences < 0:
-            raise ValueError(f"max_rows_per_step={max_rows_per_step}, max_running={max_running}, "
-                             f"max_idle_sequences={max_idle_sequences}: choose >= 1, >= 1 and >= 0")
+            raise InvalidArgument(f"max_rows_per_step={max_rows_per_step}, max_running={max_running}, "
+                                  f"max_idle_sequences={max_idle_sequences}: choose >= 1, >= 1 and >= 0")
         self.target = target
         self.max_rows_per_step, self.max_running, self.max_idle_sequences = (max_rows_per_step, max_running,
                                                                                max_idle_sequences)
