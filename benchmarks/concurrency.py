@@ -3,8 +3,8 @@ first token for N = 1, 2, 4, 8 requests arriving together, speculation off and o
 
     python benchmarks/concurrency.py [--models gemma3-270m smollm2-135m-instruct] [--new 64]
 
-Each of the N requests has its own prompt (the bench scenarios' prompts, cycled, each with a
-distinct first line so they share no prefix), greedy, stop tokens ignored, `--new` tokens.
+Each of the N requests has its own prompt (the bench scenarios' prompts, quoting ones first,
+cycled, each with a distinct first line so they share no prefix), greedy, stop tokens ignored, `--new` tokens.
 All N are queued at once and the engine is stepped in this thread until every one is done:
 with N > 1 every step is one batched forward over the N sequences (speculation runs only
 while a request is alone, so "on" at N > 1 should match "off"). Reported per row:
@@ -30,8 +30,10 @@ NUM_REQUESTS = (1, 2, 4, 8)
 
 
 def prompts(engine, count: int) -> list:
-    """`count` distinct prompts: scenario prompts cycled, each behind its own first line."""
-    texts = [s.get("prompt") or s["turns"][0] for s in load_scenarios()]
+    """`count` distinct prompts: scenario prompts cycled (quoting ones first, so N = 1 is a quote
+    scenario), each behind its own first line."""
+    scenarios = sorted(load_scenarios(), key=lambda s: not s["name"].startswith("quote"))
+    texts = [s.get("prompt") or s["turns"][0] for s in scenarios]
     out = []
     for i in range(count):
         text = f"Request {i + 1}.\n{texts[i % len(texts)]}"
