@@ -274,14 +274,16 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------
 
     def step(self) -> None:
-        """Admit waiting requests, run one solo or batched step, retire finished requests."""
+        """Retire cancelled requests, admit waiting ones, run one solo or batched step. A step that
+        raises fails the requests running in it (their generations raise the error), not the engine."""
         with self.step_lock:
-            self._retire_cancelled()
-            self._admit()
-            if not self._running:
-                return
-            solo = self._running[0] if len(self._running) == 1 and self._running[0].decoding else None
+            solo = None
             try:
+                self._retire_cancelled()
+                self._admit()
+                if not self._running:
+                    return
+                solo = self._running[0] if len(self._running) == 1 and self._running[0].decoding else None
                 if solo is not None:
                     self._solo_step(solo)
                 else:
