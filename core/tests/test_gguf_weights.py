@@ -25,8 +25,7 @@ from verispec.nn.quant import (
     swap_linears,
 )
 from verispec.testing.fixture_writer import write_gguf
-
-BF16_HALF_ULP = 2.0 ** -8  # unit roundoff of bf16 (8 significant bits): |bf16(x) - x| <= 2^-8 |x|
+from verispec.testing.gguf_weights import assert_within_scale_rounding
 
 
 def random_blocks(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -47,17 +46,6 @@ def _blocks(ggml_type, raw, cols):
 
 def _expand(groups):
     return groups.repeat_interleave(GROUP, dim=1)
-
-
-def assert_file_weights_within_scale_rounding(weights: torch.Tensor, parts: list[GGUFBlocks]) -> None:
-    """weights fp32 [rows, cols] are gguf-py's dequantisation of `parts` (stacked) within
-    2^-8 (|q - 8| |scale| + |zero|) + one fp32 rounding per element: the bf16 rounding of the
-    group's scale and zero, nothing else."""
-    expected = torch.cat([torch.from_numpy(dequantize(p.data.numpy(), p.ggml_type)) for p in parts])
-    q, scale, zero = (torch.cat(t) for t in zip(*map(unpack_int4, parts)))
-    bound = (BF16_HALF_ULP * ((q.float() - 8).abs() * _expand(scale).abs() + _expand(zero).abs())
-             + torch.finfo(torch.float32).eps * expected.abs())
-    assert ((weights - expected).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("ggml_type", sorted(INT4_TYPES))
@@ -87,7 +75,7 @@ def test_module_weights_are_the_file_within_the_bf16_scale_rounding(ggml_type):
     raw = random_blocks(ggml_type, rows, cols, seed=1)
     linear = GGUFInt4Linear.from_gguf([_blocks(ggml_type, raw, cols)])
     weights = linear.rows(torch.arange(rows))
-    assert_file_weights_within_scale_rounding(weights, [_blocks(ggml_type, raw, cols)])
+    assert_within_scale_rounding(weights, [_blocks(ggml_type, raw, cols)])
     assert not torch.equal(weights, torch.from_numpy(dequantize(raw, ggml_type)))  # premise: bf16 moves them
     one_hot = linear(torch.eye(cols))  # [cols, rows] = W^T through the kernel
     assert torch.equal(one_hot.t(), weights.bfloat16().float())
@@ -151,7 +139,7 @@ def _fixture(tmp_path, extra=None):
                "exps.weight": random_blocks(T.Q4_1, E * 16, D, 6).reshape(E, 16, -1), **(extra or {})}
     types = {"token_embd.weight": "Q8_0", "mixed_b.weight": "Q8_0", "q4_0.weight": "Q4_0", "q4_1.weight": "Q4_1",
              "q4_k.weight": "Q4_K", "gate.weight": "Q4_0", "up.weight": "Q4_K", "mixed_a.weight": "Q4_K",
-             "exps.weight": "Q4_1"} | {name: "Q2_K" for name in extra or {}}
+             "exps.weight": "Q4_1"} | {name: "Q8_K" for name in extra or {}}
     path = write_gguf(tmp_path / "tiny.gguf", arch="tiny", metadata={}, tensors=tensors, vocab=None,
                       tensor_types=types)
     return GGUFFile.open(path)
@@ -177,10 +165,10 @@ def test_the_loader_gives_each_linear_the_class_for_its_type_and_the_files_weigh
         linear = getattr(model, name)
         assert type(linear) is GGUFInt4Linear, name
         blocks = [_stored(gguf, p) for p in parts]
-        assert_file_weights_within_scale_rounding(linear.rows(torch.arange(linear.out_features)), blocks)
+        assert_within_scale_rounding(linear.rows(torch.arange(linear.out_features)), blocks)
     for e, linear in enumerate(model.experts):  # an expert's slice of a 3-D Q4_1 tensor
         assert type(linear) is GGUFInt4Linear
-        assert_file_weights_within_scale_rounding(linear.rows(torch.arange(16)), [_stored(gguf, "exps.weight", e)])
+        assert_within_scale_rounding(linear.rows(torch.arange(16)), [_stored(gguf, "exps.weight", e)])
     for name in ("embed", "f32", "mixed"):  # Q8_0, F32, and Q4_K stacked with Q8_0: requantised int8
         assert type(getattr(model, name)) is Int8Linear, name
     assert torch.equal(model.embed.weight, Int8Linear.from_float(gguf.tensor("token_embd.weight")).weight)
@@ -206,7 +194,7 @@ def test_the_gguf_state_goes_through_the_weight_cache_under_its_own_key(tmp_path
 
 
 def test_a_type_with_no_mapping_is_refused_naming_tensor_and_fix(tmp_path):
-    q2_k = np.random.default_rng(0).integers(0, 256, (40, D // 256 * GGML_QUANT_SIZES[T.Q2_K][1]), dtype=np.uint8)
-    gguf = _fixture(tmp_path, extra={"q4_k.weight": q2_k})
-    with pytest.raises(UnmappedGGUFType, match=r"q4_k\.weight is stored as Q2_K.*--dtype int8"):
+    q8_k = np.random.default_rng(0).integers(0, 256, (40, D // 256 * GGML_QUANT_SIZES[T.Q8_K][1]), dtype=np.uint8)
+    gguf = _fixture(tmp_path, extra={"q4_k.weight": q8_k})  # Q8_K: llama.cpp's dot-product scratch type
+    with pytest.raises(UnmappedGGUFType, match=r"q4_k\.weight is stored as Q8_K.*re-quantise the file"):
         plan_weights(gguf, Tiny(), TABLE, num_layers=0, num_experts=E)

@@ -228,10 +228,13 @@ class GGUFInt4Linear(Int4Linear):
         return module
 
 
-#: the class a `--dtype gguf` linear takes for the file's ggml types that have no exact kernel:
-#: per-output-channel int8, the families' default, requantised from the dequantised weights.
+#: the ggml types a `--dtype gguf` linear takes as per-output-channel int8 (the families'
+#: default, requantised from gguf-py's dequantisation: not exact), no exact kernel fitting them:
+#: every other type gguf-py dequantises (names absent from an older gguf are skipped).
 GGUF_REQUANTISED = frozenset(GGMLQuantizationType[name] for name in (
-    "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F16", "BF16", "F32"))
+    "F32", "F16", "BF16", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M",
+    "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4",
+    "NVFP4") if name in GGMLQuantizationType.__members__)
 
 
 class UnmappedGGUFType(VerispecError, ValueError):
@@ -241,10 +244,9 @@ class UnmappedGGUFType(VerispecError, ValueError):
         self.name, self.ggml_type = name, ggml_type
         exact = ", ".join(sorted(t.name for t in INT4_TYPES))
         wider = ", ".join(sorted(t.name for t in GGUF_REQUANTISED))
-        super().__init__(f"{name} is stored as {ggml_type.name}, which the gguf weight mode has no kernel "
-                         "for "
-                         f"(it maps {exact} to int4 groups and {wider} to int8); load it with --dtype int8, "
-                         "which requantises any type gguf can dequantise")
+        super().__init__(f"{name} is stored as {ggml_type.name}, which the gguf weight mode has no mapping "
+                         f"for (it maps {exact} to int4 groups and {wider} to int8); re-quantise the file "
+                         "to one of those types (llama.cpp's llama-quantize)")
 
 
 class GGUFLinear(Float32Linear):

