@@ -191,11 +191,21 @@ def _naive_attention(q, k, v, q_positions, scaling, window=None):
     return torch.einsum("nht,thd->nhd", torch.softmax(scores, -1), v)
 
 
+@pytest.fixture
+def two_threads():
+    """The engine's 2 intra-op threads: MKL's one-item bmm kernel differs only when threaded."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("ring", [False, True])
-@pytest.mark.parametrize("H, Hkv", [(4, 2), (6, 3), (3, 1)])
-def test_attention_matches_naive_and_is_batch_invariant(ring, H, Hkv):
-    # one row batches its KV heads in one bmm, n rows loop over them: the same bits per row
-    Dh, T, window = 8, 40, 6
+@pytest.mark.parametrize("H, Hkv", [(4, 2), (6, 3), (3, 1), (7, 1), (14, 2)])
+def test_attention_matches_naive_and_is_batch_invariant(ring, H, Hkv, two_threads):
+    # one row batches its KV heads in one bmm, n rows loop over them: the same bits per row.
+    # (7, 1): a one-item bmm would round otherwise (MKL, g = 5..11); (14, 2): Qwen2.5 0.5B's heads
+    Dh, T, window = 64, 40, 6
     k, v = torch.randn(T, Hkv, Dh, generator=_gen()), torch.randn(T, Hkv, Dh, generator=_gen(1))
     q = torch.randn(T, H, Dh, generator=_gen(2))
     if ring:

@@ -9,6 +9,8 @@ verify must be bitwise the row computed alone. Two things make that true here:
    [g, T] @ [T, Dh]); the kernels give the same bits whatever the batch count, whereas a
    [n·g, Dh] @ [Dh, T] gemm changes its blocking with n. n rows loop over the KV heads with
    the rows as the batch; one row (a decode) makes its KV heads the batch: one bmm pair.
+   A batch of one item never runs: MKL takes another kernel for it (measured: bits differ
+   for g = 5..11 query heads per KV head), so it runs as two identical items.
 2. A row at position p reads exactly key_length(p) slots (`nn.state`), a function of p
    alone: padding a reduction with masked slots changes its summation order, so rows are
    grouped by key length and each group runs at its own T.
@@ -112,8 +114,12 @@ def _attend_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hid
                   scaling: float, softcap: float | None) -> torch.Tensor:
     """softmax(q·keys · scaling, masked) · values per bmm item: q [b, g, Dh], keys [b, Dh, T],
     values [b, T, Dh], hidden bool [b or 1, 1, T] -> [b, g, Dh]. Each item is one query row."""
+    single = q.shape[0] == 1
+    if single:  # a bmm batch of one takes another kernel whose bits differ (g = 5..11 here): run two
+        q, keys, values = q.expand(2, -1, -1), keys.expand(2, -1, -1), values.expand(2, -1, -1)
     scores = torch.bmm(q, keys).mul_(scaling)  # [b, g, T]
     if softcap is not None:
         scores = scores.div_(softcap).tanh_().mul_(softcap)
     scores.masked_fill_(hidden, float("-inf"))
-    return torch.bmm(torch.softmax(scores, dim=-1), values)
+    out = torch.bmm(torch.softmax(scores, dim=-1), values)
+    return out[:1] if single else out
