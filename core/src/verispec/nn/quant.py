@@ -10,10 +10,24 @@ takes and returns fp32 activations [n, in] -> [n, out]; only the matmul sees bf1
 | bfloat16 | bf16 [out, in]                 | F.linear bf16, bf16 out                     | no: CPU-dependent (AVX-512 BF16: rows differ from n = 21 at 48→80) |
 | int8     | int8 [out, in] + bf16 scale [out] | aten._weight_int8pack_mm, bf16 act/out  | yes             |
 | int4     | int4 groups of 32 + bf16 scale/zero | aten._weight_int4pack_mm_for_cpu, bf16 | yes (checked to 33 rows) |
+| gguf     | per tensor: Q4_0/Q4_1/Q4_K as int4 (the file's q) | int4 kernel; other types int8 | yes (both kernels) |
 
-int4 is opt-in: requantising a GGUF's Q4_K/Q5_0/Q8_0 blocks to asymmetric int4 groups loses
-accuracy (argmax vs fp32 on a 319-token prompt: Gemma 3 270M 75 %, SmolLM2 91.5 %; int8: 97.8 %
-and 97.7 %) for a faster decode (Gemma 32-34 ms vs 45 ms per token, SmolLM2 38-40 vs 43-44).
+gguf (the gemma4 and llama families' default) keeps the file's own 4-bit values: a Q4_0, Q4_1
+or Q4_K tensor goes to the int4 kernel as stored (GGUFInt4Linear; only its per-32 scale and
+zero round to bf16, the one dtype the kernel runs fast), every other type to per-channel int8
+(requantised, not exact; GGUF_REQUANTISED), a type gguf-py cannot dequantise is refused.
+Measured with benchmarks/weight_modes.py (2 threads, machine shared with other jobs;
+plain decode tok/s, median of paired rounds; argmax = fp32 on the quote-code prompt's rows):
+
+| model (file)          | gguf tok/s | argmax | int8 tok/s | argmax | int4 tok/s | argmax |
+|-----------------------|------------|--------|------------|--------|------------|--------|
+| Gemma 3 270M (Q4_K_M) | 56.9       | 96.6 % | 54.5       | 95.7 % | 72.9       | 73.3 % |
+| SmolLM2-135M (Q4_1)   | 92.6       | 98.2 % | 80.7       | 97.6 % | 93.8       | 93.8 % |
+
+Gemma's Q4_K_M file holds only 27 Q4_K matrices (rows of 640 are not a multiple of 256, so
+llama.cpp stores those as Q5_0) and a Q8_0 head, so its gguf mode is mostly int8. int4
+requantises every tensor, head included, to asymmetric min/max groups: the fastest, but it moves
+a quarter of Gemma's greedy choices, so it is opt-in.
 
 int8 is symmetric per output channel: w ≈ q · scale, q in [-127, 127], scale =
 max|w_row| / 127 rounded up to bf16 (the kernel takes bf16 scales; rounding up means no

@@ -1,5 +1,6 @@
-"""Checks for the `gguf` weight mode against gguf-py's own dequantisation of a file's blocks,
-shared by core's tests and each model package's real-checkpoint tests."""
+"""Checks for the `gguf` weight mode (against gguf-py's own dequantisation of a file's blocks,
+and its batch invariance on a real trunk), shared by core's tests and each model package's
+real-checkpoint tests."""
 from __future__ import annotations
 
 import os
@@ -13,7 +14,8 @@ from verispec.gguf_io import GGUFFile
 from verispec.nn.gguf_blocks import GROUP, INT4_TYPES, GGUFBlocks, unpack_int4
 from verispec.nn.quant import GGUFInt4Linear
 
-__all__ = ["BF16_UNIT_ROUNDOFF", "assert_file_int4_tensors_exact", "assert_within_scale_rounding"]
+__all__ = ["BF16_UNIT_ROUNDOFF", "assert_file_int4_tensors_exact", "assert_verify_rows_are_one_row_decodes",
+           "assert_within_scale_rounding"]
 
 #: |bf16(x) - x| <= 2^-8 |x| (8 significant bits, round to nearest).
 BF16_UNIT_ROUNDOFF = 2.0 ** -8
@@ -53,3 +55,21 @@ def assert_file_int4_tensors_exact(path: str | os.PathLike) -> int:
         assert_within_scale_rounding(GGUFInt4Linear.from_gguf([blocks]).rows(torch.arange(shape[0])), [blocks])
         checked += 1
     return checked
+
+
+def assert_verify_rows_are_one_row_decodes(target, tokens: Sequence[int], prefix: int, max_rows: int = 9) -> None:
+    """After `prefix` tokens, a k-row verify of the next k tokens (k = 2..max_rows) gives logits
+    bitwise equal to one-row decodes of the same tokens: the batch invariance a `gguf`-mode
+    trunk declares, on a real file's mixed int4 / int8 linears."""
+    from verispec.testing import forward_one
+
+    assert len(tokens) >= prefix + max_rows, "too few tokens for the prefix and the widest verify"
+    seq = target.new_sequence()
+    forward_one(target, seq, tokens[:prefix], logits="last")
+    alone = torch.cat([forward_one(target, seq, tokens[i:i + 1]).logits for i in range(prefix, prefix + max_rows)])
+    target.truncate(seq, prefix)
+    for k in range(2, max_rows + 1):
+        rows = forward_one(target, seq, tokens[prefix:prefix + k], verify=True).logits
+        assert torch.equal(rows, alone[:k]), f"k={k}: max |diff| {(rows - alone[:k]).abs().max():.3g}"
+        target.keep(seq, 0)
+    target.release(seq)

@@ -5,8 +5,9 @@
 2. `Gemma3Config` / `Gemma4Config.from_gguf_metadata` and a model on the meta device.
 3. Weights: one typed tensor table per family (`verispec.gguf_load.Tensor`: GGUF name ->
    HF-style parameter name) handed to `verispec.gguf_load.plan_weights`, which checks every
-   tensor's presence and shape, dequantises each to fp32, converts linears to the chosen weight
-   dtype (nn.quant; norms and scales stay fp32) and fills the module.
+   tensor's presence and shape, dequantises each to fp32 (in the gguf mode, Q4 linears take the
+   stored blocks instead), converts linears to the chosen weight dtype (nn.quant; norms and
+   scales stay fp32) and fills the module.
    Dequantising Q4_K/Q5_0 and requantising takes seconds, so the converted state goes
    through `verispec.weight_cache` and the next load memory-maps it (the 270M: ~0.3 s).
 4. The tokenizer from the file's own metadata (verispec.tokenizer).
@@ -24,10 +25,12 @@ from verispec.nn.state import MAX_VERIFY_ROWS
 from verispec_gemma4.modeling_gemma3 import Gemma3Config, Gemma3ForCausalLM
 from verispec_gemma4.modeling_gemma4 import Gemma4Config, Gemma4ForCausalLM
 
-#: weight dtype when the caller does not choose one. int8 weight-only: batch-invariant (a
-#: verify row is bitwise the one-row decode), the fastest decode and the cheapest k-row verify
-#: on CPU (measurements in the package README).
-DEFAULT_DTYPE = "int8"
+#: weight dtype when the caller does not choose one. "gguf": the file's Q4_0/Q4_1/Q4_K blocks
+#: as stored in the int4 kernel, every other type as per-channel int8 (nn.quant). Batch-invariant
+#: (a verify row is bitwise the one-row decode) like int8, and on Gemma 3 270M Q4_K_M both a
+#: little faster (56.9 vs 54.5 tok/s, paired rounds) and closer to fp32 (argmax 96.6 vs 95.7 %
+#: of 326 teacher-forced rows): benchmarks/weight_modes.py, README "Weight dtypes".
+DEFAULT_DTYPE = "gguf"
 
 #: GGUF tensor -> parameter in our modules (HF's names); "{i}" = layer index (gemma4's "{e}" = expert).
 #: gguf-py MODEL_TENSORS[GEMMA3]; reference/gemma4.md §2.1 gives the HF <-> GGUF pairs.
@@ -92,7 +95,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
 
     Returns the trunk in eval mode: linears in `dtype` (nn.quant), norms, scales and scalars
     fp32; `.tokenizer` set from the file's metadata when `tokenizer` is true.
-    dtype: "int8" (default) | "bfloat16"/"bf16" | "float32"/"fp32" | "int4".
+    dtype: "gguf" (default) | "int8" | "bfloat16"/"bf16" | "float32"/"fp32" | "int4".
     context_length: max positions (default: the file's context_length).
     max_rows_per_forward, max_verify_rows: chunk length and ring slack (see Gemma3ForCausalLM).
     use_cache: read/write converted weights under verispec's cache dir.

@@ -6,8 +6,9 @@
    meta device.
 3. Weights: one typed tensor table (`verispec.gguf_load.Tensor`: GGUF name -> HF parameter
    name) handed to `verispec.gguf_load.plan_weights`, which checks every tensor's presence and
-   shape, dequantises each to fp32, converts linears to the module's weight dtype (nn.quant;
-   norms and biases stay fp32) and fills the module. A file with tensors the plan does not
+   shape, dequantises each to fp32 (in the gguf mode, Q4 linears take the stored blocks
+   instead), converts linears to the module's weight dtype (nn.quant; norms and biases stay
+   fp32) and fills the module. A file with tensors the plan does not
    read is refused (UnsupportedLlamaVariant). Q/K rows are taken as the file holds them
    (llama's are permuted by llama.cpp's converter); `modeling_llama` applies the matching RoPE
    pairing, so nothing is un-permuted here.
@@ -29,10 +30,12 @@ from verispec_llama.modeling_llama import LlamaConfig, LlamaForCausalLM, Unsuppo
 
 __all__ = ["DEFAULT_DTYPE", "ROPE_FREQS", "TENSORS", "config_from_gguf", "load"]
 
-#: weight dtype when the caller does not choose one. int8 weight-only: batch-invariant (a
-#: verify row is bitwise the one-row decode), the fastest decode, and a k-row verify that
-#: costs about one row up to k = 4 (measurements in the package README).
-DEFAULT_DTYPE = "int8"
+#: weight dtype when the caller does not choose one. "gguf": the file's Q4_0/Q4_1/Q4_K blocks
+#: as stored in the int4 kernel, every other type as per-channel int8 (nn.quant). Batch-invariant
+#: (a verify row is bitwise the one-row decode) like int8, and on SmolLM2-135M Q4_1 faster (92.6
+#: vs 80.7 tok/s, paired rounds) and closer to fp32 (argmax 98.2 vs 97.6 % of 337 teacher-forced
+#: rows): benchmarks/weight_modes.py, README "Weight dtypes".
+DEFAULT_DTYPE = "gguf"
 
 #: GGUF tensor -> parameter in our modules (HF's names); "{i}" = layer index.
 #: gguf-py MODEL_TENSORS[LLAMA] / [QWEN2]. Entries the model does not have are not looked up:
@@ -67,7 +70,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
 
     Returns the trunk in eval mode: linears in `dtype` (nn.quant), norms and biases fp32;
     `.tokenizer` set from the file's metadata when `tokenizer` is true.
-    dtype: "int8" (default) | "bfloat16"/"bf16" | "float32"/"fp32" | "int4".
+    dtype: "gguf" (default) | "int8" | "bfloat16"/"bf16" | "float32"/"fp32" | "int4".
     context_length: max positions (default: the file's context_length).
     max_rows_per_forward: forward chunk (default: nn.quant.rows_per_forward(dtype)).
     use_cache: read/write converted weights under verispec's cache dir.
