@@ -174,7 +174,8 @@ class LlamaAttention(nn.Module):
         q = _add(self.q_proj(x), self.q_bias).view(n, self.num_heads, self.head_dim)  # [n, H, Dh]
         k = _add(self.k_proj(x), self.k_bias).view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, Dh]
         v = _add(self.v_proj(x), self.v_bias).view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, Dh]
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        qk = rope(torch.cat([q, k], dim=1), cos, sin)  # [n, H + Hkv, Dh]: one RoPE call
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = attend_rows(q, k, v, rows, layer_idx, scaling=self.scaling)  # [n, H, Dh]
         return _add(self.o_proj(out.reshape(n, self.num_heads * self.head_dim)), self.o_bias)  # [n, D]
 
