@@ -7,8 +7,8 @@ Per model: every mode is loaded in one process; decode is timed in rounds (one r
 128-token prefill per mode, then --steps one-row greedy decodes with the modes taking turns
 step by step, median ms per mode), so a load that comes and goes hits every mode alike. Agreement:
 the rows of one prefill over the quote-code scenario prompt (chat-rendered), each mode's
-argmax against fp32's. Linears: the one-row cost of every linear alone (`linears_ms`), what a
-weight mode changes, apart from the per-op overhead around it. Prints one markdown row per
+argmax against fp32's. Linears: the one-row cost of every linear alone, called in model order
+(`linears_ms`): what a weight mode changes, apart from the per-op overhead around it. Prints one markdown row per
 (model, mode).
 """
 from __future__ import annotations
@@ -52,20 +52,19 @@ def decode_ms(targets: dict, tokens: list[int], steps: int) -> dict[str, list[fl
 
 def linears_ms(targets: dict, repeats: int) -> dict[str, float]:
     """ms per token spent in the linears alone (LM head included): each linear called on one
-    random row, median of `repeats`, summed; modes take turns linear by linear."""
+    random row, in model order as a decode calls them (so weights stream from memory, not a
+    warm cache), median per linear over `repeats` passes, summed; modes take turns pass by pass."""
     linears = {mode: [m for m in t.modules() if isinstance(m, Float32Linear)] for mode, t in targets.items()}
-    total = dict.fromkeys(targets, 0.0)
+    inputs = [torch.randn(1, m.in_features) for m in next(iter(linears.values()))]
+    times = {mode: [[] for _ in inputs] for mode in targets}
     with torch.inference_mode():
-        for layer in zip(*linears.values()):
-            x = torch.randn(1, layer[0].in_features)
-            for mode, linear in zip(linears, layer):
-                times = []
-                for _ in range(repeats):
+        for _ in range(repeats):
+            for mode, modules in linears.items():
+                for x, linear, spent in zip(inputs, modules, times[mode]):
                     started = time.perf_counter()
                     linear(x)
-                    times.append(time.perf_counter() - started)
-                total[mode] += 1e3 * statistics.median(times)
-    return total
+                    spent.append(time.perf_counter() - started)
+    return {mode: 1e3 * sum(map(statistics.median, per_linear)) for mode, per_linear in times.items()}
 
 
 def main() -> None:
