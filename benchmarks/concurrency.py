@@ -9,8 +9,8 @@ All N are queued at once and the engine is stepped in this thread until every on
 with N > 1 every step is one batched forward over the N sequences (speculation runs only
 while a request is alone, so "on" at N > 1 should match "off"). Reported per row:
 
-- agg decode tok/s: tokens after each request's first / the time from the last first token
-  to the last finish (all N decode together over that window);
+- agg decode tok/s: tokens emitted after every request has its first token / the time from
+  then to the last finish (the N decode together; early starters finish a little early);
 - ttft ms: mean time from admission to first token (the N prefills share one forward);
 - identical: every stream equals the same prompt's stream at N = 1 with speculation off.
 
@@ -45,17 +45,20 @@ def run_together(engine, batch: list, new: int) -> dict:
     """Queue every prompt at once, step until all are done; the row's figures and streams."""
     engine.reset_cache()
     generations = [engine.generate(p, max_tokens=new, ignore_eos=True) for p in batch]
-    first_at: dict[int, float] = {}
+    started: set[int] = set()
+    all_decoding_at, decoded = None, 0  # tokens emitted once every request has its first one
     while not all(g.done for g in generations):
         engine.step()
-        now = time.perf_counter()
         for i, g in enumerate(generations):
-            if g.poll() and i not in first_at:
-                first_at[i] = now
-    end = time.perf_counter()
+            events = g.poll()
+            if all_decoding_at is not None:
+                decoded += len(events)
+            elif events:
+                started.add(i)
+        if all_decoding_at is None and len(started) == len(generations):
+            all_decoding_at = time.perf_counter()
+    window = time.perf_counter() - all_decoding_at
     results = [g.result for g in generations]
-    window = end - max(first_at.values())
-    decoded = sum(len(r.tokens) - 1 for r in results)
     return {"agg_tps": decoded / window if window > 0 else 0.0,
             "ttft_ms": statistics.mean(r.ttft_ms for r in results),
             "drafted": sum(r.spec.num_draft_tokens for r in results),
