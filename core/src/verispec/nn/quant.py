@@ -16,13 +16,14 @@ gguf (the gemma4 and llama families' default) keeps the file's own 4-bit values:
 or Q4_K tensor goes to the int4 kernel as stored (GGUFInt4Linear; only its per-32 scale and
 zero round to bf16, the one dtype the kernel runs fast), every other type to per-channel int8
 (requantised, not exact; GGUF_REQUANTISED), a type gguf-py cannot dequantise is refused.
-Measured with benchmarks/weight_modes.py (2 threads, machine shared with other jobs;
-plain decode tok/s, median of paired rounds; argmax = fp32 on the quote-code prompt's rows):
+Measured with benchmarks/weight_modes.py (2 threads, machine shared with other jobs, load
+average ~2.5; plain decode tok/s, median of 5 paired rounds; argmax = fp32 on the quote-code
+prompt's rows; README "Weight dtypes" has a second run):
 
 | model (file)          | gguf tok/s | argmax | int8 tok/s | argmax | int4 tok/s | argmax |
 |-----------------------|------------|--------|------------|--------|------------|--------|
-| Gemma 3 270M (Q4_K_M) | 56.9       | 96.6 % | 54.5       | 95.7 % | 72.9       | 73.3 % |
-| SmolLM2-135M (Q4_1)   | 92.6       | 98.2 % | 80.7       | 97.6 % | 93.8       | 93.8 % |
+| Gemma 3 270M (Q4_K_M) | 61.1       | 96.6 % | 60.3       | 95.7 % | 78.0       | 73.3 % |
+| SmolLM2-135M (Q4_1)   | 99.1       | 98.2 % | 87.0       | 97.6 % | 101.4      | 93.8 % |
 
 Gemma's Q4_K_M file holds only 27 Q4_K matrices (rows of 640 are not a multiple of 256, so
 llama.cpp stores those as Q5_0) and a Q8_0 head, so its gguf mode is mostly int8. int4

@@ -28,8 +28,9 @@ from verispec_gemma4.modeling_gemma4 import Gemma4Config, Gemma4ForCausalLM
 #: weight dtype when the caller does not choose one. "gguf": the file's Q4_0/Q4_1/Q4_K blocks
 #: as stored in the int4 kernel, every other type as per-channel int8 (nn.quant). Batch-invariant
 #: (a verify row is bitwise the one-row decode) like int8, and on Gemma 3 270M Q4_K_M both a
-#: little faster (56.9 vs 54.5 tok/s, paired rounds) and closer to fp32 (argmax 96.6 vs 95.7 %
-#: of 326 teacher-forced rows): benchmarks/weight_modes.py, README "Weight dtypes".
+#: little faster (56.9 vs 54.5 and 61.1 vs 60.3 tok/s in two runs of paired rounds) and closer
+#: to fp32 (argmax 96.6 vs 95.7 % of 326 teacher-forced rows): benchmarks/weight_modes.py,
+#: README "Weight dtypes".
 DEFAULT_DTYPE = "gguf"
 
 #: GGUF tensor -> parameter in our modules (HF's names); "{i}" = layer index (gemma4's "{e}" = expert).

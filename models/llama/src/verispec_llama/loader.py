@@ -33,7 +33,7 @@ __all__ = ["DEFAULT_DTYPE", "ROPE_FREQS", "TENSORS", "config_from_gguf", "load"]
 #: weight dtype when the caller does not choose one. "gguf": the file's Q4_0/Q4_1/Q4_K blocks
 #: as stored in the int4 kernel, every other type as per-channel int8 (nn.quant). Batch-invariant
 #: (a verify row is bitwise the one-row decode) like int8, and on SmolLM2-135M Q4_1 faster (92.6
-#: vs 80.7 tok/s, paired rounds) and closer to fp32 (argmax 98.2 vs 97.6 % of 337 teacher-forced
+#: vs 80.7 and 99.1 vs 87.0 tok/s in two runs of paired rounds) and closer to fp32 (argmax 98.2 vs 97.6 % of 337 teacher-forced
 #: rows): benchmarks/weight_modes.py, README "Weight dtypes".
 DEFAULT_DTYPE = "gguf"
 
