@@ -64,8 +64,8 @@ def attend(q: torch.Tensor, cache, start_pos: int, *, scaling: float, sliding_wi
         else:
             groups.append([row, row + 1, num_slots])
     if len(groups) == 1:  # every decode, most verifies: no output copy
-        return _attend_group(q, cache, start_pos, groups[0][2], scaling=scaling, sliding_window=sliding_window,
-                             softcap=softcap, masks=masks)
+        return _attend_group(q, cache, start_pos, groups[0][2], scaling=scaling,
+                             sliding_window=sliding_window, softcap=softcap, masks=masks)
     out = torch.empty_like(q)
     for row, end, num_slots in groups:
         out[row:end] = _attend_group(q[row:end], cache, start_pos + row, num_slots, scaling=scaling,
@@ -85,8 +85,9 @@ def _attend_group(q: torch.Tensor, cache, start_pos: int, num_slots: int, *, sca
                             scaling=scaling, softcap=softcap)  # [Hkv, g, Dh]
         return out.view(1, num_heads, head_dim)
     q = q.view(n, num_kv_heads, group, head_dim)
-    out = [_attend_heads(q[:, j], k[j].t().expand(n, head_dim, num_slots), v[j].expand(n, num_slots, head_dim),
-                         hidden, scaling=scaling, softcap=softcap) for j in range(num_kv_heads)]  # Hkv x [n, g, Dh]
+    out = [_attend_heads(q[:, j], k[j].t().expand(n, head_dim, num_slots),  # keys [n, Dh, T], no copy
+                         v[j].expand(n, num_slots, head_dim), hidden, scaling=scaling, softcap=softcap)
+           for j in range(num_kv_heads)]  # Hkv x [n, g, Dh]
     return torch.stack(out, dim=1).view(n, num_heads, head_dim)
 
 

@@ -83,7 +83,8 @@ class RotaryEmbedding(nn.Module):
         if self.style == "neox":
             cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # [n, r]
         else:
-            cos, sin = torch.stack([cos, cos], dim=-1).flatten(-2), torch.stack([-sin, sin], dim=-1).flatten(-2)
+            cos = torch.stack([cos, cos], dim=-1).flatten(-2)  # [n, r]
+            sin = torch.stack([-sin, sin], dim=-1).flatten(-2)
         return cos[:, None, :], sin[:, None, :]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
