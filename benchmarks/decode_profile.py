@@ -1,0 +1,116 @@
+"""Where a one-row plain decode spends its time: ms per token by component (README "Decode cost
+per token").
+
+    python benchmarks/decode_profile.py --model gemma3-270m --model smollm2-135m-instruct [--threads 1]
+
+Per model: a 128-token prefill, then --steps one-row decodes timed whole (the step), then as many
+with every call wrapped in a timer: head = the LM head, other linears = every other linear call
+(its dtype casts included), attention = the family's `attend_rows` (cache write + attend), rest
+= the step minus those (norms, RoPE, residuals, activations, Python, bookkeeping). Repeated
+--rounds times; medians. With --threads 1 the clock is the thread's CPU time, which a loaded
+machine barely moves; otherwise wall time (2 threads on a shared machine swing widely).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from verispec.api import load_target, resolve_model_path
+from verispec.nn.quant import Float32Linear
+from verispec.registry import Registry
+from verispec.seams import Segment
+
+COMPONENTS = ("step", "head", "other linears", "attention", "rest")
+
+
+class Timers:
+    """Wraps the target's LM head, linear classes and `attend_rows` with accumulating timers."""
+
+    def __init__(self, target, clock):
+        self.target, self.clock, self.ms = target, clock, dict.fromkeys(("head", "linears", "attention"), 0.0)
+        self._linears = {type(m): type(m).forward for m in target.modules() if isinstance(m, Float32Linear)}
+        self._families = [m for name, m in sys.modules.items()
+                          if name.startswith("verispec_") and hasattr(m, "attend_rows")]
+
+    def _timed(self, fn, key):
+        def wrapped(*args, **kwargs):
+            started = self.clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ms[key] += (self.clock() - started) * 1e3
+        return wrapped
+
+    def reset(self) -> None:
+        self.ms = dict.fromkeys(self.ms, 0.0)
+
+    def __enter__(self):
+        for cls, forward in self._linears.items():
+            cls.forward = self._timed(forward, "linears")
+        self._attend = self._families[0].attend_rows
+        for module in self._families:
+            module.attend_rows = self._timed(self._attend, "attention")
+        self.target._lm_head = self._timed(type(self.target)._lm_head.__get__(self.target), "head")
+        return self
+
+    def __exit__(self, *exc):
+        for cls, forward in self._linears.items():
+            cls.forward = forward
+        for module in self._families:
+            module.attend_rows = self._attend
+        del self.target._lm_head
+
+
+def decode_steps(target, steps: int, clock, timers: Timers | None = None) -> list[float]:
+    """ms of each of `steps` one-row decodes after a 128-token prefill (token ids are arbitrary);
+    `timers` count the decodes only."""
+    seq = target.new_sequence()
+    target.forward([Segment(seq, torch.arange(10, 138), logits="last")])
+    if timers is not None:
+        timers.reset()
+    times = []
+    for _ in range(steps):
+        started = clock()
+        target.forward([Segment(seq, torch.tensor([100]), logits="last")])
+        times.append((clock() - started) * 1e3)
+    target.release(seq)
+    return times
+
+
+def profile(target, steps: int, clock) -> dict[str, float]:
+    """One round: {component: ms per token}."""
+    step = statistics.median(decode_steps(target, steps, clock))
+    with Timers(target, clock) as timers:
+        decode_steps(target, steps, clock, timers)
+    head = timers.ms["head"] / steps
+    other = timers.ms["linears"] / steps - head  # the head's own linear call is counted in both
+    attention = timers.ms["attention"] / steps
+    return {"step": step, "head": head, "other linears": other, "attention": attention,
+            "rest": step - head - other - attention}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", action="append", help="checkpoint alias or GGUF path (repeatable)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args(argv)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    registry = Registry.discover()
+    print("| model | threads | " + " | ".join(COMPONENTS) + " | tok/s |")
+    print("|---" * (len(COMPONENTS) + 3) + "|")
+    for model in args.model or [None]:
+        target = load_target(resolve_model_path(model, registry), registry, threads=args.threads)
+        decode_steps(target, 3, clock)  # warm-up
+        rounds = [profile(target, args.steps, clock) for _ in range(args.rounds)]
+        med = {c: statistics.median(r[c] for r in rounds) for c in COMPONENTS}
+        print(f"| {model or 'default'} | {args.threads} | " + " | ".join(f"{med[c]:.2f}" for c in COMPONENTS)
+              + f" | {1000 / med['step']:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
