@@ -372,3 +372,37 @@ def test_a_bad_spec_step_record_is_refused(args):
 def test_a_bad_plain_step_record_is_refused(args):
     with pytest.raises(InvalidStepRecord, match="record_plain_step"):
         SpeculationCostGovernor(clock=FakeClock()).record_plain_step(*args)
+
+
+# rule 11 ----------------------------------------------------------------------------------
+
+def test_a_request_resuming_after_a_batched_interlude_is_not_a_new_request():
+    def parked_at_63():
+        gov, loop = bootstrapped()
+        lose_probe(loop)
+        tokens_until_unparked(loop)
+        lose_probe(loop)  # the second loss parks for 64 tokens
+        loop.step()
+        return gov, loop
+
+    gov, loop = parked_at_63()
+    gov.resume_request(1000)
+    assert tokens_until_unparked(loop) == 63  # the park is kept
+    gov, loop = parked_at_63()
+    gov.start_request(1000)
+    assert tokens_until_unparked(loop) == PARK_TOKENS[0]  # a new request would cap it
+
+    gov, loop = parked_at_63()
+    baseline = gov.stats.plain_ms_per_token
+    loop.plain_s = 1 / 8
+    gov.resume_request(1000)
+    loop.step()  # follows the interlude: not measured
+    assert gov.stats.plain_ms_per_token == baseline
+    loop.step()
+    assert gov.stats.plain_ms_per_token > baseline
+
+    gov, loop = bootstrapped(enabled=False)
+    gov.resume_request(1)
+    assert not gov.should_speculate()
+    gov.resume_request(2)
+    assert gov.should_speculate()

@@ -39,6 +39,10 @@ Rules (each has a test in tests/test_governor.py):
     verdict then never waits on a baseline, and the bootstrap is paid once per engine.
 10. enabled=False (`--spec-adaptive off`): `should_speculate()` is True for every armed
     request; steps are still measured and `stats_line()` still reports them.
+11. A request that resumes after steps the governor did not see (it decoded in a batch beside
+    other requests: `resume_request`) is not a new request: park and backoff stay as they
+    are; its first plain step follows a transition and is not measured (rule 3), and with
+    fewer than MIN_TOKENS_TO_ARM tokens left it is not armed (rule 8).
 """
 from __future__ import annotations
 
@@ -165,6 +169,11 @@ class SpeculationCostGovernor:
         self._losses_in_a_row = min(self._losses_in_a_row, REMEMBERED_LOSSES)
         if self._state is GovernorState.PARKED:
             self._park_left = min(self._park_left, PARK_TOKENS[0])
+
+    def resume_request(self, num_tokens_left: int) -> None:
+        """The current request continues after steps this governor did not time (rule 11)."""
+        self._armed = num_tokens_left >= MIN_TOKENS_TO_ARM
+        self._last_step_plain = False
 
     def should_speculate(self) -> bool:
         """Asked before each step: True to take a speculative step, False for a plain one."""

@@ -380,13 +380,16 @@ class Scheduler:
         self._after_tokens(request, stop)
 
     def _start_governing(self, request: Request) -> None:
-        """A solo phase begins: the shared governor hears of it (its first plain step follows a
-        transition; a request with fewer than two tokens left is never armed)."""
+        """A solo phase begins: the shared governor hears of a new request, or of one resuming
+        after a batched interlude (either way a request with fewer than two tokens left is never
+        armed, and its first plain step follows a transition)."""
         speculation = request.speculation
         if speculation is None or request.execution.speculator is None:
             return
-        if self._governed is not request:
-            speculation.window.reset()  # acceptance is per request; measured row costs carry over
+        if self._governed is request:
+            speculation.governor.resume_request(request.num_tokens_left)
+            return
+        speculation.window.reset()  # acceptance is per request; measured row costs carry over
         speculation.governor.start_request(request.num_tokens_left)
         self._governed = request
 
