@@ -404,7 +404,13 @@ class _Served:
         """The generation's events as the engine thread draws them; ends with `.result` set.
         Raises what the engine step that ran it raised."""
         loop, arrived = asyncio.get_running_loop(), asyncio.Event()
-        generation.listener = lambda: loop.call_soon_threadsafe(arrived.set)
+
+        def wake() -> None:  # runs on the engine thread
+            try:
+                loop.call_soon_threadsafe(arrived.set)
+            except RuntimeError:  # the event loop has closed (shutdown): nobody waits any more
+                pass
+        generation.listener = wake
         while True:
             for event in generation.poll():
                 yield event
