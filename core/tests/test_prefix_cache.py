@@ -115,3 +115,36 @@ def test_an_idle_prefix_serves_several_requests(model_path, registry):
         assert generation.result.tokens == solo(model_path, registry, SYSTEM + question, 8).tokens
     assert all(r.reused_prefix_tokens >= len(engine.encode(SYSTEM)) - 1 for r in results)
     assert engine.scheduler.metrics.num_prefix_cache_hits == 2
+
+
+def test_only_speculators_that_declare_it_arm_after_prefix_reuse(model_path):
+    """A speculator that cannot see reused rows stays off for a request that reused a prefix;
+    one that declares can_arm_after_prefix_reuse drafts from the reused tokens at once."""
+    from verispec.hookspecs import hookimpl
+    from verispec.specs import SpeculatorSpec
+    from verispec.testing.toy import ScriptedSpeculator
+
+    def plugin(can_arm):
+        class Repeat:
+            @hookimpl
+            def register_speculators(self, register):
+                register(SpeculatorSpec(
+                    name="repeat", summary="repeats the pending token (test)", priority=10,
+                    can_arm_after_prefix_reuse=can_arm,
+                    factory=lambda target, **kw: ScriptedSpeculator(lambda ctx: [ctx.last_token] * 2,
+                                                                    max_draft_tokens=kw["max_draft_tokens"],
+                                                                    spec=kw["spec"])))
+        return Registry.from_plugins({"toy": toy_plugin, "repeat": Repeat()})
+
+    for can_arm in (False, True):
+        engine = api.load(model_path, registry=plugin(can_arm), spec_type="repeat", adaptive=False)
+        results = []
+        for question in ("where?", "why?"):
+            generation = engine.generate(SYSTEM + question, max_tokens=8, ignore_eos=True)
+            list(generation)
+            results.append(generation.result)
+        fresh, reused = results
+        assert fresh.reused_prefix_tokens == 0 and fresh.spec.num_draft_tokens > 0
+        assert reused.reused_prefix_tokens > 0
+        assert (reused.spec.num_draft_tokens > 0) is can_arm
+        assert reused.tokens == solo(model_path, Registry.from_plugins({"toy": toy_plugin}), SYSTEM + "why?", 8).tokens
