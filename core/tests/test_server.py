@@ -384,18 +384,22 @@ def test_a_speculator_that_raises_mid_stream_never_breaks_a_request(model_path, 
     client = TestClient(create_app(engine, model_name="toy"))
     with caplog.at_level("WARNING", logger="verispec"):
         r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
-                                                 "ignore_eos": True, "stream": True})
+                                                 "ignore_eos": True, "stream": True,
+                                                 "stream_options": {"include_usage": True}})
     assert r.status_code == 200
     payloads = sse_payloads(r)
-    assert payloads[-1] == "[DONE]" and payloads[-2]["choices"][0]["finish_reason"] == "length"
+    assert payloads[-1] == "[DONE]" and payloads[-3]["choices"][0]["finish_reason"] == "length"
+    stats = next(p["verispec"] for p in payloads[:-1] if "verispec" in p)
+    assert stats["speculator"] == "faulty" and "drafter bug" in stats["speculator_fault"]
     expected, _ = reference(PROMPT, max_tokens=12, ignore_eos=True)
-    assert "".join(p["choices"][0]["text"] for p in payloads[:-1]) == expected.text
+    assert "".join(p["choices"][0]["text"] for p in payloads[:-2]) == expected.text
     faults = [rec for rec in caplog.records if "drafter bug" in rec.getMessage()]
     assert len(faults) == 1 and "'faulty'" in faults[0].getMessage() and "this engine" in faults[0].getMessage()
     assert engine.speculator is None and "drafter bug" in engine.fault
     again = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0,
                                                   "ignore_eos": True})
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == expected.text
+    assert again.json()["verispec"]["speculator"] is None  # off for the engine: plain, and said so
     assert len(calls) == 3  # never asked again
 
 

@@ -228,14 +228,16 @@ def cmd_generate(args) -> int:
     finish = r.finish_reason
     if finish == "length" and len(r.tokens) < args.max_tokens:  # not --max-tokens: say what ended it
         finish += f" (context full at {r.prompt_tokens + len(r.tokens)} tokens; raise --context-length)"
+    speculator = f"{r.speculator} (switched off: it faulted)" if r.speculator_fault else r.speculator
     summary = (f"{len(r.tokens)} tokens, finish={finish}, ttft {r.ttft_ms:.0f} ms, "
-               f"decode {r.decode_tokens_per_s:.1f} tok/s, speculator={r.speculator}, "
+               f"decode {r.decode_tokens_per_s:.1f} tok/s, speculator={speculator}, "
                f"drafted={r.spec.num_draft_tokens} accepted={r.spec.num_accepted_tokens}")
     if args.json:
         print(json.dumps({"text": r.text, "tokens": r.tokens, "finish_reason": r.finish_reason,
                           "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.tokens)},
                           "ttft_ms": r.ttft_ms, "decode_tokens_per_s": r.decode_tokens_per_s,
-                          "speculator": r.speculator, "drafted": r.spec.num_draft_tokens,
+                          "speculator": r.speculator, "speculator_fault": r.speculator_fault,
+                          "drafted": r.spec.num_draft_tokens,
                           "accepted": r.spec.num_accepted_tokens, "governor": r.governor}))
     else:
         print(flush=True)  # the text ends with a newline, so a file or pipe gets a whole last line

@@ -79,6 +79,8 @@ class GenerationResult:
     speculator: str | None
     spec: ExecutionStats
     governor: str | None
+    #: why `speculator` was switched off during this request (a plugin fault), else None.
+    speculator_fault: str | None = None
 
 
 @attrs.frozen
@@ -208,7 +210,8 @@ class Request:
             prefill_tokens_per_s=(len(self.ids) - self.reused) / ttft_s if ttft_s else 0.0,
             decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
             speculator=speculation.speculator.name if speculation is not None else None, spec=stats,
-            governor=speculation.governor.stats_line() if speculation is not None else None)
+            governor=speculation.governor.stats_line() if speculation is not None else None,
+            speculator_fault=self.execution.fault if self.execution is not None else None)
 
 
 class Scheduler:
