@@ -7,31 +7,12 @@ from verispec.engine import InferenceEngine, SpecOptions
 from verispec.hookspecs import hookimpl
 from verispec.registry import Registry, SpeculationUnavailable, UnknownArchitecture
 from verispec.sampling import SamplingParams
-from verispec.seams import ContextOverflow, DraftHead, Speculator
+from verispec.seams import ContextOverflow, DraftHead
 from verispec.specs import SpeculatorSpec
 from verispec.testing import toy_plugin
-from verispec.testing.toy import write_toy_gguf
+from verispec.testing.toy import EchoSpeculator, write_toy_gguf
 
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
-
-
-class EchoSpeculator(Speculator):
-    """Proposes what followed the previous occurrence of the pending token (a 1-gram lookup);
-    its state per sequence is the history."""
-
-    def new_state(self):
-        return []
-
-    def propose(self, history, ctx):
-        seq = history + [ctx.last_token]
-        for i in range(len(seq) - 2, -1, -1):
-            if seq[i] == ctx.last_token:
-                return seq[i + 1:i + 1 + ctx.draft_window]
-        return []
-
-    def commit(self, history, tokens, hidden_rows, start_pos):
-        del history[start_pos:]
-        history.extend(tokens)
 
 
 class EchoPlugin:

@@ -9,34 +9,12 @@ from verispec.engine import SpecOptions
 from verispec.hookspecs import hookimpl
 from verispec.registry import Registry
 from verispec.sampling import SamplingParams
-from verispec.seams import Speculator
 from verispec.specs import SpeculatorSpec
 from verispec.testing import toy_plugin
-from verispec.testing.toy import write_toy_gguf
+from verispec.testing.toy import EchoSpeculator, write_toy_gguf
 
 PROMPTS = ["the cat sat on the mat. the cat sat on the mat. the cat", "a dog ran. a dog ran. a",
            "one two three one two three one"]
-
-
-class EchoSpeculator(Speculator):
-    """Proposes what followed the previous occurrence of the pending token; state = the history."""
-
-    num_states = 0
-
-    def new_state(self):
-        EchoSpeculator.num_states += 1
-        return []
-
-    def propose(self, history, ctx):
-        seq = history + [ctx.last_token]
-        for i in range(len(seq) - 2, -1, -1):
-            if seq[i] == ctx.last_token:
-                return seq[i + 1:i + 1 + ctx.draft_window]
-        return []
-
-    def commit(self, history, tokens, hidden_rows, start_pos):
-        del history[start_pos:]
-        history.extend(tokens)
 
 
 class EchoPlugin:

@@ -169,6 +169,28 @@ class ScriptedSpeculator(Speculator):
             state.hidden_rows.extend(hidden_rows)
 
 
+class EchoSpeculator(Speculator):
+    """Proposes what followed the previous occurrence of the pending token (a 1-gram lookup);
+    its state per sequence is the history. `num_states` counts the states made (all instances)."""
+
+    num_states = 0
+
+    def new_state(self):
+        EchoSpeculator.num_states += 1
+        return []
+
+    def propose(self, history, ctx):
+        seq = history + [ctx.last_token]
+        for i in range(len(seq) - 2, -1, -1):
+            if seq[i] == ctx.last_token:
+                return seq[i + 1:i + 1 + ctx.draft_window]
+        return []
+
+    def commit(self, history, tokens, hidden_rows, start_pos):
+        del history[start_pos:]
+        history.extend(tokens)
+
+
 def oracle_speculator(reference: Sequence[int], *, correct: int | None = None, vocab_size: int,
                       max_draft_tokens: int = 8, rng=None) -> ScriptedSpeculator:
     """Drafts from the plain stream `reference` (prompt + output, by position).
