@@ -208,11 +208,13 @@ def test_a_context_length_beyond_the_models_training_is_a_one_line_error(gemma3_
 
 def test_plain_text_output_ends_with_a_newline_and_a_full_context_is_named(env, tmp_path):
     path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
-    r = verispec(env, "generate", "hello hello", "--model", str(path), "--max-tokens", "200",
+    r = verispec(env, "generate", "hello hello", "--model", str(path), "--max-tokens", "16",
                  "--context-length", "16", "--ignore-eos", "--no-spec")
     assert r.returncode == 0, r.stderr
     assert r.stdout.endswith("\n")
-    assert "finish=length (context full at 16 tokens; raise --context-length)" in r.stderr
+    assert "finish=length (context full at 16 tokens; --context-length sets it)" in r.stderr
+    r = verispec(env, "generate", "hi", "--model", str(path), "--max-tokens", "17", "--context-length", "16")
+    assert r.returncode == 1 and "--max-tokens 17 is more than the 16-token context can hold" in r.stderr
     r = verispec(env, "generate", "hello hello", "--model", str(path), "--max-tokens", "3", "--ignore-eos")
     assert "finish=length," in r.stderr  # --max-tokens itself ended it: nothing to explain
 

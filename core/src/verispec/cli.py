@@ -219,6 +219,12 @@ def cmd_plugins(args) -> int:
 def cmd_generate(args) -> int:
     sampling = sampling_params(args)
     engine = load_engine(args)
+    context = engine.target.max_context_length
+    if args.max_tokens > context:  # as the server's 400: not hours of decoding into a full context
+        from verispec.errors import InvalidArgument
+
+        raise InvalidArgument(f"--max-tokens {args.max_tokens} is more than the {context}-token context can hold; "
+                              "lower it (or raise --context-length, up to the model's trained length)")
     generation = engine.generate(args.prompt, max_tokens=args.max_tokens, sampling=sampling, stop=args.stop,
                                  ignore_eos=args.ignore_eos, chat=args.chat)
     for event in generation:
@@ -227,8 +233,8 @@ def cmd_generate(args) -> int:
     r = generation.result
     finish = r.finish_reason
     if finish == "length" and len(r.tokens) < args.max_tokens:  # not --max-tokens: say what ended it
-        finish += f" (context full at {r.prompt_tokens + len(r.tokens)} tokens; raise --context-length)"
-    speculator = f"{r.speculator} (switched off: it faulted)" if r.speculator_fault else r.speculator
+        finish += f" (context full at {r.prompt_tokens + len(r.tokens)} tokens; --context-length sets it)"
+    speculator = f"{r.speculator} (switched off: it faulted)" if r.speculator_fault else r.speculator or "off"
     summary = (f"{len(r.tokens)} tokens, finish={finish}, ttft {r.ttft_ms:.0f} ms, "
                f"decode {r.decode_tokens_per_s:.1f} tok/s, speculator={speculator}, "
                f"drafted={r.spec.num_draft_tokens} accepted={r.spec.num_accepted_tokens}")

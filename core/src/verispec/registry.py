@@ -138,8 +138,8 @@ class UnknownArchitecture(VerispecError, LookupError):
     def __init__(self, arch: str, known, *, kind: str = "target"):
         self.arch, self.known, self.kind = arch, tuple(known), kind
         if kind == "draft_file":
-            what, fix = "drafter files", ("install a drafter package that registers this architecture "
-                                          "(the verispec repository ships none yet)")
+            what, fix = "drafter files", ("pass a drafter file one of these loads, or install a drafter package "
+                                          "that registers this architecture")
         else:
             families = repository_distributions("models") or ["models/gemma4", "models/llama"]
             what, fix = "models", ("install a model package that loads it; the verispec repository's model "

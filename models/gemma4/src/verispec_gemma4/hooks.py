@@ -15,7 +15,7 @@ _GEMMA3_270M_PIECES = [
 def register_targets(register):
     register(TargetSpec(
         name="gemma",
-        summary="Gemma 3 and Gemma 4 text trunks (sliding-window rings, int8/bf16/fp32 weights, batch-invariant)",
+        summary="Gemma 3 and Gemma 4 text trunks (sliding-window rings, gguf/int8/int4/bf16/fp32 weights, batch-invariant)",
         architectures=("gemma3", "gemma4"),
         loader="verispec_gemma4.loader:load",
     ))
