@@ -18,3 +18,20 @@ def test_hint_only_when_far_above_the_weight_streaming_cost():
     hint = slow_decode_hint(600.0, num_bytes, threads=2)
     assert hint.startswith("hint: decode took 600 ms/token") and "100 MB" in hint and "--threads 1" in hint
     assert "--threads 1" not in slow_decode_hint(600.0, num_bytes, threads=1)
+
+
+def test_api_threads_auto_sets_the_idle_cores(monkeypatch, tmp_path):
+    from verispec import api, cpu
+    from verispec.registry import Registry
+    from verispec.testing import toy_plugin
+    from verispec.testing.toy import write_toy_gguf
+
+    path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
+    before = torch.get_num_threads()
+    idle = 2 if before == 1 else 1  # differs from the current count, so the assertion can fail
+    monkeypatch.setattr(cpu, "default_threads", lambda: idle)
+    try:
+        api.load_target(str(path), Registry.from_plugins({"toy": toy_plugin}), threads="auto")
+        assert torch.get_num_threads() == idle
+    finally:
+        torch.set_num_threads(before)

@@ -28,15 +28,20 @@ def resolve_model_path(model: str | None, registry: Registry) -> str:
     return str(assemble(registry.checkpoint(model)))
 
 
-def load_target(path: str, registry: Registry, *, dtype: str | None = None, threads: int | None = None,
+def load_target(path: str, registry: Registry, *, dtype: str | None = None, threads: int | str | None = None,
                 context_length: int | None = None):
     """Load a trunk with the model package registered for the file's general.architecture.
 
-    threads: torch's intra-op thread count, set here and nowhere else (loaders take none).
+    threads: torch's intra-op thread count, set here and nowhere else (loaders take none);
+      "auto": the cores idle now (`verispec.cpu.default_threads`, as the CLI does); None: torch's own.
     """
     from verispec.gguf_io import read_architecture
     from verispec.specs import resolve
 
+    if threads == "auto":
+        from verispec.cpu import default_threads
+
+        threads = default_threads()  # None where /proc/stat is unavailable: torch's default stands
     if threads:
         import torch
 
@@ -45,7 +50,7 @@ def load_target(path: str, registry: Registry, *, dtype: str | None = None, thre
     return resolve(spec.loader)(path, dtype=dtype, context_length=context_length)
 
 
-def load(model: str | None = None, *, dtype: str | None = None, threads: int | None = None,
+def load(model: str | None = None, *, dtype: str | None = None, threads: int | str | None = None,
          context_length: int | None = None, spec=None, registry: Registry | None = None,
          prefill_chunk: int | None = None, max_running: int | None = None, **spec_options):
     """Load `model` and return an InferenceEngine.
