@@ -93,13 +93,16 @@ class RequestRejected(VerispecError, ValueError):
 # -- request bodies --------------------------------------------------------------------------
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _Body(BaseModel):
-    """Fields both endpoints share; ranges are checked by SamplingParams (one source of truth)."""
+    """Fields both endpoints share; ranges are checked by SamplingParams (one source of truth).
+    Strict types: `"max_tokens": true` or `"stream": "yes"` is a 400, not a silent 1 or True."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -160,7 +163,7 @@ class CompletionBody(_Body):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: str
     #: text, or OpenAI content parts of which only {"type": "text", "text": ...} are supported.
