@@ -129,14 +129,6 @@ def test_seed_committed_respects_can_arm_after_prefix_reuse(toy):
     assert speculator.last_state.committed == PROMPT
 
 
-def test_catch_up_commits_tokens_decoded_elsewhere(toy):
-    speculator = ScriptedSpeculator(lambda ctx: [])
-    ex = SpeculativeExecution(toy, toy.new_sequence(), speculator)
-    ex.seed_committed(PROMPT)
-    ex.catch_up([4, 4, 4], start_pos=len(PROMPT))
-    assert speculator.last_state.committed == PROMPT + [4, 4, 4]
-
-
 def test_resolve_draft_window_narrows_only_the_default():
     class Prefers3:
         spec_preferred_draft_window = 3

@@ -201,10 +201,6 @@ class SpeculativeExecution:
         self._armed = self._follows = self.fault is None
         self._commit(tokens, None, 0)
 
-    def catch_up(self, tokens: Sequence[int], start_pos: int) -> None:
-        """Tokens decoded plainly elsewhere while this context was set aside (a 1 → N → 1 interlude)."""
-        self._commit(tokens, None, start_pos)
-
     def detach(self) -> None:
         """Stop drafting for, and reporting to, the speculator (it was replaced or switched off)."""
         self._armed = self._follows = False

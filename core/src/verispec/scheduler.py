@@ -192,6 +192,11 @@ class Request:
         room = self.max_context_length - len(self.ids) - len(self.state.tokens)
         return min(self.max_tokens - len(self.state.tokens), room)
 
+    def held_tokens(self, num_held: int) -> list[int]:
+        """The tokens its sequence holds when it holds `num_held` rows (the prompt, then every
+        emitted token but the pending last one)."""
+        return (self.ids + self.state.tokens)[:num_held]
+
     def on_token(self, draw) -> bool:
         stop = self.state.on_token(draw)
         if self.first_token_at == 0.0:
@@ -372,8 +377,7 @@ class Scheduler:
         """(sequence, the tokens it holds) of every idle and running sequence."""
         yield from self._idle.items()
         for request in self._running:
-            held = self.target.seq_len(request.seq)
-            yield request.seq, (request.ids + request.state.tokens)[:held]
+            yield request.seq, request.held_tokens(self.target.seq_len(request.seq))
 
     def _solo_step(self, request: Request) -> None:
         """The request is alone: its execution steps itself, speculating when the governor lets it."""
@@ -458,9 +462,7 @@ class Scheduler:
         if release or self.max_idle_sequences == 0:
             self.target.release(request.seq)
             return
-        # the sequence holds the prompt and every emitted token but the pending last one
-        held = self.target.seq_len(request.seq)
-        self._idle[request.seq] = (request.ids + request.state.tokens)[:held]
+        self._idle[request.seq] = request.held_tokens(self.target.seq_len(request.seq))
         while len(self._idle) > self.max_idle_sequences:
             self.target.release(self._idle.popitem(last=False)[0])
 

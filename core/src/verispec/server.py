@@ -313,13 +313,6 @@ def prometheus_text(engine: InferenceEngine) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def _cancel_on_disconnect(request: Request, generation: Generation) -> None:
-    """Wait for the client to leave (the body is already read), then cancel its generation."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    generation.cancel()
-
-
 class _EngineThread:
     """The one thread that steps the engine while requests run or wait (started on demand; it
     ends after ENGINE_THREAD_IDLE_S seconds without work)."""
@@ -443,8 +436,10 @@ class _Served:
         return shape.response(events, generation.result)
 
     async def _watch(self, request: Request, generation: Generation) -> None:
-        await _cancel_on_disconnect(request, generation)
-        self.engine_thread.wake()
+        """Wait for the client to leave (the body is already read), then cancel its generation."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.cancel(generation)
 
     async def _sse(self, shape: _Shape, generation: Generation, usage: bool) -> AsyncIterator[str]:
         try:
