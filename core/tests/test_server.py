@@ -22,6 +22,11 @@ from verispec.testing import toy_plugin
 from verispec.testing.toy import CHAT_TEMPLATE, write_toy_gguf
 
 PROMPT = "the cat sat on the mat. the cat"
+#: the ASGI scope of a POST /v1/completions, for tests that drive the app as a client that leaves.
+COMPLETIONS_SCOPE = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                     "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+                     "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "where is the cat?"}]
 CONTEXT = 128
 
@@ -289,14 +294,10 @@ def test_a_client_leaving_mid_stream_frees_the_engine_and_leaves_it_exact(tmp_pa
                     three_tokens.set()
                     await anyio.sleep(0.5)  # the client leaves while the server is sending
 
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-                 "root_path": "", "headers": [(b"content-type", b"application/json")],
-                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
         with anyio.fail_after(30):
-            await app(scope, receive, send)
+            await app(dict(COMPLETIONS_SCOPE), receive, send)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            with anyio.fail_after(30):  # the engine's lock was let go
+            with anyio.fail_after(30):  # the engine is not held by the request that left
                 return (await client.post("/v1/completions", json={**request, "max_tokens": 10})).json()
 
     got = anyio.run(leave_after_three_tokens_then_ask_again)
@@ -491,12 +492,8 @@ def test_a_whole_response_whose_client_left_stops_and_frees_the_engine(slow_engi
         async def send(message):
             sent.append(message)
 
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-                 "root_path": "", "headers": [(b"content-type", b"application/json")],
-                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
         with anyio.fail_after(30):
-            await app(scope, receive, send)
+            await app(dict(COMPLETIONS_SCOPE), receive, send)
         left_at = slow_engine.forwards
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
             with anyio.fail_after(30):
