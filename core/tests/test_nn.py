@@ -252,6 +252,45 @@ def test_layers_sharing_a_mask_memo_attend_as_alone(n):
     assert len(masks) == 1
 
 
+@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize("H, Hkv", [(4, 2), (9, 3), (7, 1), (14, 2)])
+def test_decodes_of_several_sequences_attend_as_alone(ring, H, Hkv, two_threads):
+    # attend_rows runs one-row decodes of sequences that read the same key length as one bmm
+    # pair over their stacked KV heads: each must be bitwise its sequence's decode alone.
+    # Five sequences: three decode in one key block, one in the next, one runs three rows.
+    from verispec.nn.attention import attend_rows
+    from verispec.nn.trunk import Rows, RowsOfSequence
+    Dh, window = 16, 6
+    lengths, widths = [17, 20, 23, 26, 19], [1, 1, 1, 1, 3]
+    states, q_rows, k_rows, v_rows, parts, begin = [], [], [], [], [], 0
+    for i, (length, width) in enumerate(zip(lengths, widths)):
+        if ring:
+            cache = RingKVCache(Hkv, Dh, window=window, max_rows=4, key_block=8)
+        else:
+            cache = LinearKVCache(Hkv, Dh, key_block=8, max_positions=64)
+            cache.ensure_capacity(length + width)
+        for p in range(0, length, 4):
+            n = min(4, length - p)
+            cache.write(p, torch.randn(n, Hkv, Dh, generator=_gen(10 + i + p)),
+                        torch.randn(n, Hkv, Dh, generator=_gen(50 + i + p)))
+        state = SequenceState([cache])
+        state.seq_len = length
+        states.append(state)
+        q_rows.append(torch.randn(width, H, Dh, generator=_gen(100 + i)))
+        k_rows.append(torch.randn(width, Hkv, Dh, generator=_gen(200 + i)))
+        v_rows.append(torch.randn(width, Hkv, Dh, generator=_gen(300 + i)))
+        parts.append(RowsOfSequence(state, length, begin, begin + width))
+        begin += width
+    assert len({states[i].layers[0].key_length(lengths[i]) for i in range(3)}) == 1  # one group of three
+    sliding = window if ring else None
+    rows = Rows(torch.zeros(begin, dtype=torch.long), torch.zeros(begin, dtype=torch.long), tuple(parts))
+    batched = attend_rows(torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows), rows, 0, scaling=0.3,
+                          sliding_window=sliding)
+    for part, q, state in zip(parts, q_rows, states):
+        alone = attend(q, state.layers[0], part.start_pos, scaling=0.3, sliding_window=sliding)
+        assert torch.equal(batched[part.rows], alone)
+
+
 def test_ring_refuses_a_truncation_it_cannot_serve():
     ring = RingKVCache(1, 4, window=6, max_rows=4)  # 9 slots
     sequence = SequenceState([ring, LinearKVCache(1, 4, max_positions=64), None])

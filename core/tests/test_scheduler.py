@@ -118,6 +118,25 @@ def test_a_step_with_more_than_one_running_sequence_never_speculates(model_path,
     assert results[1].spec.num_spec_steps == 0  # it never ran alone once its prompt was in
 
 
+def test_a_hidden_free_speculator_arms_at_the_first_solo_step(model_path, registry, monkeypatch):
+    """n-gram-like speculators prefill plainly: their first commit is the whole held sequence,
+    made at the request's first solo step, and the stream is still the plain one."""
+    engine = api.load(model_path, registry=registry, spec_type="echo", adaptive=False)
+    commits = []
+    original = EchoSpeculator.commit
+
+    def commit(self, history, tokens, hidden_rows, start_pos):
+        emitted = len(engine.scheduler._running[0].state.tokens)
+        commits.append((start_pos, len(tokens), emitted))
+        original(self, history, tokens, hidden_rows, start_pos)
+    monkeypatch.setattr(EchoSpeculator, "commit", commit)
+    prompt = PROMPTS[0]
+    result = drain(engine, [engine.generate(prompt, max_tokens=40, ignore_eos=True)])[0]
+    assert commits[0] == (0, len(engine.encode(prompt)), 1)  # after the first token, not at the prefill
+    assert result.spec.num_spec_steps > 0
+    assert result.tokens == solo(model_path, registry, prompt, max_tokens=40, ignore_eos=True).tokens
+
+
 def test_speculation_survives_an_interlude_without_rearming(model_path, registry):
     """1 → 2 → 1: the first request speculates alone, decodes plainly beside the second, then
     speculates again over a speculator state that saw every token (no new state, no re-seed)."""
@@ -140,7 +159,7 @@ def test_speculation_survives_an_interlude_without_rearming(model_path, registry
     request = engine.scheduler._running[0]
     batched_steps = request.execution.stats.num_plain_steps
     drain(engine, [first])
-    assert EchoSpeculator.num_states == states_before + 1  # the second request's own state only
+    assert EchoSpeculator.num_states == states_before  # no re-arming; the second, never alone, never armed
     assert first.result.spec.num_spec_steps > spec_steps_before  # speculating again after the interlude
     assert any(any(s.verify for s in batch) for _, batch in calls[interlude:])
     assert batched_steps > 0

@@ -77,12 +77,15 @@ class SpeculativeExecution:
     window: optional DraftWindow choosing K per step within [1, draft_window].
     on_plugin_fault: called once with a one-line reason when the speculator faults (module
       docstring); default: a logged warning naming the speculator.
+    arm_late: the speculator is not armed yet: the caller arms it with `seed_committed` over the
+      tokens the sequence holds by then (a hidden-free speculator that can arm after prefix
+      reuse: the prefill and any batched decodes run without it).
     """
 
     def __init__(self, trunk: SpeculativeTarget, seq: int, speculator: Speculator | None, *,
                  draft_window: int = DEFAULT_DRAFT_WINDOW, stop_token_ids: Sequence[int] = (), governor=None,
                  window=None, clock: Callable[[], float] = time.perf_counter,
-                 on_plugin_fault: Callable[[str], None] | None = None):
+                 on_plugin_fault: Callable[[str], None] | None = None, arm_late: bool = False):
         self.trunk, self.seq = trunk, seq
         self.speculator = speculator
         self.draft_window = draft_window
@@ -92,16 +95,21 @@ class SpeculativeExecution:
         self.clock = clock
         self.stats = ExecutionStats()
         self.last_token: int | None = None
-        self._armed = speculator is not None
+        #: waiting for `seed_committed` (arm_late); the speculator has no state for this sequence yet.
+        self.arm_pending = arm_late and speculator is not None
+        if self.arm_pending and (speculator.spec.needs_hidden_state or not speculator.spec.can_arm_after_prefix_reuse):
+            raise ValueError(f"speculator {speculator.name!r} cannot arm late: it needs the hidden rows of the "
+                             "prefill or must see the sequence from its first token")
+        self._armed = speculator is not None and not self.arm_pending
         #: the speculator sees this sequence's commits (False once it declined a reused prefix).
-        self._follows = speculator is not None
+        self._follows = self._armed
         #: why the speculator was switched off for this sequence, or None.
         self.fault: str | None = None
         self._on_plugin_fault = on_plugin_fault or (
             lambda reason: log.warning("%s; switched off for this sequence, decoding plainly", reason))
         self._hidden_prev = None
         self._view = trunk.view() if speculator is not None else None
-        self._state = self._plugin_call("new_state", speculator.new_state) if speculator is not None else None
+        self._state = self._plugin_call("new_state", speculator.new_state) if self._armed else None
         if self._needs_hidden:
             self._check_taps()
 
@@ -191,9 +199,11 @@ class SpeculativeExecution:
         return stop
 
     def seed_committed(self, tokens: Sequence[int]) -> None:
-        """Arm late over tokens the sequence already holds (positions 0..len-1), e.g. a reused prefix."""
+        """Arm late over tokens the sequence already holds (positions 0..len-1): a reused prefix,
+        or everything held at the first speculating step (arm_late)."""
         if self.speculator is None:
             return
+        self.arm_pending = False
         if not self.speculator.spec.can_arm_after_prefix_reuse:
             self._armed = self._follows = False  # stays plain for this sequence: it cannot see the reused rows
             return

@@ -12,6 +12,12 @@ at once). Each step is one of:
   token to their speculator state, so a request that was speculating resumes after a
   1 → N → 1 interlude without re-arming.
 
+Arming: a hidden-free speculator that can arm after prefix reuse (n-gram) is armed late, at
+the request's first solo step, over every token its sequence holds then: prefills and batched
+decodes never call it, and a request that never runs alone never costs it anything. A
+speculator that needs hidden rows follows the sequence from admission (it needs the
+prefill's rows); after prefix reuse it arms only if it declares `can_arm_after_prefix_reuse`.
+
 Each request samples its own rows with its own SamplingParams, stops, max_tokens and time
 limit; its events reach its `Generation` as they are drawn, and it leaves the batch the step
 it finishes. A cancelled request leaves at the next step and its sequence is released.
@@ -344,11 +350,13 @@ class Scheduler:
         if speculation is None:
             request.execution = SpeculativeExecution(self.target, request.seq, None, stop_token_ids=request.stop_ids)
             return
+        spec = speculation.speculator.spec
+        arm_late = not spec.needs_hidden_state and spec.can_arm_after_prefix_reuse
         request.execution = SpeculativeExecution(
             self.target, request.seq, speculation.speculator, draft_window=speculation.draft_window,
             stop_token_ids=request.stop_ids, governor=speculation.governor, window=speculation.window,
-            on_plugin_fault=speculation.on_plugin_fault)
-        if request.reused:
+            on_plugin_fault=speculation.on_plugin_fault, arm_late=arm_late)
+        if request.reused and not arm_late:
             request.execution.seed_committed(request.ids[:request.reused])
 
     def _reuse_prefix(self, ids: list[int]) -> tuple[int, int]:
@@ -383,6 +391,8 @@ class Scheduler:
         """The request is alone: its execution steps itself, speculating when the governor lets it."""
         if not self._was_solo or self._governed is not request:
             self._start_governing(request)
+        if request.execution.arm_pending:  # late arming: the speculator sees what the sequence holds
+            request.execution.seed_committed(request.held_tokens(self.target.seq_len(request.seq)))
         stop = request.execution.step(request.sampler, request.on_token)
         self._after_tokens(request, stop)
 

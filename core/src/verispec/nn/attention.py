@@ -33,17 +33,14 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
     `layer` before it attends; None for a KV-shared layer, which reads what its source layer
     (`layer` is then the source's index) wrote in this forward. Returns fp32 [n, H, Dh].
     """
-    out = None if len(rows.sequences) == 1 else torch.empty_like(q)
+    outs = []
     for s in rows.sequences:  # each sequence attends to its own cache only
         cache = s.state.layers[layer]
         if k is not None:
-            cache.write(s.start_pos, k[s.rows], v[s.rows])
-        rows_out = attend(q[s.rows], cache, s.start_pos, scaling=scaling, sliding_window=sliding_window,
-                          softcap=softcap, masks=s.masks)
-        if out is None:  # one sequence (every plain decode and verify): no copy
-            return rows_out
-        out[s.rows] = rows_out
-    return out
+            cache.write(s.start_pos, k[s.begin:s.end], v[s.begin:s.end])
+        outs.append(attend(q[s.begin:s.end], cache, s.start_pos, scaling=scaling, sliding_window=sliding_window,
+                           softcap=softcap, masks=s.masks))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)  # one sequence (every plain decode, verify): no copy
 
 
 def attend(q: torch.Tensor, cache, start_pos: int, *, scaling: float, sliding_window: int | None = None,
@@ -56,6 +53,9 @@ def attend(q: torch.Tensor, cache, start_pos: int, *, scaling: float, sliding_wi
     layer; None builds it here. Returns fp32 [n, H, Dh].
     """
     n = q.shape[0]
+    if n == 1:  # a decode
+        return _attend_group(q, cache, start_pos, cache.key_length(start_pos), scaling=scaling,
+                             sliding_window=sliding_window, softcap=softcap, masks=masks)
     groups = []  # (first row, end row, key length): rows sharing a key length form one group
     for row in range(n):
         num_slots = cache.key_length(start_pos + row)
@@ -79,48 +79,51 @@ def _attend_group(q: torch.Tensor, cache, start_pos: int, num_slots: int, *, sca
     k, v, slot_pos = cache.read(num_slots)  # [Hkv, T, Dh], [Hkv, T, Dh], [T]
     num_kv_heads = k.shape[0]
     group = num_heads // num_kv_heads
-    hidden = _hidden_slots(cache, slot_pos, start_pos, n, sliding_window, masks)  # [n, 1, T]
+    mask_bias = _mask_bias(cache, slot_pos, start_pos, n, sliding_window, masks)  # [n, 1, T]
     if n == 1:  # one row: its KV heads are the bmm batch, still one query row per item
-        out = _attend_heads(q.view(num_kv_heads, group, head_dim), k.transpose(1, 2), v, hidden,
+        out = _attend_heads(q.view(num_kv_heads, group, head_dim), k.transpose(1, 2), v, mask_bias,
                             scaling=scaling, softcap=softcap)  # [Hkv, g, Dh]
         return out.view(1, num_heads, head_dim)
     q = q.view(n, num_kv_heads, group, head_dim)
     out = [_attend_heads(q[:, j], k[j].t().expand(n, head_dim, num_slots),  # keys [n, Dh, T], no copy
-                         v[j].expand(n, num_slots, head_dim), hidden, scaling=scaling, softcap=softcap)
+                         v[j].expand(n, num_slots, head_dim), mask_bias, scaling=scaling, softcap=softcap)
            for j in range(num_kv_heads)]  # Hkv x [n, g, Dh]
     return torch.stack(out, dim=1).view(n, num_heads, head_dim)
 
 
-def _hidden_slots(cache, slot_pos: torch.Tensor, start_pos: int, n: int, sliding_window: int | None,
-                  masks: dict | None) -> torch.Tensor:
-    """bool [n, 1, T]: True where query row i (at start_pos + i) must not see slot t. Memoised in
-    `masks` under the cache's `mask_key`: caches with equal keys hold equal slot positions."""
+def _mask_bias(cache, slot_pos: torch.Tensor, start_pos: int, n: int, sliding_window: int | None,
+               masks: dict | None) -> torch.Tensor:
+    """fp32 [n, 1, T]: -inf where query row i (at start_pos + i) must not see slot t, else 0.
+    Memoised in `masks` under the cache's `mask_key`: caches with equal keys hold equal slot
+    positions."""
     if masks is None:
-        return _build_hidden(slot_pos, start_pos, n, sliding_window)
+        return _build_mask_bias(slot_pos, start_pos, n, sliding_window)
     key = (cache.mask_key, start_pos, n, slot_pos.shape[0], sliding_window)
     if key not in masks:
-        masks[key] = _build_hidden(slot_pos, start_pos, n, sliding_window)
+        masks[key] = _build_mask_bias(slot_pos, start_pos, n, sliding_window)
     return masks[key]
 
 
-def _build_hidden(slot_pos: torch.Tensor, start_pos: int, n: int, sliding_window: int | None) -> torch.Tensor:
+def _build_mask_bias(slot_pos: torch.Tensor, start_pos: int, n: int, sliding_window: int | None) -> torch.Tensor:
     q_pos = torch.arange(start_pos, start_pos + n)[:, None]  # [n, 1]
     visible = (slot_pos >= 0) & (slot_pos <= q_pos)  # [n, T]
     if sliding_window is not None:
         visible &= q_pos - slot_pos < sliding_window
-    return ~visible[:, None, :]
+    return torch.zeros(n, 1, slot_pos.shape[0]).masked_fill_(~visible[:, None, :], float("-inf"))
 
 
-def _attend_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor, *,
+def _attend_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask_bias: torch.Tensor, *,
                   scaling: float, softcap: float | None) -> torch.Tensor:
-    """softmax(q·keys · scaling, masked) · values per bmm item: q [b, g, Dh], keys [b, Dh, T],
-    values [b, T, Dh], hidden bool [b or 1, 1, T] -> [b, g, Dh]. Each item is one query row."""
+    """softmax(q·keys · scaling + mask_bias) · values per bmm item: q [b, g, Dh], keys [b, Dh, T],
+    values [b, T, Dh], mask_bias fp32 0 / -inf [b or 1, 1, T] -> [b, g, Dh]. Each item is one
+    query row. Adding 0 or -inf is bitwise masked_fill; baddbmm's alpha is bitwise bmm then
+    multiply (measured), in one kernel call."""
     single = q.shape[0] == 1
     if single:  # a bmm batch of one takes another kernel whose bits differ (g = 5..11 here): run two
         q, keys, values = q.expand(2, -1, -1), keys.expand(2, -1, -1), values.expand(2, -1, -1)
-    scores = torch.bmm(q, keys).mul_(scaling)  # [b, g, T]
-    if softcap is not None:
-        scores = scores.div_(softcap).tanh_().mul_(softcap)
-    scores.masked_fill_(hidden, float("-inf"))
+    if softcap is None:
+        scores = torch.baddbmm(mask_bias, q, keys, alpha=scaling)  # [b, g, T]
+    else:  # the mask goes after the cap: tanh would turn -inf into -softcap
+        scores = torch.bmm(q, keys).mul_(scaling).div_(softcap).tanh_().mul_(softcap).add_(mask_bias)
     out = torch.bmm(torch.softmax(scores, dim=-1), values)
     return out[:1] if single else out
