@@ -50,14 +50,43 @@ def load_target(path: str, registry: Registry, *, dtype: str | None = None, thre
     return resolve(spec.loader)(path, dtype=dtype, context_length=context_length)
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (bytes), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def kv_budget_bytes(kv_cache_gb: float | None) -> int | None:
+    """The scheduler's KV budget: kv_cache_gb GiB; 0 = no budget; None = half of the memory
+    available now (measured once the model is loaded), or no budget where that is unknown."""
+    from verispec.errors import InvalidArgument
+
+    if kv_cache_gb is None:
+        available = available_memory_bytes()
+        return available // 2 if available else None
+    if not kv_cache_gb >= 0:
+        raise InvalidArgument(f"kv_cache_gb={kv_cache_gb}: give GiB > 0, 0 for no budget, or None for the default")
+    return int(kv_cache_gb * 2**30) or None
+
+
 def load(model: str | None = None, *, dtype: str | None = None, threads: int | str | None = None,
          context_length: int | None = None, spec=None, registry: Registry | None = None,
-         prefill_chunk: int | None = None, max_running: int | None = None, **spec_options):
+         prefill_chunk: int | None = None, max_running: int | None = None, kv_cache_gb: float | None = None,
+         **spec_options):
     """Load `model` and return an InferenceEngine.
 
     model: GGUF path, checkpoint alias (e.g. "gemma3-270m"), or None for the default.
     spec: a SpecOptions, or pass its fields as keywords (spec_type="ngram", draft_window=8, ...).
     prefill_chunk, max_running: the engine's rows per step and concurrent requests (None = its defaults).
+    kv_cache_gb: GiB of KV/state memory for running and idle sequences (verispec.scheduler); a
+      request that does not fit waits. None = half of the memory available once the model is
+      loaded; 0 = no budget.
     Raises InvalidArgument when both `spec` and its fields as keywords are given.
     """
     from verispec.engine import InferenceEngine, SpecOptions
@@ -65,10 +94,13 @@ def load(model: str | None = None, *, dtype: str | None = None, threads: int | s
 
     if spec is not None and spec_options:
         raise InvalidArgument(f"give either spec= or its fields as keywords ({', '.join(spec_options)}), not both")
+    if kv_cache_gb is not None:
+        kv_budget_bytes(kv_cache_gb)  # refused before the model loads
     registry = registry or Registry.discover()
     spec = spec or SpecOptions(**spec_options)
     target = load_target(resolve_model_path(model, registry), registry, dtype=dtype, threads=threads,
                          context_length=context_length)
     engine_options = {k: v for k, v in (("prefill_chunk", prefill_chunk), ("max_running", max_running))
                       if v is not None}
-    return InferenceEngine(target, registry=registry, spec=spec, **engine_options)
+    return InferenceEngine(target, registry=registry, spec=spec, kv_budget_bytes=kv_budget_bytes(kv_cache_gb),
+                           **engine_options)

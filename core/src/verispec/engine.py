@@ -62,16 +62,18 @@ class InferenceEngine:
 
     prefill_chunk: rows one engine step forwards at most (prefill chunks beside decodes).
     max_running: requests decoding at once (later ones queue). max_idle_sequences: finished
-    sequences kept for prefix reuse.
+    sequences kept for prefix reuse. kv_budget_bytes: KV/state memory of running and idle
+    sequences (verispec.scheduler; None = no budget).
     """
 
     def __init__(self, target, *, registry=None, spec: SpecOptions = SpecOptions(), prefill_chunk: int = 512,
-                 max_running: int = DEFAULT_MAX_RUNNING, max_idle_sequences: int = DEFAULT_MAX_IDLE_SEQUENCES):
+                 max_running: int = DEFAULT_MAX_RUNNING, max_idle_sequences: int = DEFAULT_MAX_IDLE_SEQUENCES,
+                 kv_budget_bytes: int | None = None):
         self.target = target
         self.tokenizer = target.tokenizer
         self.registry = registry
         self.scheduler = Scheduler(target, max_rows_per_step=prefill_chunk, max_running=max_running,
-                                   max_idle_sequences=max_idle_sequences)
+                                   max_idle_sequences=max_idle_sequences, kv_budget_bytes=kv_budget_bytes)
         self._governors: dict[tuple, tuple[SpeculationCostGovernor, DraftWindow]] = {}
         self.speculator = None
         self.choice = None
@@ -172,7 +174,8 @@ class InferenceEngine:
 
         time_limit: seconds, counted from the request's admission; the token during which it runs
         out is the last one (finish_reason "length"), as when max_tokens is reached.
-        Raises InvalidArgument (max_tokens < 1, an empty prompt, time_limit <= 0) and
+        Raises InvalidArgument (max_tokens < 1, an empty prompt, time_limit <= 0, a request whose
+        KV reservation exceeds the whole KV budget) and
         ContextOverflow (a prompt that leaves no room for a new token) before queueing.
         """
         if max_tokens < 1:
@@ -184,6 +187,7 @@ class InferenceEngine:
             raise ContextOverflow(len(ids) + 1, self.target.max_context_length)
         if time_limit is not None and not time_limit > 0:
             raise InvalidArgument(f"time_limit={time_limit}: give a positive number of seconds, or None")
+        self.scheduler.kv_reservation(len(ids), max_tokens, self.target.max_context_length)  # never fits: raise now
         generation = Generation(self.step)
         self.scheduler.submit(Request(
             generation, ids, tokenizer=self.tokenizer, max_tokens=max_tokens, sampling=sampling, stop=tuple(stop),

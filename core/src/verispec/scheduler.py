@@ -30,6 +30,12 @@ turn), and otherwise gets a copy of the prefix (`target.fork`), the source left 
 trunk whose state cannot be cut back (recurrent) reuses only a whole sequence. Copies are
 whole tensors, not shared blocks: paged KV would share them without copying.
 
+KV budget (`kv_budget_bytes`): a request reserves the bytes its sequence may grow to
+(`target.sequence_nbytes` of prompt + max_tokens + the widest verify) while it runs; running
+reservations plus the bytes idle sequences hold stay within the budget. The head of the queue
+waits (FIFO) until its reservation fits, idle sequences released first, least recently used
+first; a request whose reservation alone exceeds the budget fails with InvalidArgument.
+
 Thread safety: `submit` may be called from any thread; `step` is serialised by a lock, and a
 Generation's events may be read from another thread than the stepping one.
 """
@@ -46,7 +52,8 @@ import attrs
 from verispec.errors import InvalidArgument
 from verispec.execution import ExecutionStats, SpeculativeExecution
 from verispec.sampling import Sampler, SamplingParams
-from verispec.nn.state import CannotTruncate
+from verispec.nn.state import MAX_VERIFY_ROWS, CannotTruncate
+from verispec.seams import declared
 
 log = logging.getLogger("verispec")
 
@@ -113,6 +120,8 @@ class SchedulerMetrics:
     num_reused_prefix_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    #: idle (prefix-cache) sequences released to make room in the KV budget.
+    num_kv_budget_evictions: int = 0
 
 
 class Generation:
@@ -231,13 +240,23 @@ class Scheduler:
     max_rows_per_step: rows one batched forward carries at most (>= 1).
     max_running: requests admitted at once (>= 1). max_idle_sequences: finished sequences kept
     for prefix reuse (0 = no prefix cache). Raises InvalidArgument outside those ranges.
+    kv_budget_bytes: KV/state memory the running and idle sequences may occupy together (None =
+    no budget). A request reserves `target.sequence_nbytes` of its prompt + max_tokens + the
+    widest verify while it runs; the head of the queue waits (FIFO) until its reservation fits,
+    idle sequences released first (least recently used), and one that could never fit fails
+    with InvalidArgument. A trunk without `sequence_nbytes` (seams.declared) is not budgeted.
     """
 
     def __init__(self, target, *, max_rows_per_step: int = DEFAULT_MAX_ROWS_PER_STEP,
-                 max_running: int = DEFAULT_MAX_RUNNING, max_idle_sequences: int = DEFAULT_MAX_IDLE_SEQUENCES):
+                 max_running: int = DEFAULT_MAX_RUNNING, max_idle_sequences: int = DEFAULT_MAX_IDLE_SEQUENCES,
+                 kv_budget_bytes: int | None = None):
         if max_rows_per_step < 1 or max_running < 1 or max_idle_sequences < 0:
             raise InvalidArgument(f"max_rows_per_step={max_rows_per_step}, max_running={max_running}, "
                                   f"max_idle_sequences={max_idle_sequences}: choose >= 1, >= 1 and >= 0")
+        if kv_budget_bytes is not None and kv_budget_bytes < 1:
+            raise InvalidArgument(f"kv_budget_bytes={kv_budget_bytes}: choose >= 1, or None for no budget")
+        self.kv_budget_bytes = kv_budget_bytes
+        self._reservations: dict[Request, int] = {}  # running request -> bytes reserved for its sequence
         self.target = target
         self.max_rows_per_step, self.max_running, self.max_idle_sequences = (max_rows_per_step, max_running,
                                                                                max_idle_sequences)
@@ -325,15 +344,34 @@ class Scheduler:
                     return
                 request = self._waiting.popleft()
             try:
-                self._admit_one(request)
+                admitted = self._admit_one(request)
             except Exception as exc:  # noqa: BLE001 -- that request fails, the engine goes on
-                log.exception("admitting a request failed")
+                if isinstance(exc, InvalidArgument):
+                    log.warning("refused a request: %s", exc)
+                else:
+                    log.exception("admitting a request failed")
+                self._reservations.pop(request, None)
                 if request.seq is not None:
                     self.target.release(request.seq)
                 request.generation._deliver([exc])
+                continue
+            if not admitted:  # the KV budget is full: it stays at the head of the queue (FIFO)
+                with self._waiting_lock:
+                    self._waiting.appendleft(request)
+                return
 
-    def _admit_one(self, request: Request) -> None:
+    def _admit_one(self, request: Request) -> bool:
+        """Start the request; False (nothing changed) while the KV budget cannot hold it yet."""
+        reservation = self.kv_reservation(len(request.ids), request.max_tokens, request.max_context_length)
+        if reservation is not None:
+            if self.kv_reserved_bytes + reservation > self.kv_budget_bytes:
+                return False
+            # an idle sequence the prompt continues whole becomes its sequence: released last, not counted
+            self._evict_idle(reservation, keep=self._continued_idle(request.ids))
         request.seq, request.reused = self._reuse_prefix(request.ids)
+        if reservation is not None:
+            self._reservations[request] = reservation
+            self._evict_idle(0)  # the kept sequence, when a running one shared a longer prefix
         request.num_prefilled = request.reused
         request.admitted_at = time.perf_counter()
         if request.time_limit is not None:
@@ -343,6 +381,77 @@ class Scheduler:
             self.metrics.num_prefix_cache_hits += 1
             self.metrics.num_reused_prefix_tokens += request.reused
         self._running.append(request)
+        return True
+
+    # -- the KV budget ---------------------------------------------------------------------------
+
+    def kv_reservation(self, num_prompt_tokens: int, max_tokens: int, max_context_length: int) -> int | None:
+        """Bytes a request reserves while it runs: its sequence at prompt + max_tokens + the widest
+        verify positions (at most the context), or None when nothing is budgeted. Raises
+        InvalidArgument when that alone exceeds the budget (it could never be admitted)."""
+        sequence_nbytes = declared(self.target, "sequence_nbytes")
+        if self.kv_budget_bytes is None or sequence_nbytes is None:
+            return None
+        positions = min(num_prompt_tokens + max_tokens + MAX_VERIFY_ROWS, max_context_length)
+        need = sequence_nbytes(positions)
+        if need > self.kv_budget_bytes:
+            raise InvalidArgument(
+                f"this request may need {need} bytes ({need / 2**30:.3g} GiB) of KV/state memory for "
+                f"{num_prompt_tokens} prompt tokens + max_tokens {max_tokens}, more than the whole KV budget of "
+                f"{self.kv_budget_bytes} bytes ({self.kv_budget_bytes / 2**30:.3g} GiB); lower max_tokens or "
+                "shorten the prompt, or raise the budget (--kv-cache-gb, or kv_cache_gb= in verispec.load)")
+        return need
+
+    @property
+    def kv_reserved_bytes(self) -> int:
+        """Bytes the running requests reserved."""
+        return sum(list(self._reservations.values()))
+
+    @property
+    def kv_idle_bytes(self) -> int:
+        """Bytes the idle (prefix-cache) sequences hold (0 when the trunk is not budgeted). Safe to
+        read from another thread than the stepping one (/metrics): a sequence released meanwhile
+        counts 0."""
+        total = 0
+        for seq in list(self._idle):
+            try:
+                total += self._idle_nbytes(seq)
+            except ValueError:  # released by the stepping thread since the list was taken
+                pass
+        return total
+
+    def _idle_nbytes(self, seq: int) -> int:
+        held = declared(self.target, "sequence_held_nbytes")
+        if held is not None:
+            return held(seq)
+        sequence_nbytes = declared(self.target, "sequence_nbytes")
+        if sequence_nbytes is None:
+            return 0
+        return sequence_nbytes(min(self.target.seq_len(seq) + MAX_VERIFY_ROWS, self.target.max_context_length))
+
+    def _evict_idle(self, need: int, keep: int | None = None) -> None:
+        """Release idle sequences, least recently used first and `keep` (not counted) last, until
+        the reservations, the idle sequences and `need` bytes fit in the budget."""
+        if self.kv_budget_bytes is None or declared(self.target, "sequence_nbytes") is None:
+            return
+        while self._idle:
+            idle = sum(self._idle_nbytes(seq) for seq in self._idle if seq != keep)
+            if self.kv_reserved_bytes + idle + need <= self.kv_budget_bytes:
+                return
+            victim = next((seq for seq in self._idle if seq != keep), keep)
+            keep = None if victim == keep else keep
+            del self._idle[victim]
+            self.target.release(victim)
+            self.metrics.num_kv_budget_evictions += 1
+
+    def _continued_idle(self, ids: list[int]) -> int | None:
+        """The idle sequence with the longest history that `ids` continues whole (`_reuse_prefix`
+        takes it over), or None."""
+        best, longest = None, 0
+        for seq, tokens in self._idle.items():
+            if longest < len(tokens) < len(ids) and ids[:len(tokens)] == tokens:
+                best, longest = seq, len(tokens)
+        return best
 
     def _start_execution(self, request: Request) -> None:
         speculation = self.speculation
@@ -458,6 +567,7 @@ class Scheduler:
         request.finished_at = time.perf_counter()
         if request in self._running:
             self._running.remove(request)
+        self._reservations.pop(request, None)
         if request.seq is not None:
             self._park_sequence(request, release)
         if self._governed is request:
@@ -475,12 +585,14 @@ class Scheduler:
         self._idle[request.seq] = request.held_tokens(self.target.seq_len(request.seq))
         while len(self._idle) > self.max_idle_sequences:
             self.target.release(self._idle.popitem(last=False)[0])
+        self._evict_idle(0)  # within its reservation, unless it holds a verify's recurrent rows (nn.state)
 
     def _fail_running(self, exc: Exception) -> None:
         """A step raised: every request in it fails with that error and its sequence is released
         (its state may be half-written); later requests are served."""
         for request in list(self._running):
             self._running.remove(request)
+            self._reservations.pop(request, None)
             self.target.release(request.seq)
             if self._governed is request:
                 self._governed = None

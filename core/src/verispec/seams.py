@@ -91,6 +91,10 @@ TARGET_DECLARATIONS: dict[str, Any] = {
     "spec_preferred_draft_window": None,
     # True: a row computed inside an n-row forward (any mix of sequences) is bitwise the row computed alone.
     "spec_batch_invariant": False,
+    # Memory: (num_positions) -> bytes one sequence may occupy; None = the scheduler's KV budget skips this trunk.
+    "sequence_nbytes": None,
+    # Memory: (seq) -> bytes a sequence holds now; None = its `sequence_nbytes` at its length stands in.
+    "sequence_held_nbytes": None,
 }
 
 

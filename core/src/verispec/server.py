@@ -5,7 +5,8 @@
   GET  /v1/models             the one loaded model
   GET  /health                {"status": "ok", "speculator": name | null}
   GET  /metrics               Prometheus text: requests running/waiting, tokens generated,
-                              drafted/accepted tokens, prefix-cache hits
+                              drafted/accepted tokens, prefix-cache hits, the KV budget
+                              (budget, reserved and idle bytes)
 
 Many clients at once: a handler queues its request in the engine's scheduler (continuous
 batching: verispec.scheduler) and awaits its events; one engine thread steps the scheduler
@@ -306,6 +307,12 @@ def prometheus_text(engine: InferenceEngine) -> str:
         ("prefix_cache_hits_total", "counter", "Requests that adopted a cached prefix.", m.num_prefix_cache_hits),
         ("prefix_cache_reused_tokens_total", "counter", "Prompt tokens not prefilled thanks to the prefix cache.",
          m.num_reused_prefix_tokens),
+        ("kv_budget_bytes", "gauge", "KV/state memory budget of running and idle sequences (0: none).",
+         scheduler.kv_budget_bytes or 0),
+        ("kv_reserved_bytes", "gauge", "KV/state memory reserved by running requests.", scheduler.kv_reserved_bytes),
+        ("kv_idle_bytes", "gauge", "KV/state memory held by idle prefix-cache sequences.", scheduler.kv_idle_bytes),
+        ("kv_budget_evictions_total", "counter", "Idle sequences released to make room in the KV budget.",
+         m.num_kv_budget_evictions),
     ]
     lines = []
     for name, kind, help_text, value in rows:

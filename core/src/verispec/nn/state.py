@@ -62,6 +62,16 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
+def storage_nbytes(tensors) -> int:
+    """Bytes of the storages these tensors keep alive, each storage counted once (a view of a
+    bigger tensor keeps all of it: a recurrent row selected from a verify's stack, say)."""
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(storages.values())
+
+
 class LinearKVCache:
     """Slot = position. k, v: fp32 [Hkv, S, Dh]; S a multiple of key_block, grown on demand."""
 
@@ -79,6 +89,21 @@ class LinearKVCache:
     @property
     def capacity(self) -> int:
         return self.k.shape[1]
+
+    def max_nbytes(self, num_positions: int) -> int:
+        """Bytes (k, v, slot_positions) this cache may hold once it has room for `num_positions`
+        positions, however it got there: its last growth was from c < m <= num_positions slots,
+        a multiple of key_block, so c <= round_up(num_positions) - key_block and the doubling made
+        at most 2c slots (or round_up(num_positions), if more); max_capacity caps both. Exact: a
+        prefill of round_up(n) - key_block rows, then one more row, allocates it."""
+        needed = _round_up(num_positions, self.key_block)
+        slots = min(self.max_capacity, max(needed, 2 * (needed - self.key_block)))
+        return slots * (2 * self.num_kv_heads * self.head_dim * self.k.element_size()
+                        + self.slot_positions.element_size())
+
+    def nbytes(self) -> int:
+        """Bytes held now."""
+        return storage_nbytes([self.k, self.v, self.slot_positions])
 
     def ensure_capacity(self, num_positions: int) -> None:
         """Room for positions [0, num_positions); grows by doubling (copies the old slots once)."""
@@ -140,6 +165,13 @@ class RingKVCache:
 
     def ensure_capacity(self, num_positions: int) -> None:
         pass  # fixed size
+
+    def max_nbytes(self, num_positions: int) -> int:
+        """Bytes (k, v, tags) at any length: the ring's fixed size."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.tags))
+
+    def nbytes(self) -> int:
+        return storage_nbytes([self.k, self.v, self.tags])
 
     def begin(self, seq_len: int, verify: bool) -> None:
         pass  # the ring's slack keeps what rejected rows overwrite out of every kept row's window
@@ -209,6 +241,19 @@ class RecurrentState:
     def ensure_capacity(self, num_positions: int) -> None:
         pass  # fixed size
 
+    def max_nbytes(self, num_positions: int) -> int:
+        """Bytes of the state at any length: its fixed size. Not counted: the per-row states a
+        verify records until `keep` (up to MAX_VERIFY_ROWS copies, while the verify lasts), nor a
+        bigger storage that a kept row is a view of (`nbytes` counts that)."""
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        return sum(itemsize * _numel(shape) for shape in self.shapes.values())
+
+    def nbytes(self) -> int:
+        """Bytes held now: the storages of the values and, during a verify, of the state before it
+        and the rows it recorded."""
+        return storage_nbytes([*self.values.values(), *(self._before or {}).values(),
+                               *(t for rows in self._rows.values() for t in rows)])
+
     def begin(self, seq_len: int, verify: bool) -> None:
         """Called by SequenceState before each forward of this sequence."""
         self._verify_base = seq_len if verify else None
@@ -219,9 +264,11 @@ class RecurrentState:
         """rows: name -> state after each row of this chunk [n, *shape] (new tensors, never views of
         `values` mutated later)."""
         for name, per_row in rows.items():
-            self.values[name] = per_row[-1]
             if self._verify_base is not None:
+                self.values[name] = per_row[-1]
                 self._rows[name].append(per_row)
+            else:  # a view of a many-row chunk would keep all its rows alive (max_nbytes counts one)
+                self.values[name] = per_row[-1] if len(per_row) == 1 else per_row[-1].clone()
 
     def check_keep(self, length: int) -> None:
         pass  # every row's state was recorded
@@ -255,6 +302,13 @@ class RecurrentState:
         return new
 
 
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for size in shape:
+        n *= int(size)
+    return n
+
+
 class SequenceState:
     """One sequence's per-layer states (None for a layer that stores nothing, e.g. a KV-shared
     layer) and its committed length `seq_len`; remembers the last verify for `keep`."""
@@ -272,6 +326,18 @@ class SequenceState:
             state.begin(self.seq_len, verify)
         self.verify_rows = num_rows if verify else None
         return self.seq_len
+
+    def max_nbytes(self, num_positions: int) -> int:
+        """Bytes this sequence's states may hold at `num_positions` positions (each kind's
+        `max_nbytes`; a state object shared by several layers counts once)."""
+        return sum(state.max_nbytes(num_positions) for state in self._unique_states())
+
+    def nbytes(self) -> int:
+        """Bytes this sequence's states hold now."""
+        return sum(state.nbytes() for state in self._unique_states())
+
+    def _unique_states(self) -> list:
+        return list({id(state): state for state in self._states}.values())
 
     def keep(self, num_rows: int) -> None:
         """Commit the first `num_rows` rows of the last verify; raises ValueError without one, and

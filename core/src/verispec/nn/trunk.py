@@ -119,6 +119,22 @@ class SequenceTrunk:
         self._sequences[new] = self._state(seq).fork(length)
         return new
 
+    # -- memory ------------------------------------------------------------------------------
+
+    def sequence_nbytes(self, num_positions: int) -> int:
+        """Bytes one sequence's state may occupy at `num_positions` positions (the scheduler's
+        KV budget reserves this; `SequenceState.max_nbytes` of a template sequence built once
+        per context length and forward width, the sizes its states depend on)."""
+        key = (self.max_context_length, self.max_rows_per_forward)
+        cached = getattr(self, "_nbytes_template", None)
+        if cached is None or cached[0] != key:
+            cached = self._nbytes_template = (key, SequenceState(self._new_layer_states()))
+        return cached[1].max_nbytes(num_positions)
+
+    def sequence_held_nbytes(self, seq: int) -> int:
+        """Bytes sequence `seq` holds now (an idle prefix-cache sequence, say)."""
+        return self._state(seq).nbytes()
+
     def _state(self, seq: int) -> SequenceState:
         try:
             return self._sequences[seq]
