@@ -2,6 +2,8 @@
 the longest cached prefix of an idle or a running sequence instead of prefilling it."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from verispec import api
 from verispec.engine import SpecOptions
@@ -148,3 +150,15 @@ def test_only_speculators_that_declare_it_arm_after_prefix_reuse(model_path):
         assert reused.reused_prefix_tokens > 0
         assert (reused.spec.num_draft_tokens > 0) is can_arm
         assert reused.tokens == solo(model_path, Registry.from_plugins({"toy": toy_plugin}), SYSTEM + "why?", 8).tokens
+
+
+@given(st.lists(st.integers(0, 2), max_size=200), st.lists(st.integers(0, 2), max_size=200),
+       st.integers(0, 250), st.sampled_from([1, 3, 64]))
+@settings(max_examples=300, deadline=None)
+def test_common_prefix_compares_blocks_as_token_by_token(a, b, limit, block):
+    from verispec.scheduler import _common_prefix
+    b = a[:len(b)] + b[len(a):] if len(b) > len(a) // 2 else b  # long shared prefixes are common too
+    expected = 0
+    while expected < min(limit, len(a), len(b)) and a[expected] == b[expected]:
+        expected += 1
+    assert _common_prefix(a, b, limit, block=block) == expected

@@ -235,6 +235,8 @@ def test_admission_is_capped_and_waiting_requests_run_later(model_path, registry
     results = drain(engine, generations)
     for prompt, got in zip(PROMPTS, results):
         assert got.tokens == solo(model_path, registry, prompt, max_tokens=5, ignore_eos=True).tokens
+    # the third waited for a slot: its queue time covers at least the first two's decode steps
+    assert results[2].queued_ms > 0 and results[0].queued_ms < results[2].queued_ms
 
 
 def test_update_speculation_applies_between_steps(model_path, registry):

@@ -94,6 +94,8 @@ class GenerationResult:
     governor: str | None
     #: why `speculator` was switched off during this request (a plugin fault), else None.
     speculator_fault: str | None = None
+    #: time from submission to admission (waiting for a running slot or KV budget).
+    queued_ms: float = 0.0
 
 
 @attrs.frozen
@@ -194,7 +196,7 @@ class Request:
         self.speculation: Speculation | None = None
         self.reused = 0
         self.num_prefilled = 0  # prompt tokens the sequence holds (the reused ones included)
-        self.admitted_at = self.first_token_at = self.finished_at = 0.0
+        self.submitted_at = self.admitted_at = self.first_token_at = self.finished_at = 0.0
 
     @property
     def decoding(self) -> bool:
@@ -231,7 +233,8 @@ class Request:
             decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
             speculator=speculation.speculator.name if speculation is not None else None, spec=stats,
             governor=speculation.governor.stats_line() if speculation is not None else None,
-            speculator_fault=self.execution.fault if self.execution is not None else None)
+            speculator_fault=self.execution.fault if self.execution is not None else None,
+            queued_ms=1e3 * max(self.admitted_at - self.submitted_at, 0.0) if self.admitted_at else 0.0)
 
 
 class Scheduler:
@@ -286,6 +289,7 @@ class Scheduler:
 
     def submit(self, request: Request) -> None:
         """Queue a request; it is admitted at a coming step."""
+        request.submitted_at = time.perf_counter()
         with self._waiting_lock:
             self._waiting.append(request)
 
@@ -599,9 +603,13 @@ class Scheduler:
             request.generation._deliver([exc])
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = 0
+def _common_prefix(a: list[int], b: list[int], limit: int, block: int = 64) -> int:
+    """Length of the common prefix of a and b, at most `limit`: whole blocks compared as list
+    slices (C speed), then token by token inside the first block that differs."""
     limit = min(limit, len(a), len(b))
+    n = 0
+    while n + block <= limit and a[n:n + block] == b[n:n + block]:
+        n += block
     while n < limit and a[n] == b[n]:
         n += 1
     return n

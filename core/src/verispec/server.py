@@ -549,8 +549,8 @@ def _usage(result) -> dict[str, Any]:
     n = len(result.tokens)
     return {"usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": n,
                       "total_tokens": result.prompt_tokens + n},
-            "verispec": {"reused_prefix_tokens": result.reused_prefix_tokens, "ttft_ms": result.ttft_ms,
-                         "speculator": result.speculator, "speculator_fault": result.speculator_fault,
+            "verispec": {"reused_prefix_tokens": result.reused_prefix_tokens, "queued_ms": result.queued_ms,
+                         "ttft_ms": result.ttft_ms, "speculator": result.speculator, "speculator_fault": result.speculator_fault,
                          "num_draft_tokens": result.spec.num_draft_tokens,
                          "num_accepted_tokens": result.spec.num_accepted_tokens, "governor": result.governor}}
 
