@@ -247,3 +247,71 @@ def test_the_converted_state_goes_through_the_weight_cache(tmp_path, monkeypatch
     with pytest.raises(AssertionError, match="converted again"):
         _load(gguf, "int8", use_cache=False)
 
+
+
+class QKV(nn.Module):
+    """q|k|v and their biases stacked with unequal rows, declared by the owning module."""
+
+    ROWS = (12, 4, 4)
+
+    def __init__(self, dtype="float32"):
+        super().__init__()
+        self.part_rows = {"qkv": self.ROWS, "qkv_bias": self.ROWS}
+        self.qkv = nn.Linear(D, sum(self.ROWS), bias=False, device="meta")
+        self.qkv_bias = nn.Parameter(torch.zeros(sum(self.ROWS)), requires_grad=False)
+        swap_linears(self, dtype)
+
+
+QKV_TABLE = (Tensor(Stack("q.weight", "k.weight", "v.weight"), "qkv.weight"),
+             Tensor(Stack("q.bias", "k.bias", "v.bias"), "qkv_bias"))
+
+
+def _qkv_tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {f"{p}.{kind}": torch.randn(*((rows, D) if kind == "weight" else (rows,)), generator=g)
+            for p, rows in zip("qkv", QKV.ROWS) for kind in ("weight", "bias")}
+
+
+def test_a_stack_of_unequal_parts_takes_the_rows_its_module_declares(tmp_path):
+    tensors = _qkv_tensors()
+    model = QKV()
+    plan_weights(_file(tmp_path, tensors), model, QKV_TABLE, num_layers=0).load(dtype="float32", layout="qkv",
+                                                                               use_cache=False)
+    assert torch.equal(model.qkv.weight, torch.cat([tensors[f"{p}.weight"] for p in "qkv"]))
+    assert torch.equal(model.qkv_bias, torch.cat([tensors[f"{p}.bias"] for p in "qkv"]))
+
+
+@pytest.mark.parametrize("name, bad", [
+    ("k.weight", torch.zeros(5, D)),  # rows: q 12 + k 5 + v 4 would be 21, not 20
+    ("v.weight", torch.zeros(4, D + 1)),  # columns
+    ("q.bias", torch.zeros(11)),
+])
+def test_a_stack_part_of_the_wrong_shape_is_named(tmp_path, name, bad):
+    with pytest.raises(BadTensorShape) as e:
+        plan_weights(_file(tmp_path, {**_qkv_tensors(), name: bad}), QKV(), QKV_TABLE, num_layers=0).check()
+    assert e.value.name == name and e.value.got == tuple(bad.shape)
+
+
+def test_a_cached_state_of_another_module_layout_is_never_read(tmp_path, monkeypatch):
+    """The weight-cache key holds the module's state layout: a state saved for separate linears
+    (before q|k|v were fused) is not read into the fused module, which converts its own."""
+    from verispec.checkpoints import cache_dir
+
+    class Separate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(D, rows, bias=False, device="meta") for rows in QKV.ROWS)
+            self.qkv_bias = nn.Parameter(torch.zeros(sum(QKV.ROWS)), requires_grad=False)
+            self.part_rows = {"qkv_bias": QKV.ROWS}
+            swap_linears(self, "int8")
+
+    separate_table = (*(Tensor(f"{p}.weight", f"{p}.weight") for p in "qkv"), QKV_TABLE[1])
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(weight_cache, "MIN_CONVERT_SECONDS", 0.0)
+    gguf = _file(tmp_path, _qkv_tensors())
+    plan_weights(gguf, Separate(), separate_table, num_layers=0).load(dtype="int8", layout="qkv")
+    fused = QKV("int8")
+    plan_weights(gguf, fused, QKV_TABLE, num_layers=0).load(dtype="int8", layout="qkv")  # same tag
+    assert len(list(cache_dir("weights").glob("tiny-int8-*.pt"))) == 2
+    assert torch.equal(fused.qkv.weight, Int8Linear.from_float(torch.cat(
+        [_qkv_tensors()[f"{p}.weight"] for p in "qkv"])).weight)

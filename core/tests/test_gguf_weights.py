@@ -18,6 +18,7 @@ from verispec.nn.quant import (
     GGUFInt4Linear,
     GGUFLinear,
     Int8Linear,
+    PartwiseLinear,
     UnmappedGGUFType,
     canonical_dtype,
     module_batch_invariant,
@@ -169,9 +170,14 @@ def test_the_loader_gives_each_linear_the_class_for_its_type_and_the_files_weigh
     for e, linear in enumerate(model.experts):  # an expert's slice of a 3-D Q4_1 tensor
         assert type(linear) is GGUFInt4Linear
         assert_within_scale_rounding(linear.rows(torch.arange(16)), [_stored(gguf, "exps.weight", e)])
-    for name in ("embed", "f32", "mixed"):  # Q8_0, F32, and Q4_K stacked with Q8_0: requantised int8
+    for name in ("embed", "f32"):  # Q8_0, F32: requantised int8
         assert type(getattr(model, name)) is Int8Linear, name
     assert torch.equal(model.embed.weight, Int8Linear.from_float(gguf.tensor("token_embd.weight")).weight)
+    # Q4_K stacked with Q8_0: never one requantised int8 linear, each part keeps its own class
+    assert type(model.mixed) is PartwiseLinear
+    assert [type(m) for m in model.mixed] == [GGUFInt4Linear, Int8Linear]
+    assert_within_scale_rounding(model.mixed[0].rows(torch.arange(16)), [_stored(gguf, "mixed_a.weight")])
+    assert torch.equal(model.mixed[1].weight, Int8Linear.from_float(gguf.tensor("mixed_b.weight")).weight)
     assert module_batch_invariant(model)
 
 
@@ -198,3 +204,77 @@ def test_a_type_with_no_mapping_is_refused_naming_tensor_and_fix(tmp_path):
     gguf = _fixture(tmp_path, extra={"q4_k.weight": q8_k})  # Q8_K: llama.cpp's dot-product scratch type
     with pytest.raises(UnmappedGGUFType, match=r"q4_k\.weight is stored as Q8_K.*re-quantise the file"):
         plan_weights(gguf, Tiny(), TABLE, num_layers=0, num_experts=E)
+
+
+# --- stacked parts: fused when one class, partwise when mixed ----------------------------
+
+class Attention(nn.Module):
+    """q|k|v stacked in one linear with unequal parts, declared by the owning module."""
+
+    def __init__(self, rows=(32, 16, 16)):
+        super().__init__()
+        self.part_rows = {"qkv": rows}
+        self.qkv = nn.Linear(D, sum(rows), bias=False, device="meta")
+        swap_linears(self, "gguf")
+
+
+QKV_TABLE = (Tensor(Stack("q.weight", "k.weight", "v.weight"), "qkv.weight"),)
+
+
+def _qkv_fixture(tmp_path, types, rows=(32, 16, 16)):
+    tensors = {f"{p}.weight": random_blocks(T[t], r, D, seed) if t.startswith("Q4")
+               else np.random.default_rng(seed).standard_normal((r, D))
+               for seed, (p, t, r) in enumerate(zip("qkv", types, rows))}
+    path = write_gguf(tmp_path / "qkv.gguf", arch="tiny", metadata={}, tensors=tensors, vocab=None,
+                      tensor_types={f"{p}.weight": t for p, t in zip("qkv", types) if t != "F32"})
+    return GGUFFile.open(path)
+
+
+def _parts_alone(gguf, names):
+    """Each part read as its own linear of its own class (what an unfused model would hold)."""
+    out = []
+    for name in names:
+        raw, ggml_type, _ = gguf.raw_tensor(name)
+        out.append(GGUFInt4Linear.from_gguf([_stored(gguf, name)]) if ggml_type in INT4_TYPES
+                   else Int8Linear.from_float(gguf.tensor(name)))
+    return out
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_0", "Q4_1"), ("Q8_0", "F32", "Q8_0")])
+def test_a_stack_of_one_class_is_one_linear_bitwise_its_parts_concatenated(tmp_path, types):
+    gguf = _qkv_fixture(tmp_path, types)
+    model = Attention()
+    plan_weights(gguf, model, QKV_TABLE, num_layers=0).load(dtype="gguf", layout="qkv", use_cache=False)
+    assert type(model.qkv) is (GGUFInt4Linear if types[0].startswith("Q4") else Int8Linear)
+    alone = _parts_alone(gguf, ["q.weight", "k.weight", "v.weight"])
+    x = torch.randn(9, D, generator=torch.Generator().manual_seed(0))
+    for n in (1, 2, 5, 9):
+        assert torch.equal(model.qkv(x[:n]), torch.cat([m(x[:n]) for m in alone], dim=-1)), n
+
+
+def test_a_stack_of_mixed_classes_runs_each_part_in_its_own_class(tmp_path):
+    """A Q4_K_M file's Q4_K attn_q/attn_k beside a Q6_K-like attn_v: the Q4 run stays exact int4
+    (one linear for both), the other part int8; nothing requantises the Q4 parts."""
+    gguf = _qkv_fixture(tmp_path, ("Q4_K", "Q4_0", "Q8_0"))
+    model = Attention()
+    plan = plan_weights(gguf, model, QKV_TABLE, num_layers=0)
+    assert plan.unused_tensors() == []
+    plan.load(dtype="gguf", layout="qkv", use_cache=False)
+    assert type(model.qkv) is PartwiseLinear and [type(m) for m in model.qkv] == [GGUFInt4Linear, Int8Linear]
+    assert [m.out_features for m in model.qkv] == [48, 16] and model.qkv.out_features == 64
+    assert module_batch_invariant(model)
+    alone = _parts_alone(gguf, ["q.weight", "k.weight", "v.weight"])
+    x = torch.randn(9, D, generator=torch.Generator().manual_seed(0))
+    expected = torch.cat([m(x) for m in alone], dim=-1)
+    for n in range(1, 10):
+        assert torch.equal(model.qkv(x[:n]), expected[:n]), n
+
+
+def test_a_stacked_part_of_the_wrong_shape_is_named(tmp_path):
+    from verispec.gguf_io import BadTensorShape
+
+    gguf = _qkv_fixture(tmp_path, ("Q4_K", "Q4_0", "Q4_1"), rows=(32, 16, 32))  # v has 32 rows, not 16
+    with pytest.raises(BadTensorShape, match=r"v\.weight"):
+        plan_weights(gguf, Attention(), QKV_TABLE, num_layers=0).check()
+    with pytest.raises(ValueError, match=r"declares as \(32, 16\)"):  # a declaration that does not fit
+        plan_weights(gguf, Attention(rows=(32, 16)), QKV_TABLE, num_layers=0)

@@ -363,6 +363,37 @@ def test_gated_mlp_rows_are_bitwise_whatever_the_batch(activation):
     torch.testing.assert_close(rowwise(mlp.act_fn, h), mlp.act_fn(h), atol=1e-6, rtol=1e-6)  # an ulp at most
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4", "float32", "bfloat16"])
+def test_a_fused_linear_is_bitwise_its_parts_concatenated(dtype):
+    """q|k|v (unequal parts) and gate|up stacked along rows: every dtype quantises per output row,
+    so the stacked linear holds the parts' values and gives bitwise their outputs, at any n."""
+    d = 128
+    for rows in ((128, 32, 32), (192, 192)):
+        parts = [torch.randn(r, d, generator=_gen(r)) for r in rows]
+        cls = linear_class(dtype)
+        fused, alone = cls.from_float(torch.cat(parts)), [cls.from_float(w) for w in parts]
+        stored = torch.cat([m.rows(torch.arange(m.out_features)) for m in alone])
+        assert torch.equal(fused.rows(torch.arange(sum(rows))), stored)  # the same weights
+        if dtype not in ("int8", "int4"):
+            continue  # fp32 / bf16 matmuls may block a wider output another way: values, not bits
+        x = torch.randn(9, d, generator=_gen(2))
+        for n in range(1, 10):
+            assert torch.equal(fused(x[:n]), torch.cat([m(x[:n]) for m in alone], dim=-1)), (rows, n)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_fused_gated_mlp_is_bitwise_the_unfused_one(dtype):
+    unfused, fused = GatedMLP(64, 128, "silu"), GatedMLP(64, 128, "silu", fused=True)
+    assert fused.fused and not unfused.fused and fused.part_rows == {"gate_up_proj": (128, 128)}
+    with torch.no_grad():
+        fused.gate_up_proj.weight.copy_(torch.cat([unfused.gate_proj.weight, unfused.up_proj.weight]))
+        fused.down_proj.weight.copy_(unfused.down_proj.weight)
+    swap_linears(unfused, dtype), swap_linears(fused, dtype)
+    x = torch.randn(9, 64, generator=_gen())
+    for n in range(1, 10):
+        assert torch.equal(fused(x[:n]), unfused(x[:n])), n
+
+
 def test_gated_mlp():
     mlp = GatedMLP(8, 12, "silu")
     x = torch.randn(3, 8, generator=_gen())

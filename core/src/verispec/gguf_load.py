@@ -8,7 +8,8 @@ name) and its config reading. It builds its module on the meta device and calls
 
 `plan_weights` walks the module's state dict and, for every entry, finds its table row and
 picks the GGUF source present in the file (in the `gguf` weight mode it first gives each
-placeholder linear the class for its source's ggml types, `nn.quant.resolve_gguf_linears`);
+placeholder linear the class for its source's ggml types, `nn.quant.resolve_gguf_linears`: a
+stack whose parts need different classes becomes a `PartwiseLinear`, one linear per run);
 `WeightPlan.check` (run by `load`) refuses a missing
 (gguf_io.MissingTensor) or misshapen (BadTensorShape, via `GGUFFile.expect_shape`) tensor
 before any conversion starts. `WeightPlan.convert` reads each source (dequantised to fp32 by
@@ -21,7 +22,9 @@ before any conversion starts. `WeightPlan.convert` reads each source (dequantise
   and expert slices as for fp32), so the file's quantised values reach it unrequantised;
 - everything else (norms, biases, scales, scalars) stays fp32 as stored.
 `WeightPlan.load` goes through `verispec.weight_cache.cached_state` (the next load
-memory-maps the converted state) and fills the module with `load_state_dict(assign=True)`.
+memory-maps the converted state; the key holds the module's state layout, `structure_key`, so a
+state converted for another layout, e.g. unfused q/k/v, is never read back) and fills the
+module with `load_state_dict(assign=True)`.
 
 Table entries, all typed (no syntax inside names beyond the `str.format` fields):
 
@@ -31,6 +34,9 @@ Table entries, all typed (no syntax inside names beyond the `str.format` fields)
     Tensor("blk.{i}.ffn_gate_up_exps.weight", "model.layers.{i}.experts.gate_up_proj.{e}.weight",
            per_expert=True,                          # expert e's slice of a 3-D [E, rows, cols]
            alternatives=(Stack("blk.{i}.ffn_gate_exps.weight", "blk.{i}.ffn_up_exps.weight"),))
+    Tensor(Stack("blk.{i}.attn_q.weight", "blk.{i}.attn_k.weight", "blk.{i}.attn_v.weight"),
+           "model.layers.{i}.self_attn.qkv_proj.weight")  # one fused linear; unequal parts: the
+                                                    # owning module's part_rows = {"qkv_proj": (...)}
 
 "{i}" expands per layer (it must appear in the target and every source name, or in none);
 "{e}" in the target expands per expert (exactly when `per_expert`). Entries whose target the
@@ -38,7 +44,9 @@ module does not have (a tied LM head, a KV-shared layer's k_proj) are never look
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -48,7 +56,7 @@ from torch import nn
 
 from verispec.gguf_io import GGUFFile
 from verispec.nn.gguf_blocks import GGUFBlocks
-from verispec.nn.quant import Float32Linear, resolve_gguf_linears
+from verispec.nn.quant import Float32Linear, PartwiseLinear, resolve_gguf_linears
 from verispec.weight_cache import cached_state
 
 __all__ = ["Stack", "Tensor", "TensorSource", "UnmappedParameter", "WeightPlan", "expand_table",
@@ -67,8 +75,11 @@ class UnmappedParameter(LookupError):
 @attrs.frozen(init=False)
 class Stack:
     """GGUF tensors concatenated along rows (dim 0), in order, into one parameter: e.g. separate
-    gate and up projections read as one fused gate|up weight. Each part holds an equal share
-    of the parameter's rows."""
+    gate and up projections read as one fused gate|up weight, or q, k and v as one q|k|v.
+    The parts' rows sum to the parameter's, their other dims equal its. Each part holds the
+    rows the module owning the entry declares in its `part_rows` (a dict: the child linear's
+    or parameter's own name -> rows per part, e.g. {"qkv_proj": (H·Dh, Hkv·Dh, Hkv·Dh)}),
+    else an equal share; `WeightPlan.check` names the part whose shape is not that."""
 
     parts: tuple[str, ...]
 
@@ -171,7 +182,7 @@ def expand_table(table: Iterable[Tensor], num_layers: int, num_experts: int = 0)
 class _Job:
     linear: Float32Linear | None  # the linear whose weight this is; None: stays fp32
     parts: tuple[str, ...] | None  # the chosen source; None: optional, absent, default kept
-    part_shape: tuple[int, ...]  # torch-order shape each part must have
+    part_shapes: tuple[tuple[int, ...], ...]  # torch-order shape of each part, in order
     expert: int | None
     default: torch.Tensor | None  # the module's value, kept when parts is None
 
@@ -202,8 +213,8 @@ class WeightPlan:
         Raises MissingTensor (naming the first absent tensor of the entry's first source, the
         architecture and the file), BadTensorShape."""
         for job in self.jobs.values():
-            for part in job.parts or ():
-                self.gguf.expect_shape(part, job.part_shape)
+            for part, shape in zip(job.parts or (), job.part_shapes):
+                self.gguf.expect_shape(part, shape)
 
     def convert(self, progress: bool | None = None) -> dict[str, torch.Tensor]:
         """The model's state dict read from the file, no cache: for each linear, the entries of
@@ -257,9 +268,17 @@ class WeightPlan:
         Raises what `convert` raises."""
         self.check()
         state = cached_state(self.gguf, dtype, lambda: self.convert(progress), use_cache=use_cache,
-                             layout=layout)
+                             layout=f"{layout}/{structure_key(self.model)}")
         self.model.load_state_dict(state, assign=True)
         self.model.eval()
+
+
+def structure_key(model: nn.Module) -> str:
+    """sha256 (16 hex digits) of `model`'s state entries (name, shape, dtype): part of the weight
+    cache key, so a converted state saved for another module layout (separate q/k/v linears
+    before they were fused, another class for a linear) is never read into this one."""
+    entries = [(name, list(value.shape), str(value.dtype)) for name, value in model.state_dict().items()]
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
 
 
 def _prefixed(weight_name: str, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -275,17 +294,23 @@ def plan_weights(gguf: GGUFFile, model: nn.Module, table: Iterable[Tensor], *, n
     (`WeightPlan.check`), so a family can first refuse a file for what else it holds.
 
     GGUFLinear placeholders (`gguf` weight mode) first become the class for the ggml types of
-    their first present source (nn.quant.gguf_linear_class).
+    their first present source (nn.quant.resolve_gguf_linears; parts of mixed classes become a
+    PartwiseLinear whose linears `<linear>.0`, `<linear>.1`, ... each read their run of parts).
     A linear's entries are planned as one tensor, `<linear>.weight`, of shape
     [out_features, in_features]; every other entry has its module's shape. A stacked source's
-    parts each take an equal share of the rows; a per-expert part is [num_experts, *shape].
+    parts take the rows their owning module declares (`Stack`), else an equal share; a
+    per-expert part is [num_experts, *shape].
     Raises UnmappedParameter for a state entry the table does not fill, nn.quant.UnmappedGGUFType
     for a `gguf`-mode linear stored in a type that mode has no mapping for, ValueError for an
     optional entry absent from the file whose module has no default value (a linear, or a
-    meta tensor) and for rows a stack cannot share evenly.
+    meta tensor), for rows a stack cannot share evenly and for declared rows that do not fit.
     """
     sources = expand_table(table, num_layers, num_experts)
-    resolve_gguf_linears(model, lambda prefix: _part_types(gguf, sources.get(f"{prefix}.weight")))
+    resolve_gguf_linears(model, lambda prefix: _part_types(gguf, sources.get(f"{prefix}.weight")),
+                         lambda prefix: _declared_rows(model, prefix))
+    for prefix, module in model.named_modules():
+        if isinstance(module, PartwiseLinear) and f"{prefix}.weight" in sources:
+            _split_source(gguf, sources, prefix, module)
     linears = {prefix: m for prefix, m in model.named_modules() if isinstance(m, Float32Linear)}
     jobs: dict[str, _Job] = {}
     for name, value in model.state_dict().items():
@@ -305,8 +330,9 @@ def plan_weights(gguf: GGUFFile, model: nn.Module, table: Iterable[Tensor], *, n
         if parts is None and (linear is not None or value.is_meta):
             raise ValueError(f"{name!r} is optional and absent from {gguf.path}, but the module has no "
                              "default value for it (built on the meta device); make the entry required")
-        jobs[name] = _Job(linear, parts, _part_shape(name, shape, parts, source.expert, num_experts),
-                          source.expert, value if parts is None else None)
+        declared = _declared_rows(model, name if linear is None else prefix)
+        part_shapes = _part_shapes(name, shape, parts, declared, source.expert, num_experts)
+        jobs[name] = _Job(linear, parts, part_shapes, source.expert, value if parts is None else None)
     return WeightPlan(gguf, model, jobs)
 
 
@@ -319,12 +345,44 @@ def _part_types(gguf: GGUFFile, source: TensorSource | None) -> dict[str, GGMLQu
     return {}
 
 
-def _part_shape(name: str, shape: tuple[int, ...], parts: tuple[str, ...] | None, expert: int | None,
-                num_experts: int) -> tuple[int, ...]:
-    """The torch-order shape each GGUF part of a `shape` entry must have."""
-    if parts is not None and len(parts) > 1:
+def _declared_rows(model: nn.Module, name: str) -> tuple[int, ...] | None:
+    """The rows per stacked part that the module owning `name` (a linear's module name, or a
+    parameter's state name) declares in its `part_rows`, or None."""
+    owner, _, leaf = name.rpartition(".")
+    rows = getattr(model.get_submodule(owner), "part_rows", None) or {}
+    return tuple(rows[leaf]) if leaf in rows else None
+
+
+def _split_source(gguf: GGUFFile, sources: dict[str, TensorSource], prefix: str,
+                  module: PartwiseLinear) -> None:
+    """Replace the source of a PartwiseLinear's weight by one per linear in it: its run of the
+    first present alternative's parts (the one whose types made the runs)."""
+    source = sources.pop(f"{prefix}.weight")
+    parts = next(parts for parts in source.alternatives if all(p in gguf for p in parts))
+    start = 0
+    for j in range(len(module)):
+        count = len(module.part_rows.get(str(j), (0,)))
+        sources[f"{prefix}.{j}.weight"] = TensorSource((parts[start:start + count],), False, source.expert)
+        start += count
+
+
+def _part_shapes(name: str, shape: tuple[int, ...], parts: tuple[str, ...] | None,
+                 declared: Sequence[int] | None, expert: int | None,
+                 num_experts: int) -> tuple[tuple[int, ...], ...]:
+    """The torch-order shape each GGUF part of a `shape` entry must have: a stack's parts take
+    the `declared` rows (their sum must be the entry's), else an equal share."""
+    if parts is None:
+        return ()
+    if len(parts) == 1:
+        shapes = (shape,)
+    elif declared is not None:
+        if len(declared) != len(parts) or sum(declared) != shape[0]:
+            raise ValueError(f"{name!r} has {shape[0]} rows, which its module declares as {tuple(declared)} "
+                             f"for {len(parts)} stacked parts {parts}")
+        shapes = tuple((rows, *shape[1:]) for rows in declared)
+    else:
         rows, left = divmod(shape[0], len(parts))
         if left:
             raise ValueError(f"{name!r} has {shape[0]} rows, which {len(parts)} stacked parts cannot share")
-        shape = (rows, *shape[1:])
-    return shape if expert is None else (num_experts, *shape)
+        shapes = ((rows, *shape[1:]),) * len(parts)
+    return shapes if expert is None else tuple((num_experts, *s) for s in shapes)

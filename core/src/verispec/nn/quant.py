@@ -15,7 +15,10 @@ takes and returns fp32 activations [n, in] -> [n, out]; only the matmul sees bf1
 gguf (the gemma4 and llama families' default) keeps the file's own 4-bit values: a Q4_0, Q4_1
 or Q4_K tensor goes to the int4 kernel as stored (GGUFInt4Linear; only its per-32 scale and
 zero round to bf16, the one dtype the kernel runs fast), every other type to per-channel int8
-(requantised, not exact; GGUF_REQUANTISED), a type gguf-py cannot dequantise is refused.
+(requantised, not exact; GGUF_REQUANTISED), a type gguf-py cannot dequantise is refused. A
+stacked linear (q|k|v, gate|up read as one) whose parts map to different classes is never one
+requantised int8 linear: `resolve_gguf_linears` makes it a PartwiseLinear (one linear per run
+of parts of one class), so a Q4_K part stays exact int4 beside a Q6_K one.
 Measured with benchmarks/weight_modes.py (2 threads, machine shared with other jobs, load
 average ~2.5; plain decode tok/s, median of 5 paired rounds; argmax = fp32 on the quote-code
 prompt's rows; README "Weight dtypes" has a second run):
@@ -287,15 +290,64 @@ def gguf_linear_class(part_types: Mapping[str, GGMLQuantizationType]) -> type[Fl
     return GGUFInt4Linear if part_types and set(part_types.values()) <= INT4_TYPES else Int8Linear
 
 
+class PartwiseLinear(nn.ModuleList):
+    """A stacked linear whose parts need different classes (the `gguf` mode's rule for stacked
+    tensors of mixed ggml types, `resolve_gguf_linears`): one linear per run of consecutive parts
+    of one class, run in order and concatenated, [n, in] -> [n, out]. Each run is its own
+    linear, so a row's output is bitwise what the parts give alone (and batch-invariant
+    when they are); the runs cost one call each instead of one for the whole stack.
+
+    part_rows: the source parts' rows of each run with more than one part (the child's name,
+    "0", "1", ... -> rows), read by `gguf_load.plan_weights` as any module's `part_rows`.
+    """
+
+    def __init__(self, linears: Sequence[Float32Linear],
+                 part_rows: Mapping[str, tuple[int, ...]] | None = None):
+        super().__init__(linears)
+        self.in_features = linears[0].in_features
+        self.out_features = sum(m.out_features for m in linears)
+        self.part_rows = dict(part_rows or {})
+
+    @property
+    def batch_invariant(self) -> bool:
+        return all(m.batch_invariant for m in self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m(x) for m in self], dim=-1)
+
+
 def resolve_gguf_linears(model: nn.Module,
-                         part_types: Callable[[str], Mapping[str, GGMLQuantizationType]]) -> nn.Module:
-    """Replace every GGUFLinear placeholder in `model` (meta) by an empty module of
-    `gguf_linear_class(part_types(prefix))`, `prefix` its module name; in place.
-    Raises UnmappedGGUFType."""
+                         part_types: Callable[[str], Mapping[str, GGMLQuantizationType]],
+                         part_rows: Callable[[str], Sequence[int] | None] = lambda prefix: None) -> nn.Module:
+    """Replace every GGUFLinear placeholder in `model` (meta) by an empty module for the ggml
+    types of its source parts, `part_types(prefix)` (`prefix` its module name, parts in stack
+    order); in place. Each part's class is `gguf_linear_class({part: type})`; when every part
+    has the same class the linear is one module of it (a stack of Q4_0/Q4_1/Q4_K parts: one
+    exact int4 linear; of other types: one int8 linear, requantised per output row as the
+    parts would be alone). Mixed classes (a Q4_K_M file's Q4_K attn_q/attn_k beside a Q6_K
+    attn_v) are never requantised into one int8 linear: the placeholder becomes a
+    `PartwiseLinear` of one linear per run of parts of one class. The parts' rows are
+    `part_rows(prefix)` (the owning module's declaration), else equal shares.
+    Raises UnmappedGGUFType, ValueError when declared rows do not fit the parts."""
     def choose(prefix: str, old: nn.Module) -> nn.Module:
         if not isinstance(old, GGUFLinear):
             return old
-        return gguf_linear_class(part_types(prefix))(old.in_features, old.out_features, device="meta")
+        types = part_types(prefix)
+        classes = [gguf_linear_class({name: t}) for name, t in types.items()]
+        if len(set(classes)) <= 1:
+            return gguf_linear_class(types)(old.in_features, old.out_features, device="meta")
+        rows = tuple(part_rows(prefix) or [old.out_features // len(classes)] * len(classes))
+        if len(rows) != len(classes) or sum(rows) != old.out_features:
+            raise ValueError(f"{prefix}: {len(classes)} stacked parts cannot have rows {rows} "
+                             f"of its {old.out_features}")
+        runs: list[tuple[type[Float32Linear], list[int]]] = []
+        for cls, r in zip(classes, rows):
+            if runs and runs[-1][0] is cls:
+                runs[-1][1].append(r)
+            else:
+                runs.append((cls, [r]))
+        return PartwiseLinear([cls(old.in_features, sum(r), device="meta") for cls, r in runs],
+                              {str(j): tuple(r) for j, (_, r) in enumerate(runs) if len(r) > 1})
 
     return _replace_linears(model, choose)
 

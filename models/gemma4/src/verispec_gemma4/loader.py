@@ -36,6 +36,7 @@ DEFAULT_DTYPE = "gguf"
 #: GGUF tensor -> parameter in our modules (HF's names); "{i}" = layer index (gemma4's "{e}" = expert).
 #: gguf-py MODEL_TENSORS[GEMMA3]; reference/gemma4.md §2.1 gives the HF <-> GGUF pairs.
 #: `output.weight` is only in files with an untied LM head (a tied model has no lm_head entry).
+#: The dense MLP's gate and up are one stacked linear (nn.mlp.GatedMLP fused).
 GEMMA3_TENSORS = (
     Tensor("token_embd.weight", "model.embed_tokens.weight"),
     Tensor("output.weight", "lm_head.weight"),
@@ -49,8 +50,8 @@ GEMMA3_TENSORS = (
     Tensor("blk.{i}.attn_k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
     Tensor("blk.{i}.post_attention_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
     Tensor("blk.{i}.ffn_norm.weight", "model.layers.{i}.pre_feedforward_layernorm.weight"),
-    Tensor("blk.{i}.ffn_gate.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    Tensor("blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    Tensor(Stack("blk.{i}.ffn_gate.weight", "blk.{i}.ffn_up.weight"),
+           "model.layers.{i}.mlp.gate_up_proj.weight"),
     Tensor("blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight"),
     Tensor("blk.{i}.post_ffw_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight"),
 )

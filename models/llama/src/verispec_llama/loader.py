@@ -23,7 +23,7 @@ import os
 
 import attrs
 from verispec.gguf_io import GGUFFile
-from verispec.gguf_load import Tensor, plan_weights
+from verispec.gguf_load import Stack, Tensor, plan_weights
 from verispec.nn.quant import canonical_dtype
 
 from verispec_llama.modeling_llama import LlamaConfig, LlamaForCausalLM, UnsupportedLlamaVariant
@@ -38,25 +38,26 @@ __all__ = ["DEFAULT_DTYPE", "ROPE_FREQS", "TENSORS", "config_from_gguf", "load"]
 DEFAULT_DTYPE = "gguf"
 
 #: GGUF tensor -> parameter in our modules (HF's names); "{i}" = layer index.
-#: gguf-py MODEL_TENSORS[LLAMA] / [QWEN2]. Entries the model does not have are not looked up:
-#: `output.weight` only for an untied LM head, the q/k/v biases for qwen2 and llama with
-#: attention_bias, the output bias for llama with attention_out_bias (LlamaConfig.from_gguf).
+#: gguf-py MODEL_TENSORS[LLAMA] / [QWEN2]. q|k|v and gate|up are stacked into one linear each
+#: (modeling_llama; in the gguf mode parts of mixed classes, e.g. a Q4_K attn_q beside a Q6_K
+#: attn_v, run as one linear per run of one class: nn.quant.PartwiseLinear). Entries the model
+#: does not have are not looked up: `output.weight` only for an untied LM head, the q/k/v
+#: biases for qwen2 and llama with attention_bias, the output bias for llama with
+#: attention_out_bias (LlamaConfig.from_gguf).
 TENSORS = (
     Tensor("token_embd.weight", "model.embed_tokens.weight"),
     Tensor("output.weight", "lm_head.weight"),
     Tensor("output_norm.weight", "model.norm.weight"),
     Tensor("blk.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    Tensor("blk.{i}.attn_q.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    Tensor("blk.{i}.attn_k.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    Tensor("blk.{i}.attn_v.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    Tensor(Stack("blk.{i}.attn_q.weight", "blk.{i}.attn_k.weight", "blk.{i}.attn_v.weight"),
+           "model.layers.{i}.self_attn.qkv_proj.weight"),
     Tensor("blk.{i}.attn_output.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-    Tensor("blk.{i}.attn_q.bias", "model.layers.{i}.self_attn.q_bias"),
-    Tensor("blk.{i}.attn_k.bias", "model.layers.{i}.self_attn.k_bias"),
-    Tensor("blk.{i}.attn_v.bias", "model.layers.{i}.self_attn.v_bias"),
+    Tensor(Stack("blk.{i}.attn_q.bias", "blk.{i}.attn_k.bias", "blk.{i}.attn_v.bias"),
+           "model.layers.{i}.self_attn.qkv_bias"),
     Tensor("blk.{i}.attn_output.bias", "model.layers.{i}.self_attn.o_bias"),
     Tensor("blk.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    Tensor("blk.{i}.ffn_gate.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    Tensor("blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    Tensor(Stack("blk.{i}.ffn_gate.weight", "blk.{i}.ffn_up.weight"),
+           "model.layers.{i}.mlp.gate_up_proj.weight"),
     Tensor("blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight"),
 )
 #: llama3-style frequency factors: read into the config, not the state dict.

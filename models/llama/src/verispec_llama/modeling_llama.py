@@ -17,6 +17,11 @@ then logits = lm_head(norm(h)). The two architectures differ only in data:
   with attention_bias) exist when the file has the tensors.
 - Tied embeddings: no `output.weight`, the LM head is the embedding module itself.
 
+q|k|v run as one linear `qkv_proj` (and one bias `qkv_bias`), gate|up as one `gate_up_proj`
+(nn.mlp.GatedMLP fused): 3 matmul calls per layer instead of 6 (SmolLM2: 90 fewer per token),
+holding the separate linears' values (every dtype quantises per output row); with the int8 /
+int4 / gguf kernels each output is bitwise theirs (core/tests/test_nn.py, test_gguf_weights.py).
+
 All activations are fp32; only the linears see the weight dtype (`verispec.nn.quant`). With
 int8 or bf16 weights every op is per row, so a row inside an n-row verify is bitwise the row
 computed alone (`spec_batch_invariant`, declared by `TrunkModule` from the linears).
@@ -158,23 +163,22 @@ class LlamaAttention(nn.Module):
         d, h, hkv, dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, dh
         self.scaling = dh ** -0.5
-        self.q_proj = nn.Linear(d, h * dh, bias=False, device=device)
-        self.k_proj = nn.Linear(d, hkv * dh, bias=False, device=device)
-        self.v_proj = nn.Linear(d, hkv * dh, bias=False, device=device)
+        # q|k|v as one linear (one matmul call per layer, not three): the tensor table stacks
+        # attn_q, attn_k, attn_v (and their biases) with these rows.
+        self.qkv_sizes = (h * dh, hkv * dh, hkv * dh)
+        self.part_rows = {"qkv_proj": self.qkv_sizes, "qkv_bias": self.qkv_sizes}
+        self.qkv_proj = nn.Linear(d, sum(self.qkv_sizes), bias=False, device=device)
         self.o_proj = nn.Linear(h * dh, d, bias=False, device=device)
         # Biases sit beside the linears: `quant.swap_linears` swaps weight-only modules.
-        self.q_bias = _bias(h * dh, config.attention_bias)
-        self.k_bias = _bias(hkv * dh, config.attention_bias)
-        self.v_bias = _bias(hkv * dh, config.attention_bias)
+        self.qkv_bias = _bias(sum(self.qkv_sizes), config.attention_bias)
         self.o_bias = _bias(d, config.attention_out_bias)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
                 rows: Rows, layer_idx: int) -> torch.Tensor:
         n = x.shape[0]
-        q = _add(self.q_proj(x), self.q_bias).view(n, self.num_heads, self.head_dim)  # [n, H, Dh]
-        k = _add(self.k_proj(x), self.k_bias).view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, Dh]
-        v = _add(self.v_proj(x), self.v_bias).view(n, self.num_kv_heads, self.head_dim)  # [n, Hkv, Dh]
-        qk = rope(torch.cat([q, k], dim=1), cos, sin)  # [n, H + Hkv, Dh]: one RoPE call
+        qkv = _add(self.qkv_proj(x), self.qkv_bias).view(n, -1, self.head_dim)  # [n, H + 2·Hkv, Dh]
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)  # v: [n, Hkv, Dh]
+        qk = rope(qk, cos, sin)  # [n, H + Hkv, Dh]: one RoPE call
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = attend_rows(q, k, v, rows, layer_idx, scaling=self.scaling)  # [n, H, Dh]
         return _add(self.o_proj(out.reshape(n, self.num_heads * self.head_dim)), self.o_bias)  # [n, D]
@@ -194,7 +198,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "silu", device=device)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "silu", fused=True, device=device)
 
     def forward(self, hidden_states: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
                 rows: Rows, layer_idx: int) -> torch.Tensor:
@@ -228,8 +232,9 @@ class LlamaForCausalLM(TrunkModule):
       bf16 F.linear changes its bits from 33 rows on this AVX2 machine, int8pack_mm never).
     context_length: max positions (default: the GGUF's context_length).
     Built on the meta device; `load_state_dict(state, assign=True)` fills the weights. Module
-    names are transformers' (model.embed_tokens, model.layers.{i}.self_attn.q_proj, ...,
-    lm_head); lm_head is None when tied; biases are model.layers.{i}.self_attn.{q,k,v,o}_bias.
+    names are transformers' where not fused (model.embed_tokens, model.layers.{i}.self_attn.o_proj,
+    ..., lm_head; self_attn.qkv_proj holds q|k|v rows, mlp.gate_up_proj gate|up rows); lm_head is
+    None when tied; biases are model.layers.{i}.self_attn.{qkv,o}_bias.
     """
 
     # The K ceiling; DraftWindow picks each step's K below it from measured row costs. A

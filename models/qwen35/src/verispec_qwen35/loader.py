@@ -55,9 +55,8 @@ LAYER_TENSORS = (
     Tensor("blk.{i}.ssm_a", _L + "linear_attn.ssm_a"),
     Tensor("blk.{i}.ssm_norm.weight", _L + "linear_attn.norm.weight"),
     Tensor("blk.{i}.ssm_out.weight", _L + "linear_attn.out_proj.weight"),
-    # dense SwiGLU
-    Tensor("blk.{i}.ffn_gate.weight", _L + "mlp.gate_proj.weight"),
-    Tensor("blk.{i}.ffn_up.weight", _L + "mlp.up_proj.weight"),
+    # dense SwiGLU (gate|up one stacked linear: nn.mlp.GatedMLP fused)
+    Tensor(Stack("blk.{i}.ffn_gate.weight", "blk.{i}.ffn_up.weight"), _L + "mlp.gate_up_proj.weight"),
     Tensor("blk.{i}.ffn_down.weight", _L + "mlp.down_proj.weight"),
     # MoE: router, experts (gate|up fused, or separate), shared expert and its gate vector
     Tensor("blk.{i}.ffn_gate_inp.weight", _L + "mlp.gate.weight"),
@@ -65,8 +64,8 @@ LAYER_TENSORS = (
            alternatives=(Stack("blk.{i}.ffn_gate_exps.weight", "blk.{i}.ffn_up_exps.weight"),)),
     Tensor("blk.{i}.ffn_down_exps.weight", _L + "mlp.down_proj.{e}.weight", per_expert=True),
     Tensor("blk.{i}.ffn_gate_inp_shexp.weight", _L + "mlp.shared_expert_gate"),
-    Tensor("blk.{i}.ffn_gate_shexp.weight", _L + "mlp.shared_expert.gate_proj.weight"),
-    Tensor("blk.{i}.ffn_up_shexp.weight", _L + "mlp.shared_expert.up_proj.weight"),
+    Tensor(Stack("blk.{i}.ffn_gate_shexp.weight", "blk.{i}.ffn_up_shexp.weight"),
+           _L + "mlp.shared_expert.gate_up_proj.weight"),
     Tensor("blk.{i}.ffn_down_shexp.weight", _L + "mlp.shared_expert.down_proj.weight"),
 )
 
