@@ -15,6 +15,11 @@ while a request is alone, so "on" at N > 1 should match "off"). Reported per row
 - identical: every stream equals the same prompt's stream at N = 1 with speculation off.
 
 Timing is wall clock on whatever else the machine runs: compare rows of one run only.
+
+Then, per model, the step alone: the fastest of --rounds batched one-row decode forwards of
+N = 1, 4, 8 sequences (prompts of different lengths, rounds interleaved), and the aggregate
+ratio it implies (N x step(1) / step(N)). The fastest of many is what the work costs when the
+machine lets it run; on a busy shared host the end-to-end rows above swing by 2x.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import time
 import verispec
 from verispec.bench import load_scenarios
 from verispec.engine import SpecOptions
+from verispec.seams import Segment
 
 NUM_REQUESTS = (1, 2, 4, 8)
 
@@ -80,7 +86,26 @@ def bench_model(model: str, new: int, threads: int | None) -> list[dict]:
                        identical=row.pop("streams") == solo[:n])
             rows.append(row)
             print(format_row(row), flush=True)
-    return rows
+    return rows, engine
+
+
+def step_ratios(engine, rounds: int) -> dict[int, float]:
+    """{N: fastest ms of one batched forward of N one-row decodes}, rounds interleaved."""
+    target = engine.target
+    lengths = [150, 90, 260, 120, 200, 60, 300, 170]
+    fastest: dict[int, float] = {}
+    for _ in range(rounds):
+        for n in (1, 4, 8):
+            seqs = [target.new_sequence() for _ in range(n)]
+            for seq, length in zip(seqs, lengths):
+                target.forward([Segment(seq, list(range(10, 10 + length)), logits="last")])
+            for _ in range(10):
+                started = time.perf_counter()
+                target.forward([Segment(seq, [100], logits="last") for seq in seqs])
+                fastest[n] = min(fastest.get(n, float("inf")), (time.perf_counter() - started) * 1e3)
+            for seq in seqs:
+                target.release(seq)
+    return fastest
 
 
 def format_row(row: dict) -> str:
@@ -97,13 +122,17 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=["gemma3-270m", "smollm2-135m-instruct"])
     parser.add_argument("--new", type=int, default=64, help="tokens per request")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds of the step-alone measurement")
     args = parser.parse_args(argv)
     print(HEADER, flush=True)
     for model in args.models:
-        rows = bench_model(model, args.new, args.threads)
+        rows, engine = bench_model(model, args.new, args.threads)
         by = {(r["spec"], r["n"]): r["agg_tps"] for r in rows}
         print(f"{model}: N=4 / N=1 aggregate (off) = {by[('off', 4)] / by[('off', 1)]:.2f}x; "
               f"N=1 on / off = {by[('on', 1)] / by[('off', 1)]:.2f}x", flush=True)
+        step = step_ratios(engine, args.rounds)
+        print(f"{model}: fastest step ms N=1 {step[1]:.2f}, N=4 {step[4]:.2f}, N=8 {step[8]:.2f}; aggregate "
+              f"N=4 / N=1 = {4 * step[1] / step[4]:.2f}x, N=8 / N=1 = {8 * step[1] / step[8]:.2f}x", flush=True)
 
 
 if __name__ == "__main__":
