@@ -576,3 +576,13 @@ def test_over_a_real_socket_a_client_that_times_out_stops_its_generation(slow_en
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@pytest.mark.parametrize("method, path, status", [("get", "/v1/nothing", 404), ("get", "/v1/chat/completions", 405),
+                                                  ("delete", "/v1/models", 405)])
+def test_unknown_paths_and_methods_answer_openais_error_body(client, method, path, status):
+    response = getattr(client, method)(path)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert path in error["message"] and "POST /v1/chat/completions" in error["message"]
+    assert error["type"] == "invalid_request_error"

@@ -65,6 +65,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.engine import Generation, InferenceEngine, TokenEvent
 from verispec.errors import VerispecError
@@ -224,6 +225,12 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
     async def _invalid_body(request: Request, exc: RequestValidationError):
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
         return _error(f"invalid request: {problems}")
+
+    @app.exception_handler(StarletteHTTPException)  # unknown path (404), wrong method (405): OpenAI's body
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        routes = "GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions"
+        return _error(f"{request.method} {request.url.path}: {exc.detail}; this server serves {routes}",
+                      status_code=exc.status_code, kind="invalid_request_error")
 
     # RequestRejected, SamplingParams, the engine (max_tokens, empty prompt), ContextOverflow, ...
     @app.exception_handler(VerispecError)
