@@ -200,11 +200,13 @@ def _cut(src, dst, size):
     return dst
 
 
-@pytest.mark.parametrize("keep", ["header", "metadata", "tensor_table", "tensor_data"])
+@pytest.mark.parametrize("keep", ["header", "counts", "first_bytes", "metadata", "tensor_table", "tensor_data"])
 def test_truncated_file(fixture_path, tmp_path, keep):
+    # "counts", "first_bytes": the header's counts are in, the entries they promise cannot be
     f = GGUFFile.open(fixture_path)
     size = os.path.getsize(fixture_path)
-    cut = {"header": 10, "metadata": 200, "tensor_table": f.data_offset - 40, "tensor_data": size - 1}[keep]
+    cut = {"header": 10, "counts": 24, "first_bytes": 100, "metadata": 200, "tensor_table": f.data_offset - 40,
+           "tensor_data": size - 1}[keep]
     path = _cut(fixture_path, tmp_path / "cut.gguf", cut)
     with pytest.raises(TruncatedGGUF) as e:
         GGUFFile.open(path)
@@ -212,6 +214,14 @@ def test_truncated_file(fixture_path, tmp_path, keep):
     assert "truncated" in str(e.value) and "again" in str(e.value)
     if keep == "tensor_data":
         assert e.value.needed_bytes == size and "tensor data" in str(e.value)
+
+
+def test_a_plausible_count_the_file_is_too_short_for_is_truncation_not_corruption(fixture_path, tmp_path):
+    # a real model's first 100 bytes: its header promises more entries than 100 bytes hold
+    path = _cut(fixture_path, tmp_path / "cut.gguf", 100)
+    _patch(path, 8, struct.pack("<Q", 5000))
+    with pytest.raises(TruncatedGGUF, match="5000 tensors"):
+        GGUFFile.open(path)
 
 
 def test_tiny_file_is_truncated(tmp_path):

@@ -56,6 +56,8 @@ _KNOWN_VERSIONS = (1, 2, 3)
 #: a version field above this is garbage (no writer has got near it), unless it is a known
 #: version byte-swapped (a big-endian file).
 _MAX_PLAUSIBLE_VERSION = 255
+#: more tensors or metadata keys than any model file holds (the largest have tens of thousands).
+_MAX_PLAUSIBLE_ENTRIES = 1 << 24
 #: arrays of arrays nest at most this deep (llama.cpp writes none); deeper is corruption,
 #: refused before Python's recursion limit is reached.
 _MAX_ARRAY_DEPTH = 8
@@ -280,9 +282,13 @@ def _read_header(cur: _Cursor) -> tuple[int, int, int]:
                                         "GGUF version any writer produces")
         raise UnsupportedGGUFVersion(cur.path, version)
     tensor_count, kv_count = cur.unpack(struct.Struct("<QQ"), "the GGUF header")
-    # each entry takes at least 8 bytes, so a count beyond the file size is corruption, not a big file
-    if tensor_count > cur.size or kv_count > cur.size:
+    # Each entry takes at least 8 bytes. Counts no model has (beyond _MAX_PLAUSIBLE_ENTRIES) are
+    # corruption; plausible counts the file is too short to hold mean the file was cut short.
+    if max(tensor_count, kv_count) > _MAX_PLAUSIBLE_ENTRIES:
         raise CorruptGGUF(cur.path, f"header claims {tensor_count} tensors and {kv_count} metadata keys")
+    if 8 * (tensor_count + kv_count) > cur.size - cur.pos:
+        raise TruncatedGGUF(cur.path, cur.pos + 8 * (tensor_count + kv_count), cur.size,
+                            f"the table of the header's {tensor_count} tensors and {kv_count} metadata keys")
     return version, tensor_count, kv_count
 
 
