@@ -159,8 +159,13 @@ def test_a_request_larger_than_the_budget_is_refused_and_the_next_is_served(mode
     small = dict(prompt=PROMPTS[1], max_tokens=8, ignore_eos=True)
     budget = reservation(probe, small["prompt"], small["max_tokens"])
     engine = engine_with(model_path, registry, budget)
-    with pytest.raises(InvalidArgument, match=rf"KV budget of {budget} bytes.*(lower max_tokens|--kv-cache-gb)"):
+    with pytest.raises(InvalidArgument, match=rf"KV budget of {budget} bytes.*ask for at most max_tokens") as e:
         engine.generate(PROMPTS[0], max_tokens=300)
+    room = int(str(e.value).split("at most max_tokens ")[1].split(",")[0])
+    assert e.value.param == "max_tokens" and room >= 1
+    assert reservation(engine, PROMPTS[0], room) <= budget  # the largest that fits, named exactly
+    with pytest.raises(InvalidArgument):
+        reservation(engine, PROMPTS[0], room + 1)
     generation = engine.generate(**small)
     list(generation)
     assert generation.result.tokens == solo(model_path, registry, **small).tokens
@@ -222,9 +227,8 @@ class Unbudgeted:
 
 
 def test_a_trunk_without_sequence_nbytes_is_not_budgeted(model_path, registry):
-    budgeted = engine_with(model_path, registry, 1)
     with pytest.raises(InvalidArgument, match="KV budget of 1 bytes"):
-        budgeted.generate(**REQUESTS[0])
+        engine_with(model_path, registry, 1)
     engine = engine_with(model_path, registry, 1, target=Unbudgeted(api.load_target(model_path, registry)))
     generations = [engine.generate(**kw) for kw in REQUESTS]
     engine.step()
@@ -245,8 +249,28 @@ def test_the_default_budget_is_half_the_available_memory(model_path, registry, m
     assert api.load(model_path, registry=registry, kv_cache_gb=0).scheduler.kv_budget_bytes is None
     monkeypatch.setattr(api, "available_memory_bytes", lambda: None)
     assert api.load(model_path, registry=registry).scheduler.kv_budget_bytes is None
-    with pytest.raises(InvalidArgument, match="kv_cache_gb=-1"):
-        api.load(model_path, registry=registry, kv_cache_gb=-1)
+    for bad in (-1, "abc", float("inf"), float("nan"), True, 1e-12):
+        with pytest.raises(InvalidArgument, match=f"kv_cache_gb={bad!r}" if isinstance(bad, str) else "kv_cache_gb="):
+            api.load(model_path, registry=registry, kv_cache_gb=bad)
+
+
+def test_a_budget_that_cannot_hold_one_sequence_is_refused_at_load(model_path, registry):
+    probe = engine_with(model_path, registry, 1 << 40)
+    smallest = probe.scheduler._smallest_reservation(probe.target)
+    assert smallest == reservation(probe, "a", 1) or len(probe.encode("a")) > 1
+    with pytest.raises(InvalidArgument, match=f"cannot hold one sequence.*reserves {smallest} bytes"):
+        engine_with(model_path, registry, smallest - 1)
+    engine_with(model_path, registry, smallest)  # exactly enough: accepted
+
+
+def test_a_prompt_the_budget_cannot_hold_is_told_to_shrink(model_path, registry):
+    probe = engine_with(model_path, registry, 1 << 40)
+    budget = reservation(probe, PROMPTS[2], 1)
+    engine = engine_with(model_path, registry, budget)
+    long_prompt = " ".join([PROMPTS[2]] * 8)
+    with pytest.raises(InvalidArgument, match="shorten the prompt to at most") as e:
+        engine.generate(long_prompt, max_tokens=1)
+    assert e.value.param is None
 
 
 def test_metrics_show_the_budget_and_the_reservations(model_path, registry):

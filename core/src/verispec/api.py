@@ -1,9 +1,14 @@
 """The Python API: `verispec.load(model, ...)` → an InferenceEngine (mirrors the CLI)."""
 from __future__ import annotations
 
+import logging
+import math
+import numbers
 import os
 
 from verispec.registry import Registry
+
+log = logging.getLogger("verispec")
 
 
 def resolve_model_path(model: str | None, registry: Registry) -> str:
@@ -70,9 +75,21 @@ def kv_budget_bytes(kv_cache_gb: float | None) -> int | None:
     if kv_cache_gb is None:
         available = available_memory_bytes()
         return available // 2 if available else None
-    if not kv_cache_gb >= 0:
-        raise InvalidArgument(f"kv_cache_gb={kv_cache_gb}: give GiB > 0, 0 for no budget, or None for the default")
-    return int(kv_cache_gb * 2**30) or None
+    usage = "give GiB (2^30 bytes) > 0, 0 for no budget, or None for the default"
+    if isinstance(kv_cache_gb, bool) or not isinstance(kv_cache_gb, numbers.Real):
+        raise InvalidArgument(f"kv_cache_gb={kv_cache_gb!r}: {usage}")
+    if not 0 <= kv_cache_gb < math.inf:
+        raise InvalidArgument(f"kv_cache_gb={kv_cache_gb}: {usage}")
+    if kv_cache_gb == 0:
+        return None
+    budget = int(kv_cache_gb * 2**30)
+    if budget < 1:
+        raise InvalidArgument(f"kv_cache_gb={kv_cache_gb} is under one byte; {usage}")
+    available = available_memory_bytes()
+    if available is not None and budget > available:
+        log.warning("a KV budget of %.3g GiB is more than the %.3g GiB of memory available now: a full budget "
+                    "would run the machine out of memory; lower --kv-cache-gb", budget / 2**30, available / 2**30)
+    return budget
 
 
 def load(model: str | None = None, *, dtype: str | None = None, threads: int | str | None = None,
@@ -94,13 +111,14 @@ def load(model: str | None = None, *, dtype: str | None = None, threads: int | s
 
     if spec is not None and spec_options:
         raise InvalidArgument(f"give either spec= or its fields as keywords ({', '.join(spec_options)}), not both")
-    if kv_cache_gb is not None:
-        kv_budget_bytes(kv_cache_gb)  # refused before the model loads
+    budget = kv_budget_bytes(kv_cache_gb) if kv_cache_gb is not None else None  # refused before the model loads
     registry = registry or Registry.discover()
     spec = spec or SpecOptions(**spec_options)
     target = load_target(resolve_model_path(model, registry), registry, dtype=dtype, threads=threads,
                          context_length=context_length)
     engine_options = {k: v for k, v in (("prefill_chunk", prefill_chunk), ("max_running", max_running))
                       if v is not None}
-    return InferenceEngine(target, registry=registry, spec=spec, kv_budget_bytes=kv_budget_bytes(kv_cache_gb),
+    if kv_cache_gb is None:
+        budget = kv_budget_bytes(None)  # half of what the loaded model left available
+    return InferenceEngine(target, registry=registry, spec=spec, kv_budget_bytes=budget,
                            **engine_options)

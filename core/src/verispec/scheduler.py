@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -259,6 +260,12 @@ class Scheduler:
         if kv_budget_bytes is not None and kv_budget_bytes < 1:
             raise InvalidArgument(f"kv_budget_bytes={kv_budget_bytes}: choose >= 1, or None for no budget")
         self.kv_budget_bytes = kv_budget_bytes
+        smallest = self._smallest_reservation(target) if kv_budget_bytes is not None else None
+        if smallest is not None and smallest > kv_budget_bytes:
+            raise InvalidArgument(
+                f"a KV budget of {kv_budget_bytes} bytes ({kv_budget_bytes / 2**30:.3g} GiB) cannot hold one "
+                f"sequence: the smallest request (1 prompt token, max_tokens 1) reserves {smallest} bytes; raise "
+                f"--kv-cache-gb (kv_cache_gb=) to at least {math.ceil(smallest / 2**30 * 1e4) / 1e4:g}, or 0 for no budget")
         self._reservations: dict[Request, int] = {}  # running request -> bytes reserved for its sequence
         self.target = target
         self.max_rows_per_step, self.max_running, self.max_idle_sequences = (max_rows_per_step, max_running,
@@ -398,13 +405,39 @@ class Scheduler:
             return None
         positions = min(num_prompt_tokens + max_tokens + MAX_VERIFY_ROWS, max_context_length)
         need = sequence_nbytes(positions)
-        if need > self.kv_budget_bytes:
-            raise InvalidArgument(
-                f"this request may need {need} bytes ({need / 2**30:.3g} GiB) of KV/state memory for "
-                f"{num_prompt_tokens} prompt tokens + max_tokens {max_tokens}, more than the whole KV budget of "
-                f"{self.kv_budget_bytes} bytes ({self.kv_budget_bytes / 2**30:.3g} GiB); lower max_tokens or "
-                "shorten the prompt, or raise the budget (--kv-cache-gb, or kv_cache_gb= in verispec.load)")
-        return need
+        if need <= self.kv_budget_bytes:
+            return need
+        room = self._max_budgeted_positions(max_context_length) - MAX_VERIFY_ROWS - num_prompt_tokens
+        fix = (f"ask for at most max_tokens {room}" if room >= 1 else
+               f"shorten the prompt to at most {room + num_prompt_tokens - 1} tokens")
+        error = InvalidArgument(
+            f"this request may need {need} bytes ({need / 2**30:.3g} GiB) of KV/state memory for "
+            f"{num_prompt_tokens} prompt tokens + max_tokens {max_tokens}, more than the whole KV budget of "
+            f"{self.kv_budget_bytes} bytes ({self.kv_budget_bytes / 2**30:.3g} GiB); {fix}, or raise the budget "
+            "(--kv-cache-gb, or kv_cache_gb= in verispec.load)")
+        error.param = "max_tokens" if room >= 1 else None  # the request field to change (the server's 400)
+        raise error
+
+    @staticmethod
+    def _smallest_reservation(target) -> int | None:
+        """What a one-token prompt with max_tokens 1 reserves, or None when nothing is budgeted."""
+        sequence_nbytes = declared(target, "sequence_nbytes")
+        if sequence_nbytes is None:
+            return None
+        return sequence_nbytes(min(2 + MAX_VERIFY_ROWS, target.max_context_length))
+
+    def _max_budgeted_positions(self, max_context_length: int) -> int:
+        """The most positions one sequence may reach within the whole budget (0 if none): a
+        binary search, as sequence_nbytes never shrinks with more positions."""
+        sequence_nbytes = declared(self.target, "sequence_nbytes")
+        low, high = 0, max_context_length
+        while low < high:
+            mid = (low + high + 1) // 2
+            if sequence_nbytes(mid) <= self.kv_budget_bytes:
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     @property
     def kv_reserved_bytes(self) -> int:
