@@ -586,3 +586,151 @@ def test_unknown_paths_and_methods_answer_openais_error_body(client, method, pat
     error = response.json()["error"]
     assert path in error["message"] and "POST /v1/chat/completions" in error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+# -- a fresh user's check of `verispec serve`: tokenising, body size, shutdown, validation --------
+
+def test_tokenising_runs_off_the_event_loop(engine, monkeypatch):
+    """While one request's prompt is being encoded (here: held on an Event), /health answers;
+    encoding on the event loop would hold every request until it finished."""
+    import threading
+
+    entered, release, held_too_long = threading.Event(), threading.Event(), []
+    encode = engine.encode
+
+    def held_encode(prompt, **kwargs):
+        entered.set()
+        if not release.wait(5):
+            held_too_long.append(True)
+        return encode(prompt, **kwargs)
+    monkeypatch.setattr(engine, "encode", held_encode)
+    app = create_app(engine, model_name="toy")
+
+    async def health_while_encoding():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            async with anyio.create_task_group() as group:
+                answers = {}
+
+                async def complete():
+                    answers["completion"] = await client.post("/v1/completions", json={
+                        "prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+                group.start_soon(complete)
+                with anyio.fail_after(10):
+                    while not entered.is_set():
+                        await anyio.sleep(0.01)
+                    answers["health"] = await client.get("/health")
+                release.set()
+        return answers
+
+    answers = anyio.run(health_while_encoding)
+    assert answers["health"].status_code == 200 and not held_too_long  # answered while encode was held
+    assert answers["completion"].status_code == 200
+
+
+def test_a_body_over_the_limit_is_a_413_naming_the_limit(engine):
+    client = TestClient(create_app(engine, max_body_bytes=1000))
+    for r in (client.post("/v1/completions", json={"prompt": "x" * 2000, "max_tokens": 2}),  # Content-Length
+              client.post("/v1/completions", content=iter([b'{"prompt": "', b"x" * 2000, b'"}']),  # chunked
+                          headers={"content-type": "application/json"})):
+        assert r.status_code == 413, r.text
+        error = r.json()["error"]
+        assert "at most 1000 bytes" in error["message"] and error["type"] == "invalid_request_error"
+        assert error["code"] == "request_too_large"
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "user": "u" * 850})  # ~900 bytes
+    assert r.status_code == 200, r.text
+    streamed = client.post("/v1/completions", content=iter([b'{"prompt": "the cat', b'", "max_tokens": 2}']),
+                           headers={"content-type": "application/json"})
+    assert streamed.status_code == 200 and streamed.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("messages,param,message", [
+    ([{"role": "wizard", "content": "hi"}], "messages[0].role", "'wizard' is not a role; use one of system, "
+                                                                "developer, user, assistant, tool"),
+    ([MESSAGES[0], {"role": "user", "content": None}], "messages[1].content", "a user message needs content"),
+    ([{"role": "system"}], "messages[0].content", "a system message needs content"),
+    ([{"role": "developer", "content": None}], "messages[0].content", "only an assistant message may"),
+    ([{"role": "user", "content": 5}], "messages[0].content",
+     "messages[0].content: Input should be a valid string or Input should be a valid list"),
+    ([{"content": "hi"}], "messages[0].role", "messages[0].role: Field required"),
+])
+def test_a_bad_message_is_a_400_naming_its_field(client, messages, param, message):
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+    assert error["type"] == "invalid_request_error"
+
+
+def test_every_openai_role_and_a_null_assistant_content_are_accepted(client):
+    messages = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None}, {"role": "tool", "content": "42"},
+                {"role": "user", "content": "and?"}]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_malformed_json_and_wrong_types_say_what_and_where(client):
+    r = client.post("/v1/completions", content=b'{"prompt": }', headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["message"].startswith("the request body is not valid JSON (at character 11: "), error
+    assert "JSON decode error" not in error["message"]
+    r = client.post("/v1/completions", json={"prompt": "x", "temperature": "hot"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+
+
+def _slow_toy_serve(port: int, seconds_per_forward: float) -> list[str]:
+    """argv running `verispec serve` on the toy model whose every forward takes longer."""
+    code = ("import sys, time; from verispec.cli import main; from verispec.testing.toy import ToyTarget\n"
+            "forward = ToyTarget.forward\n"
+            f"ToyTarget.forward = lambda self, batch: (time.sleep({seconds_per_forward}), forward(self, batch))[1]\n"
+            "sys.exit(main(sys.argv[1:]))")
+    return [sys.executable, "-c", code]
+
+
+@pytest.mark.parametrize("signals", [("SIGINT",), ("SIGINT", "SIGINT"), ("SIGTERM",)])
+def test_verispec_serve_stops_at_once_mid_stream(tmp_path, model_path, signals):
+    """Ctrl-C (once or twice) or SIGTERM during a long stream: the stream ends at its next token
+    with finish_reason "length" and [DONE], and the process exits within seconds, without a
+    traceback (Ctrl-C: one line and exit status 130; SIGTERM: ended by that signal)."""
+    import signal
+
+    port = _free_port()
+    process = subprocess.Popen(_slow_toy_serve(port, 0.1) + ["serve", "--model", str(model_path), "--port", str(port),
+                                                             "--no-spec"],
+                               env=_toy_site(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, process.communicate()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "verispec serve did not answer within 60 s"
+                time.sleep(0.2)
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                          json={"prompt": PROMPT, "max_tokens": 80, "temperature": 0, "ignore_eos": True,
+                                "stream": True}) as r:  # 80 forwards of 0.1 s: 8 s
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            head = [next(lines) for _ in range(2)]
+            signalled = time.monotonic()
+            for sig in signals:
+                process.send_signal(getattr(signal, sig))
+                time.sleep(0.05)
+            rest = list(lines)
+        _, stderr = process.communicate(timeout=20)
+        took = time.monotonic() - signalled
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    payloads = [json.loads(line[len("data: "):]) for line in head + rest[:-1]]
+    assert rest[-1] == "data: [DONE]" and payloads[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(payloads) < 40  # cut short: 80 tokens were asked for
+    assert took < 5, f"took {took:.1f} s to stop"
+    assert "Traceback" not in stderr and "CancelledError" not in stderr, stderr
+    if signals[0] == "SIGINT":
+        assert process.returncode == 130 and stderr.rstrip().endswith("verispec: interrupted"), stderr
+    else:
+        assert process.returncode == -signal.SIGTERM, (process.returncode, stderr)

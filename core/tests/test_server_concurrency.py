@@ -3,6 +3,7 @@ loopback port, over the toy plugin's GGUF. Concurrent streaming requests (simult
 staggered) each return exactly their solo greedy output; clients that leave mid-stream free
 their slots; /metrics reports what runs. Every forward of the served engine takes 5 ms more,
 so the requests really overlap."""
+import json
 import socket
 import threading
 import time
@@ -185,3 +186,53 @@ def test_a_hundred_concurrent_streams_none_lost_none_mixed_up(served, model_path
     metrics = _metrics(base_url)
     assert metrics["verispec_requests_running"] == 0 and metrics["verispec_requests_waiting"] == 0
     assert httpx.get(f"{base_url}/health", timeout=10).json()["status"] == "ok"
+
+
+def test_a_server_shutting_down_ends_running_streams_at_once(model_path, registry):
+    """verispec.server.server(): when shutdown begins (should_exit, as Ctrl-C sets it), running
+    and waiting generations end at their next token (finish_reason "length", then [DONE]), and
+    the server stops within a second or two, not after the generations' 8 s."""
+    from verispec.server import server as make_server
+
+    engine = api.load(model_path, registry=registry, context_length=CONTEXT, spec=SpecOptions(enabled=False))
+    forward = engine.target.forward
+    engine.target.forward = lambda batch: (time.sleep(0.1), forward(batch))[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = make_server(create_app(engine, model_name="toy"), host="127.0.0.1", port=port, log_level="error")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+
+    def stream(first_chunk: threading.Event):
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                          json={"prompt": PROMPTS[0], "max_tokens": 80, "temperature": 0, "ignore_eos": True,
+                                "stream": True, "stream_options": {"include_usage": True}}) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    first_chunk.set()
+        return lines
+
+    firsts = [threading.Event() for _ in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        streams = [pool.submit(stream, first) for first in firsts]
+        for first in firsts:
+            assert first.wait(30)
+        stopping = time.monotonic()
+        server.should_exit = True
+        thread.join(timeout=30)
+        took = time.monotonic() - stopping
+        results = [s.result(timeout=30) for s in streams]
+    assert not thread.is_alive() and took < 3, f"took {took:.1f} s"
+    for lines in results:
+        assert lines[-1] == "data: [DONE]"
+        payloads = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+        assert payloads[-2]["choices"][0]["finish_reason"] == "length"
+        assert payloads[-1]["usage"]["completion_tokens"] < 40  # cut short: 80 were asked for
+    assert not engine.has_work

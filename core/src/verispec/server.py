@@ -17,7 +17,10 @@ the batch at the next step and its sequence is freed (a request abandoned while 
 runs). A generation that runs longer than `request_timeout` seconds (`verispec serve
 --request-timeout`, default 600; queueing time not counted) ends at that token with
 finish_reason "length", as if max_tokens had been reached. An engine error fails the
-requests of that step (HTTP 500), never the server.
+requests of that step (HTTP 500), never the server. Tokenising a prompt (and rendering the
+chat template) runs in a worker thread, never on the event loop. Shutting down (Ctrl-C,
+SIGTERM: see `server()`) ends every running or waiting generation at its next token
+(finish_reason "length"), so the server exits at once, its responses complete.
 Speculation is the server's policy (the --spec* flags of `verispec serve`), never a request's.
 
 Request fields, as OpenAI's API: max_tokens (completions: 16 by default, as OpenAI; chat:
@@ -32,20 +35,22 @@ Fields that would change the output but are not supported (n > 1, best_of, echo,
 logit_bias, tools, a non-text response_format) answer 400, never a silent ignore.
 
 Responses carry `usage` (prompt_tokens, completion_tokens, total_tokens), the engine's
-finish_reason ("stop" | "length"), and an extension object `verispec` (reused prefix,
+finish_reason ("stop" | "length"), and an extension object `verispec` (reused prefix, queued_ms,
 time to first token, speculator, drafted/accepted tokens, governor line). Logprobs are the
 engine's processed logprobs (verispec.sampling); a token's text is its own decoding.
 
 Errors: a request the engine or the sampler rejects (a prompt longer than the context, a
 sampling value out of range, no chat template, malformed JSON, a prompt, message or stop
-string holding a lone surrogate such as "\\ud800", which is not Unicode text) answers HTTP 400
-with OpenAI's error body {"error": {"message", "type", "param", "code"}}; the message says
-the fix and `param` names the field (e.g. "messages[1].content"). A bug answers 500 with
+string holding a lone surrogate such as "\\ud800", which is not Unicode text, a message role
+other than system, developer, user, assistant, tool, a non-assistant message without content)
+answers HTTP 400 with OpenAI's error body {"error": {"message", "type", "param", "code"}}; the
+message says the fix and `param` names the field (e.g. "messages[1].content"). A body larger
+than `max_body_bytes` (8 MiB by default) answers 413, naming the limit. A bug answers 500 with
 the same body shape (type "server_error").
 
 Streaming is Server-Sent Events: one `data: {chunk}` per token the engine emits (its text
 may be "" while a split character or a possible stop string is held back), then a chunk
-carrying finish_reason, then, with include_usage, a chunk carrying usage, then
+carrying finish_reason, then, with include_usage, a chunk carrying usage and `verispec`, then
 `data: [DONE]`. The chunks' texts concatenate to the non-streamed text.
 """
 from __future__ import annotations
@@ -53,9 +58,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -78,10 +85,16 @@ MAX_TOP_LOGPROBS = 20
 #: JSON has no -inf: an impossible token's logprob is reported as this (vLLM does the same).
 MIN_LOGPROB = -9999.0
 ASSISTANT = "assistant"
+#: the message roles OpenAI's chat API accepts.
+ROLES = ("system", "developer", "user", ASSISTANT, "tool")
 #: seconds a generation may run (`verispec serve --request-timeout`).
 DEFAULT_REQUEST_TIMEOUT = 600.0
 #: seconds the engine thread waits idle before it ends (the next request starts it again).
 ENGINE_THREAD_IDLE_S = 30.0
+#: the largest request body read (create_app's max_body_bytes): a prompt of some 2M tokens.
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+#: seconds a shutting-down server waits for responses to finish once their generations ended.
+SHUTDOWN_GRACE_S = 5.0
 
 
 class RequestRejected(VerispecError, ValueError):
@@ -174,12 +187,20 @@ class ChatMessage(BaseModel):
     def as_dict(self, index: int = 0) -> dict[str, str]:
         """{"role", "content"}; index: its place in `messages`, named in a rejection."""
         _check_text(self.role, f"messages[{index}].role")
+        if self.role not in ROLES:
+            shown = self.role if len(self.role) <= 40 else self.role[:40] + "..."
+            raise RequestRejected(f"messages[{index}].role: {shown!r} is not a role; use one of "
+                                  f"{', '.join(ROLES)}", f"messages[{index}].role")
+        if self.content is None and self.role != ASSISTANT:
+            raise RequestRejected(f"messages[{index}].content: a {self.role} message needs content (text or text "
+                                  "parts); only an assistant message may leave it null",
+                                  f"messages[{index}].content")
         if self.content is None or isinstance(self.content, str):
             _check_text(self.content or "", f"messages[{index}].content")
             return {"role": self.role, "content": self.content or ""}
         if any(part.get("type") != "text" for part in self.content):
             raise RequestRejected("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported; "
-                                  "this model reads text", "messages")
+                                  "this model reads text", f"messages[{index}].content")
         for j, part in enumerate(self.content):
             _check_text(str(part.get("text", "")), f"messages[{index}].content[{j}].text")
         return {"role": self.role, "content": "".join(str(part.get("text", "")) for part in self.content)}
@@ -210,21 +231,28 @@ class ChatBody(_Body):
 # -- the app ---------------------------------------------------------------------------------
 
 def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
-               request_timeout: float = DEFAULT_REQUEST_TIMEOUT) -> FastAPI:
-    """The FastAPI app serving `engine` (call it with uvicorn, or fastapi.testclient.TestClient).
+               request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving `engine` (call it with uvicorn, or fastapi.testclient.TestClient;
+    `server()` makes a uvicorn server whose shutdown ends running generations at once).
 
     model_name: the id /v1/models lists and responses echo.
     request_timeout: seconds a generation may run before it ends with finish_reason "length".
+    max_body_bytes: the largest request body read; a larger one answers 413 naming the limit.
     """
     if not request_timeout > 0:
         raise ValueError(f"request_timeout={request_timeout}: give a positive number of seconds")
+    if not max_body_bytes > 0:
+        raise ValueError(f"max_body_bytes={max_body_bytes}: give a positive number of bytes")
     app = FastAPI(title="verispec", description="OpenAI-compatible speculative decoding server")
     served = _Served(engine, model_name, request_timeout)
+    app.state.verispec = served  # server() ends its generations when the server shuts down
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
-        return _error(f"invalid request: {problems}")
+        message, param = _validation_problem(exc.errors())
+        return _error(message, param)
 
     @app.exception_handler(StarletteHTTPException)  # unknown path (404), wrong method (405): OpenAI's body
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -276,18 +304,76 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
 
 
 def serve(engine: InferenceEngine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "verispec",
-          request_timeout: float = DEFAULT_REQUEST_TIMEOUT) -> None:
-    """Run the server with uvicorn until interrupted."""
+          request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    """Run the server with uvicorn until interrupted (Ctrl-C or SIGTERM: running generations end
+    at their next token, their responses finish, and the server exits; uvicorn then re-raises
+    the signal, so Ctrl-C reaches the caller as KeyboardInterrupt)."""
+    app = create_app(engine, model_name=model_name, request_timeout=request_timeout, max_body_bytes=max_body_bytes)
+    server(app, host=host, port=port).run()
+
+
+def server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, **config: Any):
+    """A uvicorn.Server for `app` (from create_app) whose shutdown does not wait for generations:
+    when it begins (Ctrl-C, SIGTERM, `should_exit`), every running or waiting generation ends at
+    its next token with finish_reason "length", as a client's cancel does; a response still
+    unfinished after SHUTDOWN_GRACE_S seconds is dropped. When it returns, the engine thread has
+    ended (no forward runs while the interpreter exits). config: more uvicorn.Config fields."""
     import uvicorn
 
-    app = create_app(engine, model_name=model_name, request_timeout=request_timeout)
-    uvicorn.run(app, host=host, port=port)
+    served: _Served = app.state.verispec
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            served.close()
+            try:
+                await super().shutdown(sockets=sockets)
+                if self.force_exit:  # a second Ctrl-C skipped it: the lifespan task ends now, not
+                    await self.lifespan.shutdown()  # cancelled with a traceback at exit
+            finally:
+                served.close()  # a request encoded meanwhile
+                await anyio.to_thread.run_sync(served.engine_thread.stop, SHUTDOWN_GRACE_S)
+
+    config.setdefault("timeout_graceful_shutdown", SHUTDOWN_GRACE_S)
+    return _Server(uvicorn.Config(app, host=host, port=port, **config))
 
 
 def _error(message: str, param: str | None = None, code: str | None = None, *, status_code: int = 400,
            kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status_code)
+
+
+#: pydantic names the member of a union it tried ("str", "list[int]"): not a part of the field's path.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|.*\[.*\])$")
+
+
+def _field_path(loc) -> str | None:
+    """('body', 'messages', 0, 'content', 'str') -> "messages[0].content"; None for the body itself."""
+    path = ""
+    for part in loc[1:]:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not _UNION_MEMBER.match(str(part)):
+            path += f".{part}" if path else str(part)
+    return path or None
+
+
+def _validation_problem(errors) -> tuple[str, str | None]:
+    """(message, param) of a body FastAPI could not read: malformed JSON says where it broke;
+    a field of the wrong shape is named as OpenAI names it ("messages[1].content")."""
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            at = e["loc"][1] if len(e["loc"]) > 1 else None
+            why = (e.get("ctx") or {}).get("error") or e.get("msg")
+            where = f"at character {at}: {why}" if at is not None else why
+            return f"the request body is not valid JSON ({where}); send one JSON object", None
+    problems: dict[str | None, list[str]] = {}
+    for e in errors:
+        messages = problems.setdefault(_field_path(e["loc"]), [])
+        if e["msg"] not in messages:
+            messages.append(e["msg"])
+    text = "; ".join(f"{path or 'body'}: {' or '.join(msgs)}" for path, msgs in problems.items())
+    return f"invalid request: {text}", next(iter(problems), None)
 
 
 def _check_text(text: str, field: str) -> None:
@@ -336,6 +422,17 @@ class _EngineThread:
         self._work = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def stop(self, timeout: float) -> None:
+        """Finish the step under way (and any cancelled requests' last one), then end; waits up
+        to `timeout` seconds, so that no forward runs while the interpreter exits."""
+        with self._lock:
+            self._stopping = True
+            self._work.set()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
 
     def wake(self) -> None:
         """Something was queued or cancelled: step until the engine has no work."""
@@ -355,6 +452,10 @@ class _EngineThread:
             self._work.clear()
             while self.engine.has_work:
                 self.engine.step()  # failures reach the requests of that step, never this thread
+            with self._lock:
+                if self._stopping:
+                    self._thread = None
+                    return
 
 
 class _Served:
@@ -365,6 +466,10 @@ class _Served:
         self.engine, self.model_name, self.request_timeout = engine, model_name, request_timeout
         self.engine_thread = _EngineThread(engine)
         self.created = int(time.time())
+        #: generations started and maybe not yet finished (close() cancels them; weak: a finished
+        #: one leaves when its response is gone).
+        self.live: weakref.WeakSet[Generation] = weakref.WeakSet()
+        self.closing = False
 
     def check_token_ids(self, ids: list[int]) -> None:
         vocab_size = self.engine.target.vocab_size
@@ -373,15 +478,17 @@ class _Served:
             raise RequestRejected(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab_size}); "
                                   "send ids from this model's tokenizer", "prompt")
 
-    def start(self, body: _Body, prompt, logprobs: int | None, param: str) -> Generation:
-        """Validate, encode and queue: every rejection happens here, before a 200."""
+    async def start(self, body: _Body, prompt, logprobs: int | None, param: str) -> Generation:
+        """Validate, encode and queue: every rejection happens here, before a 200. Tokenising
+        (and rendering a chat template) runs in a worker thread: a long prompt never holds the
+        event loop, so other requests, /health and /metrics answer meanwhile."""
         for field, used in body.unsupported().items():
             if used:
                 raise RequestRejected(f"{field} is not supported by this server; leave it out", field)
         stops, sampling = body.stops(), body.sampling(logprobs)
         context = self.engine.target.max_context_length
         try:
-            ids = self.engine.encode(prompt)
+            ids = await anyio.to_thread.run_sync(self.engine.encode, prompt)
             max_tokens = body.limit(context)
             requested = body.requested_limit()
             if ids and len(ids) < context:
@@ -402,8 +509,18 @@ class _Served:
                 "--context-length", param, "context_length_exceeded") from e
         except (TokenizerError, TemplateError) as e:  # NoChatTemplate, a template's raise_exception
             raise RequestRejected(f"cannot render the messages: {e}", param) from e
+        self.live.add(generation)
+        if self.closing:  # the server began shutting down while this prompt was encoded
+            generation.cancel()
         self.engine_thread.wake()
         return generation
+
+    def close(self) -> None:
+        """The server is shutting down: every running or waiting generation ends at its next
+        token (finish_reason "length", as a cancel), so their responses finish at once."""
+        self.closing = True
+        for generation in list(self.live):
+            self.cancel(generation)
 
     def cancel(self, generation: Generation) -> None:
         if not generation.done:
@@ -430,7 +547,7 @@ class _Served:
             arrived.clear()
 
     async def respond(self, request: Request, body: _Body, prompt, logprobs: int | None, *, chat: bool):
-        generation = self.start(body, prompt, logprobs, "messages" if chat else "prompt")
+        generation = await self.start(body, prompt, logprobs, "messages" if chat else "prompt")
         shape = _Shape(self, chat=chat, logprobs=logprobs is not None)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
@@ -468,6 +585,45 @@ class _Served:
         if usage:
             yield _sse({**shape.header(), "choices": [], **_usage(result)})
         yield "data: [DONE]\n\n"
+
+
+class _BodyLimit:
+    """ASGI middleware: reads an HTTP request's body (at most max_bytes) before the app sees it;
+    a larger one (by its Content-Length, or as it arrives) answers 413 in OpenAI's error shape
+    naming the limit, without reading the rest."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self._too_large(scope, receive, send, f"is {int(length)} bytes")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._too_large(scope, receive, send, "is larger")
+            if not message.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed():  # the body once, then the client's messages (its disconnect)
+            return replay.pop() if replay else await receive()
+        await self.app(scope, replayed, send)
+
+    async def _too_large(self, scope, receive, send, size: str) -> None:
+        mib = self.max_bytes / 2**20
+        response = _error(f"the request body {size}; this server reads at most {self.max_bytes} bytes "
+                          f"({mib:g} MiB): send a shorter prompt", code="request_too_large", status_code=413)
+        response.headers["connection"] = "close"  # the rest of the body is never read
+        await response(scope, receive, send)
 
 
 class _EventStream(StreamingResponse):
