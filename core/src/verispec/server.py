@@ -503,10 +503,13 @@ class _Served:
             generation = self.engine.generate(ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
                                               ignore_eos=body.ignore_eos, time_limit=self.request_timeout)
         except ContextOverflow as e:
+            trained = getattr(self.engine.target, "trained_context_length", None)
+            larger = (f", or start `verispec serve` with a larger --context-length (this model takes up to {trained})"
+                      if trained and trained > e.max_context_length else
+                      " (the model's whole trained context)" if trained else "")
             raise RequestRejected(
                 f"the prompt needs {e.required_len} positions (its tokens and one new token) but the context "
-                f"holds {e.max_context_length}; shorten the prompt, or start `verispec serve` with a larger "
-                "--context-length", param, "context_length_exceeded") from e
+                f"holds {e.max_context_length}; shorten the prompt{larger}", param, "context_length_exceeded") from e
         except (TokenizerError, TemplateError) as e:  # NoChatTemplate, a template's raise_exception
             raise RequestRejected(f"cannot render the messages: {e}", param) from e
         self.live.add(generation)

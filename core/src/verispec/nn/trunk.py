@@ -83,7 +83,8 @@ class _Piece:
 class SequenceTrunk:
     """The seam over per-layer state objects. Subclasses set `max_context_length`,
     `max_rows_per_forward`, `vocab_size`, `hidden_size`, `num_layers` and write the math
-    (module docstring)."""
+    (module docstring); `trained_context_length` (the positions the model was trained on)
+    where known."""
 
     max_context_length: int
     max_rows_per_forward: int
@@ -318,7 +319,7 @@ class TrunkModule(SequenceTrunk, nn.Module):
         self.config, self.dtype = config, canonical_dtype(dtype)
         self.vocab_size, self.hidden_size, self.num_layers = (config.vocab_size, config.hidden_size,
                                                               config.num_hidden_layers)
-        trained = int(config.max_position_embeddings)
+        trained = self.trained_context_length = int(config.max_position_embeddings)
         if context_length is not None and int(context_length) > trained:
             raise ContextBeyondTraining(int(context_length), trained)
         self.max_context_length = int(context_length or trained)
