@@ -326,6 +326,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_until_serving(process, port: int, timeout: float = 60) -> None:
+    """Poll /health of a `verispec serve` subprocess until it answers; fail with its output if it exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, process.communicate()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, f"verispec serve did not answer within {timeout:.0f} s"
+            time.sleep(0.2)
+
+
 def _toy_site(root) -> dict:
     """An environment in which the toy plugin is installed (an on-disk dist-info folder)."""
     info = root / "verispec_toy-0.1.0.dist-info"
@@ -342,15 +355,7 @@ def test_verispec_serve_answers_on_localhost(tmp_path, model_path):
                                 "--no-spec", "--request-timeout", "30"], env=_toy_site(tmp_path), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "verispec serve did not answer within 60 s"
-                time.sleep(0.2)
+        _wait_until_serving(process, port)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
                        json={"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["model"] == str(model_path)
@@ -710,15 +715,7 @@ def test_verispec_serve_stops_at_once_mid_stream(tmp_path, model_path, signals):
                                                              "--no-spec"],
                                env=_toy_site(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.communicate()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "verispec serve did not answer within 60 s"
-                time.sleep(0.2)
+        _wait_until_serving(process, port)
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=30,
                           json={"prompt": PROMPT, "max_tokens": 80, "temperature": 0, "ignore_eos": True,
                                 "stream": True}) as r:  # 80 forwards of 0.1 s: 8 s

@@ -38,6 +38,22 @@ def model_path(tmp_path_factory):
                           chat_template=CHAT_TEMPLATE)
 
 
+def _run_in_thread(make_server):
+    """(server, its thread, port): `make_server(port)` (a uvicorn.Server) run on a free loopback port
+    in a daemon thread, returned once it has started."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = make_server(port)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    return server, thread, port
+
+
 @pytest.fixture(scope="module")
 def served(model_path, registry):
     """(base_url, engine, batch sizes seen): uvicorn serving a slowed engine in a thread."""
@@ -49,17 +65,9 @@ def served(model_path, registry):
         time.sleep(0.005)
         return forward(batch)
     engine.target.forward = slow_forward
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name="toy"), host="127.0.0.1", port=port,
-                                           log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
+    server, thread, port = _run_in_thread(
+        lambda port: uvicorn.Server(uvicorn.Config(create_app(engine, model_name="toy"), host="127.0.0.1", port=port,
+                                                   log_level="error")))
     yield f"http://127.0.0.1:{port}", engine, batch_sizes
     server.should_exit = True
     thread.join(timeout=30)
@@ -197,16 +205,8 @@ def test_a_server_shutting_down_ends_running_streams_at_once(model_path, registr
     engine = api.load(model_path, registry=registry, context_length=CONTEXT, spec=SpecOptions(enabled=False))
     forward = engine.target.forward
     engine.target.forward = lambda batch: (time.sleep(0.1), forward(batch))[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = make_server(create_app(engine, model_name="toy"), host="127.0.0.1", port=port, log_level="error")
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
+    server, thread, port = _run_in_thread(
+        lambda port: make_server(create_app(engine, model_name="toy"), host="127.0.0.1", port=port, log_level="error"))
 
     def stream(first_chunk: threading.Event):
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=30,
