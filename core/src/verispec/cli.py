@@ -77,14 +77,15 @@ def _stop_string(text):
     return text
 
 
-def _ranged(kind, lo, hi, name):
+def _ranged(kind, lo, hi):
+    """An argparse type: `kind` within [lo, hi] (argparse's message names the flag)."""
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} {text!r}: not a number") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"{name} {value}: choose {lo}..{hi}")
+            raise argparse.ArgumentTypeError(f"{value}: choose {lo}..{hi}")
         return value
     return parse
 
@@ -93,9 +94,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF path or checkpoint alias (default: the embedded default model)")
     p.add_argument("--dtype", choices=["gguf", "int8", "int4", "bf16", "fp32"],
                    help="weight dtype (default: the model's choice; gguf: the file's own Q4 blocks, see README)")
-    p.add_argument("--threads", type=_ranged(int, 1, 1024, "--threads"),
+    p.add_argument("--threads", type=_ranged(int, 1, 1024),
                    help="torch threads (default: the cores idle at start-up, sampled for 0.2 s)")
-    p.add_argument("--context-length", type=_ranged(int, 16, 1 << 20, "--context-length"))
+    p.add_argument("--context-length", type=_ranged(int, 16, 1 << 20))
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -103,22 +104,22 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec", dest="spec", action="store_true", default=True, help="speculate when it pays (default)")
     g.add_argument("--no-spec", dest="spec", action="store_false", help="plain decoding")
     g.add_argument("--spec-type", default="auto", help="auto | draft-head | block | ngram | <registered name>")
-    g.add_argument("--spec-draft", type=_ranged(int, 1, 64, "--spec-draft"), help="draft window K (default 8)")
-    g.add_argument("--spec-pmin", type=_ranged(float, 0.0, 1.0, "--spec-pmin"), help="draft gate (per algorithm)")
+    g.add_argument("--spec-draft", type=_ranged(int, 1, 64), help="draft window K (default 8)")
+    g.add_argument("--spec-pmin", type=_ranged(float, 0.0, 1.0), help="draft gate (per algorithm)")
     g.add_argument("--draft-model", help="drafter GGUF; its general.architecture decides what it is")
     g.add_argument("--spec-adaptive", choices=["on", "off"], default="on", help="off forces drafting")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=_ranged(int, 1, 1 << 20, "--max-tokens"), default=128)
-    g.add_argument("--temperature", type=_ranged(float, 0.0, 100.0, "--temperature"), default=0.0)
-    g.add_argument("--top-k", type=_ranged(int, 0, 1 << 24, "--top-k"), default=0)
-    g.add_argument("--top-p", type=_ranged(float, 1e-9, 1.0, "--top-p"), default=1.0)
-    g.add_argument("--min-p", type=_ranged(float, 0.0, 1.0, "--min-p"), default=0.0)
-    g.add_argument("--repetition-penalty", type=_ranged(float, 1e-3, 100.0, "--repetition-penalty"), default=1.0)
-    g.add_argument("--frequency-penalty", type=_ranged(float, -2.0, 2.0, "--frequency-penalty"), default=0.0)
-    g.add_argument("--presence-penalty", type=_ranged(float, -2.0, 2.0, "--presence-penalty"), default=0.0)
+    g.add_argument("--max-tokens", type=_ranged(int, 1, 1 << 20), default=128)
+    g.add_argument("--temperature", type=_ranged(float, 0.0, 100.0), default=0.0)
+    g.add_argument("--top-k", type=_ranged(int, 0, 1 << 24), default=0)
+    g.add_argument("--top-p", type=_ranged(float, 1e-9, 1.0), default=1.0)
+    g.add_argument("--min-p", type=_ranged(float, 0.0, 1.0), default=0.0)
+    g.add_argument("--repetition-penalty", type=_ranged(float, 1e-3, 100.0), default=1.0)
+    g.add_argument("--frequency-penalty", type=_ranged(float, -2.0, 2.0), default=0.0)
+    g.add_argument("--presence-penalty", type=_ranged(float, -2.0, 2.0), default=0.0)
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", default=[], type=_stop_string,
                    help="stop string, non-empty (repeatable)")
@@ -147,9 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compare", choices=["transformers"], help="also run a peer system side by side")
     _add_model_args(bench)
     _add_spec_args(bench)
-    bench.add_argument("--max-tokens", type=_ranged(int, 1, 1 << 16, "--max-tokens"),
+    bench.add_argument("--max-tokens", type=_ranged(int, 1, 1 << 16),
                        help="new tokens per turn (default: each scenario's own)")
-    bench.add_argument("--repeats", type=_ranged(int, 1, 100, "--repeats"), default=1,
+    bench.add_argument("--repeats", type=_ranged(int, 1, 100), default=1,
                        help="plain/spec pairs per scenario; speeds are medians")
 
     cache = sub.add_parser("cache", help="show or clear assembled checkpoints and converted weights")
@@ -162,14 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
-    serve.add_argument("--port", type=_ranged(int, 0, 65535, "--port"), default=8000)
-    serve.add_argument("--request-timeout", type=_ranged(float, 0.01, 1e7, "--request-timeout"),
+    serve.add_argument("--port", type=_ranged(int, 0, 65535), default=8000)
+    serve.add_argument("--request-timeout", type=_ranged(float, 0.01, 1e7),
                        default=600.0, metavar="SECONDS",
                        help="a generation running longer ends there with finish_reason \"length\" "
                             "(default 600; time waiting for the engine does not count)")
-    serve.add_argument("--max-running", type=_ranged(int, 1, 1024, "--max-running"), default=16, metavar="N",
+    serve.add_argument("--max-running", type=_ranged(int, 1, 1024), default=16, metavar="N",
                        help="requests decoding together in one batch (default 16); later ones queue")
-    serve.add_argument("--kv-cache-gb", type=_ranged(float, 0.0, 1e6, "--kv-cache-gb"), default=None, metavar="GiB",
+    serve.add_argument("--kv-cache-gb", type=_ranged(float, 0.0, 1e6), default=None, metavar="GiB",
                        help="KV/state memory for running and prefix-cached sequences; a request that does not "
                             "fit waits (default: half of the memory available once the model is loaded; 0: no limit)")
     _add_model_args(serve)
