@@ -77,9 +77,10 @@ class SpeculativeExecution:
     window: optional DraftWindow choosing K per step within [1, draft_window].
     on_plugin_fault: called once with a one-line reason when the speculator faults (module
       docstring); default: a logged warning naming the speculator.
-    arm_late: the speculator is not armed yet: the caller arms it with `seed_committed` over the
-      tokens the sequence holds by then (a hidden-free speculator that can arm after prefix
-      reuse: the prefill and any batched decodes run without it).
+    arm_late: arm a speculator that allows it (hidden-free, `can_arm_after_prefix_reuse`) later:
+      `arm_pending` is then True and the caller arms it with `seed_committed` over the tokens
+      the sequence holds by then, so the prefill and any batched decodes run without it. Other
+      speculators are armed at once (they need the prefill's hidden rows, or every token).
     """
 
     def __init__(self, trunk: SpeculativeTarget, seq: int, speculator: Speculator | None, *,
@@ -96,10 +97,8 @@ class SpeculativeExecution:
         self.stats = ExecutionStats()
         self.last_token: int | None = None
         #: waiting for `seed_committed` (arm_late); the speculator has no state for this sequence yet.
-        self.arm_pending = arm_late and speculator is not None
-        if self.arm_pending and (speculator.spec.needs_hidden_state or not speculator.spec.can_arm_after_prefix_reuse):
-            raise ValueError(f"speculator {speculator.name!r} cannot arm late: it needs the hidden rows of the "
-                             "prefill or must see the sequence from its first token")
+        self.arm_pending = (arm_late and speculator is not None and not speculator.spec.needs_hidden_state
+                            and speculator.spec.can_arm_after_prefix_reuse)
         self._armed = speculator is not None and not self.arm_pending
         #: the speculator sees this sequence's commits (False once it declined a reused prefix).
         self._follows = self._armed

@@ -496,13 +496,11 @@ class Scheduler:
         if speculation is None:
             request.execution = SpeculativeExecution(self.target, request.seq, None, stop_token_ids=request.stop_ids)
             return
-        spec = speculation.speculator.spec
-        arm_late = not spec.needs_hidden_state and spec.can_arm_after_prefix_reuse
         request.execution = SpeculativeExecution(
             self.target, request.seq, speculation.speculator, draft_window=speculation.draft_window,
             stop_token_ids=request.stop_ids, governor=speculation.governor, window=speculation.window,
-            on_plugin_fault=speculation.on_plugin_fault, arm_late=arm_late)
-        if request.reused and not arm_late:
+            on_plugin_fault=speculation.on_plugin_fault, arm_late=True)
+        if request.reused and not request.execution.arm_pending:
             request.execution.seed_committed(request.ids[:request.reused])
 
     def _reuse_prefix(self, ids: list[int]) -> tuple[int, int]:

@@ -33,6 +33,7 @@ Shape letters: Hkv KV heads, S slots, Dh head dim, n rows written, T slots read.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -245,8 +246,7 @@ class RecurrentState:
         """Bytes of the state at any length: its fixed size. Not counted: the per-row states a
         verify records until `keep` (up to MAX_VERIFY_ROWS copies, while the verify lasts), nor a
         bigger storage that a kept row is a view of (`nbytes` counts that)."""
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        return sum(itemsize * _numel(shape) for shape in self.shapes.values())
+        return sum(self.dtype.itemsize * math.prod(shape) for shape in self.shapes.values())
 
     def nbytes(self) -> int:
         """Bytes held now: the storages of the values and, during a verify, of the state before it
@@ -300,13 +300,6 @@ class RecurrentState:
         new.values = {name: value.clone() for name, value in self.values.items()}
         new._verify_base, new._before, new._rows = None, None, {}
         return new
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for size in shape:
-        n *= int(size)
-    return n
 
 
 class SequenceState:
