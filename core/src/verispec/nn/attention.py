@@ -53,9 +53,11 @@ def attend(q: torch.Tensor, cache, start_pos: int, *, scaling: float, sliding_wi
     layer; None builds it here. Returns fp32 [n, H, Dh].
     """
     n = q.shape[0]
-    if n == 1:  # a decode
-        return _attend_group(q, cache, start_pos, cache.key_length(start_pos), scaling=scaling,
-                             sliding_window=sliding_window, softcap=softcap, masks=masks)
+    num_slots = cache.key_length(start_pos)
+    if cache.key_length(start_pos + n - 1) == num_slots:  # key_length never falls with position, so
+        # every row reads num_slots: every decode, most verifies (no grouping, no output copy)
+        return _attend_group(q, cache, start_pos, num_slots, scaling=scaling, sliding_window=sliding_window,
+                             softcap=softcap, masks=masks)
     groups = []  # (first row, end row, key length): rows sharing a key length form one group
     for row in range(n):
         num_slots = cache.key_length(start_pos + row)
@@ -63,9 +65,6 @@ def attend(q: torch.Tensor, cache, start_pos: int, *, scaling: float, sliding_wi
             groups[-1][1] = row + 1
         else:
             groups.append([row, row + 1, num_slots])
-    if len(groups) == 1:  # every decode, most verifies: no output copy
-        return _attend_group(q, cache, start_pos, groups[0][2], scaling=scaling,
-                             sliding_window=sliding_window, softcap=softcap, masks=masks)
     out = torch.empty_like(q)
     for row, end, num_slots in groups:
         out[row:end] = _attend_group(q[row:end], cache, start_pos + row, num_slots, scaling=scaling,
