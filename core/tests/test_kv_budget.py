@@ -256,7 +256,7 @@ def test_the_default_budget_is_half_the_available_memory(model_path, registry, m
 
 def test_a_budget_that_cannot_hold_one_sequence_is_refused_at_load(model_path, registry):
     probe = engine_with(model_path, registry, 1 << 40)
-    smallest = probe.scheduler._smallest_reservation(probe.target)
+    smallest = probe.scheduler._smallest_reservation()
     assert smallest == reservation(probe, "a", 1) or len(probe.encode("a")) > 1
     with pytest.raises(InvalidArgument, match=f"cannot hold one sequence.*reserves {smallest} bytes"):
         engine_with(model_path, registry, smallest - 1)

@@ -259,15 +259,18 @@ class Scheduler:
                                   f"max_idle_sequences={max_idle_sequences}: choose >= 1, >= 1 and >= 0")
         if kv_budget_bytes is not None and kv_budget_bytes < 1:
             raise InvalidArgument(f"kv_budget_bytes={kv_budget_bytes}: choose >= 1, or None for no budget")
+        self.target = target
         self.kv_budget_bytes = kv_budget_bytes
-        smallest = self._smallest_reservation(target) if kv_budget_bytes is not None else None
+        # the trunk's memory declarations (seams), read once: None = not budgeted / estimated
+        self._sequence_nbytes = declared(target, "sequence_nbytes")
+        self._held_nbytes = declared(target, "sequence_held_nbytes")
+        smallest = self._smallest_reservation() if kv_budget_bytes is not None else None
         if smallest is not None and smallest > kv_budget_bytes:
             raise InvalidArgument(
                 f"a KV budget of {kv_budget_bytes} bytes ({kv_budget_bytes / 2**30:.3g} GiB) cannot hold one "
                 f"sequence: the smallest request (1 prompt token, max_tokens 1) reserves {smallest} bytes; raise "
                 f"--kv-cache-gb (kv_cache_gb=) to at least {math.ceil(smallest / 2**30 * 1e4) / 1e4:g}, or 0 for no budget")
         self._reservations: dict[Request, int] = {}  # running request -> bytes reserved for its sequence
-        self.target = target
         self.max_rows_per_step, self.max_running, self.max_idle_sequences = (max_rows_per_step, max_running,
                                                                                max_idle_sequences)
         self.speculation: Speculation | None = None
@@ -400,11 +403,10 @@ class Scheduler:
         """Bytes a request reserves while it runs: its sequence at prompt + max_tokens + the widest
         verify positions (at most the context), or None when nothing is budgeted. Raises
         InvalidArgument when that alone exceeds the budget (it could never be admitted)."""
-        sequence_nbytes = declared(self.target, "sequence_nbytes")
-        if self.kv_budget_bytes is None or sequence_nbytes is None:
+        if self.kv_budget_bytes is None or self._sequence_nbytes is None:
             return None
         positions = min(num_prompt_tokens + max_tokens + MAX_VERIFY_ROWS, max_context_length)
-        need = sequence_nbytes(positions)
+        need = self._sequence_nbytes(positions)
         if need <= self.kv_budget_bytes:
             return need
         room = self._max_budgeted_positions(max_context_length) - MAX_VERIFY_ROWS - num_prompt_tokens
@@ -418,22 +420,19 @@ class Scheduler:
         error.param = "max_tokens" if room >= 1 else None  # the request field to change (the server's 400)
         raise error
 
-    @staticmethod
-    def _smallest_reservation(target) -> int | None:
+    def _smallest_reservation(self) -> int | None:
         """What a one-token prompt with max_tokens 1 reserves, or None when nothing is budgeted."""
-        sequence_nbytes = declared(target, "sequence_nbytes")
-        if sequence_nbytes is None:
+        if self._sequence_nbytes is None:
             return None
-        return sequence_nbytes(min(2 + MAX_VERIFY_ROWS, target.max_context_length))
+        return self._sequence_nbytes(min(2 + MAX_VERIFY_ROWS, self.target.max_context_length))
 
     def _max_budgeted_positions(self, max_context_length: int) -> int:
         """The most positions one sequence may reach within the whole budget (0 if none): a
         binary search, as sequence_nbytes never shrinks with more positions."""
-        sequence_nbytes = declared(self.target, "sequence_nbytes")
         low, high = 0, max_context_length
         while low < high:
             mid = (low + high + 1) // 2
-            if sequence_nbytes(mid) <= self.kv_budget_bytes:
+            if self._sequence_nbytes(mid) <= self.kv_budget_bytes:
                 low = mid
             else:
                 high = mid - 1
@@ -458,18 +457,16 @@ class Scheduler:
         return total
 
     def _idle_nbytes(self, seq: int) -> int:
-        held = declared(self.target, "sequence_held_nbytes")
-        if held is not None:
-            return held(seq)
-        sequence_nbytes = declared(self.target, "sequence_nbytes")
-        if sequence_nbytes is None:
+        if self._held_nbytes is not None:
+            return self._held_nbytes(seq)
+        if self._sequence_nbytes is None:
             return 0
-        return sequence_nbytes(min(self.target.seq_len(seq) + MAX_VERIFY_ROWS, self.target.max_context_length))
+        return self._sequence_nbytes(min(self.target.seq_len(seq) + MAX_VERIFY_ROWS, self.target.max_context_length))
 
     def _evict_idle(self, need: int, keep: int | None = None) -> None:
         """Release idle sequences, least recently used first and `keep` (not counted) last, until
         the reservations, the idle sequences and `need` bytes fit in the budget."""
-        if self.kv_budget_bytes is None or declared(self.target, "sequence_nbytes") is None:
+        if self.kv_budget_bytes is None or self._sequence_nbytes is None:
             return
         while self._idle:
             idle = sum(self._idle_nbytes(seq) for seq in self._idle if seq != keep)
