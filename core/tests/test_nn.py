@@ -160,9 +160,9 @@ def test_rows_gather_the_weight():
 
 def test_swap_linears_keeps_shared_modules_shared():
     mlp = GatedMLP(16, 24, "gelu_tanh")
-    mlp.tied = mlp.up_proj  # a second name for one module, as a tied LM head is
+    mlp.tied = mlp.gate_up_proj  # a second name for one module, as a tied LM head is
     swap_linears(mlp, "int8")
-    assert isinstance(mlp.up_proj, Int8Linear) and mlp.tied is mlp.up_proj
+    assert isinstance(mlp.gate_up_proj, Int8Linear) and mlp.tied is mlp.gate_up_proj
     assert module_batch_invariant(mlp)
     swap_linears(mlp, "fp32")
     assert isinstance(mlp.down_proj, Float32Linear) and not module_batch_invariant(mlp)
@@ -382,22 +382,25 @@ def test_a_fused_linear_is_bitwise_its_parts_concatenated(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
-def test_a_fused_gated_mlp_is_bitwise_the_unfused_one(dtype):
-    unfused, fused = GatedMLP(64, 128, "silu"), GatedMLP(64, 128, "silu", fused=True)
-    assert fused.fused and not unfused.fused and fused.part_rows == {"gate_up_proj": (128, 128)}
-    with torch.no_grad():
-        fused.gate_up_proj.weight.copy_(torch.cat([unfused.gate_proj.weight, unfused.up_proj.weight]))
-        fused.down_proj.weight.copy_(unfused.down_proj.weight)
-    swap_linears(unfused, dtype), swap_linears(fused, dtype)
+def test_the_gated_mlp_is_bitwise_separate_gate_and_up_linears(dtype):
+    from verispec.nn.elementwise import rowwise
+
+    mlp = GatedMLP(64, 128, "silu")
+    assert mlp.part_rows == {"gate_up_proj": (128, 128)}
+    weight = mlp.gate_up_proj.weight.detach().clone()
+    gate, up = (linear_class(dtype).from_float(w) for w in (weight[:128], weight[128:]))
+    swap_linears(mlp, dtype)
     x = torch.randn(9, 64, generator=_gen())
     for n in range(1, 10):
-        assert torch.equal(fused(x[:n]), unfused(x[:n])), n
+        expected = mlp.down_proj(rowwise(torch.nn.functional.silu, gate(x[:n])) * up(x[:n]))
+        assert torch.equal(mlp(x[:n]), expected), n
 
 
 def test_gated_mlp():
     mlp = GatedMLP(8, 12, "silu")
     x = torch.randn(3, 8, generator=_gen())
-    expected = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    gate, up = mlp.gate_up_proj.weight.split(12)  # gate rows first
+    expected = mlp.down_proj(torch.nn.functional.silu(x @ gate.T) * (x @ up.T))
     # the formula, not the bits: fp32 MKL may block the padded-row matmul another way under load
     torch.testing.assert_close(mlp(x), expected, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="gelu_tanh"):

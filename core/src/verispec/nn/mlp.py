@@ -1,15 +1,15 @@
-"""Gated feed-forward: down(act(gate(x)) * up(x)), HF names gate_proj / up_proj / down_proj.
+"""Gated feed-forward: down(act(gate(x)) * up(x)); HF's gate_proj / up_proj held as one
+linear `gate_up_proj` [2F, D] (gate rows first), down_proj as HF names it.
 
 x: fp32 [n, D] -> fp32 [n, D]; hidden width F. Activations: "gelu_tanh" (Gemma's GeGLU,
 gelu_pytorch_tanh), "silu" (llama / qwen SwiGLU). The linears are plain nn.Linear until
 `quant.swap_linears` picks the weight dtype. Source: transformers Gemma3MLP / LlamaMLP.
 
-fused=True holds gate and up as one linear `gate_up_proj` [2F, D] (gate rows first; a family's
-tensor table reads it as `Stack(ffn_gate, ffn_up)`, `part_rows` declares the two halves): one
-matmul call instead of two, which on a one-row decode is mostly per-call overhead (SmolLM2
-shapes, int4, one thread: ~67 vs ~72 us; int8 58 vs 74 us). Every weight dtype quantises per
-output row, so the stacked rows hold the values the two linears would, and the output is
-bitwise theirs concatenated (core/tests/test_nn.py).
+gate|up as one linear: a family's tensor table reads it as `Stack(ffn_gate, ffn_up)`, and
+`part_rows` declares the two halves. One matmul call instead of two, which on a one-row decode
+is mostly per-call overhead (SmolLM2 shapes, int4, one thread: ~67 vs ~72 us; int8 58 vs 74
+us). Every weight dtype quantises per output row, so the stacked rows hold the values the two
+linears would, and the output is bitwise theirs (core/tests/test_nn.py).
 """
 from __future__ import annotations
 
@@ -26,29 +26,17 @@ ACTIVATIONS = {
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, *, fused: bool = False,
-                 device=None):
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, *, device=None):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r}: choose one of {', '.join(ACTIVATIONS)}")
         self.activation = activation
         self.act_fn = ACTIVATIONS[activation]
         self.intermediate_size = intermediate_size
-        if fused:
-            self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, device=device)
-            self.part_rows = {"gate_up_proj": (intermediate_size, intermediate_size)}
-        else:
-            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, device=device)
-            self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, device=device)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, device=device)
+        self.part_rows = {"gate_up_proj": (intermediate_size, intermediate_size)}
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, device=device)
 
-    @property
-    def fused(self) -> bool:
-        return "gate_up_proj" in self._modules
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(rowwise(self.act_fn, gate) * up)  # rowwise: batch-invariant

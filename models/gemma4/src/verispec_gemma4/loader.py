@@ -36,7 +36,7 @@ DEFAULT_DTYPE = "gguf"
 #: GGUF tensor -> parameter in our modules (HF's names); "{i}" = layer index (gemma4's "{e}" = expert).
 #: gguf-py MODEL_TENSORS[GEMMA3]; reference/gemma4.md §2.1 gives the HF <-> GGUF pairs.
 #: `output.weight` is only in files with an untied LM head (a tied model has no lm_head entry).
-#: The dense MLP's gate and up are one stacked linear (nn.mlp.GatedMLP fused).
+#: The dense MLP's gate and up are one stacked linear (nn.mlp.GatedMLP).
 GEMMA3_TENSORS = (
     Tensor("token_embd.weight", "model.embed_tokens.weight"),
     Tensor("output.weight", "lm_head.weight"),

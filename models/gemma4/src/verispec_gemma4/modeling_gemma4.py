@@ -249,7 +249,7 @@ class Gemma4DecoderLayer(nn.Module):
         D, eps = c.hidden_size, c.rms_norm_eps
         self.is_sliding = c.layer_types[layer_idx] == SLIDING
         self.self_attn = Gemma4Attention(c, layer_idx, device)
-        self.mlp = GatedMLP(D, c.intermediate_size[layer_idx], "gelu_tanh", fused=True, device=device)
+        self.mlp = GatedMLP(D, c.intermediate_size[layer_idx], "gelu_tanh", device=device)
         self.input_layernorm = RMSNorm(D, eps)
         self.post_attention_layernorm = RMSNorm(D, eps)
         self.pre_feedforward_layernorm = RMSNorm(D, eps)

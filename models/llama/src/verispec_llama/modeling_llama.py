@@ -18,7 +18,7 @@ then logits = lm_head(norm(h)). The two architectures differ only in data:
 - Tied embeddings: no `output.weight`, the LM head is the embedding module itself.
 
 q|k|v run as one linear `qkv_proj` (and one bias `qkv_bias`), gate|up as one `gate_up_proj`
-(nn.mlp.GatedMLP fused): 3 matmul calls per layer instead of 6 (SmolLM2: 90 fewer per token),
+(nn.mlp.GatedMLP): 3 matmul calls per layer instead of 6 (SmolLM2: 90 fewer per token),
 holding the separate linears' values (every dtype quantises per output row); with the int8 /
 int4 / gguf kernels each output is bitwise theirs (core/tests/test_nn.py, test_gguf_weights.py).
 
@@ -198,7 +198,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "silu", fused=True, device=device)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "silu", device=device)
 
     def forward(self, hidden_states: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
                 rows: Rows, layer_idx: int) -> torch.Tensor:

@@ -55,7 +55,7 @@ LAYER_TENSORS = (
     Tensor("blk.{i}.ssm_a", _L + "linear_attn.ssm_a"),
     Tensor("blk.{i}.ssm_norm.weight", _L + "linear_attn.norm.weight"),
     Tensor("blk.{i}.ssm_out.weight", _L + "linear_attn.out_proj.weight"),
-    # dense SwiGLU (gate|up one stacked linear: nn.mlp.GatedMLP fused)
+    # dense SwiGLU (gate|up one stacked linear: nn.mlp.GatedMLP)
     Tensor(Stack("blk.{i}.ffn_gate.weight", "blk.{i}.ffn_up.weight"), _L + "mlp.gate_up_proj.weight"),
     Tensor("blk.{i}.ffn_down.weight", _L + "mlp.down_proj.weight"),
     # MoE: router, experts (gate|up fused, or separate), shared expert and its gate vector

@@ -264,7 +264,7 @@ class Qwen35SparseMoe(nn.Module):
                                           for _ in range(c.num_experts))
         self.down_proj = nn.ModuleList(nn.Linear(ff, d, bias=False, device=device)
                                        for _ in range(c.num_experts))
-        self.shared_expert = GatedMLP(d, c.shared_expert_intermediate_size, "silu", fused=True, device=device)
+        self.shared_expert = GatedMLP(d, c.shared_expert_intermediate_size, "silu", device=device)
         self.shared_expert_gate = nn.Parameter(torch.empty(c.shared_expert_gate_shape or (d,), device=device),
                                                requires_grad=False)
 
@@ -293,7 +293,7 @@ class Qwen35DecoderLayer(nn.Module):
             self.self_attn = Qwen35Attention(c, device=device)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = (Qwen35SparseMoe(c, device=device) if c.is_moe
-                    else GatedMLP(c.hidden_size, c.intermediate_size, "silu", fused=True, device=device))
+                    else GatedMLP(c.hidden_size, c.intermediate_size, "silu", device=device))
 
     def forward(self, hidden_states: torch.Tensor, mixer) -> torch.Tensor:
         """hidden_states fp32 [n, D]; mixer(normed [n, D]) -> [n, D] runs this layer's token mixer."""
