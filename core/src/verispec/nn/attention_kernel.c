@@ -1,0 +1,220 @@
+/* Causal / sliding-window GQA over paged fp32 KV: every row of every sequence in one call.
+ *
+ * The arithmetic of one (row, head) is fixed by this file alone, whatever the row count, the
+ * other sequences, the block size or the instruction set, which is what makes a row computed
+ * inside a verify or beside other sequences bitwise the row computed alone:
+ *   s_t   = (((0 + q_0 k_0t) + q_1 k_1t) + ... + q_{D-1} k_{D-1,t}) * scaling   (d in order)
+ *   m     = max of s_t over the visible slots t
+ *   e_t   = vexp(s_t - m)                                  (below: Cody-Waite + cephes expf)
+ *   den   = ((0 + e_t0) + e_t1) + ...                      (visible slots in slot order)
+ *   o_d   = ((0 + e_t0 v_t0d) + e_t1 v_t1d) + ...          (same order)
+ *   out_d = o_d / den
+ * Each step is one IEEE fp32 operation: build with -ffp-contract=off (no fused multiply-add)
+ * and without -ffast-math. Vectorised loops run across independent elements (slots for s,
+ * dims for o), never across a reduction, so vector width does not change any result.
+ * `verispec.nn.attention_kernel` states the same arithmetic in PyTorch for the tests.
+ *
+ * Slot t of a sequence lives in block t / B at offset t % B. Per block:
+ *   K transposed, fp32 [Hkv, D, B];  V fp32 [Hkv, B, D].
+ * A slot is visible to the query at position p when its position sp (slot_pos[t], or t itself
+ * when the sequence has no slot_pos table) satisfies 0 <= sp <= p and, with a window W > 0,
+ * p - sp < W (the sliding rule of reference/gemma4.md §3.1).
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* One sequence's descriptor: DESC_FIELDS int64 values. */
+enum { Q_ROW, N_ROWS, START_POS, NUM_SLOTS, BLOCK, K_TABLE, V_TABLE, SLOT_POS, WINDOW, DESC_FIELDS };
+
+static v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+/* exp(x) for x <= 0, ~1 ulp: x clamped to -80 (e^-80 ~ 1.8e-35, a weight of nothing; every
+ * step stays a normal float), n = round(x / ln 2) by the 1.5 * 2^23 trick (ties to even),
+ * r = x - n ln2 in two parts, cephes expf's polynomial, then * 2^n built from bits. */
+static v16 vexp(v16 x) {
+    const v16 lo = splat(-80.0f), magic = splat(12582912.0f);
+    const v16i below = x < lo; /* lanes -1 where x < -80 */
+    x = (v16)(((v16i)lo & below) | ((v16i)x & ~below));
+    v16 n = (x * splat(1.44269504088896341f) + magic) - magic;
+    v16 r = x - n * splat(0.693359375f);
+    r = r - n * splat(-2.12194440e-4f);
+    v16 p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    v16 y = p * (r * r);
+    y = y + r;
+    y = y + splat(1.0f);
+    v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return y * (v16)bits;
+}
+
+static inline int visible(int64_t sp, int64_t p, int64_t window) {
+    return sp >= 0 && sp <= p && (window <= 0 || p - sp < window);
+}
+
+static inline v16 load16(const float *x) { v16 r; memcpy(&r, x, sizeof r); return r; }
+static inline void store16(float *x, v16 r) { memcpy(x, &r, sizeof r); }
+
+/* s[l] = (((0 + q_0 k[0][l]) + q_1 k[1][l]) + ...) * scaling for l < len; k: [D, stride]. */
+static void scores(const float *q, const float *k, int64_t stride, int64_t len, int64_t D, float scaling,
+                   float *s) {
+    int64_t l = 0;
+    for (; l + 64 <= len; l += 64) { /* four independent chains hide the add latency */
+        v16 a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < D; d++) {
+            const v16 qd = splat(q[d]);
+            const float *kd = k + d * stride + l;
+            a0 = a0 + qd * load16(kd);
+            a1 = a1 + qd * load16(kd + 16);
+            a2 = a2 + qd * load16(kd + 32);
+            a3 = a3 + qd * load16(kd + 48);
+        }
+        const v16 sc = splat(scaling);
+        store16(s + l, a0 * sc), store16(s + l + 16, a1 * sc), store16(s + l + 32, a2 * sc),
+            store16(s + l + 48, a3 * sc);
+    }
+    for (; l + 16 <= len; l += 16) {
+        v16 a = splat(0.0f);
+        for (int64_t d = 0; d < D; d++) a = a + splat(q[d]) * load16(k + d * stride + l);
+        store16(s + l, a * splat(scaling));
+    }
+    for (; l < len; l++) {
+        float a = 0.0f;
+        for (int64_t d = 0; d < D; d++) a = a + q[d] * k[d * stride + l];
+        s[l] = a * scaling;
+    }
+}
+
+/* o[d] = o[d] + e_t v[t][d] over the slots t < len with e_t != 0 (masked slots hold e_t = 0 and
+ * are skipped); NV = D / 16 accumulators in registers for the usual head sizes. */
+#define PV_REGISTERS(NV)                                                                   \
+    static void pv_##NV(const float *e, const float *v, int64_t len, float *o) {           \
+        v16 acc[NV];                                                                       \
+        for (int j = 0; j < NV; j++) acc[j] = load16(o + 16 * j);                         \
+        for (int64_t t = 0; t < len; t++) {                                                \
+            if (e[t] == 0.0f) continue;                                                    \
+            const v16 et = splat(e[t]);                                                    \
+            for (int j = 0; j < NV; j++) acc[j] = acc[j] + et * load16(v + t * 16 * NV + 16 * j); \
+        }                                                                                  \
+        for (int j = 0; j < NV; j++) store16(o + 16 * j, acc[j]);                         \
+    }
+PV_REGISTERS(4)
+PV_REGISTERS(8)
+PV_REGISTERS(16)
+
+static void pv(const float *e, const float *v, int64_t len, int64_t D, float *o) {
+    if (D == 64) return pv_4(e, v, len, o);
+    if (D == 128) return pv_8(e, v, len, o);
+    if (D == 256) return pv_16(e, v, len, o);
+    for (int64_t t = 0; t < len; t++) {
+        if (e[t] == 0.0f) continue;
+        for (int64_t d = 0; d < D; d++) o[d] = o[d] + e[t] * v[t * D + d];
+    }
+}
+
+/* One query row and head: q, out fp32 [D]; vis: the row's visibility flag per slot (T);
+ * s: scratch of round_up(T, 16) floats, o: of D. */
+static void attend_one(const float *q, float *out, const int64_t *desc, const unsigned char *vis, int64_t T,
+                       int64_t head_kv, int64_t D, float scaling, float *s, float *o) {
+    const int64_t B = desc[BLOCK];
+    const float *const *kt = (const float *const *)(intptr_t)desc[K_TABLE];
+    const float *const *vt = (const float *const *)(intptr_t)desc[V_TABLE];
+    for (int64_t b0 = 0; b0 < T; b0 += B)
+        scores(q, kt[b0 / B] + head_kv * D * B, B, T - b0 < B ? T - b0 : B, D, scaling, s + b0);
+    float m = -INFINITY;
+    for (int64_t t = 0; t < T; t++)
+        if (vis[t] && s[t] > m) m = s[t];
+    const int64_t T16 = (T + 15) & ~(int64_t)15;
+    for (int64_t t = T; t < T16; t++) s[t] = m;
+    for (int64_t t = 0; t < T16; t += 16) store16(s + t, vexp(load16(s + t) - splat(m)));
+    /* e_t = 0 marks a masked slot; a visible e_t is >= e^-80 > 0 */
+    float den = 0.0f;
+    for (int64_t t = 0; t < T; t++) {
+        s[t] = vis[t] ? s[t] : 0.0f;
+        if (vis[t]) den = den + s[t];
+    }
+    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+    for (int64_t b0 = 0; b0 < T; b0 += B)
+        pv(s + b0, vt[b0 / B] + head_kv * B * D, T - b0 < B ? T - b0 : B, D, o);
+    for (int64_t d = 0; d < D; d++) out[d] = o[d] / den;
+}
+
+typedef struct {
+    const float *q;
+    float *out;
+    const int64_t *desc;
+    int64_t num_seqs, H, Hkv, D, max_slots, first, step;
+    float scaling;
+    int status;
+} job;
+
+/* Rows of the call, flattened over sequences; this job takes every step-th from first. */
+static void *run_job(void *arg) {
+    job *jb = arg;
+    const int64_t T16 = (jb->max_slots + 15) & ~(int64_t)15;
+    float *s = malloc(sizeof(float) * (T16 + jb->D));
+    unsigned char *vis = malloc(jb->max_slots + 1);
+    if (!s || !vis) {
+        free(s), free(vis);
+        jb->status = -1;
+        return NULL;
+    }
+    const int64_t group = jb->H / jb->Hkv;
+    int64_t index = 0;
+    for (int64_t i = 0; i < jb->num_seqs; i++) {
+        const int64_t *dsc = jb->desc + i * DESC_FIELDS;
+        const int64_t *slot_pos = (const int64_t *)(intptr_t)dsc[SLOT_POS];
+        for (int64_t r = 0; r < dsc[N_ROWS]; r++, index++) {
+            if (index % jb->step != jb->first) continue;
+            const int64_t row = dsc[Q_ROW] + r, p = dsc[START_POS] + r;
+            int64_t T = dsc[NUM_SLOTS];
+            if (!slot_pos && T > p + 1) T = p + 1; /* slot = position: later slots are never visible */
+            for (int64_t t = 0; t < T; t++) vis[t] = (unsigned char)visible(slot_pos ? slot_pos[t] : t, p, dsc[WINDOW]);
+            for (int64_t h = 0; h < jb->H; h++)
+                attend_one(jb->q + (row * jb->H + h) * jb->D, jb->out + (row * jb->H + h) * jb->D, dsc, vis, T,
+                           h / group, jb->D, jb->scaling, s, s + T16);
+        }
+    }
+    free(s), free(vis);
+    jb->status = 0;
+    return NULL;
+}
+
+/* q, out: fp32 [rows, H, D] (each sequence's rows contiguous); desc: int64 [num_seqs, DESC_FIELDS].
+ * threads > 1 splits the rows between threads (each row is computed the same way wherever it
+ * runs). Returns 0, or -1 when scratch memory ran out. */
+int verispec_attend(const float *q, float *out, const int64_t *desc, int64_t num_seqs, int64_t H,
+                    int64_t Hkv, int64_t D, float scaling, int64_t threads) {
+    int64_t max_slots = 0;
+    for (int64_t i = 0; i < num_seqs; i++)
+        if (desc[i * DESC_FIELDS + NUM_SLOTS] > max_slots) max_slots = desc[i * DESC_FIELDS + NUM_SLOTS];
+    if (threads < 1) threads = 1;
+    if (threads > 64) threads = 64;
+    job jobs[64];
+    pthread_t ids[64];
+    for (int64_t j = 0; j < threads; j++)
+        jobs[j] = (job){q, out, desc, num_seqs, H, Hkv, D, max_slots, j, threads, scaling, -1};
+    int64_t started = 1;
+    for (; started < threads; started++)
+        if (pthread_create(&ids[started], NULL, run_job, &jobs[started]) != 0) break;
+    run_job(&jobs[0]);
+    int status = jobs[0].status;
+    for (int64_t j = 1; j < started; j++) {
+        pthread_join(ids[j], NULL);
+        status |= jobs[j].status;
+    }
+    for (int64_t j = started; j < threads; j++) { /* a thread that could not start: do its rows here */
+        run_job(&jobs[j]);
+        status |= jobs[j].status;
+    }
+    return status;
+}

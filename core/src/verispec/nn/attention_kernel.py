@@ -1,0 +1,165 @@
+"""The C attention kernel (`attention_kernel.c`): built once per machine, called through ctypes.
+
+`attention.attend_rows` runs every row of every sequence of a forward through it in one call
+when it is available; otherwise (no C compiler, `VERISPEC_ATTENTION_KERNEL=0`, an attention
+softcap) the PyTorch path in `attention` runs. The kernel fixes its own order of fp32
+operations per (row, head), so a row's bits never depend on the other rows or sequences of the
+call (the batch invariance speculation needs), and `reference_attend` below states that order
+in PyTorch: the tests check the kernel against it bitwise.
+
+Build: `cc -O3 -march=native -ffp-contract=off -shared` (~1 s, no torch headers) into
+`cache_dir("kernels")`, named by a hash of the source, the flags and the CPU's feature flags
+(a library built for another CPU is never loaded). `python -m verispec.nn.attention_kernel`
+builds it ahead of time (`scripts/setup.sh` does); a failed build warns once and the PyTorch
+path runs.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("attention_kernel.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread"]
+#: int64 fields of one sequence's descriptor, in the C enum's order.
+DESC_FIELDS = ("q_row", "n_rows", "start_pos", "num_slots", "block", "k_table", "v_table", "slot_pos", "window")
+
+_library: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def library_path() -> Path:
+    """Where this machine's build lives (it may not exist yet)."""
+    from verispec.checkpoints import cache_dir
+
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    return cache_dir("kernels") / f"attention-{key}.so"
+
+
+def build() -> Path:
+    """Compile the kernel for this machine unless built already; returns the library's path.
+    Raises RuntimeError naming the compiler's complaint (or its absence)."""
+    path = library_path()
+    if path.is_file():
+        return path
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH: install one (Debian: apt-get install gcc)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+    os.replace(partial, path)
+    return path
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, building it on first use; None when switched off
+    (`VERISPEC_ATTENTION_KERNEL=0`) or when it cannot be built (one warning says why)."""
+    global _library
+    if _library is False:
+        _library = None
+        if os.environ.get("VERISPEC_ATTENTION_KERNEL", "1") != "0":
+            try:
+                lib = ctypes.CDLL(str(build()))
+            except (RuntimeError, OSError) as e:
+                warnings.warn(f"verispec: the C attention kernel is unavailable ({e}); attention runs on the "
+                              "slower PyTorch path", RuntimeWarning, stacklevel=2)
+            else:
+                lib.verispec_attend.restype = ctypes.c_int
+                lib.verispec_attend.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                                ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                                                ctypes.c_int64]
+                _library = lib
+    return _library
+
+
+#: rows x heads x slots below which one thread does the call (a thread's start costs ~20 µs).
+PARALLEL_WORK = 1 << 18
+
+
+def attend(q: torch.Tensor, out: torch.Tensor, desc: torch.Tensor, num_kv_heads: int, scaling: float,
+           work: int = 0) -> None:
+    """Run the kernel: q, out fp32 contiguous [rows, H, Dh]; desc int64 contiguous
+    [sequences, len(DESC_FIELDS)] (tables and slot positions as data pointers, kept alive by
+    the caller). work: rows x heads x slots, to decide on threads (torch's thread count).
+    Raises MemoryError when the kernel's scratch allocation fails."""
+    _, num_heads, head_dim = q.shape
+    threads = torch.get_num_threads() if work >= PARALLEL_WORK else 1
+    if library().verispec_attend(q.data_ptr(), out.data_ptr(), desc.data_ptr(), desc.shape[0], num_heads,
+                                 num_kv_heads, head_dim, scaling, threads) != 0:
+        raise MemoryError("the attention kernel could not allocate its scratch scores")
+
+
+def reference_attend(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, slot_pos: torch.Tensor,
+                     positions: torch.Tensor, *, scaling: float, window: int | None = None) -> torch.Tensor:
+    """The kernel's arithmetic in PyTorch, one fp32 operation per step in the kernel's order (slow:
+    for tests). q fp32 [n, H, Dh] at `positions` int64 [n]; k_t fp32 [Hkv, Dh, T] (keys
+    transposed), v fp32 [Hkv, T, Dh], slot_pos int64 [T] (-1 = empty). Returns fp32 [n, H, Dh]."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads, _, num_slots = k_t.shape
+    k_rows = k_t.repeat_interleave(num_heads // num_kv_heads, dim=0)  # [H, Dh, T]
+    v_rows = v.repeat_interleave(num_heads // num_kv_heads, dim=0)  # [H, T, Dh]
+    scores = torch.zeros(n, num_heads, num_slots)
+    for d in range(head_dim):
+        scores = scores + q[:, :, d, None] * k_rows[None, :, d, :]
+    scores = scores * _f32(scaling)
+    p = positions[:, None, None]
+    visible = (slot_pos >= 0) & (slot_pos <= p)
+    if window:
+        visible &= p - slot_pos < window
+    m = scores.masked_fill(~visible, float("-inf")).amax(dim=-1, keepdim=True)
+    e = _reference_exp(scores - m)
+    den = torch.zeros(n, num_heads, 1)
+    o = torch.zeros(n, num_heads, head_dim)
+    for t in range(num_slots):
+        e_t = torch.where(visible[:, :, t:t + 1], e[:, :, t:t + 1], torch.zeros(()))
+        # a masked slot adds e_t = 0: x + 0 and x + 0 * v are x bitwise (v finite), as skipping it is
+        den = den + e_t
+        o = o + e_t * v_rows[None, :, t, :]
+    return o / den
+
+
+def _f32(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def _reference_exp(x: torch.Tensor) -> torch.Tensor:
+    """`vexp` of the C file, operation by operation."""
+    x = torch.maximum(x, _f32(-80.0))
+    magic = _f32(12582912.0)
+    n = (x * _f32(1.44269504088896341) + magic) - magic
+    r = x - n * _f32(0.693359375)
+    r = r - n * _f32(-2.12194440e-4)
+    p = _f32(1.9875691500e-4).expand_as(r)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + _f32(c)
+    y = p * (r * r)
+    y = y + r
+    y = y + _f32(1.0)
+    bits = (n.to(torch.int32) + 127) << 23
+    return y * bits.view(torch.float32)
+
+
+if __name__ == "__main__":
+    print(build())
+    sys.exit(0 if library() is not None else 1)
