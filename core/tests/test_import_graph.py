@@ -56,6 +56,6 @@ def test_the_loop_knows_no_family_or_state_kind():
     source = (ROOT / "execution.py").read_text()
     assert not _graph()["verispec.execution"] & {"verispec.nn", "verispec.nn.state", "verispec.nn.trunk",
                                                   "verispec.engine", "verispec.registry"}
-    for word in ("RingKVCache", "RecurrentState", "LinearKVCache", "SequenceState", "gemma", "llama", "rewind",
+    for word in ("RingKVCache", "RecurrentState", "PagedKVCache", "SequenceState", "gemma", "llama", "rewind",
                  "snapshot", "spec_has_recurrent_state"):
         assert word not in source, f"execution.py mentions {word!r}"

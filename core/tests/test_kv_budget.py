@@ -8,7 +8,7 @@ import torch
 from verispec import api
 from verispec.engine import InferenceEngine, SpecOptions
 from verispec.errors import InvalidArgument
-from verispec.nn.state import LinearKVCache, RecurrentState, RingKVCache, SequenceState
+from verispec.nn.state import PagedKVCache, RecurrentState, RingKVCache, SequenceState
 from verispec.registry import Registry
 from verispec.testing import ToyTarget, forward_one, toy_plugin
 from verispec.testing.toy import write_toy_gguf
@@ -26,32 +26,29 @@ def allocated(tensors) -> int:
 def write_rows(state: SequenceState, cache, rows: int) -> None:
     """`rows` positions through SequenceState.begin (which grows the caches) and `write`."""
     start = state.begin(rows, verify=False)
-    kv = torch.ones(rows, cache.k.shape[0], cache.k.shape[2])  # [n, Hkv, Dh]
+    kv = torch.ones(rows, cache.num_kv_heads, cache.head_dim)  # [n, Hkv, Dh]
     cache.write(start, kv, kv)
     state.seq_len += rows
 
 
 # -- (a) each kind's bound is what it really allocates -------------------------------------------
 
-def test_a_linear_cache_never_allocates_more_than_max_nbytes_and_reaches_it():
+def test_a_paged_cache_holds_exactly_max_nbytes_whatever_its_history():
     def grown(history):
-        cache = LinearKVCache(2, 8, key_block=4, max_positions=50)
+        cache = PagedKVCache(2, 8, key_block=4, max_positions=50)
         state = SequenceState([cache])
         for rows in history:
             write_rows(state, cache, rows)
-        return cache, allocated([cache.k, cache.v, cache.slot_positions])
+        return cache, allocated(cache.k_blocks + cache.v_blocks)
 
+    block_bytes = 2 * 2 * 8 * 4 * 4  # K and V, 2 heads, 8 dims, 4 slots, fp32
     for n in range(1, 51):
         bound = grown([])[0].max_nbytes(n)
-        one_by_one, whole = grown([1] * n)[1], grown([n])[1]
-        assert one_by_one <= bound and whole <= bound
-        needed = -(-n // 4) * 4
-        if needed > 4:  # the worst history: a prefill just one key block short, then one row
-            cache, worst = grown([needed - 4] + [1] * (n - needed + 4))
-            assert worst == bound == cache.nbytes()
-    # a doubling that max_capacity cuts short
-    cache, size = grown([40, 10])
-    assert cache.capacity == 52 and size == cache.max_nbytes(50) == 52 * (2 * 2 * 8 * 4 + 8)
+        assert bound == -(-n // 4) * block_bytes
+        for history in ([1] * n, [n], [n - 1, 1] if n > 1 else [1]):
+            cache, size = grown(history)
+            assert size == bound == cache.nbytes()
+    assert grown([])[0].max_nbytes(80) == 13 * block_bytes  # capped at max_positions (52 slots)
 
 
 def test_a_ring_and_a_recurrent_state_hold_their_fixed_size_at_any_length():
@@ -59,7 +56,7 @@ def test_a_ring_and_a_recurrent_state_hold_their_fixed_size_at_any_length():
     state = SequenceState([ring])
     for n in range(1, 30):
         write_rows(state, ring, 1 + n % 3)
-        assert allocated([ring.k, ring.v, ring.tags]) == ring.max_nbytes(state.seq_len) == ring.nbytes()
+        assert allocated([ring.k_t, ring.v, ring.tags]) == ring.max_nbytes(state.seq_len) == ring.nbytes()
 
     recurrent = RecurrentState({"conv": (2, 5), "matrix": (5, 5)}, dtype=torch.float64)
     state = SequenceState([recurrent])
@@ -78,14 +75,14 @@ def test_a_ring_and_a_recurrent_state_hold_their_fixed_size_at_any_length():
 
 def test_a_trunk_reports_what_a_sequence_of_it_allocates():
     toy = ToyTarget(recurrent=True, max_context_length=512)
-    n = 200  # key_block 64: a 192-row prefill, then single rows, doubles to 384 slots
+    n = 200  # key_block 64: a 192-row prefill, then single rows: 4 blocks
     seq = toy.new_sequence()
     forward_one(toy, seq, [i % 30 for i in range(192)])
     for i in range(192, n):
         forward_one(toy, seq, [i % 30])
     recurrent, cache = toy._state(seq).layers
-    assert cache.capacity == 384
-    real = allocated([cache.k, cache.v, cache.slot_positions]) + allocated(recurrent.values.values())
+    assert cache.capacity == 256
+    real = allocated(cache.k_blocks + cache.v_blocks) + allocated(recurrent.values.values())
     assert toy.sequence_nbytes(n) == real == toy.sequence_held_nbytes(seq)
     assert toy.sequence_nbytes(512) > toy.sequence_nbytes(n)  # it does depend on the length
 

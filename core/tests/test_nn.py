@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 from verispec.nn.attention import attend
-from verispec.nn.state import CannotTruncate, LinearKVCache, RewindBeyondWindow, RingKVCache, SequenceState
+from verispec.nn.state import CannotTruncate, PagedKVCache, RewindBeyondWindow, RingKVCache, SequenceState
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.quant import (
@@ -211,7 +211,7 @@ def test_attention_matches_naive_and_is_batch_invariant(ring, H, Hkv, two_thread
     if ring:
         cache = RingKVCache(Hkv, Dh, window=window, max_rows=9, key_block=8)
     else:
-        cache = LinearKVCache(Hkv, Dh, key_block=8, max_positions=64)
+        cache = PagedKVCache(Hkv, Dh, key_block=8, max_positions=64)
         cache.ensure_capacity(T)
     sliding = window if ring else None
     start = 28  # rows 28..36 straddle the key block at 32; the ring (14 slots) has wrapped
@@ -254,12 +254,18 @@ def test_layers_sharing_a_mask_memo_attend_as_alone(n):
 
 @pytest.mark.parametrize("ring", [False, True])
 @pytest.mark.parametrize("H, Hkv", [(4, 2), (9, 3), (7, 1), (14, 2)])
-def test_decodes_of_several_sequences_attend_as_alone(ring, H, Hkv, two_threads):
-    # attend_rows runs one-row decodes of sequences that read the same key length as one bmm
-    # pair over their stacked KV heads: each must be bitwise its sequence's decode alone.
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "pytorch"])
+def test_decodes_of_several_sequences_attend_as_alone(ring, H, Hkv, kernel, two_threads, monkeypatch):
+    # attend_rows runs the rows of every sequence of a forward together (one kernel call):
+    # each sequence's rows must be bitwise what it computes alone.
     # Five sequences: three decode in one key block, one in the next, one runs three rows.
+    from verispec.nn import attention_kernel
     from verispec.nn.attention import attend_rows
     from verispec.nn.trunk import Rows, RowsOfSequence
+    if not kernel:
+        monkeypatch.setattr(attention_kernel, "library", lambda: None)
+    elif attention_kernel.library() is None:
+        pytest.skip("no C compiler: the attention kernel is not built")
     Dh, window = 16, 6
     lengths, widths = [17, 20, 23, 26, 19], [1, 1, 1, 1, 3]
     states, q_rows, k_rows, v_rows, parts, begin = [], [], [], [], [], 0
@@ -267,7 +273,7 @@ def test_decodes_of_several_sequences_attend_as_alone(ring, H, Hkv, two_threads)
         if ring:
             cache = RingKVCache(Hkv, Dh, window=window, max_rows=4, key_block=8)
         else:
-            cache = LinearKVCache(Hkv, Dh, key_block=8, max_positions=64)
+            cache = PagedKVCache(Hkv, Dh, key_block=8, max_positions=64)
             cache.ensure_capacity(length + width)
         for p in range(0, length, 4):
             n = min(4, length - p)
@@ -286,14 +292,18 @@ def test_decodes_of_several_sequences_attend_as_alone(ring, H, Hkv, two_threads)
     rows = Rows(torch.zeros(begin, dtype=torch.long), torch.zeros(begin, dtype=torch.long), tuple(parts))
     batched = attend_rows(torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows), rows, 0, scaling=0.3,
                           sliding_window=sliding)
-    for part, q, state in zip(parts, q_rows, states):
-        alone = attend(q, state.layers[0], part.start_pos, scaling=0.3, sliding_window=sliding)
+    for part, q in zip(parts, q_rows):  # k = None: read the K/V the batched call wrote
+        single = Rows(torch.zeros(len(q), dtype=torch.long), torch.zeros(len(q), dtype=torch.long),
+                      (RowsOfSequence(part.state, part.start_pos, 0, len(q)),))
+        alone = attend_rows(q, None, None, single, 0, scaling=0.3, sliding_window=sliding)
         assert torch.equal(batched[part.rows], alone)
+        reference = attend(q, part.state.layers[0], part.start_pos, scaling=0.3, sliding_window=sliding)
+        torch.testing.assert_close(alone, reference, atol=2e-6, rtol=0)
 
 
 def test_ring_refuses_a_truncation_it_cannot_serve():
     ring = RingKVCache(1, 4, window=6, max_rows=4)  # 9 slots
-    sequence = SequenceState([ring, LinearKVCache(1, 4, max_positions=64), None])
+    sequence = SequenceState([ring, PagedKVCache(1, 4, max_positions=64), None])
     sequence.begin(30, verify=False)
     for p in range(30):
         for cache in sequence.layers[:2]:
@@ -333,14 +343,14 @@ def test_ring_keep_refuses_a_verify_wider_than_its_slack():
         sequence.keep(0)
 
 
-def test_linear_cache_grows_by_key_blocks_and_keeps_its_rows():
-    cache = LinearKVCache(2, 4, key_block=16, max_positions=100)
+def test_paged_cache_grows_by_blocks_and_keeps_its_rows():
+    cache = PagedKVCache(2, 4, key_block=16, max_positions=100)
     cache.ensure_capacity(5)
     assert cache.capacity == 16
     cache.write(0, torch.ones(5, 2, 4), torch.ones(5, 2, 4))
     cache.ensure_capacity(40)
-    assert cache.capacity == 48 and cache.capacity % 16 == 0
-    assert torch.equal(cache.k[:, :5], torch.ones(2, 5, 4))
+    assert cache.capacity == 48 and len(cache.k_blocks) == 3
+    assert torch.equal(cache.read(5)[0], torch.ones(2, 5, 4))
     cache.ensure_capacity(100)
     assert cache.capacity == 112  # capped at max_positions rounded up to the block
     assert cache.key_length(0) == 16 and cache.key_length(16) == 32

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from verispec import api
 from verispec.engine import SpecOptions
-from verispec.nn.state import CannotTruncate, RingKVCache, SequenceState
+from verispec.nn.state import CannotTruncate, PagedKVCache, RingKVCache, SequenceState
 from verispec.registry import Registry
 from verispec.seams import Segment
 from verispec.testing import ToyTarget, forward_one, plain_logits, toy_plugin
@@ -53,10 +53,31 @@ def test_a_ring_forks_with_its_own_buffers():
     fork = source.fork(4)
     assert fork.seq_len == 4 and sorted(fork.layers[0].tags.tolist()) == [-1, 0, 1, 2, 3]
     assert sorted(source.layers[0].tags.tolist()) == [0, 1, 2, 3, 4]
-    fork.layers[0].k.zero_()
-    assert source.layers[0].k.sum() > 0
+    fork.layers[0].k_t.zero_()
+    assert source.layers[0].k_t.sum() > 0
     with pytest.raises(CannotTruncate, match="sliding-window ring"):
         written(9).fork(2)  # positions 0..3 were overwritten
+
+
+def test_a_paged_fork_shares_blocks_and_copies_one_before_writing_it():
+    source = SequenceState([PagedKVCache(1, 2, key_block=4, max_positions=64)])
+    source.begin(10, verify=False)
+    kv = torch.arange(10.0)[:, None, None].expand(10, 1, 2)
+    source.layers[0].write(0, kv, kv)
+    source.seq_len = 10
+    fork = source.fork(6)  # blocks 0 (slots 0..3) and 1 (4..7), shared; block 2 stays the source's
+    cache, theirs = fork.layers[0], source.layers[0]
+    assert [b.data_ptr() for b in cache.k_blocks] == [b.data_ptr() for b in theirs.k_blocks[:2]]
+    fork.begin(1, verify=False)
+    cache.write(6, torch.full((1, 1, 2), -1.0), torch.full((1, 1, 2), -1.0))  # into shared block 1
+    assert cache.k_blocks[0].data_ptr() == theirs.k_blocks[0].data_ptr()  # block 0 still shared
+    assert cache.k_blocks[1].data_ptr() != theirs.k_blocks[1].data_ptr()  # block 1 copied first
+    assert theirs.read(10)[0][0, :, 0].tolist() == list(range(10))  # the source is unchanged
+    assert cache.read(7)[1][0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, -1]
+    theirs.write(0, torch.full((1, 1, 2), 9.0), torch.full((1, 1, 2), 9.0))  # the source copies block 0 too
+    assert cache.read(1)[0][0, 0, 0] == 0 and theirs.read(1)[0][0, 0, 0] == 9
+    fork.truncate(3)
+    assert len(cache.k_blocks) == 1  # memory follows the length
 
 
 # -- the scheduler's prefix cache ---------------------------------------------------------------

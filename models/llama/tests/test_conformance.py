@@ -70,7 +70,7 @@ def test_truncate_to_zero_empties_the_sequence(loaded):
 
 
 def test_truncate_to_any_prefix_is_exact(loaded):
-    """Every layer is attention over a LinearKVCache (no recurrent state, no ring), so a
+    """Every layer is attention over a PagedKVCache (no recurrent state, no ring), so a
     sequence can be cut back to any prefix, never refused, and continue with the same bits."""
     tokens = [3, 4, 5, 9, 9, 7, 1]
     seq = loaded.new_sequence()

@@ -2,7 +2,7 @@
 
 - `norm.RMSNorm`: multiplies by the stored weight (no `1 + w` offset flag).
 - `rope.RotaryEmbedding`: neox | normal pairing, partial `rotary_dim`, frequency scaling hooks.
-- `state`: per-sequence, per-layer state kinds (`LinearKVCache`, `RingKVCache`,
+- `state`: per-sequence, per-layer state kinds (`PagedKVCache`, `RingKVCache`,
   `RecurrentState`) and `SequenceState`, which keeps a verify's rows or truncates a prefix.
 - `trunk`: the seam written once (`SequenceTrunk`: sequences, batched forward, keep) and the
   families' nn.Module base (`TrunkModule`).

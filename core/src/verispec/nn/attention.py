@@ -1,5 +1,12 @@
 """Causal / sliding-window grouped-query attention over a position-addressed KV cache.
 
+`attend_rows` (every family's attention) runs the C kernel of `attention_kernel` when it is
+available: all rows of all sequences of a forward in one call, each row's arithmetic fixed
+by the kernel whatever else the call holds. Otherwise, and for an attention softcap, the
+PyTorch path below runs; it is what the kernel replaces, and the tests hold the two within
+fp32 rounding of each other.
+
+PyTorch path:
 Shape letters: n query rows, H query heads, Hkv KV heads, g = H / Hkv, Dh head dim,
 T key slots read.
 
@@ -24,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from verispec.nn import attention_kernel
+
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, rows, layer: int, *,
                 scaling: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
@@ -33,14 +42,34 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
     `layer` before it attends; None for a KV-shared layer, which reads what its source layer
     (`layer` is then the source's index) wrote in this forward. Returns fp32 [n, H, Dh].
     """
-    outs = []
-    for s in rows.sequences:  # each sequence attends to its own cache only
-        cache = s.state.layers[layer]
-        if k is not None:
+    caches = [s.state.layers[layer] for s in rows.sequences]
+    if k is not None:
+        for s, cache in zip(rows.sequences, caches):
             cache.write(s.start_pos, k[s.begin:s.end], v[s.begin:s.end])
-        outs.append(attend(q[s.begin:s.end], cache, s.start_pos, scaling=scaling, sliding_window=sliding_window,
-                           softcap=softcap, masks=s.masks))
+    if softcap is None and attention_kernel.library() is not None:
+        return _attend_kernel(q, caches, rows, scaling=scaling, sliding_window=sliding_window)
+    outs = [attend(q[s.begin:s.end], cache, s.start_pos, scaling=scaling, sliding_window=sliding_window,
+                   softcap=softcap, masks=s.masks)  # each sequence attends to its own cache only
+            for s, cache in zip(rows.sequences, caches)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)  # one sequence (every plain decode, verify): no copy
+
+
+def _attend_kernel(q: torch.Tensor, caches: list, rows, *, scaling: float, sliding_window: int | None) -> torch.Tensor:
+    """Every sequence's rows in one kernel call; q fp32 [n, H, Dh] -> fp32 [n, H, Dh]."""
+    desc, keep_alive, work = [], [], 0
+    for s, cache in zip(rows.sequences, caches):
+        n = s.end - s.begin
+        k_table, v_table, block, slot_pos = cache.kernel_view()
+        num_slots = cache.key_length(s.start_pos + n - 1)
+        desc.append((s.begin, n, s.start_pos, num_slots, block, k_table.data_ptr(), v_table.data_ptr(),
+                     0 if slot_pos is None else slot_pos.data_ptr(), sliding_window or 0))
+        keep_alive.append((k_table, v_table))
+        work += n * num_slots
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    attention_kernel.attend(q, out, torch.tensor(desc, dtype=torch.int64), caches[0].num_kv_heads, scaling,
+                            work=work * q.shape[1])
+    return out
 
 
 def attend(q: torch.Tensor, cache, start_pos: int, *, scaling: float, sliding_window: int | None = None,
@@ -76,6 +105,8 @@ def _attend_group(q: torch.Tensor, cache, start_pos: int, num_slots: int, *, sca
                   sliding_window: int | None, softcap: float | None, masks: dict | None) -> torch.Tensor:
     n, num_heads, head_dim = q.shape
     k, v, slot_pos = cache.read(num_slots)  # [Hkv, T, Dh], [Hkv, T, Dh], [T]
+    k = k.contiguous()  # the caches hold keys transposed (the kernel's layout); MKL's bmm is batch-
+    # invariant (measured) with keys as transposed views of [T, Dh] rows, so lay them out that way
     num_kv_heads = k.shape[0]
     group = num_heads // num_kv_heads
     mask_bias = _mask_bias(cache, slot_pos, start_pos, n, sliding_window, masks)  # [n, 1, T]

@@ -3,8 +3,9 @@
 A trunk composes its layers' state kinds; `SequenceState` holds one sequence's list of them
 and implements `keep` (after a verify) and `truncate` (prefix reuse) once for every kind:
 
-- `LinearKVCache`: attention K/V, slot = position; buffers grow on demand. Keeping or
-  truncating is moving the committed length: slots past it are masked by position.
+- `PagedKVCache`: attention K/V, slot = position, in fixed-size blocks allocated as the
+  sequence grows (a block table per sequence); forks share blocks, copied on write. Keeping
+  is moving the committed length: slots past it are masked by position.
 - `RingKVCache`: a sliding-window layer's ring of S = window + max_rows - 1 slots,
   slot = position mod S, each slot tagged with the position it holds (-1 = empty).
   A forward writes its n <= max_rows rows first and then attends, so the ring must keep
@@ -26,7 +27,8 @@ KV reads are by key length: a query at position p reads slots [0, key_length(p))
 key_length(p) = round_up(p + 1, key_block) capped at the ring size. It depends on p only,
 so a row's attention reductions have the same length whether it is computed alone or
 inside an n-row verify — the property `attention.attend` relies on for batch invariance.
-KV buffers are fp32 [Hkv, S, Dh]: contiguous per head, as the per-head bmm wants them.
+K is stored transposed, fp32 [Hkv, Dh, slots], V as fp32 [Hkv, slots, Dh] (`attention_kernel`'s
+layout); `read` gives both as [Hkv, T, Dh].
 
 Shape letters: Hkv KV heads, S slots, Dh head dim, n rows written, T slots read.
 """
@@ -73,8 +75,15 @@ def storage_nbytes(tensors) -> int:
     return sum(storages.values())
 
 
-class LinearKVCache:
-    """Slot = position. k, v: fp32 [Hkv, S, Dh]; S a multiple of key_block, grown on demand."""
+class PagedKVCache:
+    """Slot = position, held in fixed-size blocks: block i holds slots [i·B, (i+1)·B), B = key_block.
+
+    The block table (`k_blocks`, `v_blocks`) grows one block at a time, so memory follows the
+    sequence's length. `fork` shares the blocks (prefix caching copies nothing); a block held by
+    more than one sequence is copied before either writes into it. Per block: keys transposed
+    fp32 [Hkv, Dh, B] (the attention kernel's layout: scores run along the slots), values fp32
+    [Hkv, B, Dh].
+    """
 
     #: caches with equal keys hold the same position in every slot they both have, so the
     #: layers of one forward share one visibility mask (`attention.attend`): slot = position here.
@@ -83,39 +92,34 @@ class LinearKVCache:
     def __init__(self, num_kv_heads: int, head_dim: int, *, key_block: int = 64, max_positions: int):
         self.num_kv_heads, self.head_dim, self.key_block = num_kv_heads, head_dim, key_block
         self.max_capacity = _round_up(max_positions, key_block)
-        self.k = torch.zeros(num_kv_heads, 0, head_dim)
-        self.v = torch.zeros(num_kv_heads, 0, head_dim)
-        self.slot_positions = torch.arange(0)
+        self.k_blocks: list[torch.Tensor] = []
+        self.v_blocks: list[torch.Tensor] = []
+        self.shared: list[bool] = []  # block i is also in another sequence's table: copy before writing
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # blocks' data pointers, for the kernel
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[1]
+        return len(self.k_blocks) * self.key_block
+
+    def _block_nbytes(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * self.key_block * 4
 
     def max_nbytes(self, num_positions: int) -> int:
-        """Bytes (k, v, slot_positions) this cache may hold once it has room for `num_positions`
-        positions, however it got there: its last growth was from c < m <= num_positions slots,
-        a multiple of key_block, so c <= round_up(num_positions) - key_block and the doubling made
-        at most 2c slots (or round_up(num_positions), if more); max_capacity caps both. Exact: a
-        prefill of round_up(n) - key_block rows, then one more row, allocates it."""
-        needed = _round_up(num_positions, self.key_block)
-        slots = min(self.max_capacity, max(needed, 2 * (needed - self.key_block)))
-        return slots * (2 * self.num_kv_heads * self.head_dim * self.k.element_size()
-                        + self.slot_positions.element_size())
+        """Bytes of K/V blocks once this cache has room for `num_positions` positions (exact: it
+        holds ceil(num_positions / key_block) blocks, capped at max_capacity)."""
+        return _round_up(min(num_positions, self.max_capacity), self.key_block) // self.key_block * self._block_nbytes()
 
     def nbytes(self) -> int:
-        """Bytes held now."""
-        return storage_nbytes([self.k, self.v, self.slot_positions])
+        """Bytes held now (a block shared with another sequence counts in both)."""
+        return storage_nbytes(self.k_blocks + self.v_blocks)
 
     def ensure_capacity(self, num_positions: int) -> None:
-        """Room for positions [0, num_positions); grows by doubling (copies the old slots once)."""
-        if num_positions <= self.capacity:
-            return
-        size = min(self.max_capacity, max(_round_up(num_positions, self.key_block), 2 * self.capacity))
-        k = torch.zeros(self.num_kv_heads, size, self.head_dim)
-        v = torch.zeros_like(k)
-        k[:, :self.capacity] = self.k
-        v[:, :self.capacity] = self.v
-        self.k, self.v, self.slot_positions = k, v, torch.arange(size)
+        """Room for positions [0, num_positions), at most max_capacity: appends zeroed blocks."""
+        while self.capacity < min(num_positions, self.max_capacity):
+            self.k_blocks.append(torch.zeros(self.num_kv_heads, self.head_dim, self.key_block))
+            self.v_blocks.append(torch.zeros(self.num_kv_heads, self.key_block, self.head_dim))
+            self.shared.append(False)
+            self._tables = None
 
     def begin(self, seq_len: int, verify: bool) -> None:
         pass  # a verify's rows land exactly where decodes would put them
@@ -125,40 +129,71 @@ class LinearKVCache:
 
     def write(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: fp32 [n, Hkv, Dh] for positions start_pos .. start_pos + n - 1."""
-        n = k.shape[0]
-        self.k[:, start_pos:start_pos + n] = k.transpose(0, 1)
-        self.v[:, start_pos:start_pos + n] = v.transpose(0, 1)
+        row, n = 0, k.shape[0]
+        while row < n:
+            block, offset = divmod(start_pos + row, self.key_block)
+            m = min(self.key_block - offset, n - row)
+            if self.shared[block]:  # copy on write: the other holder keeps the old block
+                self.k_blocks[block], self.v_blocks[block] = self.k_blocks[block].clone(), self.v_blocks[block].clone()
+                self.shared[block], self._tables = False, None
+            self.k_blocks[block][:, :, offset:offset + m] = k[row:row + m].permute(1, 2, 0)
+            self.v_blocks[block][:, offset:offset + m] = v[row:row + m].transpose(0, 1)
+            row += m
 
     def read(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(k, v fp32 [Hkv, T, Dh], position held by each slot int64 [T]) for slots [0, T)."""
-        return self.k[:, :num_slots], self.v[:, :num_slots], self.slot_positions[:num_slots]
+        """(k, v fp32 [Hkv, T, Dh], position held by each slot int64 [T]) for slots [0, T): views of
+        one block, else copies gathered from the blocks (the PyTorch attention path)."""
+        count = -(-num_slots // self.key_block)
+        if count == 1:
+            k_t, v = self.k_blocks[0], self.v_blocks[0]
+        else:
+            k_t, v = torch.cat(self.k_blocks[:count], dim=2), torch.cat(self.v_blocks[:count], dim=1)
+        return k_t[:, :, :num_slots].transpose(1, 2), v[:, :num_slots], torch.arange(num_slots)
+
+    def kernel_view(self) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
+        """(k table, v table: int64 data pointers of the blocks [blocks], block size, None: slot =
+        position) for `attention_kernel`; the tables stay valid until the next write or growth."""
+        if self._tables is None:
+            self._tables = (torch.tensor([b.data_ptr() for b in self.k_blocks], dtype=torch.int64),
+                            torch.tensor([b.data_ptr() for b in self.v_blocks], dtype=torch.int64))
+        return *self._tables, self.key_block, None
 
     def check_truncate(self, length: int) -> None:
         pass
 
-    def truncate(self, length: int) -> None:
+    def keep(self, length: int) -> None:
         pass  # slots past `length` are masked by position and overwritten later
 
-    check_keep, keep = check_truncate, truncate
+    def truncate(self, length: int) -> None:
+        """Drop the blocks past `length` (slots past it within the last block are masked)."""
+        count = -(-length // self.key_block)
+        del self.k_blocks[count:], self.v_blocks[count:], self.shared[count:]
+        self._tables = None
 
-    def fork(self, length: int) -> "LinearKVCache":
-        """A copy holding slots [0, length) (rounded up to key_block; later slots are not copied)."""
+    check_keep = check_truncate
+
+    def fork(self, length: int) -> "PagedKVCache":
+        """A cache sharing this one's blocks up to slot `length` (no copy: both mark them shared)."""
         new = copy.copy(self)
-        size = min(self.capacity, _round_up(length, self.key_block))
-        new.k, new.v = self.k[:, :size].clone(), self.v[:, :size].clone()
-        new.slot_positions = torch.arange(size)
+        count = min(len(self.k_blocks), -(-length // self.key_block))
+        new.k_blocks, new.v_blocks = self.k_blocks[:count], self.v_blocks[:count]
+        self.shared[:count] = [True] * count
+        new.shared, new._tables = [True] * count, None
         return new
 
 
 class RingKVCache:
-    """Sliding-window ring. k, v: fp32 [Hkv, S, Dh] with S = window + max_rows - 1; tags int64 [S]."""
+    """Sliding-window ring: keys transposed fp32 [Hkv, Dh, S], values fp32 [Hkv, S, Dh] with
+    S = window + max_rows - 1; tags int64 [S]."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, *, window: int, max_rows: int, key_block: int = 64):
         self.window, self.max_rows, self.key_block = window, max_rows, key_block
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.size = window + max_rows - 1
-        self.k = torch.zeros(num_kv_heads, self.size, head_dim)
+        self.k_t = torch.zeros(num_kv_heads, head_dim, self.size)
         self.v = torch.zeros(num_kv_heads, self.size, head_dim)
         self.tags = torch.full((self.size,), -1, dtype=torch.long)
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self.high_water = -1  # the highest position ever written since the sequence began
         # Every ring of a sequence gets the same writes, keeps and truncations, so rings of one
         # size hold equal tags (a layer writes before it attends) and may share a mask.
@@ -169,10 +204,10 @@ class RingKVCache:
 
     def max_nbytes(self, num_positions: int) -> int:
         """Bytes (k, v, tags) at any length: the ring's fixed size."""
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.tags))
+        return sum(t.numel() * t.element_size() for t in (self.k_t, self.v, self.tags))
 
     def nbytes(self) -> int:
-        return storage_nbytes([self.k, self.v, self.tags])
+        return storage_nbytes([self.k_t, self.v, self.tags])
 
     def begin(self, seq_len: int, verify: bool) -> None:
         pass  # the ring's slack keeps what rejected rows overwrite out of every kept row's window
@@ -188,13 +223,20 @@ class RingKVCache:
                              "split the forward (the model does) or load with a larger max_rows_per_forward")
         positions = torch.arange(start_pos, start_pos + n)
         slots = positions % self.size
-        self.k.index_copy_(1, slots, k.transpose(0, 1))
+        self.k_t.index_copy_(2, slots, k.permute(1, 2, 0))
         self.v.index_copy_(1, slots, v.transpose(0, 1))
         self.tags.index_copy_(0, slots, positions)
         self.high_water = max(self.high_water, start_pos + n - 1)
 
     def read(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.k[:, :num_slots], self.v[:, :num_slots], self.tags[:num_slots]
+        """(k, v fp32 [Hkv, T, Dh] views, position held by each slot int64 [T], -1 = empty)."""
+        return self.k_t[:, :, :num_slots].transpose(1, 2), self.v[:, :num_slots], self.tags[:num_slots]
+
+    def kernel_view(self) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """(k table, v table: int64 data pointers [1], block size S: the ring is one block, tags)."""
+        if self._tables is None:
+            self._tables = (torch.tensor([self.k_t.data_ptr()]), torch.tensor([self.v.data_ptr()]))
+        return *self._tables, self.size, self.tags
 
     def check_truncate(self, length: int) -> None:
         """Raise RewindBeyondWindow when a query at `length` would need an overwritten position."""
@@ -214,7 +256,8 @@ class RingKVCache:
     def fork(self, length: int) -> "RingKVCache":
         """A copy of the whole ring (the caller truncates it to `length`)."""
         new = copy.copy(self)
-        new.k, new.v, new.tags = self.k.clone(), self.v.clone(), self.tags.clone()
+        new.k_t, new.v, new.tags = self.k_t.clone(), self.v.clone(), self.tags.clone()
+        new._tables = None
         return new
 
 

@@ -2,7 +2,7 @@
 
 `ToyTarget` is a two-layer model on the real seam (`nn.trunk.SequenceTrunk`): a recurrent
 layer — a depthwise short convolution then a delta-rule matrix state, the shape of
-GatedDeltaNet / Mamba-2 state at toy size — and one attention layer over a `LinearKVCache`.
+GatedDeltaNet / Mamba-2 state at toy size — and one attention layer over a `PagedKVCache`.
 Its recurrent state (`nn.state.RecurrentState`: conv tail [2, D], matrix [D, D]) is recorded
 after every verify row, so `keep` selects it with no re-forward, exactly as a real hybrid
 family will. Every row is computed with the same one-row ops whatever the batch, so it is
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from verispec.nn.state import LinearKVCache, RecurrentState
+from verispec.nn.state import PagedKVCache, RecurrentState
 from verispec.nn.trunk import Rows, SequenceTrunk
 from verispec.seams import Speculator
 from verispec.specs import SpeculatorSpec
@@ -53,7 +53,7 @@ class ToyTarget(SequenceTrunk):
     def _new_layer_states(self) -> list:
         d = self.hidden_size
         recurrent = RecurrentState({"conv": (CONV_WIDTH - 1, d), "matrix": (d, d)}) if self.recurrent else None
-        return [recurrent, LinearKVCache(1, d, max_positions=self.max_context_length)]
+        return [recurrent, PagedKVCache(1, d, max_positions=self.max_context_length)]
 
     def forward(self, batch):
         self.num_forwards += 1
@@ -94,7 +94,7 @@ class ToyTarget(SequenceTrunk):
         state.update({"conv": torch.stack(convs), "matrix": torch.stack(matrices)})
         return torch.stack(outputs)
 
-    def _attend(self, h: torch.Tensor, cache: LinearKVCache, pos: int) -> torch.Tensor:
+    def _attend(self, h: torch.Tensor, cache: PagedKVCache, pos: int) -> torch.Tensor:
         cache.write(pos, (self.wk @ h)[None, None], (self.wv @ h)[None, None])
         k, v, _ = cache.read(pos + 1)  # [1, pos+1, D]
         scores = k[0] @ (self.wq @ h) / self.hidden_size ** 0.5  # [pos+1]

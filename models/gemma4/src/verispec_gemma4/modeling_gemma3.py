@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from verispec.gguf_io import arch_value
 from verispec.nn.attention import attend_rows
-from verispec.nn.state import MAX_VERIFY_ROWS, LinearKVCache, RingKVCache
+from verispec.nn.state import MAX_VERIFY_ROWS, PagedKVCache, RingKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.rope import RotaryEmbedding, linear_scaling
@@ -206,7 +206,7 @@ class Gemma3ForCausalLM(TrunkModule):
         c = self.config
         return [RingKVCache(c.num_key_value_heads, c.head_dim, window=c.sliding_window, max_rows=self.ring_rows,
                             key_block=self.key_block) if layer.is_sliding else
-                LinearKVCache(c.num_key_value_heads, c.head_dim, key_block=self.key_block,
+                PagedKVCache(c.num_key_value_heads, c.head_dim, key_block=self.key_block,
                               max_positions=self.max_context_length)
                 for layer in self.model.layers]
 

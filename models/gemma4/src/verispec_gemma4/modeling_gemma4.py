@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from verispec.gguf_io import arch_value
 from verispec.nn.attention import attend_rows
-from verispec.nn.state import MAX_VERIFY_ROWS, LinearKVCache, RingKVCache
+from verispec.nn.state import MAX_VERIFY_ROWS, PagedKVCache, RingKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.rope import RotaryEmbedding, default_inv_freq
@@ -347,7 +347,7 @@ class Gemma4ForCausalLM(TrunkModule):
         if c.layer_types[layer_idx] == SLIDING:
             return RingKVCache(num_kv_heads, head_dim, window=c.sliding_window,
                                max_rows=self.ring_rows, key_block=self.key_block)
-        return LinearKVCache(num_kv_heads, head_dim, key_block=self.key_block, max_positions=self.max_context_length)
+        return PagedKVCache(num_kv_heads, head_dim, key_block=self.key_block, max_positions=self.max_context_length)
 
     def _embed(self, tokens):
         return self.model.embed_tokens.rows(tokens) * self.model.embed_scale  # [n, D] fp32

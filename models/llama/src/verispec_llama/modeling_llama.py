@@ -39,7 +39,7 @@ from torch import nn
 from verispec.errors import UnsupportedVariant
 from verispec.gguf_io import MissingTensor, arch_value
 from verispec.nn.attention import attend_rows
-from verispec.nn.state import LinearKVCache
+from verispec.nn.state import PagedKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.rope import RotaryEmbedding, default_inv_freq, freq_factors, linear_scaling
@@ -156,7 +156,7 @@ def _rope_linear_factor(key, source: str) -> float:
 
 
 class LlamaAttention(nn.Module):
-    """GQA self-attention over each sequence's `LinearKVCache` of this layer. x: fp32 [n, D] -> fp32 [n, D]."""
+    """GQA self-attention over each sequence's `PagedKVCache` of this layer. x: fp32 [n, D] -> fp32 [n, D]."""
 
     def __init__(self, config: LlamaConfig, *, device=None):
         super().__init__()
@@ -253,7 +253,7 @@ class LlamaForCausalLM(TrunkModule):
 
     def _new_layer_states(self) -> list:
         c = self.config
-        return [LinearKVCache(c.num_key_value_heads, c.head_dim, max_positions=self.max_context_length)
+        return [PagedKVCache(c.num_key_value_heads, c.head_dim, max_positions=self.max_context_length)
                 for _ in range(self.num_layers)]
 
     def _embed(self, tokens):

@@ -45,7 +45,7 @@ from verispec.errors import UnsupportedVariant
 from verispec.gguf_io import MissingTensor, arch_value
 from verispec.nn.attention import attend_rows
 from verispec.nn.norm import RMSNorm
-from verispec.nn.state import LinearKVCache, RecurrentState
+from verispec.nn.state import PagedKVCache, RecurrentState
 from verispec.nn.trunk import Rows, TrunkModule
 
 __all__ = ["ARCHITECTURES", "LAYER_TYPES", "NemotronHConfig", "NemotronHForCausalLM",
@@ -331,7 +331,7 @@ def _param(device, *shape: int) -> nn.Parameter:
 
 
 class NemotronHAttention(nn.Module):
-    """GQA self-attention, no RoPE, no biases, over each sequence's LinearKVCache of this layer."""
+    """GQA self-attention, no RoPE, no biases, over each sequence's PagedKVCache of this layer."""
 
     def __init__(self, config: NemotronHConfig, *, device=None):
         super().__init__()
@@ -451,7 +451,7 @@ class NemotronHForCausalLM(TrunkModule):
       router, norms, conv and SSM parameters stay fp32.
     max_rows_per_forward: longer inputs run in chunks this long.
     context_length: max positions (default: the GGUF's context_length).
-    Per-sequence state: a RecurrentState per Mamba-2 block, a LinearKVCache per attention
+    Per-sequence state: a RecurrentState per Mamba-2 block, a PagedKVCache per attention
     block, nothing for MLP/MoE blocks. Built on the meta device; `load_state_dict(state,
     assign=True)` fills the weights.
     """
@@ -470,7 +470,7 @@ class NemotronHForCausalLM(TrunkModule):
             if layer.block_type == "mamba":
                 states.append(layer.mixer.new_state())
             elif layer.block_type == "attention":
-                states.append(LinearKVCache(c.num_key_value_heads, c.head_dim,
+                states.append(PagedKVCache(c.num_key_value_heads, c.head_dim,
                                             max_positions=self.max_context_length))
             else:
                 states.append(None)

@@ -36,7 +36,7 @@ from verispec.nn.elementwise import rowwise
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.rope import RotaryEmbedding
-from verispec.nn.state import LinearKVCache, RecurrentState
+from verispec.nn.state import PagedKVCache, RecurrentState
 from verispec.nn.trunk import Rows, TrunkModule
 
 __all__ = ["Qwen35Config", "Qwen35ForCausalLM", "UnsupportedQwen35Variant"]
@@ -368,7 +368,7 @@ class Qwen35ForCausalLM(TrunkModule):
             if layer.layer_type == LINEAR_ATTENTION:
                 states.append(RecurrentState(layer.linear_attn.state_shapes()))
             else:
-                states.append(LinearKVCache(c.num_key_value_heads, c.head_dim,
+                states.append(PagedKVCache(c.num_key_value_heads, c.head_dim,
                                             max_positions=self.max_context_length))
         return states
 

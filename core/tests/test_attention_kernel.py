@@ -1,0 +1,96 @@
+"""The C attention kernel (nn.attention_kernel): bitwise its PyTorch statement, within fp32
+rounding of the PyTorch attention path, and each row's bits independent of the call around it."""
+import pytest
+import torch
+
+from verispec.nn import attention_kernel
+from verispec.nn.attention import attend, attend_rows
+from verispec.nn.state import PagedKVCache, RingKVCache, SequenceState
+from verispec.nn.trunk import Rows, RowsOfSequence
+
+
+@pytest.fixture(autouse=True)
+def kernel():
+    if attention_kernel.library() is None:
+        pytest.skip("no C compiler: the attention kernel is not built")
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _filled(ring: bool, Hkv: int, Dh: int, length: int, window: int, seed: int):
+    """A cache holding `length` random positions, written in 5-row chunks (a ring wraps)."""
+    if ring:
+        cache = RingKVCache(Hkv, Dh, window=window, max_rows=5, key_block=8)
+    else:
+        cache = PagedKVCache(Hkv, Dh, key_block=16, max_positions=256)
+    state = SequenceState([cache])
+    for p in range(0, length, 5):
+        n = min(5, length - p)
+        state.begin(n, verify=False)
+        cache.write(p, torch.randn(n, Hkv, Dh, generator=_gen(seed + p)),
+                    torch.randn(n, Hkv, Dh, generator=_gen(seed + 1000 + p)))
+        state.seq_len += n
+    return state
+
+
+def _attend_alone(q, state, start, window):
+    """attend_rows over already written K/V (k = None) for one sequence's rows."""
+    rows = Rows(torch.zeros(len(q), dtype=torch.long), torch.zeros(len(q), dtype=torch.long),
+                (RowsOfSequence(state, start, 0, len(q)),))
+    return attend_rows(q, None, None, rows, 0, scaling=0.3, sliding_window=window)
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["paged", "ring"])
+@pytest.mark.parametrize("H, Hkv, Dh", [(4, 2, 8), (9, 3, 64), (7, 1, 24), (4, 1, 256)])
+def test_the_kernel_is_bitwise_its_pytorch_statement_and_close_to_the_pytorch_path(ring, H, Hkv, Dh):
+    window = 11 if ring else None
+    length, n = 53, 6  # paged: 4 blocks of 16; ring: 15 slots, wrapped several times
+    state = _filled(ring, Hkv, Dh, length, window or 0, seed=Dh)
+    start = length - n
+    q = torch.randn(n, H, Dh, generator=_gen(7))
+    out = _attend_alone(q, state, start, window)
+    cache = state.layers[0]
+    k, v, slot_pos = cache.read(cache.key_length(length - 1))
+    expected = attention_kernel.reference_attend(q, k.transpose(1, 2), v, slot_pos, torch.arange(start, length),
+                                                 scaling=0.3, window=window)
+    assert torch.equal(out, expected)
+    torch.testing.assert_close(out, attend(q, cache, start, scaling=0.3, sliding_window=window), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["paged", "ring"])
+def test_a_verify_row_is_bitwise_the_row_decoded_alone_at_one_or_two_threads(ring, monkeypatch):
+    window = 9 if ring else None
+    state = _filled(ring, 2, 32, 40, window or 0, seed=1)
+    q = torch.randn(5, 6, 32, generator=_gen(2))
+    verify = _attend_alone(q, state, 35, window)
+    for i in range(5):
+        assert torch.equal(_attend_alone(q[i:i + 1], state, 35 + i, window)[0], verify[i])
+    monkeypatch.setattr(attention_kernel, "PARALLEL_WORK", 0)  # every call splits its rows over threads
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(_attend_alone(q, state, 35, window), verify)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setattr(attention_kernel, "_library", False)
+    monkeypatch.setenv("VERISPEC_ATTENTION_KERNEL", "0")
+    assert attention_kernel.library() is None
+
+
+def test_a_failed_build_warns_once_and_the_pytorch_path_runs(monkeypatch, tmp_path):
+    monkeypatch.setattr(attention_kernel, "_library", False)
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(attention_kernel.subprocess, "run", lambda *a, **k: type("R", (), {
+        "returncode": 1, "stderr": "cc: error: unrecognized command-line option '-march=native'"})())
+    with pytest.warns(RuntimeWarning, match="unrecognized command-line option.*PyTorch path"):
+        assert attention_kernel.library() is None
+    assert attention_kernel.library() is None  # no second warning: decided once
+    state = _filled(False, 1, 8, 10, 0, seed=3)
+    q = torch.randn(1, 2, 8, generator=_gen(4))
+    assert torch.equal(_attend_alone(q, state, 9, None), attend(q, state.layers[0], 9, scaling=0.3))
