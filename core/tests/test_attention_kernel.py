@@ -94,3 +94,23 @@ def test_a_failed_build_warns_once_and_the_pytorch_path_runs(monkeypatch, tmp_pa
     state = _filled(False, 1, 8, 10, 0, seed=3)
     q = torch.randn(1, 2, 8, generator=_gen(4))
     assert torch.equal(_attend_alone(q, state, 9, None), attend(q, state.layers[0], 9, scaling=0.3))
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["paged", "ring"])
+def test_the_kernel_writes_the_rows_where_the_cache_would(ring):
+    window = 9 if ring else 0
+    by_kernel, by_cache = (_filled(ring, 2, 8, 30, window, seed=5) for _ in range(2))
+    if not ring:  # a shared block must be copied before the kernel writes into it
+        shared = by_kernel.fork(30)
+    k, v, q = (torch.randn(4, h, 8, generator=_gen(i)) for i, h in ((6, 2), (7, 2), (8, 4)))
+    for state in (by_kernel, by_cache):
+        state.begin(4, verify=False)
+    rows = Rows(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long),
+                (RowsOfSequence(by_kernel, 30, 0, 4),))
+    attend_rows(q, k, v, rows, 0, scaling=0.3, sliding_window=window or None)
+    by_cache.layers[0].write(30, k, v)
+    ours, theirs = by_kernel.layers[0], by_cache.layers[0]
+    for a, b in zip(ours.read(ours.key_length(33)), theirs.read(theirs.key_length(33))):
+        assert torch.equal(a, b)
+    if not ring:
+        assert torch.equal(shared.layers[0].read(32)[0][:, 30:], torch.zeros(2, 2, 8))  # untouched

@@ -43,22 +43,26 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
     (`layer` is then the source's index) wrote in this forward. Returns fp32 [n, H, Dh].
     """
     caches = [s.state.layers[layer] for s in rows.sequences]
+    if softcap is None and attention_kernel.library() is not None:
+        return _attend_kernel(q, k, v, caches, rows, scaling=scaling, sliding_window=sliding_window)
     if k is not None:
         for s, cache in zip(rows.sequences, caches):
             cache.write(s.start_pos, k[s.begin:s.end], v[s.begin:s.end])
-    if softcap is None and attention_kernel.library() is not None:
-        return _attend_kernel(q, caches, rows, scaling=scaling, sliding_window=sliding_window)
     outs = [attend(q[s.begin:s.end], cache, s.start_pos, scaling=scaling, sliding_window=sliding_window,
                    softcap=softcap, masks=s.masks)  # each sequence attends to its own cache only
             for s, cache in zip(rows.sequences, caches)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)  # one sequence (every plain decode, verify): no copy
 
 
-def _attend_kernel(q: torch.Tensor, caches: list, rows, *, scaling: float, sliding_window: int | None) -> torch.Tensor:
-    """Every sequence's rows in one kernel call; q fp32 [n, H, Dh] -> fp32 [n, H, Dh]."""
+def _attend_kernel(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, caches: list, rows, *,
+                   scaling: float, sliding_window: int | None) -> torch.Tensor:
+    """Every sequence's rows in one kernel call, which writes k, v first; q fp32 [n, H, Dh] ->
+    fp32 [n, H, Dh]."""
     desc, keep_alive, work = [], [], 0
     for s, cache in zip(rows.sequences, caches):
         n = s.end - s.begin
+        if k is not None:
+            cache.prepare_write(s.start_pos, n)
         k_table, v_table, block, slot_pos = cache.kernel_view()
         num_slots = cache.key_length(s.start_pos + n - 1)
         desc.append((s.begin, n, s.start_pos, num_slots, block, k_table.data_ptr(), v_table.data_ptr(),
@@ -67,7 +71,9 @@ def _attend_kernel(q: torch.Tensor, caches: list, rows, *, scaling: float, slidi
         work += n * num_slots
     q = q.contiguous()
     out = torch.empty_like(q)
-    attention_kernel.attend(q, out, torch.tensor(desc, dtype=torch.int64), caches[0].num_kv_heads, scaling,
+    if k is not None:
+        k, v = k.contiguous(), v.contiguous()
+    attention_kernel.attend(q, k, v, out, torch.tensor(desc, dtype=torch.int64), caches[0].num_kv_heads, scaling,
                             work=work * q.shape[1])
     return out
 

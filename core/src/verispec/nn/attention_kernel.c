@@ -189,11 +189,35 @@ static void *run_job(void *arg) {
     return NULL;
 }
 
-/* q, out: fp32 [rows, H, D] (each sequence's rows contiguous); desc: int64 [num_seqs, DESC_FIELDS].
- * threads > 1 splits the rows between threads (each row is computed the same way wherever it
- * runs). Returns 0, or -1 when scratch memory ran out. */
-int verispec_attend(const float *q, float *out, const int64_t *desc, int64_t num_seqs, int64_t H,
-                    int64_t Hkv, int64_t D, float scaling, int64_t threads) {
+/* Copy k, v fp32 [rows, Hkv, D] into each sequence's blocks at its rows' slots: slot = position,
+ * or position mod B for a ring (a sequence with slot_pos; its one block holds all B slots). */
+static void write_kv(const float *k, const float *v, const int64_t *desc, int64_t num_seqs, int64_t Hkv,
+                     int64_t D) {
+    for (int64_t i = 0; i < num_seqs; i++) {
+        const int64_t *dsc = desc + i * DESC_FIELDS;
+        const int64_t B = dsc[BLOCK];
+        float *const *kt = (float *const *)(intptr_t)dsc[K_TABLE];
+        float *const *vt = (float *const *)(intptr_t)dsc[V_TABLE];
+        for (int64_t r = 0; r < dsc[N_ROWS]; r++) {
+            const int64_t row = dsc[Q_ROW] + r, p = dsc[START_POS] + r;
+            const int64_t slot = dsc[SLOT_POS] ? p % B : p, off = slot % B;
+            float *kb = kt[slot / B], *vb = vt[slot / B];
+            for (int64_t h = 0; h < Hkv; h++) {
+                const float *kr = k + (row * Hkv + h) * D, *vr = v + (row * Hkv + h) * D;
+                for (int64_t d = 0; d < D; d++) kb[(h * D + d) * B + off] = kr[d];
+                memcpy(vb + (h * B + off) * D, vr, sizeof(float) * D);
+            }
+        }
+    }
+}
+
+/* q, out: fp32 [rows, H, D] (each sequence's rows contiguous); k, v: fp32 [rows, Hkv, D] to
+ * write first (write_kv), or NULL (a KV-shared layer reads what its source wrote); desc: int64
+ * [num_seqs, DESC_FIELDS]. threads > 1 splits the rows between threads (each row is computed
+ * the same way wherever it runs). Returns 0, or -1 when scratch memory ran out. */
+int verispec_attend(const float *q, const float *k, const float *v, float *out, const int64_t *desc,
+                    int64_t num_seqs, int64_t H, int64_t Hkv, int64_t D, float scaling, int64_t threads) {
+    if (k) write_kv(k, v, desc, num_seqs, Hkv, D);
     int64_t max_slots = 0;
     for (int64_t i = 0; i < num_seqs; i++)
         if (desc[i * DESC_FIELDS + NUM_SLOTS] > max_slots) max_slots = desc[i * DESC_FIELDS + NUM_SLOTS];

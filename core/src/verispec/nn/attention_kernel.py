@@ -86,7 +86,8 @@ def library() -> ctypes.CDLL | None:
                               "slower PyTorch path", RuntimeWarning, stacklevel=2)
             else:
                 lib.verispec_attend.restype = ctypes.c_int
-                lib.verispec_attend.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                lib.verispec_attend.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                                ctypes.c_void_p, ctypes.c_int64,
                                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
                                                 ctypes.c_int64]
                 _library = lib
@@ -97,15 +98,17 @@ def library() -> ctypes.CDLL | None:
 PARALLEL_WORK = 1 << 18
 
 
-def attend(q: torch.Tensor, out: torch.Tensor, desc: torch.Tensor, num_kv_heads: int, scaling: float,
-           work: int = 0) -> None:
-    """Run the kernel: q, out fp32 contiguous [rows, H, Dh]; desc int64 contiguous
+def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor, desc: torch.Tensor,
+           num_kv_heads: int, scaling: float, work: int = 0) -> None:
+    """Run the kernel: q, out fp32 contiguous [rows, H, Dh]; k, v fp32 contiguous [rows, Hkv, Dh],
+    written into the blocks first (each cache's `prepare_write` done), or None; desc int64 contiguous
     [sequences, len(DESC_FIELDS)] (tables and slot positions as data pointers, kept alive by
     the caller). work: rows x heads x slots, to decide on threads (torch's thread count).
     Raises MemoryError when the kernel's scratch allocation fails."""
     _, num_heads, head_dim = q.shape
     threads = torch.get_num_threads() if work >= PARALLEL_WORK else 1
-    if library().verispec_attend(q.data_ptr(), out.data_ptr(), desc.data_ptr(), desc.shape[0], num_heads,
+    k_ptr, v_ptr = (None, None) if k is None else (k.data_ptr(), v.data_ptr())
+    if library().verispec_attend(q.data_ptr(), k_ptr, v_ptr, out.data_ptr(), desc.data_ptr(), desc.shape[0], num_heads,
                                  num_kv_heads, head_dim, scaling, threads) != 0:
         raise MemoryError("the attention kernel could not allocate its scratch scores")
 

@@ -127,15 +127,21 @@ class PagedKVCache:
     def key_length(self, pos: int) -> int:
         return _round_up(pos + 1, self.key_block)
 
+    def prepare_write(self, start_pos: int, n: int) -> None:
+        """Before positions start_pos .. start_pos + n - 1 are written (here or by the attention
+        kernel): a shared block among them is copied first (the other holder keeps the old one)."""
+        for block in range(start_pos // self.key_block, (start_pos + n - 1) // self.key_block + 1):
+            if self.shared[block]:
+                self.k_blocks[block], self.v_blocks[block] = self.k_blocks[block].clone(), self.v_blocks[block].clone()
+                self.shared[block], self._tables = False, None
+
     def write(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: fp32 [n, Hkv, Dh] for positions start_pos .. start_pos + n - 1."""
         row, n = 0, k.shape[0]
+        self.prepare_write(start_pos, n)
         while row < n:
             block, offset = divmod(start_pos + row, self.key_block)
             m = min(self.key_block - offset, n - row)
-            if self.shared[block]:  # copy on write: the other holder keeps the old block
-                self.k_blocks[block], self.v_blocks[block] = self.k_blocks[block].clone(), self.v_blocks[block].clone()
-                self.shared[block], self._tables = False, None
             self.k_blocks[block][:, :, offset:offset + m] = k[row:row + m].permute(1, 2, 0)
             self.v_blocks[block][:, offset:offset + m] = v[row:row + m].transpose(0, 1)
             row += m
@@ -215,18 +221,23 @@ class RingKVCache:
     def key_length(self, pos: int) -> int:
         return min(_round_up(pos + 1, self.key_block), self.size)
 
-    def write(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: fp32 [n, Hkv, Dh], n <= max_rows, for positions start_pos .. start_pos + n - 1."""
-        n = k.shape[0]
+    def prepare_write(self, start_pos: int, n: int) -> torch.Tensor:
+        """Before positions start_pos .. start_pos + n - 1 (n <= max_rows) are written (here or by
+        the attention kernel): tags their slots, which it returns (int64 [n])."""
         if n > self.max_rows:
             raise ValueError(f"{n} rows in one forward, but the ring was sized for {self.max_rows}; "
                              "split the forward (the model does) or load with a larger max_rows_per_forward")
         positions = torch.arange(start_pos, start_pos + n)
         slots = positions % self.size
-        self.k_t.index_copy_(2, slots, k.permute(1, 2, 0))
-        self.v.index_copy_(1, slots, v.transpose(0, 1))
         self.tags.index_copy_(0, slots, positions)
         self.high_water = max(self.high_water, start_pos + n - 1)
+        return slots
+
+    def write(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: fp32 [n, Hkv, Dh], n <= max_rows, for positions start_pos .. start_pos + n - 1."""
+        slots = self.prepare_write(start_pos, k.shape[0])
+        self.k_t.index_copy_(2, slots, k.permute(1, 2, 0))
+        self.v.index_copy_(1, slots, v.transpose(0, 1))
 
     def read(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(k, v fp32 [Hkv, T, Dh] views, position held by each slot int64 [T], -1 = empty)."""
