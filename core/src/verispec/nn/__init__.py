@@ -6,7 +6,9 @@
   `RecurrentState`) and `SequenceState`, which keeps a verify's rows or truncates a prefix.
 - `trunk`: the seam written once (`SequenceTrunk`: sequences, batched forward, keep) and the
   families' nn.Module base (`TrunkModule`).
-- `attention.attend` / `attend_rows`: causal / sliding-window GQA over a cache, batch-invariant on CPU.
+- `attention.attend_rows`: causal / sliding-window GQA of every sequence of a forward over its
+  cache, batch-invariant on CPU: one call of the C kernel in `attention_kernel` (built once per
+  machine), or the PyTorch path (`attention.attend`) where the kernel is unavailable.
 - `quant`: the weight-dtype choice (float32 | bfloat16 | int8) as a linear-module swap.
 - `mlp.GatedMLP`: down(act(gate(x)) * up(x)).
 

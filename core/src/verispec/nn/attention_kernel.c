@@ -94,58 +94,76 @@ static void scores(const float *q, const float *k, int64_t stride, int64_t len, 
     }
 }
 
-/* o[d] = o[d] + e_t v[t][d] over the slots t < len with e_t != 0 (masked slots hold e_t = 0 and
- * are skipped); NV = D / 16 accumulators in registers for the usual head sizes. */
-#define PV_REGISTERS(NV)                                                                   \
-    static void pv_##NV(const float *e, const float *v, int64_t len, float *o) {           \
-        v16 acc[NV];                                                                       \
-        for (int j = 0; j < NV; j++) acc[j] = load16(o + 16 * j);                         \
-        for (int64_t t = 0; t < len; t++) {                                                \
-            if (e[t] == 0.0f) continue;                                                    \
-            const v16 et = splat(e[t]);                                                    \
+/* o[d] = o[d] + e_t v[t][d] and den = den + e_t over the slots t < len in order, skipping
+ * e_t = 0 (a masked slot: adding it would change nothing); NV = D / 16 accumulators in
+ * registers for the usual head sizes, den's chain running beside them. */
+#define PV_REGISTERS(NV)                                                                          \
+    static void pv_##NV(const float *e, const float *v, int64_t len, float *o, float *den) {      \
+        v16 acc[NV];                                                                              \
+        float dn = *den;                                                                          \
+        for (int j = 0; j < NV; j++) acc[j] = load16(o + 16 * j);                                \
+        for (int64_t t = 0; t < len; t++) {                                                       \
+            if (e[t] == 0.0f) continue;                                                           \
+            const v16 et = splat(e[t]);                                                           \
+            dn = dn + e[t];                                                                       \
             for (int j = 0; j < NV; j++) acc[j] = acc[j] + et * load16(v + t * 16 * NV + 16 * j); \
-        }                                                                                  \
-        for (int j = 0; j < NV; j++) store16(o + 16 * j, acc[j]);                         \
+        }                                                                                         \
+        for (int j = 0; j < NV; j++) store16(o + 16 * j, acc[j]);                                \
+        *den = dn;                                                                                \
     }
 PV_REGISTERS(4)
 PV_REGISTERS(8)
 PV_REGISTERS(16)
 
-static void pv(const float *e, const float *v, int64_t len, int64_t D, float *o) {
-    if (D == 64) return pv_4(e, v, len, o);
-    if (D == 128) return pv_8(e, v, len, o);
-    if (D == 256) return pv_16(e, v, len, o);
+static void pv(const float *e, const float *v, int64_t len, int64_t D, float *o, float *den) {
+    if (D == 64) return pv_4(e, v, len, o, den);
+    if (D == 128) return pv_8(e, v, len, o, den);
+    if (D == 256) return pv_16(e, v, len, o, den);
     for (int64_t t = 0; t < len; t++) {
         if (e[t] == 0.0f) continue;
+        *den = *den + e[t];
         for (int64_t d = 0; d < D; d++) o[d] = o[d] + e[t] * v[t * D + d];
     }
 }
 
-/* One query row and head: q, out fp32 [D]; vis: the row's visibility flag per slot (T);
- * s: scratch of round_up(T, 16) floats, o: of D. */
-static void attend_one(const float *q, float *out, const int64_t *desc, const unsigned char *vis, int64_t T,
-                       int64_t head_kv, int64_t D, float scaling, float *s, float *o) {
-    const int64_t B = desc[BLOCK];
+/* The g query heads of one KV head, one query row: q, out fp32 [g, D]; bias, keep: the row's
+ * per-slot 0 / -inf and 1 / 0 (visible / masked), padded to T16 = round_up(T, 16) with -inf / 0;
+ * s: scratch [g, T16]; o: [g, D]; den: [g]. Blocks are the outer loops, so each K and V block
+ * is read from memory once for the g heads. */
+static void attend_group(const float *q, float *out, int64_t g, const int64_t *desc, const float *bias,
+                         const float *keep, int64_t T, int64_t head_kv, int64_t D, float scaling, float *s,
+                         float *o, float *den) {
+    const int64_t B = desc[BLOCK], T16 = (T + 15) & ~(int64_t)15;
     const float *const *kt = (const float *const *)(intptr_t)desc[K_TABLE];
     const float *const *vt = (const float *const *)(intptr_t)desc[V_TABLE];
     for (int64_t b0 = 0; b0 < T; b0 += B)
-        scores(q, kt[b0 / B] + head_kv * D * B, B, T - b0 < B ? T - b0 : B, D, scaling, s + b0);
-    float m = -INFINITY;
-    for (int64_t t = 0; t < T; t++)
-        if (vis[t] && s[t] > m) m = s[t];
-    const int64_t T16 = (T + 15) & ~(int64_t)15;
-    for (int64_t t = T; t < T16; t++) s[t] = m;
-    for (int64_t t = 0; t < T16; t += 16) store16(s + t, vexp(load16(s + t) - splat(m)));
-    /* e_t = 0 marks a masked slot; a visible e_t is >= e^-80 > 0 */
-    float den = 0.0f;
-    for (int64_t t = 0; t < T; t++) {
-        s[t] = vis[t] ? s[t] : 0.0f;
-        if (vis[t]) den = den + s[t];
+        for (int64_t j = 0; j < g; j++)
+            scores(q + j * D, kt[b0 / B] + head_kv * D * B, B, T - b0 < B ? T - b0 : B, D, scaling, s + j * T16 + b0);
+    for (int64_t j = 0; j < g; j++) {
+        float *sj = s + j * T16;
+        for (int64_t t = T; t < T16; t++) sj[t] = 0.0f; /* finite padding; bias masks it */
+        v16 mv = splat(-INFINITY);
+        for (int64_t t = 0; t < T16; t += 16) { /* max is exact in any order */
+            const v16 x = load16(sj + t) + load16(bias + t); /* s + 0 = s; s + -inf = -inf */
+            const v16i greater = x > mv;
+            mv = (v16)(((v16i)x & greater) | ((v16i)mv & ~greater));
+        }
+        float m = -INFINITY;
+        for (int l = 0; l < 16; l++) m = mv[l] > m ? mv[l] : m;
+        for (int64_t t = 0; t < T16; t += 16) {
+            v16 x = load16(sj + t) - splat(m); /* <= 0 where visible; masked slots may exceed 0 */
+            const v16i above = x > splat(0.0f);
+            x = (v16)((v16i)x & ~above); /* min(x, 0): a masked exp stays finite, so * 0 is 0 */
+            store16(sj + t, vexp(x) * load16(keep + t));
+        }
+        den[j] = 0.0f;
+        for (int64_t d = 0; d < D; d++) o[j * D + d] = 0.0f;
     }
-    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
     for (int64_t b0 = 0; b0 < T; b0 += B)
-        pv(s + b0, vt[b0 / B] + head_kv * B * D, T - b0 < B ? T - b0 : B, D, o);
-    for (int64_t d = 0; d < D; d++) out[d] = o[d] / den;
+        for (int64_t j = 0; j < g; j++)
+            pv(s + j * T16 + b0, vt[b0 / B] + head_kv * B * D, T - b0 < B ? T - b0 : B, D, o + j * D, den + j);
+    for (int64_t j = 0; j < g; j++)
+        for (int64_t d = 0; d < D; d++) out[j * D + d] = o[j * D + d] / den[j];
 }
 
 typedef struct {
@@ -160,15 +178,13 @@ typedef struct {
 /* Rows of the call, flattened over sequences; this job takes every step-th from first. */
 static void *run_job(void *arg) {
     job *jb = arg;
-    const int64_t T16 = (jb->max_slots + 15) & ~(int64_t)15;
-    float *s = malloc(sizeof(float) * (T16 + jb->D));
-    unsigned char *vis = malloc(jb->max_slots + 1);
-    if (!s || !vis) {
-        free(s), free(vis);
+    const int64_t T16 = (jb->max_slots + 15) & ~(int64_t)15, group = jb->H / jb->Hkv;
+    float *s = malloc(sizeof(float) * (group * T16 + 2 * T16 + group * jb->D + group));
+    if (!s) {
         jb->status = -1;
         return NULL;
     }
-    const int64_t group = jb->H / jb->Hkv;
+    float *bias = s + group * T16, *keep = bias + T16, *o = keep + T16, *den = o + group * jb->D;
     int64_t index = 0;
     for (int64_t i = 0; i < jb->num_seqs; i++) {
         const int64_t *dsc = jb->desc + i * DESC_FIELDS;
@@ -178,13 +194,20 @@ static void *run_job(void *arg) {
             const int64_t row = dsc[Q_ROW] + r, p = dsc[START_POS] + r;
             int64_t T = dsc[NUM_SLOTS];
             if (!slot_pos && T > p + 1) T = p + 1; /* slot = position: later slots are never visible */
-            for (int64_t t = 0; t < T; t++) vis[t] = (unsigned char)visible(slot_pos ? slot_pos[t] : t, p, dsc[WINDOW]);
-            for (int64_t h = 0; h < jb->H; h++)
-                attend_one(jb->q + (row * jb->H + h) * jb->D, jb->out + (row * jb->H + h) * jb->D, dsc, vis, T,
-                           h / group, jb->D, jb->scaling, s, s + T16);
+            const int64_t T16r = (T + 15) & ~(int64_t)15;
+            for (int64_t t = 0; t < T16r; t++) {
+                const int vis = t < T && visible(slot_pos ? slot_pos[t] : t, p, dsc[WINDOW]);
+                bias[t] = vis ? 0.0f : -INFINITY;
+                keep[t] = vis ? 1.0f : 0.0f;
+            }
+            for (int64_t h = 0; h < jb->Hkv; h++) {
+                const int64_t first = (row * jb->H + h * group) * jb->D;
+                attend_group(jb->q + first, jb->out + first, group, dsc, bias, keep, T, h, jb->D, jb->scaling, s, o,
+                             den);
+            }
         }
     }
-    free(s), free(vis);
+    free(s);
     jb->status = 0;
     return NULL;
 }
