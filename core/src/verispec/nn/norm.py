@@ -11,13 +11,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec.nn import ckernels
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x², last dim) + eps) · weight, computed in fp32.
 
     x: [..., dim] any float dtype -> fp32 [..., dim]. `with_weight=False` gives the plain
     normalisation (Gemma 4's v_norm and router norm have no weight).
-    Per-row: a row's result never depends on the other rows (batch-invariant).
+    Per-row: a row's result never depends on the other rows (batch-invariant). Runs the C
+    kernel (`ckernels.rms_norm`, its reduction order fixed) where built, else torch's rms_norm.
     Source: transformers Gemma3RMSNorm (normalise in fp32, then scale; PR #29402).
     """
 
@@ -28,7 +31,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False) if with_weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one fused op; bitwise equal to x * rsqrt(mean(x²) + eps) * w here, and ~25% faster
+        if ckernels.library() is not None:  # one C call: ~3 µs against ~13 for torch's composite op
+            return ckernels.rms_norm(x.float().contiguous(), self.weight, self.eps)
         return F.rms_norm(x.float(), (self.dim,), self.weight, self.eps)
 
     def extra_repr(self) -> str:

@@ -27,7 +27,7 @@ KV reads are by key length: a query at position p reads slots [0, key_length(p))
 key_length(p) = round_up(p + 1, key_block) capped at the ring size. It depends on p only,
 so a row's attention reductions have the same length whether it is computed alone or
 inside an n-row verify — the property `attention.attend` relies on for batch invariance.
-K is stored transposed, fp32 [Hkv, Dh, slots], V as fp32 [Hkv, slots, Dh] (`attention_kernel`'s
+K is stored transposed, fp32 [Hkv, Dh, slots], V as fp32 [Hkv, slots, Dh] (`ckernels`'s
 layout); `read` gives both as [Hkv, T, Dh].
 
 Shape letters: Hkv KV heads, S slots, Dh head dim, n rows written, T slots read.
@@ -158,7 +158,7 @@ class PagedKVCache:
 
     def kernel_view(self) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
         """(k table, v table: int64 data pointers of the blocks [blocks], block size, None: slot =
-        position) for `attention_kernel`; the tables stay valid until the next write or growth."""
+        position) for `ckernels`; the tables stay valid until the next write or growth."""
         if self._tables is None:
             self._tables = (torch.tensor([b.data_ptr() for b in self.k_blocks], dtype=torch.int64),
                             torch.tensor([b.data_ptr() for b in self.v_blocks], dtype=torch.int64))

@@ -1,15 +1,17 @@
-"""The C attention kernel (`attention_kernel.c`): built once per machine, called through ctypes.
+"""verispec's C kernels (`kernels.c`): built once per machine, called through ctypes.
 
-`attention.attend_rows` runs every row of every sequence of a forward through it in one call
-when it is available; otherwise (no C compiler, `VERISPEC_ATTENTION_KERNEL=0`, an attention
-softcap) the PyTorch path in `attention` runs. The kernel fixes its own order of fp32
-operations per (row, head), so a row's bits never depend on the other rows or sequences of the
-call (the batch invariance speculation needs), and `reference_attend` below states that order
-in PyTorch: the tests check the kernel against it bitwise.
+- `attend`: `attention.attend_rows` runs every row of every sequence of a forward through it
+  in one call (an attention softcap takes the PyTorch path in `attention`).
+- `rms_norm`: `norm.RMSNorm`'s forward.
+Without them (no C compiler, `VERISPEC_C_KERNELS=0`) the PyTorch paths run. Each kernel fixes
+its own order of fp32 operations per row, so a row's bits never depend on the other rows or
+sequences of the call (the batch invariance speculation needs), and `reference_attend` /
+`reference_rms_norm` below state that order in PyTorch: the tests check the kernels against
+them bitwise.
 
 Build: `cc -O3 -march=native -ffp-contract=off -shared` (~1 s, no torch headers) into
 `cache_dir("kernels")`, named by a hash of the source, the flags and the CPU's feature flags
-(a library built for another CPU is never loaded). `python -m verispec.nn.attention_kernel`
+(a library built for another CPU is never loaded). `python -m verispec.nn.ckernels`
 builds it ahead of time (`scripts/setup.sh` does); a failed build warns once and the PyTorch
 path runs.
 """
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("attention_kernel.c")
+SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread"]
 #: int64 fields of one sequence's descriptor, in the C enum's order.
 DESC_FIELDS = ("q_row", "n_rows", "start_pos", "num_slots", "block", "k_table", "v_table", "slot_pos", "window")
@@ -49,7 +51,7 @@ def library_path() -> Path:
     from verispec.checkpoints import cache_dir
 
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
-    return cache_dir("kernels") / f"attention-{key}.so"
+    return cache_dir("kernels") / f"kernels-{key}.so"
 
 
 def build() -> Path:
@@ -74,15 +76,15 @@ def build() -> Path:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel, building it on first use; None when switched off
-    (`VERISPEC_ATTENTION_KERNEL=0`) or when it cannot be built (one warning says why)."""
+    (`VERISPEC_C_KERNELS=0`) or when it cannot be built (one warning says why)."""
     global _library
     if _library is False:
         _library = None
-        if os.environ.get("VERISPEC_ATTENTION_KERNEL", "1") != "0":
+        if os.environ.get("VERISPEC_C_KERNELS", "1") != "0":
             try:
                 lib = ctypes.CDLL(str(build()))
             except (RuntimeError, OSError) as e:
-                warnings.warn(f"verispec: the C attention kernel is unavailable ({e}); attention runs on the "
+                warnings.warn(f"verispec: the C kernels are unavailable ({e}); attention and RMSNorm run on the "
                               "slower PyTorch path", RuntimeWarning, stacklevel=2)
             else:
                 lib.verispec_attend.restype = ctypes.c_int
@@ -90,6 +92,9 @@ def library() -> ctypes.CDLL | None:
                                                 ctypes.c_void_p, ctypes.c_int64,
                                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
                                                 ctypes.c_int64]
+                lib.verispec_rms_norm.restype = None
+                lib.verispec_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                                  ctypes.c_int64, ctypes.c_float]
                 _library = lib
     return _library
 
@@ -140,6 +145,36 @@ def reference_attend(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, slot_p
         den = den + e_t
         o = o + e_t * v_rows[None, :, t, :]
     return o / den
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: x fp32 contiguous [..., dim], weight fp32 [dim] or None ->
+    fp32 [..., dim] (arithmetic: `reference_rms_norm`)."""
+    if weight is not None and (weight.dtype != torch.float32 or not weight.is_contiguous()):
+        weight = weight.float().contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    library().verispec_rms_norm(x.data_ptr(), None if weight is None else weight.data_ptr(), out.data_ptr(),
+                                x.numel() // dim if dim else 0, dim, eps)
+    return out
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`verispec_rms_norm` of the C file, operation by operation: x fp32 [rows, dim]."""
+    rows, dim = x.shape
+    lanes = torch.zeros(rows, 16)
+    padded = torch.nn.functional.pad(x, (0, -dim % 16))
+    for chunk in padded.split(16, dim=1):
+        lanes = lanes + chunk * chunk
+    for half in (8, 4, 2, 1):
+        lanes = lanes[:, :half] + lanes[:, half:2 * half]
+    # ATen divides by a 0-dim tensor as a * (1 / b), and its fp32 sqrt is not correctly rounded
+    # (the C sqrtf is): divide by a full tensor, and take sqrt in fp64 (exact once rounded to fp32)
+    mean = lanes / torch.full_like(lanes, dim) + _f32(eps)
+    root = torch.sqrt(mean.double()).float()
+    inv = torch.ones_like(root) / root
+    out = x * inv
+    return out if weight is None else out * weight
 
 
 def _f32(x: float) -> torch.Tensor:

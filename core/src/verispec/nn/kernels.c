@@ -1,4 +1,7 @@
-/* Causal / sliding-window GQA over paged fp32 KV: every row of every sequence in one call.
+/* verispec's C kernels (CPU, fp32): attention over paged KV and RMSNorm; `verispec.nn.ckernels`
+ * builds this file once per machine and states each kernel's arithmetic in PyTorch for the tests.
+ *
+ * Causal / sliding-window GQA over paged fp32 KV: every row of every sequence in one call.
  *
  * The arithmetic of one (row, head) is fixed by this file alone, whatever the row count, the
  * other sequences, the block size or the instruction set, which is what makes a row computed
@@ -12,7 +15,7 @@
  * Each step is one IEEE fp32 operation: build with -ffp-contract=off (no fused multiply-add)
  * and without -ffast-math. Vectorised loops run across independent elements (slots for s,
  * dims for o), never across a reduction, so vector width does not change any result.
- * `verispec.nn.attention_kernel` states the same arithmetic in PyTorch for the tests.
+ * `verispec.nn.ckernels` states the same arithmetic in PyTorch for the tests.
  *
  * Slot t of a sequence lives in block t / B at offset t % B. Per block:
  *   K transposed, fp32 [Hkv, D, B];  V fp32 [Hkv, B, D].
@@ -264,4 +267,39 @@ int verispec_attend(const float *q, const float *k, const float *v, float *out, 
         status |= jobs[j].status;
     }
     return status;
+}
+
+/* RMSNorm of each row: x, out fp32 [rows, dim]; w fp32 [dim] or NULL (no weight).
+ *   ss    = 16 lane sums, lane l adding x_i * x_i for i = l, l + 16, ... in order, then
+ *           lanes folded in halves: l + 8, then l + 4, l + 2, l + 1
+ *   r     = 1 / sqrt(ss / dim + eps)
+ *   out_i = (x_i * r) * w_i
+ * The same per-row arithmetic as y = x / sqrt(mean(x^2) + eps) * w (transformers
+ * Gemma3RMSNorm / LlamaRMSNorm), with the reduction order fixed here. */
+void verispec_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *yr = out + r * dim;
+        v16 acc = splat(0.0f);
+        int64_t i = 0;
+        for (; i + 16 <= dim; i += 16) {
+            const v16 xi = load16(xr + i);
+            acc = acc + xi * xi;
+        }
+        if (i < dim) { /* the tail's missing lanes add 0 */
+            float tail[16] = {0};
+            memcpy(tail, xr + i, sizeof(float) * (dim - i));
+            const v16 xi = load16(tail);
+            acc = acc + xi * xi;
+        }
+        float lanes[16];
+        store16(lanes, acc);
+        for (int half = 8; half >= 1; half /= 2)
+            for (int l = 0; l < half; l++) lanes[l] = lanes[l] + lanes[l + half];
+        const float inv = 1.0f / sqrtf(lanes[0] / (float)dim + eps);
+        if (w)
+            for (int64_t j = 0; j < dim; j++) yr[j] = (xr[j] * inv) * w[j];
+        else
+            for (int64_t j = 0; j < dim; j++) yr[j] = xr[j] * inv;
+    }
 }

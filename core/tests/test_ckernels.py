@@ -1,9 +1,9 @@
-"""The C attention kernel (nn.attention_kernel): bitwise its PyTorch statement, within fp32
+"""The C kernels (nn.ckernels): each bitwise its PyTorch statement, within fp32
 rounding of the PyTorch attention path, and each row's bits independent of the call around it."""
 import pytest
 import torch
 
-from verispec.nn import attention_kernel
+from verispec.nn import ckernels
 from verispec.nn.attention import attend, attend_rows
 from verispec.nn.state import PagedKVCache, RingKVCache, SequenceState
 from verispec.nn.trunk import Rows, RowsOfSequence
@@ -11,8 +11,8 @@ from verispec.nn.trunk import Rows, RowsOfSequence
 
 @pytest.fixture(autouse=True)
 def kernel():
-    if attention_kernel.library() is None:
-        pytest.skip("no C compiler: the attention kernel is not built")
+    if ckernels.library() is None:
+        pytest.skip("no C compiler: the C kernels are not built")
 
 
 def _gen(seed=0):
@@ -53,7 +53,7 @@ def test_the_kernel_is_bitwise_its_pytorch_statement_and_close_to_the_pytorch_pa
     out = _attend_alone(q, state, start, window)
     cache = state.layers[0]
     k, v, slot_pos = cache.read(cache.key_length(length - 1))
-    expected = attention_kernel.reference_attend(q, k.transpose(1, 2), v, slot_pos, torch.arange(start, length),
+    expected = ckernels.reference_attend(q, k.transpose(1, 2), v, slot_pos, torch.arange(start, length),
                                                  scaling=0.3, window=window)
     assert torch.equal(out, expected)
     torch.testing.assert_close(out, attend(q, cache, start, scaling=0.3, sliding_window=window), atol=1e-5, rtol=0)
@@ -67,7 +67,7 @@ def test_a_verify_row_is_bitwise_the_row_decoded_alone_at_one_or_two_threads(rin
     verify = _attend_alone(q, state, 35, window)
     for i in range(5):
         assert torch.equal(_attend_alone(q[i:i + 1], state, 35 + i, window)[0], verify[i])
-    monkeypatch.setattr(attention_kernel, "PARALLEL_WORK", 0)  # every call splits its rows over threads
+    monkeypatch.setattr(ckernels, "PARALLEL_WORK", 0)  # every call splits its rows over threads
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -77,20 +77,20 @@ def test_a_verify_row_is_bitwise_the_row_decoded_alone_at_one_or_two_threads(rin
 
 
 def test_switched_off_by_the_environment(monkeypatch):
-    monkeypatch.setattr(attention_kernel, "_library", False)
-    monkeypatch.setenv("VERISPEC_ATTENTION_KERNEL", "0")
-    assert attention_kernel.library() is None
+    monkeypatch.setattr(ckernels, "_library", False)
+    monkeypatch.setenv("VERISPEC_C_KERNELS", "0")
+    assert ckernels.library() is None
 
 
 def test_a_failed_build_warns_once_and_the_pytorch_path_runs(monkeypatch, tmp_path):
-    monkeypatch.setattr(attention_kernel, "_library", False)
+    monkeypatch.setattr(ckernels, "_library", False)
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(attention_kernel.subprocess, "run", lambda *a, **k: type("R", (), {
+    monkeypatch.setattr(ckernels.subprocess, "run", lambda *a, **k: type("R", (), {
         "returncode": 1, "stderr": "cc: error: unrecognized command-line option '-march=native'"})())
     with pytest.warns(RuntimeWarning, match="unrecognized command-line option.*PyTorch path"):
-        assert attention_kernel.library() is None
-    assert attention_kernel.library() is None  # no second warning: decided once
+        assert ckernels.library() is None
+    assert ckernels.library() is None  # no second warning: decided once
     state = _filled(False, 1, 8, 10, 0, seed=3)
     q = torch.randn(1, 2, 8, generator=_gen(4))
     assert torch.equal(_attend_alone(q, state, 9, None), attend(q, state.layers[0], 9, scaling=0.3))
@@ -114,3 +114,25 @@ def test_the_kernel_writes_the_rows_where_the_cache_would(ring):
         assert torch.equal(a, b)
     if not ring:
         assert torch.equal(shared.layers[0].read(32)[0][:, 30:], torch.zeros(2, 2, 8))  # untouched
+
+
+@pytest.mark.parametrize("dim", [8, 37, 64, 576, 640])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm_is_bitwise_its_pytorch_statement_and_close_to_torch(dim, with_weight):
+    x = torch.randn(7, dim, generator=_gen(dim)) * 3
+    weight = torch.randn(dim, generator=_gen(1)) if with_weight else None
+    out = ckernels.rms_norm(x, weight, 1e-6)
+    assert torch.equal(out, ckernels.reference_rms_norm(x, weight, 1e-6))
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (dim,), weight, 1e-6), atol=1e-5, rtol=1e-6)
+    for i in range(7):  # a row alone is bitwise the row among others
+        assert torch.equal(ckernels.rms_norm(x[i:i + 1].contiguous(), weight, 1e-6), out[i:i + 1])
+
+
+def test_rmsnorm_module_runs_the_kernel_on_any_leading_shape():
+    from verispec.nn.norm import RMSNorm
+
+    norm = RMSNorm(16, eps=1e-5)
+    norm.weight.data = torch.randn(16, generator=_gen(2))
+    x = torch.randn(3, 4, 16, generator=_gen(3)).transpose(0, 1)  # non-contiguous [4, 3, 16]
+    expected = ckernels.reference_rms_norm(x.reshape(-1, 16), norm.weight, 1e-5).view(4, 3, 16)
+    assert torch.equal(norm(x), expected)
