@@ -76,6 +76,14 @@ def test_generate_on_a_toy_gguf(env, tmp_path):
     assert len(out["tokens"]) == 12 and out["usage"]["completion_tokens"] == 12
 
 
+def test_generate_takes_a_kv_budget_and_refuses_one_too_small_for_any_request(env, tmp_path):
+    path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
+    r = verispec(env, "generate", "hello", "--model", str(path), "--max-tokens", "4", "--kv-cache-gb", "1")
+    assert r.returncode == 0, r.stderr
+    r = verispec(env, "generate", "hello", "--model", str(path), "--kv-cache-gb", "1e-9")
+    assert r.returncode == 1 and "--kv-cache-gb" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
 def test_explicit_spec_type_that_cannot_serve_exits_non_zero_with_the_reason(env, tmp_path):
     path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
     r = verispec(env, "generate", "hi", "--model", str(path), "--spec-type", "toy-block")

@@ -97,6 +97,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_ranged(int, 1, 1024),
                    help="torch threads (default: the cores idle at start-up, sampled for 0.2 s)")
     p.add_argument("--context-length", type=_ranged(int, 16, 1 << 20))
+    p.add_argument("--kv-cache-gb", type=_ranged(float, 0.0, 1e6), default=None, metavar="GiB",
+                   help="KV/state memory for running and prefix-cached sequences; a request that does not "
+                        "fit waits (default: half of the memory available once the model is loaded; 0: no limit)")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -170,9 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default 600; time waiting for the engine does not count)")
     serve.add_argument("--max-running", type=_ranged(int, 1, 1024), default=16, metavar="N",
                        help="requests decoding together in one batch (default 16); later ones queue")
-    serve.add_argument("--kv-cache-gb", type=_ranged(float, 0.0, 1e6), default=None, metavar="GiB",
-                       help="KV/state memory for running and prefix-cached sequences; a request that does not "
-                            "fit waits (default: half of the memory available once the model is loaded; 0: no limit)")
     _add_model_args(serve)
     _add_spec_args(serve)
     for command in sub.choices.values():
@@ -210,7 +210,7 @@ def load_engine(args):
     threads = args.threads or default_threads()  # idle cores now: one busy core halves a 2-thread decode
     return load(args.model, dtype=args.dtype, threads=threads, context_length=args.context_length,
                 spec=spec_options(args), max_running=getattr(args, "max_running", None),
-                kv_cache_gb=getattr(args, "kv_cache_gb", None))
+                kv_cache_gb=args.kv_cache_gb)
 
 
 def cmd_plugins(args) -> int:

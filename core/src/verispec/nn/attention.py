@@ -57,8 +57,8 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
 def _attend_kernel(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, caches: list, rows, *,
                    scaling: float, sliding_window: int | None) -> torch.Tensor:
     """Every sequence's rows in one kernel call, which writes k, v first; q fp32 [n, H, Dh] ->
-    fp32 [n, H, Dh]."""
-    desc, keep_alive, work = [], [], 0
+    fp32 [n, H, Dh]. The caches hold the block tables the descriptors point into."""
+    desc, work = [], 0
     for s, cache in zip(rows.sequences, caches):
         n = s.end - s.begin
         if k is not None:
@@ -67,14 +67,13 @@ def _attend_kernel(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
         num_slots = cache.key_length(s.start_pos + n - 1)
         desc.append((s.begin, n, s.start_pos, num_slots, block, k_table.data_ptr(), v_table.data_ptr(),
                      0 if slot_pos is None else slot_pos.data_ptr(), sliding_window or 0))
-        keep_alive.append((k_table, v_table))
         work += n * num_slots
     q = q.contiguous()
     out = torch.empty_like(q)
     if k is not None:
         k, v = k.contiguous(), v.contiguous()
     ckernels.attend(q, k, v, out, torch.tensor(desc, dtype=torch.int64), caches[0].num_kv_heads, scaling,
-                            work=work * q.shape[1])
+                    work=work * q.shape[1])
     return out
 
 

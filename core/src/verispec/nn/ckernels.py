@@ -108,7 +108,7 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out:
     """Run the kernel: q, out fp32 contiguous [rows, H, Dh]; k, v fp32 contiguous [rows, Hkv, Dh],
     written into the blocks first (each cache's `prepare_write` done), or None; desc int64 contiguous
     [sequences, len(DESC_FIELDS)] (tables and slot positions as data pointers, kept alive by
-    the caller). work: rows x heads x slots, to decide on threads (torch's thread count).
+    the caller's caches). work: rows x heads x slots, to decide on threads (torch's thread count).
     Raises MemoryError when the kernel's scratch allocation fails."""
     _, num_heads, head_dim = q.shape
     threads = torch.get_num_threads() if work >= PARALLEL_WORK else 1
