@@ -82,18 +82,36 @@ def test_switched_off_by_the_environment(monkeypatch):
     assert ckernels.library() is None
 
 
-def test_a_failed_build_warns_once_and_the_pytorch_path_runs(monkeypatch, tmp_path):
+def test_a_failed_build_warns_once_and_the_pytorch_path_runs(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(ckernels, "_library", False)
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("CC", "cc -O0")  # a command line, as make takes it
     monkeypatch.setattr(ckernels.subprocess, "run", lambda *a, **k: type("R", (), {
         "returncode": 1, "stderr": "cc: error: unrecognized command-line option '-march=native'"})())
-    with pytest.warns(RuntimeWarning, match="unrecognized command-line option.*PyTorch path"):
-        assert ckernels.library() is None
-    assert ckernels.library() is None  # no second warning: decided once
+    assert ckernels.library() is None
+    assert ckernels.library() is None  # decided once: one warning
+    warnings = [r.getMessage() for r in caplog.records if r.name == "verispec.nn.ckernels"]
+    assert len(warnings) == 1
+    assert "cc -O0 failed on kernels.c: cc: error: unrecognized command-line option" in warnings[0]
+    assert "PyTorch path" in warnings[0]
     state = _filled(False, 1, 8, 10, 0, seed=3)
     q = torch.randn(1, 2, 8, generator=_gen(4))
     assert torch.equal(_attend_alone(q, state, 9, None), attend(q, state.layers[0], 9, scaling=0.3))
+
+
+def test_a_missing_compiler_names_cc(monkeypatch, tmp_path):
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(RuntimeError, match=r"\$CC=.*no-such-compiler' is not a program"):
+        ckernels.build()
+
+
+def test_a_damaged_library_is_rebuilt(monkeypatch, tmp_path):
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    path = ckernels.build()
+    path.write_bytes(path.read_bytes()[:100])  # cut short: dlopen fails
+    lib = ckernels._load()
+    assert lib.verispec_attend is not None and path.stat().st_size > 100
 
 
 @pytest.mark.parametrize("ring", [False, True], ids=["paged", "ring"])

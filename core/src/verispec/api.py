@@ -75,7 +75,7 @@ def kv_budget_bytes(kv_cache_gb: float | None) -> int | None:
     if kv_cache_gb is None:
         available = available_memory_bytes()
         return available // 2 if available else None
-    usage = "give GiB (2^30 bytes) > 0, 0 for no budget, or None for the default"
+    usage = "give GiB (2^30 bytes) > 0 (--kv-cache-gb / kv_cache_gb=), 0 for no budget, or leave it unset for the default"
     if isinstance(kv_cache_gb, bool) or not isinstance(kv_cache_gb, numbers.Real):
         raise InvalidArgument(f"kv_cache_gb={kv_cache_gb!r}: {usage}")
     if not 0 <= kv_cache_gb < math.inf:
@@ -84,7 +84,7 @@ def kv_budget_bytes(kv_cache_gb: float | None) -> int | None:
         return None
     budget = int(kv_cache_gb * 2**30)
     if budget < 1:
-        raise InvalidArgument(f"kv_cache_gb={kv_cache_gb} is under one byte; {usage}")
+        raise InvalidArgument(f"a KV budget of {kv_cache_gb} GiB is under one byte; {usage}")
     available = available_memory_bytes()
     if available is not None and budget > available:
         log.warning("a KV budget of %.3g GiB is more than the %.3g GiB of memory available now: a full budget "

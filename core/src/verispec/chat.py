@@ -75,7 +75,8 @@ def _turn(engine, messages, *, sampling, max_tokens, stop, ignore_eos, stdout, s
         generation = engine.generate(messages, max_tokens=max_tokens, sampling=sampling, stop=stop,
                                      ignore_eos=ignore_eos)
     except (VerispecError, TemplateError) as e:  # ContextOverflow, a template's raise_exception
-        print(f"verispec: error: {e} (/reset starts a new conversation)", file=stderr)
+        hint = " (/reset starts a new conversation)" if len(messages) > 1 else ""
+        print(f"verispec: error: {e}{hint}", file=stderr)
         return None
     for event in generation:
         print(event.text, end="", file=stdout, flush=True)

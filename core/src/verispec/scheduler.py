@@ -267,7 +267,7 @@ class Scheduler:
         smallest = self._smallest_reservation() if kv_budget_bytes is not None else None
         if smallest is not None and smallest > kv_budget_bytes:
             raise InvalidArgument(
-                f"a KV budget of {kv_budget_bytes} bytes ({kv_budget_bytes / 2**30:.3g} GiB) cannot hold one "
+                f"a KV budget of {kv_budget_bytes} bytes ({kv_budget_bytes / 2**20:.2f} MiB) cannot hold one "
                 f"sequence: the smallest request (1 prompt token, max_tokens 1) reserves {smallest} bytes; raise "
                 f"--kv-cache-gb (kv_cache_gb=) to at least {math.ceil(smallest / 2**30 * 1e4) / 1e4:g}, or 0 for no budget")
         self._reservations: dict[Request, int] = {}  # running request -> bytes reserved for its sequence
@@ -413,9 +413,9 @@ class Scheduler:
         fix = (f"ask for at most max_tokens {room}" if room >= 1 else
                f"shorten the prompt to at most {room + num_prompt_tokens - 1} tokens")
         error = InvalidArgument(
-            f"this request may need {need} bytes ({need / 2**30:.3g} GiB) of KV/state memory for "
+            f"this request may need {need} bytes ({need / 2**20:.2f} MiB) of KV/state memory for "
             f"{num_prompt_tokens} prompt tokens + max_tokens {max_tokens}, more than the whole KV budget of "
-            f"{self.kv_budget_bytes} bytes ({self.kv_budget_bytes / 2**30:.3g} GiB); {fix}, or raise the budget "
+            f"{self.kv_budget_bytes} bytes ({self.kv_budget_bytes / 2**20:.2f} MiB); {fix}, or raise the budget "
             "(--kv-cache-gb, or kv_cache_gb= in verispec.load)")
         error.param = "max_tokens" if room >= 1 else None  # the request field to change (the server's 400)
         raise error

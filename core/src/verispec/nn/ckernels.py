@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-share
 DESC_FIELDS = ("q_row", "n_rows", "start_pos", "num_slots", "block", "k_table", "v_table", "slot_pos", "window")
 
 _library: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable
+log = logging.getLogger(__name__)
 
 
 def _cpu_flags() -> str:
@@ -55,37 +57,49 @@ def library_path() -> Path:
 
 
 def build() -> Path:
-    """Compile the kernel for this machine unless built already; returns the library's path.
-    Raises RuntimeError naming the compiler's complaint (or its absence)."""
+    """Compile the kernels for this machine unless built already; returns the library's path.
+    The compiler is $CC (a command line, e.g. "ccache gcc"), else cc, else gcc. Raises
+    RuntimeError naming the compiler's complaint (or its absence)."""
     path = library_path()
     if path.is_file():
         return path
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH: install one (Debian: apt-get install gcc)")
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not compiler[0] or not shutil.which(compiler[0]):
+        where = f"$CC={os.environ['CC']!r} is not a program" if os.environ.get("CC") else "no C compiler (cc/gcc) on PATH"
+        raise RuntimeError(f"{where}: install one (Debian: apt-get install gcc) or point $CC at one")
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"],
+    result = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"],
                             capture_output=True, text=True)
     if result.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+        complaint = result.stderr.strip()[-2000:] or f"exit status {result.returncode}, no message"
+        raise RuntimeError(f"{' '.join(compiler)} failed on {SOURCE.name}: {complaint}")
     os.replace(partial, path)
     return path
 
 
+def _load() -> ctypes.CDLL:
+    """Build if needed and load; a library that will not load (a damaged file) is rebuilt once."""
+    try:
+        return ctypes.CDLL(str(build()))
+    except OSError:
+        library_path().unlink(missing_ok=True)
+        return ctypes.CDLL(str(build()))
+
+
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel, building it on first use; None when switched off
-    (`VERISPEC_C_KERNELS=0`) or when it cannot be built (one warning says why)."""
+    """The loaded kernels, building them on first use; None when switched off
+    (`VERISPEC_C_KERNELS=0`) or when they cannot be built (one logged warning says why)."""
     global _library
     if _library is False:
         _library = None
         if os.environ.get("VERISPEC_C_KERNELS", "1") != "0":
             try:
-                lib = ctypes.CDLL(str(build()))
+                lib = _load()
             except (RuntimeError, OSError) as e:
-                warnings.warn(f"verispec: the C kernels are unavailable ({e}); attention and RMSNorm run on the "
-                              "slower PyTorch path", RuntimeWarning, stacklevel=2)
+                log.warning("verispec: the C kernels are unavailable (%s); attention and RMSNorm run on the slower "
+                            "PyTorch path", e)
             else:
                 lib.verispec_attend.restype = ctypes.c_int
                 lib.verispec_attend.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
