@@ -151,10 +151,11 @@ class PagedKVCache:
         one block, else copies gathered from the blocks (the PyTorch attention path)."""
         count = -(-num_slots // self.key_block)
         if count == 1:
-            k_t, v = self.k_blocks[0], self.v_blocks[0]
-        else:
-            k_t, v = torch.cat(self.k_blocks[:count], dim=2), torch.cat(self.v_blocks[:count], dim=1)
-        return k_t[:, :, :num_slots].transpose(1, 2), v[:, :num_slots], torch.arange(num_slots)
+            k, v = self.k_blocks[0].transpose(1, 2), self.v_blocks[0]
+        else:  # one copy each, keys back to [T, Dh] rows (the layout the PyTorch path's bmm wants)
+            k = torch.cat([block.transpose(1, 2) for block in self.k_blocks[:count]], dim=1)
+            v = torch.cat(self.v_blocks[:count], dim=1)
+        return k[:, :num_slots], v[:, :num_slots], torch.arange(num_slots)
 
     def kernel_view(self) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
         """(k table, v table: int64 data pointers of the blocks [blocks], block size, None: slot =
