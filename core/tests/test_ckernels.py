@@ -67,6 +67,11 @@ def test_a_verify_row_is_bitwise_the_row_decoded_alone_at_one_or_two_threads(rin
     verify = _attend_alone(q, state, 35, window)
     for i in range(5):
         assert torch.equal(_attend_alone(q[i:i + 1], state, 35 + i, window)[0], verify[i])
+    if not ring:  # 11 rows: the kernel takes rows in units of 8 that share each block read
+        q11 = torch.randn(11, 6, 32, generator=_gen(3))
+        wide = _attend_alone(q11, state, 29, window)
+        for i in range(11):
+            assert torch.equal(_attend_alone(q11[i:i + 1], state, 29 + i, window)[0], wide[i])
     monkeypatch.setattr(ckernels, "PARALLEL_WORK", 0)  # every call splits its rows over threads
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -129,44 +129,68 @@ static void pv(const float *e, const float *v, int64_t len, int64_t D, float *o,
     }
 }
 
-/* The g query heads of one KV head, one query row: q, out fp32 [g, D]; bias, keep: the row's
- * per-slot 0 / -inf and 1 / 0 (visible / masked), padded to T16 = round_up(T, 16) with -inf / 0;
- * s: scratch [g, T16]; o: [g, D]; den: [g]. Blocks are the outer loops, so each K and V block
- * is read from memory once for the g heads. */
-static void attend_group(const float *q, float *out, int64_t g, const int64_t *desc, const float *bias,
-                         const float *keep, int64_t T, int64_t head_kv, int64_t D, float scaling, float *s,
-                         float *o, float *den) {
-    const int64_t B = desc[BLOCK], T16 = (T + 15) & ~(int64_t)15;
+/* Rows of one sequence attended together (a verify's or a prefill chunk's): they share each
+ * K/V block read. */
+enum { ROWS_PER_UNIT = 8 };
+
+/* The g query heads of one KV head for n <= ROWS_PER_UNIT consecutive rows of one sequence:
+ * q, out fp32 rows of `stride` floats, the group's heads at offsets j * D; row r reads slots
+ * [0, T[r]) and has per-slot bias (0 / -inf) and keep (1 / 0: visible / masked) at r * T16,
+ * padded to round_up(T[r], 16) with -inf / 0; s: scratch [n, g, T16]; o: [n, g, D]; den:
+ * [n, g]. Blocks are the outer loops, so each K and V block is read from memory once for all
+ * n·g queries; each query's arithmetic is the header's, whatever n. */
+static void attend_unit(const float *q, float *out, int64_t stride, int64_t n, int64_t g, const int64_t *desc,
+                        const float *bias, const float *keep, const int64_t *T, int64_t T16, int64_t head_kv,
+                        int64_t D, float scaling, float *s, float *o, float *den) {
+    const int64_t B = desc[BLOCK];
     const float *const *kt = (const float *const *)(intptr_t)desc[K_TABLE];
     const float *const *vt = (const float *const *)(intptr_t)desc[V_TABLE];
-    for (int64_t b0 = 0; b0 < T; b0 += B)
-        for (int64_t j = 0; j < g; j++)
-            scores(q + j * D, kt[b0 / B] + head_kv * D * B, B, T - b0 < B ? T - b0 : B, D, scaling, s + j * T16 + b0);
-    for (int64_t j = 0; j < g; j++) {
-        float *sj = s + j * T16;
-        for (int64_t t = T; t < T16; t++) sj[t] = 0.0f; /* finite padding; bias masks it */
-        v16 mv = splat(-INFINITY);
-        for (int64_t t = 0; t < T16; t += 16) { /* max is exact in any order */
-            const v16 x = load16(sj + t) + load16(bias + t); /* s + 0 = s; s + -inf = -inf */
-            const v16i greater = x > mv;
-            mv = (v16)(((v16i)x & greater) | ((v16i)mv & ~greater));
+    int64_t T_max = 0;
+    for (int64_t r = 0; r < n; r++) T_max = T[r] > T_max ? T[r] : T_max;
+    for (int64_t b0 = 0; b0 < T_max; b0 += B)
+        for (int64_t r = 0; r < n; r++) {
+            if (b0 >= T[r]) continue;
+            const int64_t len = T[r] - b0 < B ? T[r] - b0 : B;
+            for (int64_t j = 0; j < g; j++)
+                scores(q + r * stride + j * D, kt[b0 / B] + head_kv * D * B, B, len, D, scaling,
+                       s + (r * g + j) * T16 + b0);
         }
-        float m = -INFINITY;
-        for (int l = 0; l < 16; l++) m = mv[l] > m ? mv[l] : m;
-        for (int64_t t = 0; t < T16; t += 16) {
-            v16 x = load16(sj + t) - splat(m); /* <= 0 where visible; masked slots may exceed 0 */
-            const v16i above = x > splat(0.0f);
-            x = (v16)((v16i)x & ~above); /* min(x, 0): a masked exp stays finite, so * 0 is 0 */
-            store16(sj + t, vexp(x) * load16(keep + t));
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t T16r = (T[r] + 15) & ~(int64_t)15;
+        const float *br = bias + r * T16, *kr = keep + r * T16;
+        for (int64_t j = 0; j < g; j++) {
+            float *sj = s + (r * g + j) * T16;
+            for (int64_t t = T[r]; t < T16r; t++) sj[t] = 0.0f; /* finite padding; bias masks it */
+            v16 mv = splat(-INFINITY);
+            for (int64_t t = 0; t < T16r; t += 16) { /* max is exact in any order */
+                const v16 x = load16(sj + t) + load16(br + t); /* s + 0 = s; s + -inf = -inf */
+                const v16i greater = x > mv;
+                mv = (v16)(((v16i)x & greater) | ((v16i)mv & ~greater));
+            }
+            float m = -INFINITY;
+            for (int l = 0; l < 16; l++) m = mv[l] > m ? mv[l] : m;
+            for (int64_t t = 0; t < T16r; t += 16) {
+                v16 x = load16(sj + t) - splat(m); /* <= 0 where visible; masked slots may exceed 0 */
+                const v16i above = x > splat(0.0f);
+                x = (v16)((v16i)x & ~above); /* min(x, 0): a masked exp stays finite, so * 0 is 0 */
+                store16(sj + t, vexp(x) * load16(kr + t));
+            }
+            den[r * g + j] = 0.0f;
+            for (int64_t d = 0; d < D; d++) o[(r * g + j) * D + d] = 0.0f;
         }
-        den[j] = 0.0f;
-        for (int64_t d = 0; d < D; d++) o[j * D + d] = 0.0f;
     }
-    for (int64_t b0 = 0; b0 < T; b0 += B)
+    for (int64_t b0 = 0; b0 < T_max; b0 += B)
+        for (int64_t r = 0; r < n; r++) {
+            if (b0 >= T[r]) continue;
+            const int64_t len = T[r] - b0 < B ? T[r] - b0 : B;
+            for (int64_t j = 0; j < g; j++)
+                pv(s + (r * g + j) * T16 + b0, vt[b0 / B] + head_kv * B * D, len, D, o + (r * g + j) * D,
+                   den + r * g + j);
+        }
+    for (int64_t r = 0; r < n; r++)
         for (int64_t j = 0; j < g; j++)
-            pv(s + j * T16 + b0, vt[b0 / B] + head_kv * B * D, T - b0 < B ? T - b0 : B, D, o + j * D, den + j);
-    for (int64_t j = 0; j < g; j++)
-        for (int64_t d = 0; d < D; d++) out[j * D + d] = o[j * D + d] / den[j];
+            for (int64_t d = 0; d < D; d++)
+                out[r * stride + j * D + d] = o[(r * g + j) * D + d] / den[r * g + j];
 }
 
 typedef struct {
@@ -178,35 +202,40 @@ typedef struct {
     int status;
 } job;
 
-/* Rows of the call, flattened over sequences; this job takes every step-th from first. */
+/* Units of up to ROWS_PER_UNIT rows of one sequence, flattened over sequences; this job takes
+ * every step-th from first. */
 static void *run_job(void *arg) {
     job *jb = arg;
-    const int64_t T16 = (jb->max_slots + 15) & ~(int64_t)15, group = jb->H / jb->Hkv;
-    float *s = malloc(sizeof(float) * (group * T16 + 2 * T16 + group * jb->D + group));
+    const int64_t T16 = (jb->max_slots + 15) & ~(int64_t)15, group = jb->H / jb->Hkv, R = ROWS_PER_UNIT;
+    float *s = malloc(sizeof(float) * (R * group * T16 + 2 * R * T16 + R * group * jb->D + R * group));
     if (!s) {
         jb->status = -1;
         return NULL;
     }
-    float *bias = s + group * T16, *keep = bias + T16, *o = keep + T16, *den = o + group * jb->D;
-    int64_t index = 0;
+    float *bias = s + R * group * T16, *keep = bias + R * T16, *o = keep + R * T16, *den = o + R * group * jb->D;
+    int64_t T[ROWS_PER_UNIT], index = 0;
     for (int64_t i = 0; i < jb->num_seqs; i++) {
         const int64_t *dsc = jb->desc + i * DESC_FIELDS;
         const int64_t *slot_pos = (const int64_t *)(intptr_t)dsc[SLOT_POS];
-        for (int64_t r = 0; r < dsc[N_ROWS]; r++, index++) {
+        for (int64_t r0 = 0; r0 < dsc[N_ROWS]; r0 += R, index++) {
             if (index % jb->step != jb->first) continue;
-            const int64_t row = dsc[Q_ROW] + r, p = dsc[START_POS] + r;
-            int64_t T = dsc[NUM_SLOTS];
-            if (!slot_pos && T > p + 1) T = p + 1; /* slot = position: later slots are never visible */
-            const int64_t T16r = (T + 15) & ~(int64_t)15;
-            for (int64_t t = 0; t < T16r; t++) {
-                const int vis = t < T && visible(slot_pos ? slot_pos[t] : t, p, dsc[WINDOW]);
-                bias[t] = vis ? 0.0f : -INFINITY;
-                keep[t] = vis ? 1.0f : 0.0f;
+            const int64_t n = dsc[N_ROWS] - r0 < R ? dsc[N_ROWS] - r0 : R;
+            for (int64_t r = 0; r < n; r++) {
+                const int64_t p = dsc[START_POS] + r0 + r;
+                T[r] = dsc[NUM_SLOTS];
+                if (!slot_pos && T[r] > p + 1) T[r] = p + 1; /* slot = position: later slots are never visible */
+                const int64_t T16r = (T[r] + 15) & ~(int64_t)15;
+                for (int64_t t = 0; t < T16r; t++) {
+                    const int vis = t < T[r] && visible(slot_pos ? slot_pos[t] : t, p, dsc[WINDOW]);
+                    bias[r * T16 + t] = vis ? 0.0f : -INFINITY;
+                    keep[r * T16 + t] = vis ? 1.0f : 0.0f;
+                }
             }
+            const int64_t row = dsc[Q_ROW] + r0;
             for (int64_t h = 0; h < jb->Hkv; h++) {
                 const int64_t first = (row * jb->H + h * group) * jb->D;
-                attend_group(jb->q + first, jb->out + first, group, dsc, bias, keep, T, h, jb->D, jb->scaling, s, o,
-                             den);
+                attend_unit(jb->q + first, jb->out + first, jb->H * jb->D, n, group, dsc, bias, keep, T, T16, h,
+                            jb->D, jb->scaling, s, o, den);
             }
         }
     }
@@ -239,8 +268,8 @@ static void write_kv(const float *k, const float *v, const int64_t *desc, int64_
 
 /* q, out: fp32 [rows, H, D] (each sequence's rows contiguous); k, v: fp32 [rows, Hkv, D] to
  * write first (write_kv), or NULL (a KV-shared layer reads what its source wrote); desc: int64
- * [num_seqs, DESC_FIELDS]. threads > 1 splits the rows between threads (each row is computed
- * the same way wherever it runs). Returns 0, or -1 when scratch memory ran out. */
+ * [num_seqs, DESC_FIELDS]. threads > 1 splits the units of rows between threads (each row is
+ * computed the same way wherever it runs). Returns 0, or -1 when scratch memory ran out. */
 int verispec_attend(const float *q, const float *k, const float *v, float *out, const int64_t *desc,
                     int64_t num_seqs, int64_t H, int64_t Hkv, int64_t D, float scaling, int64_t threads) {
     if (k) write_kv(k, v, desc, num_seqs, Hkv, D);
