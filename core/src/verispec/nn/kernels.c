@@ -197,7 +197,7 @@ typedef struct {
     const float *q;
     float *out;
     const int64_t *desc;
-    int64_t num_seqs, H, Hkv, D, max_slots, first, step;
+    int64_t num_seqs, H, Hkv, D, max_slots, max_rows, first, step;
     float scaling;
     int status;
 } job;
@@ -206,7 +206,8 @@ typedef struct {
  * every step-th from first. */
 static void *run_job(void *arg) {
     job *jb = arg;
-    const int64_t T16 = (jb->max_slots + 15) & ~(int64_t)15, group = jb->H / jb->Hkv, R = ROWS_PER_UNIT;
+    const int64_t T16 = (jb->max_slots + 15) & ~(int64_t)15, group = jb->H / jb->Hkv;
+    const int64_t R = jb->max_rows < ROWS_PER_UNIT ? jb->max_rows : ROWS_PER_UNIT; /* scratch for a decode: 1 */
     float *s = malloc(sizeof(float) * (R * group * T16 + 2 * R * T16 + R * group * jb->D + R * group));
     if (!s) {
         jb->status = -1;
@@ -273,15 +274,17 @@ static void write_kv(const float *k, const float *v, const int64_t *desc, int64_
 int verispec_attend(const float *q, const float *k, const float *v, float *out, const int64_t *desc,
                     int64_t num_seqs, int64_t H, int64_t Hkv, int64_t D, float scaling, int64_t threads) {
     if (k) write_kv(k, v, desc, num_seqs, Hkv, D);
-    int64_t max_slots = 0;
-    for (int64_t i = 0; i < num_seqs; i++)
+    int64_t max_slots = 0, max_rows = 1;
+    for (int64_t i = 0; i < num_seqs; i++) {
         if (desc[i * DESC_FIELDS + NUM_SLOTS] > max_slots) max_slots = desc[i * DESC_FIELDS + NUM_SLOTS];
+        if (desc[i * DESC_FIELDS + N_ROWS] > max_rows) max_rows = desc[i * DESC_FIELDS + N_ROWS];
+    }
     if (threads < 1) threads = 1;
     if (threads > 64) threads = 64;
     job jobs[64];
     pthread_t ids[64];
     for (int64_t j = 0; j < threads; j++)
-        jobs[j] = (job){q, out, desc, num_seqs, H, Hkv, D, max_slots, j, threads, scaling, -1};
+        jobs[j] = (job){q, out, desc, num_seqs, H, Hkv, D, max_slots, max_rows, j, threads, scaling, -1};
     int64_t started = 1;
     for (; started < threads; started++)
         if (pthread_create(&ids[started], NULL, run_job, &jobs[started]) != 0) break;
