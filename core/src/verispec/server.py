@@ -327,8 +327,13 @@ def server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, **config:
             served.close()
             try:
                 await super().shutdown(sockets=sockets)
-                if self.force_exit:  # a second Ctrl-C skipped it: the lifespan task ends now, not
-                    await self.lifespan.shutdown()  # cancelled with a traceback at exit
+                if self.force_exit:  # a second Ctrl-C skipped the waits: the lifespan task and the
+                    # responses (their generations end at the next token) end now, not cancelled
+                    # with a traceback when the loop closes
+                    await self.lifespan.shutdown()
+                    running = [task for task in self.server_state.tasks if not task.done()]
+                    if running:
+                        await asyncio.wait(running, timeout=SHUTDOWN_GRACE_S)
             finally:
                 served.close()  # a request encoded meanwhile
                 await anyio.to_thread.run_sync(served.engine_thread.stop, SHUTDOWN_GRACE_S)
