@@ -66,7 +66,7 @@ def _attend_kernel(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
         k_table, v_table, block, slot_pos = cache.kernel_view()
         num_slots = cache.key_length(s.start_pos + n - 1)
         desc.append((s.begin, n, s.start_pos, num_slots, block, k_table.data_ptr(), v_table.data_ptr(),
-                     0 if slot_pos is None else slot_pos.data_ptr(), sliding_window or 0))
+                     0 if slot_pos is None else slot_pos.data_ptr(), sliding_window or 0))  # ckernels.attend
         work += n * num_slots
     q = q.contiguous()
     out = torch.empty_like(q)

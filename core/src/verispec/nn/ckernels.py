@@ -31,8 +31,6 @@ import torch
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread"]
-#: int64 fields of one sequence's descriptor, in the C enum's order.
-DESC_FIELDS = ("q_row", "n_rows", "start_pos", "num_slots", "block", "k_table", "v_table", "slot_pos", "window")
 
 _library: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable
 log = logging.getLogger(__name__)
@@ -121,8 +119,11 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out:
            num_kv_heads: int, scaling: float, work: int = 0) -> None:
     """Run the kernel: q, out fp32 contiguous [rows, H, Dh]; k, v fp32 contiguous [rows, Hkv, Dh],
     written into the blocks first (each cache's `prepare_write` done), or None; desc int64 contiguous
-    [sequences, len(DESC_FIELDS)] (tables and slot positions as data pointers, kept alive by
-    the caller's caches). work: rows x heads x slots, to decide on threads (torch's thread count).
+    [sequences, 9], per sequence (the C enum's order): its first row in q, its row count, the
+    position of its first row, the slots it reads, the block size, the data pointers of its K
+    and V block tables and of its slot positions (0: slot = position), the sliding window (0:
+    none); the caller's caches keep the tables alive. work: rows x heads x slots, to decide on
+    threads (torch's thread count).
     Raises MemoryError when the kernel's scratch allocation fails."""
     _, num_heads, head_dim = q.shape
     threads = torch.get_num_threads() if work >= PARALLEL_WORK else 1
