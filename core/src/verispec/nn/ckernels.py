@@ -11,7 +11,8 @@ them bitwise.
 
 Build: `cc -O3 -march=native -ffp-contract=off -shared` (~1 s, no torch headers) into
 `cache_dir("kernels")`, named by a hash of the source, the flags and the CPU's feature flags
-(a library built for another CPU is never loaded). `python -m verispec.nn.ckernels`
+(a library built for another CPU is never loaded), with its sha256 beside it: a file that does
+not match (damaged, replaced) is rebuilt, never loaded. `python -m verispec.nn.ckernels`
 builds it ahead of time (`scripts/setup.sh` does); a failed build warns once and the PyTorch
 path runs.
 """
@@ -54,12 +55,25 @@ def library_path() -> Path:
     return cache_dir("kernels") / f"kernels-{key}.so"
 
 
+def _digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _intact(path: Path) -> bool:
+    """The library is the file a build wrote: its sha256 matches the one saved beside it (a
+    damaged or foreign file can crash the process inside dlopen, so it is checked first)."""
+    try:
+        return _digest_path(path).read_text() == hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return False
+
+
 def build() -> Path:
-    """Compile the kernels for this machine unless built already; returns the library's path.
-    The compiler is $CC (a command line, e.g. "ccache gcc"), else cc, else gcc. Raises
-    RuntimeError naming the compiler's complaint (or its absence)."""
+    """Compile the kernels for this machine unless an intact build is there; returns the
+    library's path. The compiler is $CC (a command line, e.g. "ccache gcc"), else cc, else gcc.
+    Raises RuntimeError naming the compiler's complaint (or its absence)."""
     path = library_path()
-    if path.is_file():
+    if _intact(path):
         return path
     compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
     if not compiler[0] or not shutil.which(compiler[0]):
@@ -73,17 +87,11 @@ def build() -> Path:
         partial.unlink(missing_ok=True)
         complaint = result.stderr.strip()[-2000:] or f"exit status {result.returncode}, no message"
         raise RuntimeError(f"{' '.join(compiler)} failed on {SOURCE.name}: {complaint}")
+    digest = _digest_path(partial)
+    digest.write_text(hashlib.sha256(partial.read_bytes()).hexdigest())
     os.replace(partial, path)
+    os.replace(digest, _digest_path(path))
     return path
-
-
-def _load() -> ctypes.CDLL:
-    """Build if needed and load; a library that will not load (a damaged file) is rebuilt once."""
-    try:
-        return ctypes.CDLL(str(build()))
-    except OSError:
-        library_path().unlink(missing_ok=True)
-        return ctypes.CDLL(str(build()))
 
 
 def library() -> ctypes.CDLL | None:
@@ -94,7 +102,7 @@ def library() -> ctypes.CDLL | None:
         _library = None
         if os.environ.get("VERISPEC_C_KERNELS", "1") != "0":
             try:
-                lib = _load()
+                lib = ctypes.CDLL(str(build()))
             except (RuntimeError, OSError) as e:
                 log.warning("verispec: the C kernels are unavailable (%s); attention and RMSNorm run on the slower "
                             "PyTorch path", e)
