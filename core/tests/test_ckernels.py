@@ -126,3 +126,45 @@ def test_a_damaged_library_is_rebuilt_never_loaded(monkeypatch, tmp_path, damage
     assert ckernels.build() == path
     assert path.read_bytes() != damaged and ckernels._intact(path)
     assert ctypes.CDLL(str(path)).verispec_attend is not None
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["paged", "ring"])
+def test_the_kernel_writes_the_rows_where_the_cache_would(ring):
+    window = 9 if ring else 0
+    by_kernel, by_cache = (_filled(ring, 2, 8, 30, window, seed=5) for _ in range(2))
+    if not ring:  # a shared block must be copied before the kernel writes into it
+        shared = by_kernel.fork(30)
+    k, v, q = (torch.randn(4, h, 8, generator=_gen(i)) for i, h in ((6, 2), (7, 2), (8, 4)))
+    for state in (by_kernel, by_cache):
+        state.begin(4, verify=False)
+    rows = Rows(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long),
+                (RowsOfSequence(by_kernel, 30, 0, 4),))
+    attend_rows(q, k, v, rows, 0, scaling=0.3, sliding_window=window or None)
+    by_cache.layers[0].write(30, k, v)
+    ours, theirs = by_kernel.layers[0], by_cache.layers[0]
+    for a, b in zip(ours.read(ours.key_length(33)), theirs.read(theirs.key_length(33))):
+        assert torch.equal(a, b)
+    if not ring:
+        assert torch.equal(shared.layers[0].read(32)[0][:, 30:], torch.zeros(2, 2, 8))  # untouched
+
+
+@pytest.mark.parametrize("dim", [8, 37, 64, 576, 640])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm_is_bitwise_its_pytorch_statement_and_close_to_torch(dim, with_weight):
+    x = torch.randn(7, dim, generator=_gen(dim)) * 3
+    weight = torch.randn(dim, generator=_gen(1)) if with_weight else None
+    out = ckernels.rms_norm(x, weight, 1e-6)
+    assert torch.equal(out, ckernels.reference_rms_norm(x, weight, 1e-6))
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (dim,), weight, 1e-6), atol=1e-5, rtol=1e-6)
+    for i in range(7):  # a row alone is bitwise the row among others
+        assert torch.equal(ckernels.rms_norm(x[i:i + 1].contiguous(), weight, 1e-6), out[i:i + 1])
+
+
+def test_rmsnorm_module_runs_the_kernel_on_any_leading_shape():
+    from verispec.nn.norm import RMSNorm
+
+    norm = RMSNorm(16, eps=1e-5)
+    norm.weight.data = torch.randn(16, generator=_gen(2))
+    x = torch.randn(3, 4, 16, generator=_gen(3)).transpose(0, 1)  # non-contiguous [4, 3, 16]
+    expected = ckernels.reference_rms_norm(x.reshape(-1, 16), norm.weight, 1e-5).view(4, 3, 16)
+    assert torch.equal(norm(x), expected)
