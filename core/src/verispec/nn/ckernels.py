@@ -26,12 +26,13 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread"]
+SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "qmatmul.c")]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread", "-fopenmp"]
 
 _library: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable
 log = logging.getLogger(__name__)
@@ -47,11 +48,12 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def library_path() -> Path:
-    """Where this machine's build lives (it may not exist yet)."""
+def library_path(extra_flags: Sequence[str] = ()) -> Path:
+    """Where this machine's build (with `extra_flags`) lives (it may not exist yet)."""
     from verispec.checkpoints import cache_dir
 
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    texts = [src.read_text() for src in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, *FLAGS, *extra_flags, _cpu_flags()]).encode()).hexdigest()[:16]
     return cache_dir("kernels") / f"kernels-{key}.so"
 
 
@@ -68,11 +70,13 @@ def _intact(path: Path) -> bool:
         return False
 
 
-def build() -> Path:
+def build(extra_flags: Sequence[str] = ()) -> Path:
     """Compile the kernels for this machine unless an intact build is there; returns the
     library's path. The compiler is $CC (a command line, e.g. "ccache gcc"), else cc, else gcc.
-    Raises RuntimeError naming the compiler's complaint (or its absence)."""
-    path = library_path()
+    extra_flags: more compiler flags (the tests build `-DVERISPEC_PORTABLE`, qmatmul.c's loop
+    for CPUs without AVX-512 VNNI). Raises RuntimeError naming the compiler's complaint (or
+    its absence)."""
+    path = library_path(extra_flags)
     if _intact(path):
         return path
     compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
@@ -81,12 +85,12 @@ def build() -> Path:
         raise RuntimeError(f"{where}: install one (Debian: apt-get install gcc) or point $CC at one")
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    result = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"],
+    result = subprocess.run([*compiler, *FLAGS, *extra_flags, *map(str, SOURCES), "-o", str(partial), "-lm"],
                             capture_output=True, text=True)
     if result.returncode != 0:
         partial.unlink(missing_ok=True)
         complaint = result.stderr.strip()[-2000:] or f"exit status {result.returncode}, no message"
-        raise RuntimeError(f"{' '.join(compiler)} failed on {SOURCE.name}: {complaint}")
+        raise RuntimeError(f"{' '.join(compiler)} failed on {' + '.join(src.name for src in SOURCES)}: {complaint}")
     digest = _digest_path(partial)
     digest.write_text(hashlib.sha256(partial.read_bytes()).hexdigest())
     os.replace(partial, path)
@@ -112,6 +116,11 @@ def library() -> ctypes.CDLL | None:
                                                 ctypes.c_void_p, ctypes.c_int64,
                                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
                                                 ctypes.c_int64]
+                lib.verispec_qmatmul.restype = ctypes.c_int
+                lib.verispec_qmatmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                                 ctypes.c_int64]
                 lib.verispec_rms_norm.restype = None
                 lib.verispec_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                                   ctypes.c_int64, ctypes.c_float]
@@ -168,6 +177,18 @@ def reference_attend(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, slot_p
         den = den + e_t
         o = o + e_t * v_rows[None, :, t, :]
     return o / den
+
+
+def qmatmul(x: torch.Tensor, weight_args: tuple, y: torch.Tensor) -> None:
+    """y fp32 contiguous [n, out] = x fp32 contiguous [n, k] times a block-packed weight
+    (nn.block_linear.pack; arithmetic: qmatmul.c, `block_linear.reference_matmul`).
+    weight_args: `block_linear.BlockLinear.kernel_args()`, the weight's pointers and format
+    (packed, scales, mins or None, out, nibbles, group, zero, half). Runs on torch's thread
+    count (the pool in qmatmul.c). Raises MemoryError when the activations' scratch cannot be
+    allocated."""
+    n, k = x.shape
+    if library().verispec_qmatmul(x.data_ptr(), n, k, *weight_args, y.data_ptr(), torch.get_num_threads()) != 0:
+        raise MemoryError("the block matmul could not allocate its activation scratch")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

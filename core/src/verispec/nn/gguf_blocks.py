@@ -1,26 +1,30 @@
-"""GGUF 4-bit blocks -> int4 groups of 32 with a scale and a zero, without requantising.
+"""GGUF blocks -> unsigned integers with per-group scales (and mins), without requantising.
 
-`aten._weight_int4pack_mm_for_cpu` dequantises w = (q - 8) · scale + zero per group of 32
-input columns, q in [0, 15] (measured: an fma in fp32, torch 2.13 CPU). The file's Q4_0,
-Q4_1 and Q4_K blocks already hold 4-bit q with per-32 affine scales, so each maps exactly:
+Every type below stores, per group of G input columns, small integers q and fp16-derived
+scales; each weight is w = u · s + m with u = q + z an unsigned integer (z the type's zero
+point, making a signed q unsigned) and m = -z · s for a type without mins. `unpack` returns
+(u, s, m) so that `(u - z) · s` (no mins) or `u · s + m` (mins) is gguf-py's dequantisation
+bitwise (tests/test_gguf_weights.py checks every type on random blocks):
 
-| type | block: weights (bytes): fields          | file's w            | scale  | zero                |
-|------|-----------------------------------------|---------------------|--------|---------------------|
-| Q4_0 | 32 (18): f16 d, 16 B nibbles            | d·(q - 8)           | d      | 0                   |
-| Q4_1 | 32 (20): f16 d, f16 m, 16 B nibbles     | d·q + m             | d      | m + 8·d             |
-| Q4_K | 256 (144): f16 d, f16 dmin, 12 B packed | d·sc_j·q - dmin·m_j | d·sc_j | 8·d·sc_j - dmin·m_j |
-|      | 6-bit sc_j/m_j (j < 8), 128 B nibbles   |                     |        |                     |
+| type | block: weights (bytes): fields                      | file's w            | u         | s      | m         |
+|------|-----------------------------------------------------|---------------------|-----------|--------|-----------|
+| Q4_0 | 32 (18): f16 d, 16 B nibbles                        | d·(q - 8)           | q (z = 8) | d      | -         |
+| Q4_1 | 32 (20): f16 d, f16 m, 16 B nibbles                 | d·q + m             | q         | d      | m         |
+| Q4_K | 256 (144): f16 d, f16 dmin, 12 B 6-bit sc/m, nibbles| d·sc_j·q - dmin·m_j | q         | d·sc_j | -dmin·m_j |
+| Q5_0 | 32 (22): f16 d, 4 B high bits, 16 B nibbles         | d·(q - 16)          | q (z = 16)| d      | -         |
+| Q5_1 | 32 (24): f16 d, f16 m, 4 B high bits, 16 B nibbles  | d·q + m             | q         | d      | m         |
+| Q5_K | 256 (176): as Q4_K + 32 B high bits                 | d·sc_j·q - dmin·m_j | q         | d·sc_j | -dmin·m_j |
+| Q6_K | 256 (210): 128 B low nibbles, 64 B 2-bit highs,     | d·sc_j·(q - 32)     | q (z = 32)| d·sc_j | -         |
+|      | 16 int8 sc_j (groups of 16), f16 d                  |                     |           |        |           |
+| Q8_0 | 32 (34): f16 d, 32 int8 q                           | d·q                 | q + 128 (z = 128) | d | -     |
 
-Nibble order (gguf-py `gguf.quants` Q4_0/Q4_1/Q4_K.dequantize_blocks; ggml-quants.c
-dequantize_row_q4_0/q4_1/q4_K): in a 32-weight block byte i holds weight i (low nibble) and
-weight i + 16 (high nibble); in Q4_K each 32-byte chunk c of the nibbles holds sub-block 2c
-(low nibbles) and sub-block 2c + 1 (high nibbles). Q4_K's 12 scale bytes pack eight 6-bit
-(sc, m) pairs: j < 4 in the low 6 bits of bytes j and j + 4; j >= 4 in the nibbles of byte
-j + 4 with their top two bits in the top bits of bytes j - 4 and j (`Q4_K.get_scale_min`).
-
-Products d·sc·(q - 8) are exact in fp32 (11 + 6 + 4 significant bits); a zero that sums
-two fp16-derived terms is exact unless their exponents lie more than 13 apart. The kernel's
-fast path takes bf16 scales only, so nn.quant.GGUFInt4Linear rounds them (bound stated there).
+Bit layouts follow gguf-py `gguf.quants` (<Type>.dequantize_blocks) and ggml-quants.c
+dequantize_row_*: in a 32-weight Q4/Q5 block byte i holds weight i (low nibble) and weight
+i + 16 (high nibble), bit i of Q5's 32-bit field is weight i's fifth bit; in Q4_K/Q5_K each
+32-byte chunk c of nibbles holds sub-block 2c (low) and 2c + 1 (high), bit j of Q5_K's high
+byte i is sub-block j's weight i; Q4_K's 12 scale bytes pack eight 6-bit (sc, m) pairs (j < 4:
+low 6 bits of bytes j and j + 4; j >= 4: the nibbles of byte j + 4, top bits from the top bits
+of bytes j - 4 and j). Products d·sc are exact in fp32 (11 + 6 or 8 significant bits).
 """
 from __future__ import annotations
 
@@ -28,12 +32,32 @@ import attrs
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-__all__ = ["GROUP", "INT4_TYPES", "GGUFBlocks", "unpack_int4"]
+__all__ = ["BLOCK_FORMATS", "BlockFormat", "BlockValues", "GGUFBlocks", "unpack"]
 
-#: input columns per scale/zero pair: a Q4_0/Q4_1 block, a Q4_K sub-block.
-GROUP = 32
-#: ggml types whose blocks are 4-bit values in groups of GROUP with an affine scale.
-INT4_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K})
+T = GGMLQuantizationType
+
+
+@attrs.frozen
+class BlockFormat:
+    """How a type's values reach the block kernel (nn.block_linear): G columns per scale, the
+    zero point z, whether it has mins, whether u fits a nibble (4 bits) or needs a byte, and
+    whether its scales and mins are the file's fp16 fields (kept as fp16, exact) or products
+    that need fp32."""
+
+    group: int
+    zero: int
+    has_mins: bool
+    nibbles: bool
+    half_scales: bool
+
+
+#: the ggml types the block kernel takes as stored.
+BLOCK_FORMATS = {
+    T.Q4_0: BlockFormat(32, 8, False, True, True), T.Q4_1: BlockFormat(32, 0, True, True, True),
+    T.Q4_K: BlockFormat(32, 0, True, True, False), T.Q5_0: BlockFormat(32, 16, False, False, True),
+    T.Q5_1: BlockFormat(32, 0, True, False, True), T.Q5_K: BlockFormat(32, 0, True, False, False),
+    T.Q6_K: BlockFormat(16, 32, False, False, False), T.Q8_0: BlockFormat(32, 128, False, False, True),
+}
 
 
 @attrs.frozen(eq=False)
@@ -52,6 +76,25 @@ class GGUFBlocks:
         return self.data.shape[0]
 
 
+@attrs.frozen(eq=False)
+class BlockValues:
+    """A tensor's values in the block kernel's terms: u uint8 [rows, cols], s fp32 [rows,
+    cols / G], m fp32 like s or None (no mins); w = (u - z) · s or u · s + m."""
+
+    format: BlockFormat
+    u: torch.Tensor
+    s: torch.Tensor
+    m: torch.Tensor | None
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [rows, cols]: gguf-py's dequantisation of the blocks, bitwise."""
+        g = self.format.group
+        s = self.s.repeat_interleave(g, dim=1)
+        if self.m is None:
+            return (self.u.float() - self.format.zero) * s
+        return self.u.float() * s + self.m.repeat_interleave(g, dim=1)
+
+
 def _f16(two_bytes: torch.Tensor) -> torch.Tensor:
     """uint8 [..., 2] little-endian fp16 -> fp32 [...]."""
     return two_bytes.contiguous().view(torch.float16).squeeze(-1).float()
@@ -63,38 +106,57 @@ def _nibbles(packed: torch.Tensor, run: int) -> torch.Tensor:
     return torch.cat([runs & 15, runs >> 4], dim=-1).flatten(-2)
 
 
-def _q4_k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 [..., 12] -> (sc, m) int32 [..., 8], the 6-bit sub-block scales and mins."""
+def _bits(packed: torch.Tensor, shifts: range, mask: int) -> torch.Tensor:
+    """uint8 [..., n] -> [..., len(shifts)·n]: (byte >> shift) & mask for each shift in turn."""
+    return torch.cat([(packed >> s) & mask for s in shifts], dim=-1)
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [..., 12] -> (sc, m) fp32 [..., 8], Q4_K/Q5_K's 6-bit sub-block scales and mins."""
     b = packed.int()
     low, high, mixed = b[..., 0:4], b[..., 4:8], b[..., 8:12]
     sc = torch.cat([low & 63, (mixed & 15) | ((low >> 6) << 4)], dim=-1)
     m = torch.cat([high & 63, (mixed >> 4) | ((high >> 6) << 4)], dim=-1)
-    return sc, m
+    return sc.float(), m.float()
 
 
-def unpack_int4(blocks: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The stored blocks as int4 groups: (q uint8 [rows, cols] in [0, 15], scale fp32
-    [rows, cols / GROUP], zero fp32 [rows, cols / GROUP]) with w = (q - 8) · scale + zero.
-
-    Raises ValueError for a type outside INT4_TYPES (the caller chooses the class by type).
-    """
+def unpack(blocks: GGUFBlocks) -> BlockValues:
+    """The stored blocks as BLOCK_FORMATS values (table above). Raises ValueError for a type
+    outside BLOCK_FORMATS (the caller chooses the class by type)."""
     kind = blocks.ggml_type
+    if kind not in BLOCK_FORMATS:
+        raise ValueError(f"{kind.name} blocks have no block-kernel format; unpack takes "
+                         f"{', '.join(t.name for t in BLOCK_FORMATS)}")
     block_size, type_size = GGML_QUANT_SIZES[kind]
     b = blocks.data.reshape(blocks.rows, blocks.cols // block_size, type_size)  # [rows, nb, type_size]
-    if kind == GGMLQuantizationType.Q4_0:
-        scale = _f16(b[..., 0:2])  # [rows, nb]: one group per block
-        zero = torch.zeros_like(scale)
-        q = _nibbles(b[..., 2:], 16)
-    elif kind == GGMLQuantizationType.Q4_1:
-        scale, low = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-        zero = low + 8 * scale
-        q = _nibbles(b[..., 4:], 16)
-    elif kind == GGMLQuantizationType.Q4_K:
-        sc, m = _q4_k_scales(b[..., 4:16])  # [rows, nb, 8]
-        scale = _f16(b[..., 0:2])[..., None] * sc.float()
-        zero = 8 * scale - _f16(b[..., 2:4])[..., None] * m.float()
-        q = _nibbles(b[..., 16:], 32)  # 32-byte chunk c: sub-block 2c, then 2c + 1
-    else:
-        raise ValueError(f"{kind.name} blocks are not 4-bit groups; unpack_int4 takes "
-                         f"{', '.join(sorted(t.name for t in INT4_TYPES))}")
-    return q.reshape(blocks.rows, blocks.cols), scale.reshape(blocks.rows, -1), zero.reshape(blocks.rows, -1)
+    m = None
+    if kind == T.Q4_0:
+        s, u = _f16(b[..., 0:2]), _nibbles(b[..., 2:], 16)
+    elif kind == T.Q4_1:
+        s, m, u = _f16(b[..., 0:2]), _f16(b[..., 2:4]), _nibbles(b[..., 4:], 16)
+    elif kind in (T.Q5_0, T.Q5_1):
+        s = _f16(b[..., 0:2])
+        if kind == T.Q5_1:
+            m = _f16(b[..., 2:4])
+        high, low = b[..., -20:-16], b[..., -16:]
+        u = _nibbles(low, 16) | (_bits(high, range(8), 1).unflatten(-1, (8, 4)).transpose(-1, -2).flatten(-2) << 4)
+    elif kind in (T.Q4_K, T.Q5_K):
+        sc, mins = _k_scales(b[..., 4:16])  # [rows, nb, 8]
+        s = _f16(b[..., 0:2])[..., None] * sc
+        m = -(_f16(b[..., 2:4])[..., None] * mins)
+        if kind == T.Q4_K:
+            u = _nibbles(b[..., 16:], 32)  # 32-byte chunk c: sub-block 2c, then 2c + 1
+        else:
+            high = _bits(b[..., 16:48], range(8), 1)  # [.., 8 · 32]: sub-block j's fifth bits
+            u = _nibbles(b[..., 48:], 32) | (high << 4)
+    elif kind == T.Q6_K:
+        low = torch.cat([_nibbles(half, 64) for half in b[..., :128].split(64, dim=-1)], dim=-1)
+        high = torch.cat([_bits(half, range(0, 8, 2), 3) for half in b[..., 128:192].split(32, dim=-1)], dim=-1)
+        u = low | (high << 4)
+        s = _f16(b[..., 208:210])[..., None] * b[..., 192:208].contiguous().view(torch.int8).float()  # [rows, nb, 16]
+    else:  # Q8_0
+        s = _f16(b[..., 0:2])
+        u = (b[..., 2:].contiguous().view(torch.int8).int() + 128).to(torch.uint8)
+    rows = blocks.rows
+    return BlockValues(BLOCK_FORMATS[kind], u.reshape(rows, blocks.cols).to(torch.uint8), s.reshape(rows, -1),
+                       None if m is None else m.reshape(rows, -1))

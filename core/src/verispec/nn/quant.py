@@ -52,7 +52,7 @@ from gguf.constants import GGMLQuantizationType
 from torch import nn
 
 from verispec.errors import VerispecError
-from verispec.nn.gguf_blocks import INT4_TYPES, GGUFBlocks, unpack_int4
+from verispec.nn.gguf_blocks import BLOCK_FORMATS
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4", "gguf")
 #: other spellings accepted for the same dtypes (the CLI's --dtype uses the short ones).
@@ -222,35 +222,11 @@ class Int4Linear(Float32Linear):
         return ((q - 8) * scale + zero)[:, :self.in_features]
 
 
-class GGUFInt4Linear(Int4Linear):
-    """A Q4_0 / Q4_1 / Q4_K tensor's own 4-bit values and per-32 scales in Int4Linear's kernel:
-    nothing is requantised (block layouts and the mapping: nn.gguf_blocks).
-
-    The kernel's fast path takes bf16 activations with bf16 scales and zeros only (fp32 and
-    fp16 run a scalar loop, 40-90x slower, measured here at decode shapes), so the file's
-    scale and zero are rounded to bf16: each dequantised weight is within
-    2^-8 · (|q - 8| · |scale| + |zero|) of `gguf.quants.dequantize` (plus one fp32 rounding),
-    i.e. 2^-8 relative for Q4_0. The 4-bit values themselves are the file's.
-    """
-
-    @classmethod
-    def from_gguf(cls, parts: Sequence[GGUFBlocks]) -> GGUFInt4Linear:
-        """parts: one or more INT4_TYPES tensors with equal `cols`, stacked along rows (e.g.
-        separate gate and up tensors read as one fused weight)."""
-        q, scale, zero = (torch.cat(t) for t in zip(*map(unpack_int4, parts)))  # [out, in], [out, in/32] x2
-        module = cls(parts[0].cols, q.shape[0], device="meta")
-        pad = module.padded_out - module.out_features  # in is a multiple of 32 for every int4 type
-        q, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (q, scale, zero))
-        scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1)  # [in/32, out', 2]
-        module._fill(q.int(), scales_zeros.to(torch.bfloat16).contiguous())
-        return module
-
-
-#: the ggml types a `--dtype gguf` linear takes as per-output-channel int8 (the families'
-#: default, requantised from gguf-py's dequantisation: not exact), no exact kernel fitting them:
-#: every other type gguf-py dequantises (names absent from an older gguf are skipped).
+#: the ggml types a `--dtype gguf` linear takes as per-output-channel int8 (requantised from
+#: gguf-py's dequantisation: not exact), the block kernel having no format for them: every other
+#: type gguf-py dequantises (names absent from an older gguf are skipped).
 GGUF_REQUANTISED = frozenset(GGMLQuantizationType[name] for name in (
-    "F32", "F16", "BF16", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M",
+    "F32", "F16", "BF16", "Q2_K", "Q3_K", "IQ1_S", "IQ1_M",
     "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4",
     "NVFP4") if name in GGMLQuantizationType.__members__)
 
@@ -260,10 +236,10 @@ class UnmappedGGUFType(VerispecError, ValueError):
 
     def __init__(self, name: str, ggml_type: GGMLQuantizationType):
         self.name, self.ggml_type = name, ggml_type
-        exact = ", ".join(sorted(t.name for t in INT4_TYPES))
+        exact = ", ".join(t.name for t in BLOCK_FORMATS)
         wider = ", ".join(sorted(t.name for t in GGUF_REQUANTISED))
         super().__init__(f"{name} is stored as {ggml_type.name}, which the gguf weight mode has no mapping "
-                         f"for (it maps {exact} to int4 groups and {wider} to int8); re-quantise the file "
+                         f"for (it runs {exact} as stored and requantises {wider} to int8); re-quantise the file "
                          "to one of those types (llama.cpp's llama-quantize)")
 
 
@@ -282,12 +258,21 @@ class GGUFLinear(Float32Linear):
 
 def gguf_linear_class(part_types: Mapping[str, GGMLQuantizationType]) -> type[Float32Linear]:
     """The `gguf` mode's class for a linear read from GGUF tensors name -> ggml type (stacked
-    parts, in order): GGUFInt4Linear when every part is Q4_0/Q4_1/Q4_K, else Int8Linear (not
-    exact: requantised per output channel). Raises UnmappedGGUFType naming the tensor."""
+    parts, in order, all of one class): the type's nn.block_linear class for a type in
+    nn.gguf_blocks.BLOCK_FORMATS (the file's values as stored), else Int8Linear (not exact:
+    requantised per output channel). Raises UnmappedGGUFType naming the tensor, ValueError for
+    parts of different classes (`resolve_gguf_linears` runs those partwise)."""
+    from verispec.nn.block_linear import block_linear_class  # block_linear builds on this module
+
+    classes = set()
     for name, ggml_type in part_types.items():
-        if ggml_type not in INT4_TYPES | GGUF_REQUANTISED:
+        if ggml_type not in BLOCK_FORMATS.keys() | GGUF_REQUANTISED:
             raise UnmappedGGUFType(name, ggml_type)
-    return GGUFInt4Linear if part_types and set(part_types.values()) <= INT4_TYPES else Int8Linear
+        classes.add(block_linear_class(ggml_type) if ggml_type in BLOCK_FORMATS else Int8Linear)
+    if len(classes) > 1:
+        raise ValueError(f"{', '.join(part_types)}: parts of different classes are run partwise "
+                         "(resolve_gguf_linears)")
+    return classes.pop() if classes else Int8Linear
 
 
 class PartwiseLinear(nn.ModuleList):

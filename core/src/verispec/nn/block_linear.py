@@ -1,0 +1,194 @@
+"""The `gguf` weight mode's linear: a GGUF tensor's own quantised values in the block kernel.
+
+`BlockLinear.from_gguf` unpacks the file's blocks (nn.gguf_blocks: u, s, m, nothing
+requantised) and `pack`s them into the tiles `qmatmul.c` reads; the forward quantises each
+activation row to int8 per 32 columns, as llama.cpp's CPU dot products do, and sums exact
+integer products per group before one fp32 scale per group. `reference_matmul` states that
+arithmetic in PyTorch (the tests hold the C kernel to it bitwise; it is also the path without
+a C compiler), so a row's output depends on the row and the weights alone: batch-invariant
+for any row count.
+
+One class per ggml type (`block_linear_class`): its buffers' shapes depend on the type's
+format (a byte or a nibble per weight, groups of 16 or 32, mins or not).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from gguf.constants import GGMLQuantizationType
+
+from verispec.nn import ckernels
+from verispec.nn.gguf_blocks import BLOCK_FORMATS, BlockFormat, BlockValues, GGUFBlocks, unpack
+from verispec.nn.quant import Float32Linear
+
+__all__ = ["BlockLinear", "block_linear_class", "pack", "reference_matmul", "quantize_activations"]
+
+TILE = 16  # output rows per tile: one 16-lane fp32 vector
+BLOCK = 32  # input columns per activation scale
+
+
+class BlockLinear(Float32Linear):
+    """y fp32 [n, out] = x fp32 [n, in] · Wᵀ, W a GGUF tensor's values (in % 32 == 0).
+
+    Buffers (layout: qmatmul.c): packed uint8 [tiles, in / 32, 256 | 512], scales fp16 (the
+    file's own fields) or fp32 (products such as Q4_K's d·sc) [tiles, in / 32, 32 / G, 16],
+    mins like scales (or [0] for a type without mins), with tiles = ceil(out / 16), the last
+    tile's missing rows zero.
+    """
+
+    batch_invariant = True
+    FORMAT: BlockFormat
+    GGML_TYPE: GGMLQuantizationType
+
+    def __init__(self, in_features: int, out_features: int, *, device=None):
+        torch.nn.Module.__init__(self)
+        if in_features % BLOCK:
+            raise ValueError(f"a {self.GGML_TYPE.name} linear needs in_features % {BLOCK} == 0, not {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        tiles, nb, fmt = -(-out_features // TILE), in_features // BLOCK, self.FORMAT
+        self.register_buffer("packed", torch.empty(tiles, nb, 256 if fmt.nibbles else 512, dtype=torch.uint8,
+                                                   device=device))
+        groups, dtype = (tiles, nb, BLOCK // fmt.group, TILE), torch.float16 if fmt.half_scales else torch.float32
+        self.register_buffer("scales", torch.empty(groups, dtype=dtype, device=device))
+        self.register_buffer("mins", torch.empty(groups if fmt.has_mins else (0,), dtype=dtype, device=device))
+        self._kernel: tuple | None = None  # (packed tensor, kernel_args()) once computed
+
+    @classmethod
+    def from_gguf(cls, parts: Sequence[GGUFBlocks]) -> BlockLinear:
+        """parts: tensors of this class's type with equal `cols`, stacked along rows (e.g. gate
+        and up read as one fused weight)."""
+        values = [unpack(p) for p in parts]
+        u = torch.cat([v.u for v in values])
+        s = torch.cat([v.s for v in values])
+        m = torch.cat([v.m for v in values]) if cls.FORMAT.has_mins else None
+        module = cls(parts[0].cols, u.shape[0], device="meta")
+        module.packed, module.scales, mins = pack(BlockValues(cls.FORMAT, u, s, m))
+        module.mins = torch.empty(0, dtype=module.scales.dtype) if mins is None else mins
+        return module
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Float32Linear:
+        raise TypeError(f"{cls.__name__} holds a GGUF file's {cls.GGML_TYPE.name} blocks; it is built by "
+                        "from_gguf, never from float weights")
+
+    def values(self, ids: torch.Tensor | None = None) -> BlockValues:
+        """The unpacked values of output rows `ids` (all when None); only their tiles are read."""
+        ids = torch.arange(self.out_features) if ids is None else ids
+        tiles, lane = torch.unique(ids // TILE, return_inverse=True)
+        mins = self.mins[tiles] if self.FORMAT.has_mins else None
+        u, s, m = unpack_tiles(self.FORMAT, self.packed[tiles], self.scales[tiles], mins)
+        at = lane * TILE + ids % TILE
+        return BlockValues(self.FORMAT, u[at], s[at], None if m is None else m[at])
+
+    def kernel_args(self) -> tuple:
+        """The weight's arguments to ckernels.qmatmul (pointers and format), computed once per
+        packed tensor: a forward runs ~100 times a token, and reading pointers costs µs."""
+        packed = self._buffers["packed"]
+        if self._kernel is None or self._kernel[0] is not packed:
+            fmt = self.FORMAT
+            mins = self.mins.data_ptr() if fmt.has_mins else None
+            self._kernel = (packed, (packed.data_ptr(), self.scales.data_ptr(), mins, self.out_features,
+                                     int(fmt.nibbles), fmt.group, fmt.zero, int(fmt.half_scales)))
+        return self._kernel[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.reshape(-1, self.in_features).float().contiguous()
+        if ckernels.library() is None:
+            y = reference_matmul(x, self.values())
+        else:
+            y = torch.empty(x.shape[0], self.out_features)
+            ckernels.qmatmul(x, self.kernel_args(), y)
+        return y if len(lead) == 1 else y.reshape(*lead, self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 [n, in]: rows `ids` dequantised, gguf-py's values bitwise (a tied embedding's lookup)."""
+        return self.values(ids).dequantize()
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, type={self.GGML_TYPE.name}"
+
+
+@functools.cache
+def block_linear_class(ggml_type: GGMLQuantizationType) -> type[BlockLinear]:
+    """The BlockLinear subclass for one of nn.gguf_blocks.BLOCK_FORMATS' types (KeyError otherwise)."""
+    fmt = BLOCK_FORMATS[ggml_type]
+    return type(f"{ggml_type.name}Linear", (BlockLinear,), {"FORMAT": fmt, "GGML_TYPE": ggml_type,
+                                                             "__module__": __name__})
+
+
+def pack(values: BlockValues) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """u, s, m -> the kernel's (packed, scales, mins) buffers (qmatmul.c's layout)."""
+    fmt = values.format
+    rows, cols = values.u.shape
+    pad = -rows % TILE
+    tiles, nb = (rows + pad) // TILE, cols // BLOCK
+    u = F.pad(values.u, (0, 0, 0, pad)).reshape(tiles, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [t, b, j, r, e]
+    if fmt.nibbles:
+        u = u[:, :, :4] | (u[:, :, 4:] << 4)
+    packed = u.reshape(tiles, nb, -1).contiguous()
+
+    def groups(x: torch.Tensor) -> torch.Tensor:
+        x = F.pad(x, (0, 0, 0, pad)).reshape(tiles, TILE, nb, BLOCK // fmt.group).permute(0, 2, 3, 1)
+        if fmt.half_scales and not torch.equal(x.half().float(), x):
+            raise ValueError("scales declared fp16 are not fp16 values")
+        return x.to(torch.float16 if fmt.half_scales else torch.float32).contiguous()
+
+    return packed, groups(values.s), None if values.m is None else groups(values.m)
+
+
+def unpack_tiles(fmt: BlockFormat, packed: torch.Tensor, scales: torch.Tensor,
+                 mins: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`pack`'s inverse: u uint8 [tiles·16, in], s (and m) fp32 [tiles·16, in / G] (exact)."""
+    tiles, nb, _ = packed.shape
+    p = packed.reshape(tiles, nb, -1, TILE, 4)
+    if fmt.nibbles:
+        p = torch.cat([p & 15, p >> 4], dim=2)
+    u = p.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, nb * BLOCK)
+
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        return x.permute(0, 3, 1, 2).reshape(tiles * TILE, -1).float()
+
+    return u, flat(scales), None if mins is None else flat(mins)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qmatmul.c's activation rounding: x fp32 [n, k] -> (a int8 [n, k], d fp32 [n, k / 32],
+    S int32 [n, k / 16]) with d = amax / 127, a = rint(x / d) computed as x · (1 / d)."""
+    n, k = x.shape
+    blocks = x.reshape(n, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    d = amax / torch.full_like(amax, 127.0)  # ATen divides by a 0-dim tensor as a · (1 / b): not C's a / b
+    inv = torch.where(d > 0, torch.ones_like(d) / d, torch.zeros_like(d))
+    a = torch.round(blocks * inv[..., None]).to(torch.int8).reshape(n, k)
+    return a, d, a.reshape(n, k // 16, 16).int().sum(dim=-1, dtype=torch.int32)
+
+
+def reference_matmul(x: torch.Tensor, values: BlockValues, chunk: int = 8192) -> torch.Tensor:
+    """The kernel's arithmetic in PyTorch (qmatmul.c's header), `chunk` output rows at a time:
+    x fp32 [n, k] -> fp32 [n, out]. Integer sums are exact in fp32 (|sum| < 2^24), so any order
+    gives them; the fp32 steps run in the kernel's order."""
+    fmt = values.format
+    n, k = x.shape
+    a, d, S = quantize_activations(x)
+    groups, g = k // fmt.group, fmt.group
+    Sg = S if g == 16 else S[:, 0::2] + S[:, 1::2]  # [n, groups]
+    dg = d.repeat_interleave(BLOCK // g, dim=1)  # [n, groups]: each group's block scale
+    a_g = a.float().reshape(n, groups, g).transpose(0, 1)  # [groups, n, g]
+    out = []
+    for start in range(0, values.u.shape[0], chunk):
+        u = values.u[start:start + chunk].float().reshape(-1, groups, g).permute(1, 2, 0)  # [groups, g, rows]
+        I = torch.bmm(a_g, u) - (fmt.zero * Sg).float().t()[:, :, None]  # [groups, n, rows], exact
+        s = values.s[start:start + chunk]
+        m = None if values.m is None else values.m[start:start + chunk]
+        y = torch.zeros(n, s.shape[0])
+        for h in range(groups):
+            y = y + I[h] * (s[None, :, h] * dg[:, h, None])
+            if m is not None:
+                y = y + (m[None, :, h] * dg[:, h, None]) * Sg[:, h, None].float()
+        out.append(y)
+    return torch.cat(out, dim=1)

@@ -1,0 +1,252 @@
+/* GGUF-block linears on the CPU: y = x · Wᵀ with W the file's own quantised values.
+ * `verispec.nn.block_linear` packs the weights and states this arithmetic in PyTorch for the
+ * tests. Built with AVX-512 VNNI where -march=native has it, else (or with -DVERISPEC_PORTABLE)
+ * a plain loop the compiler vectorises as it can; both give the same bits.
+ *
+ * Weights (packed by block_linear.pack): every weight is u · s + m with u an unsigned integer
+ * the file stores (Q8_0's q + 128, Q5_0's q + 16, Q6_K's q + 32, Q4_x's nibble, ...), s and m
+ * fp32 per group of G = 16 or 32 input columns (m = 0 for a type without a min, which instead
+ * carries its offset in the integer zero point z: w = (u - z) · s). Output rows come in tiles
+ * of 16, a tile's 32 columns of one block in 512 bytes (one byte a weight) or 256 (a nibble):
+ *   bytes:   8 vectors j of 64 bytes; byte 4r + t of vector j = u[r][4j + t]
+ *   nibbles: 4 vectors j; byte 4r + t = u[r][4j + t] | u[r][16 + 4j + t] << 4
+ * then s (and m when the type has mins) as [32 / G][16] per tile and block: fp16 for a type
+ * whose scales are the file's fp16 fields (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: exact), else fp32.
+ *
+ * Activations: each row of x is quantised per block of 32 columns as llama.cpp's
+ * quantize_row_q8_0 does (ggml-quants.c):
+ *   d = amax_i |x_i| / 127,  id = d > 0 ? 1 / d : 0,  a_i = rint(x_i · id)   (int8, ties to even)
+ * and the a_i of each 16 columns are summed (S_h, an integer).
+ *
+ * Output (each step one IEEE fp32 operation; -ffp-contract=off): for row r, output o, y = 0, then
+ * for every block b in order, for each group h of the block in order:
+ *   I  = sum_i u_i a_i - z · S_h                    (exact int32: any order, any vector width)
+ *   y  = y + (float)I · (s_h · d_b)
+ *   y  = y + (m_h · d_b) · (float)S_h               (types with mins only)
+ * A row's bits therefore depend on nothing but the row and the weights: not on the other rows
+ * of the call, the threads, or the instruction set (AVX-512 VNNI or the portable loop below).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(VERISPEC_PORTABLE)
+#include <immintrin.h>
+#define VNNI 1
+#else
+#define VNNI 0
+#endif
+
+/* ---- threads: OpenMP, so the kernels share torch's own thread team (the same libgomp is
+ * loaded once per process) instead of a second set of threads competing with it for cores */
+
+typedef void (*task_fn)(void *arg, int64_t task, int64_t tasks);
+
+/* Run fn(arg, task, tasks) for task = 0 .. tasks - 1 on up to `tasks` threads. */
+static void run_tasks(task_fn fn, void *arg, int64_t tasks) {
+    if (tasks <= 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+#pragma omp parallel num_threads(tasks)
+    {
+        const int64_t team = omp_get_num_threads();
+        for (int64_t task = omp_get_thread_num(); task < tasks; task += team) fn(arg, task, tasks);
+    }
+}
+
+/* ---- activations */
+
+/* x fp32 [n, k] (k % 32 == 0) -> a int8 [n, k], d fp32 [n, k / 32], S int32 [n, k / 16]. */
+static void quantize_rows(const float *x, int64_t n, int64_t k, int8_t *a, float *d, int32_t *S) {
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0; b < k / 32; b++) {
+            const float *xb = x + r * k + b * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            const float db = amax / 127.0f, id = db > 0.0f ? 1.0f / db : 0.0f;
+            int8_t *ab = a + r * k + b * 32;
+            for (int h = 0; h < 2; h++) {
+                int32_t sum = 0;
+                for (int i = 16 * h; i < 16 * h + 16; i++) {
+                    ab[i] = (int8_t)rintf(xb[i] * id);
+                    sum += ab[i];
+                }
+                S[r * (k / 16) + 2 * b + h] = sum;
+            }
+            d[r * (k / 32) + b] = db;
+        }
+}
+
+/* ---- the product */
+
+typedef struct {
+    const uint8_t *w;
+    const void *s, *m; /* fp16 or fp32 (half); m NULL: no mins */
+    const int8_t *a;
+    const float *d;
+    const int32_t *S;
+    float *y;
+    int64_t n, k, out, nibbles, group, zero, half;
+} qjob;
+
+/* Group scale (or min) i of tile t, block b: element ((t * nb + b) * gpb * 16 + i). */
+static inline const void *group_vals(const qjob *q, const void *v, int64_t t, int64_t b) {
+    const int64_t nb = q->k / 32, gpb = 32 / q->group;
+    return (const char *)v + (t * nb + b) * gpb * 16 * (q->half ? 2 : 4);
+}
+
+static inline float half_to_float(uint16_t bits) {
+    _Float16 h;
+    memcpy(&h, &bits, sizeof h);
+    return (float)h;
+}
+
+static inline float group_val(const qjob *q, const void *v, int64_t i) {
+    return q->half ? half_to_float(((const uint16_t *)v)[i]) : ((const float *)v)[i];
+}
+
+#define ROWS 4 /* activation rows sharing each weight load */
+#ifndef PREFETCH
+#define PREFETCH 8
+#endif
+
+#if VNNI
+static inline __m512 load_group(const qjob *q, const void *v, int64_t h) {
+    return q->half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + 16 * h)))
+                   : _mm512_loadu_ps((const float *)v + 16 * h);
+}
+#endif
+
+/* Rows r0 .. r0 + R - 1 of tile t: y[r][16 t + lane]. */
+static void tile_rows(const qjob *q, int64_t t, int64_t r0, int64_t R) {
+    const int64_t nb = q->k / 32, gpb = 32 / q->group, bytes = q->nibbles ? 256 : 512;
+    const int64_t lanes = q->out - 16 * t < 16 ? q->out - 16 * t : 16;
+#if VNNI
+    __m512 acc[ROWS];
+    for (int64_t r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = q->w + (t * nb + b) * bytes;
+        for (int64_t p = 0; p < bytes; p += 64) _mm_prefetch((const char *)wb + PREFETCH * bytes + p, _MM_HINT_T0);
+        __m512i wv[8];
+        if (q->nibbles)
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512(wb + 64 * j);
+                wv[j] = _mm512_and_si512(v, low);
+                wv[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        else
+            for (int j = 0; j < 8; j++) wv[j] = _mm512_loadu_si512(wb + 64 * j);
+        const void *sb = group_vals(q, q->s, t, b), *mb = q->m ? group_vals(q, q->m, t, b) : NULL;
+        __m512 sv[2], mv[2];
+        for (int64_t h = 0; h < gpb; h++) {
+            sv[h] = load_group(q, sb, h);
+            if (mb) mv[h] = load_group(q, mb, h);
+        }
+        for (int64_t r = 0; r < R; r++) {
+            const int8_t *ab = q->a + (r0 + r) * q->k + b * 32;
+            const int32_t *Sb = q->S + (r0 + r) * (q->k / 16) + 2 * b;
+            const __m512 db = _mm512_set1_ps(q->d[(r0 + r) * nb + b]);
+            __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+            int32_t a4[8];
+            memcpy(a4, ab, 32);
+            for (int j = 0; j < 4; j += 2) {
+                i0 = _mm512_dpbusd_epi32(i0, wv[j], _mm512_set1_epi32(a4[j]));
+                i1 = _mm512_dpbusd_epi32(i1, wv[j + 1], _mm512_set1_epi32(a4[j + 1]));
+            }
+            __m512i i2 = _mm512_setzero_si512(), i3 = _mm512_setzero_si512();
+            for (int j = 4; j < 8; j += 2) {
+                i2 = _mm512_dpbusd_epi32(i2, wv[j], _mm512_set1_epi32(a4[j]));
+                i3 = _mm512_dpbusd_epi32(i3, wv[j + 1], _mm512_set1_epi32(a4[j + 1]));
+            }
+            __m512i I[2];
+            int32_t Sg[2];
+            if (gpb == 1) {
+                I[0] = _mm512_add_epi32(_mm512_add_epi32(i0, i1), _mm512_add_epi32(i2, i3));
+                Sg[0] = Sb[0] + Sb[1];
+            } else {
+                I[0] = _mm512_add_epi32(i0, i1);
+                I[1] = _mm512_add_epi32(i2, i3);
+                Sg[0] = Sb[0];
+                Sg[1] = Sb[1];
+            }
+            for (int64_t h = 0; h < gpb; h++) {
+                const __m512i Ih = _mm512_sub_epi32(I[h], _mm512_set1_epi32((int32_t)q->zero * Sg[h]));
+                const __m512 sd = _mm512_mul_ps(sv[h], db);
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(Ih), sd));
+                if (mb) {
+                    const __m512 md = _mm512_mul_ps(mv[h], db);
+                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(md, _mm512_set1_ps((float)Sg[h])));
+                }
+            }
+        }
+    }
+    const __mmask16 mask = (__mmask16)((1u << lanes) - 1);
+    for (int64_t r = 0; r < R; r++) _mm512_mask_storeu_ps(q->y + (r0 + r) * q->out + 16 * t, mask, acc[r]);
+#else
+    float acc[ROWS][16] = {{0}};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = q->w + (t * nb + b) * bytes;
+        uint8_t u[16][32];
+        for (int j = 0; j < 8; j++)
+            for (int l = 0; l < 16; l++)
+                for (int e = 0; e < 4; e++)
+                    u[l][4 * j + e] = q->nibbles ? (uint8_t)((wb[64 * (j & 3) + 4 * l + e] >> (4 * (j >> 2))) & 15)
+                                                 : wb[64 * j + 4 * l + e];
+        const void *sb = group_vals(q, q->s, t, b), *mb = q->m ? group_vals(q, q->m, t, b) : NULL;
+        for (int64_t r = 0; r < R; r++) {
+            const int8_t *ab = q->a + (r0 + r) * q->k + b * 32;
+            const int32_t *Sb = q->S + (r0 + r) * (q->k / 16) + 2 * b;
+            const float db = q->d[(r0 + r) * nb + b];
+            for (int l = 0; l < 16; l++)
+                for (int64_t h = 0; h < gpb; h++) {
+                    const int64_t c0 = h * q->group;
+                    int32_t I = 0;
+                    for (int64_t c = c0; c < c0 + q->group; c++) I += (int32_t)u[l][c] * ab[c];
+                    const int32_t Sg = gpb == 1 ? Sb[0] + Sb[1] : Sb[h];
+                    I -= (int32_t)q->zero * Sg;
+                    acc[r][l] = acc[r][l] + (float)I * (group_val(q, sb, 16 * h + l) * db);
+                    if (mb) acc[r][l] = acc[r][l] + (group_val(q, mb, 16 * h + l) * db) * (float)Sg;
+                }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) memcpy(q->y + (r0 + r) * q->out + 16 * t, acc[r], sizeof(float) * lanes);
+#endif
+}
+
+/* Task `task` of `tasks` takes an equal run of whole tiles (every row of each). */
+static void qmatmul_task(void *arg, int64_t task, int64_t tasks) {
+    const qjob *q = arg;
+    const int64_t tiles = (q->out + 15) / 16;
+    const int64_t first = tiles * task / tasks, last = tiles * (task + 1) / tasks;
+    for (int64_t t = first; t < last; t++)
+        for (int64_t r0 = 0; r0 < q->n; r0 += ROWS) tile_rows(q, t, r0, q->n - r0 < ROWS ? q->n - r0 : ROWS);
+}
+
+/* y fp32 [n, out] = x fp32 [n, k] times the packed weights (layout above; k % 32 == 0):
+ * w uint8 [ceil(out / 16), k / 32, 256 or 512], s [ceil(out / 16), k / 32, 32 / group, 16] fp16
+ * (half) or fp32, m like s or NULL, zero the integer zero point z. threads: tasks for the pool (the output
+ * tiles are split between them; the bits do not depend on it).
+ * Returns 0, or -1 when the activations' scratch could not be allocated. */
+int verispec_qmatmul(const float *x, int64_t n, int64_t k, const uint8_t *w, const void *s, const void *m,
+                     int64_t out, int64_t nibbles, int64_t group, int64_t zero, int64_t half, float *y,
+                     int64_t threads) {
+    int8_t *a = malloc((size_t)(n * k + 4 * n * (k / 32) + 4 * n * (k / 16)));
+    if (!a) return -1;
+    float *d = (float *)(a + n * k);
+    int32_t *S = (int32_t *)(d + n * (k / 32));
+    quantize_rows(x, n, k, a, d, S);
+    qjob q = {w, s, m, a, d, S, y, n, k, out, nibbles, group, zero, half};
+    const int64_t tiles = (out + 15) / 16;
+    /* below ~64k weight bytes a call is cheaper on one thread than handing out tasks */
+    if (threads > tiles) threads = tiles;
+    if (threads > 1 && tiles * (k / 32) * (nibbles ? 256 : 512) * (n < ROWS ? n : ROWS) < (1 << 16)) threads = 1;
+    run_tasks(qmatmul_task, &q, threads);
+    free(a);
+    return 0;
+}
+
+/* Whether this build has the AVX-512 VNNI path (1) or the portable loop (0). */
+int verispec_qmatmul_vnni(void) { return VNNI; }
