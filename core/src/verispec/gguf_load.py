@@ -17,7 +17,7 @@ before any conversion starts. `WeightPlan.convert` reads each source (dequantise
 - the weight of a linear (`nn.quant.Float32Linear` and subclasses) is converted to that
   linear's weight dtype by `type(module).from_float(tensor)`; its state entries (`weight`,
   int8 `scales`, int4 `packed`/`nibbles`/`scales_zeros`) are what that module holds;
-- a linear whose class has `from_gguf` (the `gguf` weight mode's GGUFInt4Linear) gets the
+- a linear whose class has `from_gguf` (the `gguf` weight mode's nn.block_linear classes) gets the
   stored blocks instead (`nn.gguf_blocks.GGUFBlocks`: ggml type + raw bytes, stacked parts
   and expert slices as for fp32), so the file's quantised values reach it unrequantised;
 - everything else (norms, biases, scales, scalars) stays fp32 as stored.

@@ -30,10 +30,15 @@ TILE = 16  # output rows per tile: one 16-lane fp32 vector
 BLOCK = 32  # input columns per activation scale
 
 
+def tile_block_bytes(bits: int) -> int:
+    """Packed bytes of one tile's 32 columns (qmatmul.c's tile_block_bytes)."""
+    return 512 if bits == 8 else 256 + 64 * (bits - 4)
+
+
 class BlockLinear(Float32Linear):
     """y fp32 [n, out] = x fp32 [n, in] · Wᵀ, W a GGUF tensor's values (in % 32 == 0).
 
-    Buffers (layout: qmatmul.c): packed uint8 [tiles, in / 32, 256 | 512], scales fp16 (the
+    Buffers (layout: qmatmul.c): packed uint8 [tiles, in / 32, tile_block_bytes(bits)], scales fp16 (the
     file's own fields) or fp32 (products such as Q4_K's d·sc) [tiles, in / 32, 32 / G, 16],
     mins like scales (or [0] for a type without mins), with tiles = ceil(out / 16), the last
     tile's missing rows zero.
@@ -49,7 +54,7 @@ class BlockLinear(Float32Linear):
             raise ValueError(f"a {self.GGML_TYPE.name} linear needs in_features % {BLOCK} == 0, not {in_features}")
         self.in_features, self.out_features = in_features, out_features
         tiles, nb, fmt = -(-out_features // TILE), in_features // BLOCK, self.FORMAT
-        self.register_buffer("packed", torch.empty(tiles, nb, 256 if fmt.nibbles else 512, dtype=torch.uint8,
+        self.register_buffer("packed", torch.empty(tiles, nb, tile_block_bytes(fmt.bits), dtype=torch.uint8,
                                                    device=device))
         groups, dtype = (tiles, nb, BLOCK // fmt.group, TILE), torch.float16 if fmt.half_scales else torch.float32
         self.register_buffer("scales", torch.empty(groups, dtype=dtype, device=device))
@@ -91,7 +96,7 @@ class BlockLinear(Float32Linear):
             fmt = self.FORMAT
             mins = self.mins.data_ptr() if fmt.has_mins else None
             self._kernel = (packed, (packed.data_ptr(), self.scales.data_ptr(), mins, self.out_features,
-                                     int(fmt.nibbles), fmt.group, fmt.zero, int(fmt.half_scales)))
+                                     fmt.bits, fmt.group, fmt.zero, int(fmt.half_scales)))
         return self._kernel[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,9 +133,16 @@ def pack(values: BlockValues) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor 
     pad = -rows % TILE
     tiles, nb = (rows + pad) // TILE, cols // BLOCK
     u = F.pad(values.u, (0, 0, 0, pad)).reshape(tiles, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [t, b, j, r, e]
-    if fmt.nibbles:
-        u = u[:, :, :4] | (u[:, :, 4:] << 4)
-    packed = u.reshape(tiles, nb, -1).contiguous()
+    if fmt.bits == 8:
+        packed = u.reshape(tiles, nb, -1).contiguous()
+    else:
+        low = u & 15
+        parts = [(low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(tiles, nb, -1)]  # 256 bytes
+        weights = 1 << torch.arange(8, dtype=torch.uint8)
+        for p in range(4, fmt.bits):  # a plane: word j's bit 4r + e is bit p of u[r][4j + e], little-endian
+            bits = ((u >> p) & 1).reshape(tiles, nb, 8, 8, 8)  # [t, b, j, byte, bit]
+            parts.append((bits * weights).sum(-1, dtype=torch.uint8).reshape(tiles, nb, 64))
+        packed = torch.cat(parts, dim=-1).contiguous()
 
     def groups(x: torch.Tensor) -> torch.Tensor:
         x = F.pad(x, (0, 0, 0, pad)).reshape(tiles, TILE, nb, BLOCK // fmt.group).permute(0, 2, 3, 1)
@@ -145,9 +157,15 @@ def unpack_tiles(fmt: BlockFormat, packed: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`pack`'s inverse: u uint8 [tiles·16, in], s (and m) fp32 [tiles·16, in / G] (exact)."""
     tiles, nb, _ = packed.shape
-    p = packed.reshape(tiles, nb, -1, TILE, 4)
-    if fmt.nibbles:
-        p = torch.cat([p & 15, p >> 4], dim=2)
+    if fmt.bits == 8:
+        p = packed.reshape(tiles, nb, 8, TILE, 4)
+    else:
+        low = packed[..., :256].reshape(tiles, nb, 4, TILE, 4)
+        p = torch.cat([low & 15, low >> 4], dim=2)  # [t, b, j, r, e]
+        for plane, bit in enumerate(range(4, fmt.bits)):
+            words = packed[..., 256 + 64 * plane:320 + 64 * plane].reshape(tiles, nb, 8, 8, 1)  # [t, b, j, byte, 1]
+            bits = (words >> torch.arange(8, dtype=torch.uint8)) & 1
+            p = p | (bits.reshape(tiles, nb, 8, TILE, 4) << bit)
     u = p.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, nb * BLOCK)
 
     def flat(x: torch.Tensor) -> torch.Tensor:

@@ -108,7 +108,7 @@ def library() -> ctypes.CDLL | None:
             try:
                 lib = ctypes.CDLL(str(build()))
             except (RuntimeError, OSError) as e:
-                log.warning("verispec: the C kernels are unavailable (%s); attention and RMSNorm run on the slower "
+                log.warning("verispec: the C kernels are unavailable (%s); attention, RMSNorm and the gguf linears run on the slower "
                             "PyTorch path", e)
             else:
                 lib.verispec_attend.restype = ctypes.c_int
@@ -183,7 +183,7 @@ def qmatmul(x: torch.Tensor, weight_args: tuple, y: torch.Tensor) -> None:
     """y fp32 contiguous [n, out] = x fp32 contiguous [n, k] times a block-packed weight
     (nn.block_linear.pack; arithmetic: qmatmul.c, `block_linear.reference_matmul`).
     weight_args: `block_linear.BlockLinear.kernel_args()`, the weight's pointers and format
-    (packed, scales, mins or None, out, nibbles, group, zero, half). Runs on torch's thread
+    (packed, scales, mins or None, out, bits, group, zero, half). Runs on torch's thread
     count (the pool in qmatmul.c). Raises MemoryError when the activations' scratch cannot be
     allocated."""
     n, k = x.shape

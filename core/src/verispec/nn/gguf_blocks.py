@@ -40,23 +40,23 @@ T = GGMLQuantizationType
 @attrs.frozen
 class BlockFormat:
     """How a type's values reach the block kernel (nn.block_linear): G columns per scale, the
-    zero point z, whether it has mins, whether u fits a nibble (4 bits) or needs a byte, and
+    zero point z, whether it has mins, the bits of u (4, 5, 6 or 8: the packed size), and
     whether its scales and mins are the file's fp16 fields (kept as fp16, exact) or products
     that need fp32."""
 
     group: int
     zero: int
     has_mins: bool
-    nibbles: bool
+    bits: int
     half_scales: bool
 
 
 #: the ggml types the block kernel takes as stored.
 BLOCK_FORMATS = {
-    T.Q4_0: BlockFormat(32, 8, False, True, True), T.Q4_1: BlockFormat(32, 0, True, True, True),
-    T.Q4_K: BlockFormat(32, 0, True, True, False), T.Q5_0: BlockFormat(32, 16, False, False, True),
-    T.Q5_1: BlockFormat(32, 0, True, False, True), T.Q5_K: BlockFormat(32, 0, True, False, False),
-    T.Q6_K: BlockFormat(16, 32, False, False, False), T.Q8_0: BlockFormat(32, 128, False, False, True),
+    T.Q4_0: BlockFormat(32, 8, False, 4, True), T.Q4_1: BlockFormat(32, 0, True, 4, True),
+    T.Q4_K: BlockFormat(32, 0, True, 4, False), T.Q5_0: BlockFormat(32, 16, False, 5, True),
+    T.Q5_1: BlockFormat(32, 0, True, 5, True), T.Q5_K: BlockFormat(32, 0, True, 5, False),
+    T.Q6_K: BlockFormat(16, 32, False, 6, False), T.Q8_0: BlockFormat(32, 128, False, 8, True),
 }
 
 

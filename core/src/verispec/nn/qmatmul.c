@@ -7,9 +7,12 @@
  * the file stores (Q8_0's q + 128, Q5_0's q + 16, Q6_K's q + 32, Q4_x's nibble, ...), s and m
  * fp32 per group of G = 16 or 32 input columns (m = 0 for a type without a min, which instead
  * carries its offset in the integer zero point z: w = (u - z) · s). Output rows come in tiles
- * of 16, a tile's 32 columns of one block in 512 bytes (one byte a weight) or 256 (a nibble):
- *   bytes:   8 vectors j of 64 bytes; byte 4r + t of vector j = u[r][4j + t]
- *   nibbles: 4 vectors j; byte 4r + t = u[r][4j + t] | u[r][16 + 4j + t] << 4
+ * of 16, a tile's 32 columns of one block in as many bits a weight as the file's type has:
+ *   8 bits:    8 vectors j of 64 bytes; byte 4r + t of vector j = u[r][4j + t]
+ *   4 bits:    4 vectors j; byte 4r + t = (u[r][4j + t] | u[r][16 + 4j + t] << 4) & 0xFF
+ *   5, 6 bits: the 4-bit part (bits 0-3 of u), then for each higher bit p = 4 .. bits - 1 a
+ *              plane of 8 64-bit words j: bit 4r + t of word j = bit p of u[r][4j + t]
+ *              (Q5_x: 320 bytes a tile and block instead of 512, Q6_K: 384)
  * then s (and m when the type has mins) as [32 / G][16] per tile and block: fp16 for a type
  * whose scales are the file's fp16 fields (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: exact), else fp32.
  *
@@ -88,8 +91,11 @@ typedef struct {
     const float *d;
     const int32_t *S;
     float *y;
-    int64_t n, k, out, nibbles, group, zero, half;
+    int64_t n, k, out, bits, group, zero, half;
 } qjob;
+
+/* Bytes of one tile's block of 32 columns. */
+static inline int64_t tile_block_bytes(int64_t bits) { return bits == 8 ? 512 : 256 + 64 * (bits - 4); }
 
 /* Group scale (or min) i of tile t, block b: element ((t * nb + b) * gpb * 16 + i). */
 static inline const void *group_vals(const qjob *q, const void *v, int64_t t, int64_t b) {
@@ -121,7 +127,7 @@ static inline __m512 load_group(const qjob *q, const void *v, int64_t h) {
 
 /* Rows r0 .. r0 + R - 1 of tile t: y[r][16 t + lane]. */
 static void tile_rows(const qjob *q, int64_t t, int64_t r0, int64_t R) {
-    const int64_t nb = q->k / 32, gpb = 32 / q->group, bytes = q->nibbles ? 256 : 512;
+    const int64_t nb = q->k / 32, gpb = 32 / q->group, bytes = tile_block_bytes(q->bits);
     const int64_t lanes = q->out - 16 * t < 16 ? q->out - 16 * t : 16;
 #if VNNI
     __m512 acc[ROWS];
@@ -131,14 +137,22 @@ static void tile_rows(const qjob *q, int64_t t, int64_t r0, int64_t R) {
         const uint8_t *wb = q->w + (t * nb + b) * bytes;
         for (int64_t p = 0; p < bytes; p += 64) _mm_prefetch((const char *)wb + PREFETCH * bytes + p, _MM_HINT_T0);
         __m512i wv[8];
-        if (q->nibbles)
+        if (q->bits == 8)
+            for (int j = 0; j < 8; j++) wv[j] = _mm512_loadu_si512(wb + 64 * j);
+        else
             for (int j = 0; j < 4; j++) {
                 const __m512i v = _mm512_loadu_si512(wb + 64 * j);
                 wv[j] = _mm512_and_si512(v, low);
                 wv[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
-        else
-            for (int j = 0; j < 8; j++) wv[j] = _mm512_loadu_si512(wb + 64 * j);
+        for (int64_t p = 0; p < q->bits - 4 && q->bits < 8; p++) { /* higher bit planes: add 2^(4+p) */
+            const __m512i bit = _mm512_set1_epi8((char)(16 << p));
+            for (int j = 0; j < 8; j++) {
+                uint64_t mask;
+                memcpy(&mask, wb + 256 + 64 * p + 8 * j, 8);
+                wv[j] = _mm512_mask_add_epi8(wv[j], (__mmask64)mask, wv[j], bit);
+            }
+        }
         const void *sb = group_vals(q, q->s, t, b), *mb = q->m ? group_vals(q, q->m, t, b) : NULL;
         __m512 sv[2], mv[2];
         for (int64_t h = 0; h < gpb; h++) {
@@ -192,9 +206,19 @@ static void tile_rows(const qjob *q, int64_t t, int64_t r0, int64_t R) {
         uint8_t u[16][32];
         for (int j = 0; j < 8; j++)
             for (int l = 0; l < 16; l++)
-                for (int e = 0; e < 4; e++)
-                    u[l][4 * j + e] = q->nibbles ? (uint8_t)((wb[64 * (j & 3) + 4 * l + e] >> (4 * (j >> 2))) & 15)
-                                                 : wb[64 * j + 4 * l + e];
+                for (int e = 0; e < 4; e++) {
+                    if (q->bits == 8) {
+                        u[l][4 * j + e] = wb[64 * j + 4 * l + e];
+                        continue;
+                    }
+                    uint8_t v = (uint8_t)((wb[64 * (j & 3) + 4 * l + e] >> (4 * (j >> 2))) & 15);
+                    for (int64_t p = 0; p < q->bits - 4; p++) {
+                        uint64_t mask;
+                        memcpy(&mask, wb + 256 + 64 * p + 8 * j, 8);
+                        v = (uint8_t)(v | ((mask >> (4 * l + e)) & 1) << (4 + p));
+                    }
+                    u[l][4 * j + e] = v;
+                }
         const void *sb = group_vals(q, q->s, t, b), *mb = q->m ? group_vals(q, q->m, t, b) : NULL;
         for (int64_t r = 0; r < R; r++) {
             const int8_t *ab = q->a + (r0 + r) * q->k + b * 32;
@@ -226,23 +250,23 @@ static void qmatmul_task(void *arg, int64_t task, int64_t tasks) {
 }
 
 /* y fp32 [n, out] = x fp32 [n, k] times the packed weights (layout above; k % 32 == 0):
- * w uint8 [ceil(out / 16), k / 32, 256 or 512], s [ceil(out / 16), k / 32, 32 / group, 16] fp16
+ * w uint8 [ceil(out / 16), k / 32, tile_block_bytes(bits)] (bits: 4, 5, 6 or 8), s [ceil(out / 16), k / 32, 32 / group, 16] fp16
  * (half) or fp32, m like s or NULL, zero the integer zero point z. threads: tasks for the pool (the output
  * tiles are split between them; the bits do not depend on it).
  * Returns 0, or -1 when the activations' scratch could not be allocated. */
 int verispec_qmatmul(const float *x, int64_t n, int64_t k, const uint8_t *w, const void *s, const void *m,
-                     int64_t out, int64_t nibbles, int64_t group, int64_t zero, int64_t half, float *y,
+                     int64_t out, int64_t bits, int64_t group, int64_t zero, int64_t half, float *y,
                      int64_t threads) {
     int8_t *a = malloc((size_t)(n * k + 4 * n * (k / 32) + 4 * n * (k / 16)));
     if (!a) return -1;
     float *d = (float *)(a + n * k);
     int32_t *S = (int32_t *)(d + n * (k / 32));
     quantize_rows(x, n, k, a, d, S);
-    qjob q = {w, s, m, a, d, S, y, n, k, out, nibbles, group, zero, half};
+    qjob q = {w, s, m, a, d, S, y, n, k, out, bits, group, zero, half};
     const int64_t tiles = (out + 15) / 16;
     /* below ~64k weight bytes a call is cheaper on one thread than handing out tasks */
     if (threads > tiles) threads = tiles;
-    if (threads > 1 && tiles * (k / 32) * (nibbles ? 256 : 512) * (n < ROWS ? n : ROWS) < (1 << 16)) threads = 1;
+    if (threads > 1 && tiles * (k / 32) * tile_block_bytes(bits) * (n < ROWS ? n : ROWS) < (1 << 16)) threads = 1;
     run_tasks(qmatmul_task, &q, threads);
     free(a);
     return 0;

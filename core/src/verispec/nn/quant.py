@@ -10,28 +10,20 @@ takes and returns fp32 activations [n, in] -> [n, out]; only the matmul sees bf1
 | bfloat16 | bf16 [out, in]                 | F.linear bf16, bf16 out                     | no: CPU-dependent (AVX-512 BF16: rows differ from n = 21 at 48→80) |
 | int8     | int8 [out, in] + bf16 scale [out] | aten._weight_int8pack_mm, bf16 act/out  | yes             |
 | int4     | int4 groups of 32 + bf16 scale/zero | aten._weight_int4pack_mm_for_cpu, bf16 | yes (checked to 33 rows) |
-| gguf     | per tensor: Q4_0/Q4_1/Q4_K as int4 (the file's q) | int4 kernel; other types int8 | yes (both kernels) |
+| gguf     | per tensor: the file's blocks as stored (nn.gguf_blocks) | block kernel (qmatmul.c), int8 activations per 32 | yes, any row count |
 
-gguf (the gemma4 and llama families' default) keeps the file's own 4-bit values: a Q4_0, Q4_1
-or Q4_K tensor goes to the int4 kernel as stored (GGUFInt4Linear; only its per-32 scale and
-zero round to bf16, the one dtype the kernel runs fast), every other type to per-channel int8
-(requantised, not exact; GGUF_REQUANTISED), a type gguf-py cannot dequantise is refused. A
-stacked linear (q|k|v, gate|up read as one) whose parts map to different classes is never one
-requantised int8 linear: `resolve_gguf_linears` makes it a PartwiseLinear (one linear per run
-of parts of one class), so a Q4_K part stays exact int4 beside a Q6_K one.
-Measured with benchmarks/weight_modes.py (2 threads, machine shared with other jobs, load
-average ~2.5; plain decode tok/s, median of 5 paired rounds; argmax = fp32 on the quote-code
-prompt's rows; README "Weight dtypes" has a second run):
-
-| model (file)          | gguf tok/s | argmax | int8 tok/s | argmax | int4 tok/s | argmax |
-|-----------------------|------------|--------|------------|--------|------------|--------|
-| Gemma 3 270M (Q4_K_M) | 61.1       | 96.6 % | 60.3       | 95.7 % | 78.0       | 73.3 % |
-| SmolLM2-135M (Q4_1)   | 99.1       | 98.2 % | 87.0       | 97.6 % | 101.4      | 93.8 % |
-
-Gemma's Q4_K_M file holds only 27 Q4_K matrices (rows of 640 are not a multiple of 256, so
-llama.cpp stores those as Q5_0) and a Q8_0 head, so its gguf mode is mostly int8. int4
-requantises every tensor, head included, to asymmetric min/max groups: the fastest, but it moves
-a quarter of Gemma's greedy choices, so it is opt-in.
+gguf (the gemma, gemma4 and llama families' default) keeps the file's own quantised values: a
+Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K or Q8_0 tensor becomes that type's
+nn.block_linear.BlockLinear (nothing requantised: its rows are gguf-py's dequantisation
+bitwise), whose product quantises each activation row to int8 per 32 columns as llama.cpp's
+CPU kernels do; float and other types go to per-channel int8 (requantised, not exact;
+GGUF_REQUANTISED), a type gguf-py cannot dequantise is refused. A stacked linear (q|k|v,
+gate|up read as one) whose parts are of different types is never one requantised linear:
+`resolve_gguf_linears` makes it a PartwiseLinear (one linear per run of parts of one class), so
+a Q4_K q|k and a Q6_K v each run as stored. Speeds and argmax agreement with fp32 per model:
+README "Weight dtypes" (benchmarks/weight_modes.py). int4 requantises every tensor, head
+included, to asymmetric min/max groups: it moves a quarter of Gemma's greedy choices, so it
+is opt-in.
 
 int8 is symmetric per output channel: w ≈ q · scale, q in [-127, 127], scale =
 max|w_row| / 127 rounded up to bf16 (the kernel takes bf16 scales; rounding up means no
