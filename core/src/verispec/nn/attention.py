@@ -57,24 +57,33 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
 def _attend_kernel(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, caches: list, rows, *,
                    scaling: float, sliding_window: int | None) -> torch.Tensor:
     """Every sequence's rows in one kernel call, which writes k, v first; q fp32 [n, H, Dh] ->
-    fp32 [n, H, Dh]. The caches hold the block tables the descriptors point into."""
+    fp32 [n, H, Dh]."""
+    desc, work = kernel_descriptors(caches, rows, write=k is not None, sliding_window=sliding_window)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if k is not None:
+        k, v = k.contiguous(), v.contiguous()
+    ckernels.attend(q, k, v, out, desc, caches[0].num_kv_heads, scaling, work=work * q.shape[1])
+    return out
+
+
+def kernel_descriptors(caches: list, rows, *, write: bool, sliding_window: int | None = None
+                       ) -> tuple[torch.Tensor, int]:
+    """The attention kernel's descriptors for a forward's sequences (`ckernels.attend`): int64
+    [sequences, 9], and the rows x slots it reads. write: the rows' K/V are about to be written
+    (each cache's `prepare_write` is done here). The caches hold the block tables the
+    descriptors point into."""
     desc, work = [], 0
     for s, cache in zip(rows.sequences, caches):
         n = s.end - s.begin
-        if k is not None:
+        if write:
             cache.prepare_write(s.start_pos, n)
         k_table, v_table, block, slot_pos = cache.kernel_view()
         num_slots = cache.key_length(s.start_pos + n - 1)
         desc.append((s.begin, n, s.start_pos, num_slots, block, k_table.data_ptr(), v_table.data_ptr(),
                      0 if slot_pos is None else slot_pos.data_ptr(), sliding_window or 0))  # ckernels.attend
         work += n * num_slots
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    if k is not None:
-        k, v = k.contiguous(), v.contiguous()
-    ckernels.attend(q, k, v, out, torch.tensor(desc, dtype=torch.int64), caches[0].num_kv_heads, scaling,
-                    work=work * q.shape[1])
-    return out
+    return torch.tensor(desc, dtype=torch.int64), work
 
 
 def attend(q: torch.Tensor, cache, start_pos: int, *, scaling: float, sliding_window: int | None = None,

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "qmatmul.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "qmatmul.c", "layers.c")]
+HEADERS = [Path(__file__).with_name("kernels.h")]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread", "-fopenmp"]
 
 _library: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable
@@ -52,7 +53,7 @@ def library_path(extra_flags: Sequence[str] = ()) -> Path:
     """Where this machine's build (with `extra_flags`) lives (it may not exist yet)."""
     from verispec.checkpoints import cache_dir
 
-    texts = [src.read_text() for src in SOURCES]
+    texts = [src.read_text() for src in [*SOURCES, *HEADERS]]
     key = hashlib.sha256("\0".join([*texts, *FLAGS, *extra_flags, _cpu_flags()]).encode()).hexdigest()[:16]
     return cache_dir("kernels") / f"kernels-{key}.so"
 
@@ -121,6 +122,12 @@ def library() -> ctypes.CDLL | None:
                                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                                  ctypes.c_int64]
+                lib.verispec_silu_mul.restype = None
+                lib.verispec_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+                lib.verispec_llama_layer.restype = ctypes.c_int
+                lib.verispec_llama_layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
                 lib.verispec_rms_norm.restype = None
                 lib.verispec_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                                   ctypes.c_int64, ctypes.c_float]
@@ -189,6 +196,23 @@ def qmatmul(x: torch.Tensor, weight_args: tuple, y: torch.Tensor) -> None:
     n, k = x.shape
     if library().verispec_qmatmul(x.data_ptr(), n, k, *weight_args, y.data_ptr(), torch.get_num_threads()) != 0:
         raise MemoryError("the block matmul could not allocate its activation scratch")
+
+
+def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
+    """SwiGLU's silu(gate) · up: gate_up fp32 contiguous [n, 2F] (gate | up) -> fp32 [n, F]
+    (arithmetic: `reference_silu_mul`)."""
+    n = gate_up.shape[0]
+    out = torch.empty(n, width)
+    library().verispec_silu_mul(gate_up.data_ptr(), out.data_ptr(), n, width)
+    return out
+
+
+def reference_silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
+    """`verispec_silu_mul` of layers.c, operation by operation."""
+    g, u = gate_up[:, :width], gate_up[:, width:]
+    e = _reference_exp(-g.abs())
+    num = torch.where(g < 0, e, torch.ones_like(e))
+    return (g * (num / (torch.ones_like(e) + e))) * u
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -29,36 +29,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
+#include "kernels.h"
 
 /* One sequence's descriptor: DESC_FIELDS int64 values. */
 enum { Q_ROW, N_ROWS, START_POS, NUM_SLOTS, BLOCK, K_TABLE, V_TABLE, SLOT_POS, WINDOW, DESC_FIELDS };
 
-static v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-/* exp(x) for x <= 0, ~1 ulp: x clamped to -80 (e^-80 ~ 1.8e-35, a weight of nothing; every
- * step stays a normal float), n = round(x / ln 2) by the 1.5 * 2^23 trick (ties to even),
- * r = x - n ln2 in two parts, cephes expf's polynomial, then * 2^n built from bits. */
-static v16 vexp(v16 x) {
-    const v16 lo = splat(-80.0f), magic = splat(12582912.0f);
-    const v16i below = x < lo; /* lanes -1 where x < -80 */
-    x = (v16)(((v16i)lo & below) | ((v16i)x & ~below));
-    v16 n = (x * splat(1.44269504088896341f) + magic) - magic;
-    v16 r = x - n * splat(0.693359375f);
-    r = r - n * splat(-2.12194440e-4f);
-    v16 p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    v16 y = p * (r * r);
-    y = y + r;
-    y = y + splat(1.0f);
-    v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return y * (v16)bits;
-}
 
 static inline int visible(int64_t sp, int64_t p, int64_t window) {
     return sp >= 0 && sp <= p && (window <= 0 || p - sp < window);

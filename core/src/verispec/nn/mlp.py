@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec.nn import ckernels
 from verispec.nn.elementwise import rowwise
 
 ACTIVATIONS = {
@@ -38,5 +39,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.activation == "silu" and ckernels.library() is not None:  # the fused layers' SwiGLU (nn.layers)
+            return self.down_proj(ckernels.silu_mul(gate_up.reshape(-1, 2 * self.intermediate_size).contiguous(),
+                                                    self.intermediate_size).view(*x.shape[:-1], -1))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(rowwise(self.act_fn, gate) * up)  # rowwise: batch-invariant

@@ -31,6 +31,8 @@
  */
 #include <math.h>
 #include <omp.h>
+
+#include "kernels.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,7 +93,7 @@ typedef struct {
     const float *d;
     const int32_t *S;
     float *y;
-    int64_t n, k, out, bits, group, zero, half;
+    int64_t n, k, out, bits, group, zero, half, ldy;
 } qjob;
 
 /* Bytes of one tile's block of 32 columns. */
@@ -198,7 +200,7 @@ static void tile_rows(const qjob *q, int64_t t, int64_t r0, int64_t R) {
         }
     }
     const __mmask16 mask = (__mmask16)((1u << lanes) - 1);
-    for (int64_t r = 0; r < R; r++) _mm512_mask_storeu_ps(q->y + (r0 + r) * q->out + 16 * t, mask, acc[r]);
+    for (int64_t r = 0; r < R; r++) _mm512_mask_storeu_ps(q->y + (r0 + r) * q->ldy + 16 * t, mask, acc[r]);
 #else
     float acc[ROWS][16] = {{0}};
     for (int64_t b = 0; b < nb; b++) {
@@ -236,7 +238,7 @@ static void tile_rows(const qjob *q, int64_t t, int64_t r0, int64_t R) {
                 }
         }
     }
-    for (int64_t r = 0; r < R; r++) memcpy(q->y + (r0 + r) * q->out + 16 * t, acc[r], sizeof(float) * lanes);
+    for (int64_t r = 0; r < R; r++) memcpy(q->y + (r0 + r) * q->ldy + 16 * t, acc[r], sizeof(float) * lanes);
 #endif
 }
 
@@ -249,27 +251,40 @@ static void qmatmul_task(void *arg, int64_t task, int64_t tasks) {
         for (int64_t r0 = 0; r0 < q->n; r0 += ROWS) tile_rows(q, t, r0, q->n - r0 < ROWS ? q->n - r0 : ROWS);
 }
 
-/* y fp32 [n, out] = x fp32 [n, k] times the packed weights (layout above; k % 32 == 0):
- * w uint8 [ceil(out / 16), k / 32, tile_block_bytes(bits)] (bits: 4, 5, 6 or 8), s [ceil(out / 16), k / 32, 32 / group, 16] fp16
- * (half) or fp32, m like s or NULL, zero the integer zero point z. threads: tasks for the pool (the output
- * tiles are split between them; the bits do not depend on it).
+/* y fp32 [n, sum of the parts' out] (row stride ldy) = x fp32 [n, k] times `parts` packed
+ * weights side by side (a stacked linear run partwise: each part's columns follow the previous
+ * part's), x quantised once. Layout above (k % 32 == 0): w uint8 [ceil(out / 16), k / 32,
+ * tile_block_bytes(bits)] (bits: 4, 5, 6 or 8), s [ceil(out / 16), k / 32, 32 / group, 16] fp16
+ * (half) or fp32, m like s or NULL, zero the integer zero point z. threads: tasks the output
+ * tiles are split between (the bits do not depend on it).
  * Returns 0, or -1 when the activations' scratch could not be allocated. */
-int verispec_qmatmul(const float *x, int64_t n, int64_t k, const uint8_t *w, const void *s, const void *m,
-                     int64_t out, int64_t bits, int64_t group, int64_t zero, int64_t half, float *y,
-                     int64_t threads) {
+int verispec_qmatmul_parts(const float *x, int64_t n, int64_t k, const verispec_qweight *w, int64_t parts,
+                           float *y, int64_t ldy, int64_t threads) {
     int8_t *a = malloc((size_t)(n * k + 4 * n * (k / 32) + 4 * n * (k / 16)));
     if (!a) return -1;
     float *d = (float *)(a + n * k);
     int32_t *S = (int32_t *)(d + n * (k / 32));
     quantize_rows(x, n, k, a, d, S);
-    qjob q = {w, s, m, a, d, S, y, n, k, out, bits, group, zero, half};
-    const int64_t tiles = (out + 15) / 16;
-    /* below ~64k weight bytes a call is cheaper on one thread than handing out tasks */
-    if (threads > tiles) threads = tiles;
-    if (threads > 1 && tiles * (k / 32) * tile_block_bytes(bits) * (n < ROWS ? n : ROWS) < (1 << 16)) threads = 1;
-    run_tasks(qmatmul_task, &q, threads);
+    for (int64_t p = 0; p < parts; p++) {
+        const verispec_qweight *wp = &w[p];
+        qjob q = {wp->w, wp->s, wp->m, a, d, S, y, n, k, wp->out, wp->bits, wp->group, wp->zero, wp->half, ldy};
+        const int64_t tiles = (wp->out + 15) / 16;
+        int64_t tasks = threads < tiles ? threads : tiles;
+        /* below ~64k weight bytes a call is cheaper on one thread than handing out tasks */
+        if (tasks > 1 && tiles * (k / 32) * tile_block_bytes(wp->bits) * (n < ROWS ? n : ROWS) < (1 << 16)) tasks = 1;
+        run_tasks(qmatmul_task, &q, tasks);
+        y += wp->out;
+    }
     free(a);
     return 0;
+}
+
+/* One weight: verispec_qmatmul_parts with one part and ldy = out (the ctypes entry point). */
+int verispec_qmatmul(const float *x, int64_t n, int64_t k, const uint8_t *w, const void *s, const void *m,
+                     int64_t out, int64_t bits, int64_t group, int64_t zero, int64_t half, float *y,
+                     int64_t threads) {
+    const verispec_qweight weight = {w, s, m, out, bits, group, zero, half};
+    return verispec_qmatmul_parts(x, n, k, &weight, 1, y, out, threads);
 }
 
 /* Whether this build has the AVX-512 VNNI path (1) or the portable loop (0). */

@@ -38,6 +38,8 @@ import torch
 from torch import nn
 from verispec.errors import UnsupportedVariant
 from verispec.gguf_io import MissingTensor, arch_value
+from verispec.nn import ckernels
+from verispec.nn.layers import LlamaLayerKernel, block_parts
 from verispec.nn.attention import attend_rows
 from verispec.nn.state import PagedKVCache
 from verispec.nn.mlp import GatedMLP
@@ -193,16 +195,45 @@ def _add(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 class LlamaDecoderLayer(nn.Module):
+    #: run the layer as one C call (nn.layers) when its linears are block-packed and the kernels
+    #: are built; same bits as the op-by-op forward below (the tests switch it off to compare)
+    fused = True
+
     def __init__(self, config: LlamaConfig, *, device=None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "silu", device=device)
+        self._kernel: LlamaLayerKernel | None = None
+
+    def _fused_kernel(self, rope: RotaryEmbedding) -> LlamaLayerKernel | None:
+        """The layer's nn.layers kernel, built on first use and again when a linear's weights
+        changed; None when the layer cannot run fused."""
+        if not self.fused or ckernels.library() is None:
+            return None
+        a, mlp = self.self_attn, self.mlp
+        linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        parts = [block_parts(m) for m in linears]
+        if any(p is None for p in parts):
+            return None
+        keys = tuple(p.kernel_args() for ps in parts for p in ps)
+        if self._kernel is None or self._kernel.keys != keys:
+            self._kernel = LlamaLayerKernel(
+                input_norm=self.input_layernorm.weight, post_norm=self.post_attention_layernorm.weight,
+                qkv=a.qkv_proj, o=a.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj, qkv_bias=a.qkv_bias,
+                o_bias=a.o_bias, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                intermediate_size=mlp.intermediate_size, rotary_dim=rope.rotary_dim, neox=rope.style == "neox",
+                eps=self.input_layernorm.eps, scaling=a.scaling)
+        return self._kernel
 
     def forward(self, hidden_states: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
                 rows: Rows, layer_idx: int) -> torch.Tensor:
         """hidden_states: fp32 [n, D] -> fp32 [n, D]."""
+        kernel = self._fused_kernel(rope)
+        if kernel is not None:
+            caches = [s.state.layers[layer_idx] for s in rows.sequences]
+            return kernel(hidden_states.contiguous(), cos, sin, caches, rows)
         attn = self.self_attn(self.input_layernorm(hidden_states), rope, cos, sin, rows, layer_idx)
         hidden_states = hidden_states + attn
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))

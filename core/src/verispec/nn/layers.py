@@ -1,0 +1,89 @@
+"""Whole decoder layers in one C call (layers.c): the families' layer modules hand their
+weights here once and call `LlamaLayerKernel` per forward when every linear is block-packed
+(the `gguf` weight mode) and the C kernels are built. The arithmetic is the op-by-op forward's
+with the C kernels, so the two give the same bits (tests/test_fused_layers.py); what goes is
+the per-op dispatch, most of a small model's one-row decode.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from verispec.nn import ckernels
+from verispec.nn.attention import kernel_descriptors
+from verispec.nn.block_linear import BlockLinear
+from verispec.nn.quant import PartwiseLinear
+
+__all__ = ["LlamaLayerKernel", "block_parts"]
+
+MAX_PARTS = 4
+
+
+class _QWeight(ctypes.Structure):  # kernels.h verispec_qweight
+    _fields_ = [("w", ctypes.c_void_p), ("s", ctypes.c_void_p), ("m", ctypes.c_void_p), ("out", ctypes.c_int64),
+                ("bits", ctypes.c_int64), ("group", ctypes.c_int64), ("zero", ctypes.c_int64),
+                ("half", ctypes.c_int64)]
+
+
+class _Linear(ctypes.Structure):  # layers.c linear
+    _fields_ = [("parts", ctypes.c_int64), ("part", _QWeight * MAX_PARTS)]
+
+
+class _LlamaLayer(ctypes.Structure):  # layers.c llama_layer
+    _fields_ = [*[(name, ctypes.c_int64) for name in ("D", "H", "Hkv", "Dh", "F", "rotary_dim", "neox")],
+                ("eps", ctypes.c_float), ("scaling", ctypes.c_float),
+                *[(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv_bias", "o_bias")],
+                *[(name, _Linear) for name in ("qkv", "o", "gate_up", "down")]]
+
+
+def block_parts(linear) -> list[BlockLinear] | None:
+    """The block linears a linear runs, in output order (a PartwiseLinear's runs), or None when
+    any part is of another class or there are more than MAX_PARTS."""
+    parts = list(linear) if isinstance(linear, PartwiseLinear) else [linear]
+    if len(parts) > MAX_PARTS or not all(isinstance(p, BlockLinear) for p in parts):
+        return None
+    return parts
+
+
+def _linear(parts: list[BlockLinear]) -> _Linear:
+    out = _Linear(parts=len(parts))
+    for i, part in enumerate(parts):
+        out.part[i] = _QWeight(*part.kernel_args())
+    return out
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class LlamaLayerKernel:
+    """One llama / qwen2 decoder layer's weights for `verispec_llama_layer` (layers.c): norms,
+    q|k|v, o, gate|up, down (block-packed), biases. The layer's tensors must stay alive and
+    unchanged while it is used (the family rebuilds it when a linear's weights change)."""
+
+    def __init__(self, *, input_norm, post_norm, qkv, o, gate_up, down, qkv_bias, o_bias, num_heads: int,
+                 num_kv_heads: int, head_dim: int, intermediate_size: int, rotary_dim: int, neox: bool,
+                 eps: float, scaling: float):
+        parts = [block_parts(m) for m in (qkv, o, gate_up, down)]
+        if any(p is None for p in parts) or rotary_dim > 1024:
+            raise ValueError("a fused layer needs block-packed linears (the gguf weight mode) and RoPE over "
+                             "at most 1024 dims")
+        self.keys = tuple(p.kernel_args() for ps in parts for p in ps)  # the weights it points at
+        self._tensors = (input_norm, post_norm, qkv_bias, o_bias)
+        self.args = _LlamaLayer(qkv.in_features, num_heads, num_kv_heads, head_dim, intermediate_size, rotary_dim,
+                                int(neox), eps, scaling, *map(_ptr, self._tensors), *map(_linear, parts))
+        self.num_kv_heads = num_kv_heads
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list, rows) -> torch.Tensor:
+        """h fp32 contiguous [n, D] -> fp32 [n, D]; cos, sin fp32 contiguous [n, 1, rotary_dim]
+        (`RotaryEmbedding.cos_sin`); caches: each sequence's KV cache of this layer, `rows` its
+        nn.trunk.Rows. Raises MemoryError when the kernel's scratch allocation fails."""
+        desc, work = kernel_descriptors(caches, rows, write=True)
+        out = torch.empty_like(h)
+        attend_threads = torch.get_num_threads() if work * self.args.H >= ckernels.PARALLEL_WORK else 1
+        if ckernels.library().verispec_llama_layer(ctypes.addressof(self.args), h.data_ptr(), out.data_ptr(),
+                                                   h.shape[0], cos.data_ptr(), sin.data_ptr(), desc.data_ptr(),
+                                                   desc.shape[0], attend_threads, torch.get_num_threads()) != 0:
+            raise MemoryError("the fused layer could not allocate its scratch")
+        return out

@@ -1,0 +1,87 @@
+"""The fused decoder layer (verispec.nn.layers, layers.c) gives the op-by-op forward's bits: a
+tiny llama and qwen2 written with quantised linears of several GGUF types (so q|k|v runs
+partwise), in the `gguf` weight mode, prefill (chunked), decodes, verifies and two sequences
+in one forward, with the fused path checked to have run."""
+import pytest
+import torch
+from tiny_llama import build_hf_model, hf_to_gguf
+from verispec.nn import ckernels
+from verispec.nn.layers import LlamaLayerKernel
+from verispec.testing import forward_one
+from verispec.testing.fixture_writer import write_gguf
+from verispec_llama.loader import load
+
+pytestmark = pytest.mark.skipif(ckernels.library() is None, reason="no C compiler: the kernels are not built")
+
+#: ggml type per GGUF linear: mixed across q|k|v (two runs) and the MLP
+TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q4_1",
+         "ffn_up": "Q4_1", "ffn_down": "Q8_0"}
+CONFIGS = {  # linear widths multiples of 32 (a block)
+    "llama": ("llama", {"vocab_size": 131, "hidden_size": 96, "intermediate_size": 64, "num_hidden_layers": 2,
+                        "num_attention_heads": 3, "num_key_value_heads": 1, "tie_word_embeddings": False}),
+    "qwen2": ("qwen2", {"vocab_size": 139, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def target(request, tmp_path_factory, monkeypatch_module):
+    import tiny_llama
+
+    monkeypatch_module.setitem(tiny_llama.TINY_CONFIGS, request.param, CONFIGS[request.param])
+    arch, metadata, tensors = hf_to_gguf(build_hf_model(request.param))
+    types = {name: TYPES[name.split(".")[2]] for name in tensors
+             if name.startswith("blk.") and name.endswith(".weight") and name.split(".")[2] in TYPES}
+    path = write_gguf(tmp_path_factory.mktemp("fused") / "q.gguf", arch=arch, metadata=metadata, tensors=tensors,
+                      tensor_types=types)
+    return load(path, dtype="gguf")
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def _run(target, fused: bool, calls: list):
+    for layer in target.model.layers:
+        layer.fused = fused
+    ids = torch.randint(0, target.vocab_size, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    seq = target.new_sequence()
+    prefill = forward_one(target, seq, ids[:70], logits="all").logits  # 64 + 6 rows: two chunks
+    decodes = torch.cat([forward_one(target, seq, ids[70 + i:71 + i]).logits for i in range(3)])
+    verify = forward_one(target, seq, ids[73:80], verify=True).logits
+    target.release(seq)
+    return prefill, decodes, verify
+
+
+def test_the_fused_layer_is_the_op_by_op_layer_bitwise(target, monkeypatch):
+    calls = []
+    original = LlamaLayerKernel.__call__
+    monkeypatch.setattr(LlamaLayerKernel, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    fused = _run(target, True, calls)
+    assert calls, "the fused path did not run"
+    count = len(calls)
+    plain = _run(target, False, calls)
+    assert len(calls) == count  # switched off: not called
+    for name, a, b in zip(("prefill", "decode", "verify"), fused, plain):
+        assert torch.equal(a, b), f"{name}: max |diff| {(a - b).abs().max():.3g}"
+
+
+def test_two_sequences_in_one_forward_are_each_alone(target):
+    """A batched decode of two sequences through the fused layers gives each sequence's own bits."""
+    from verispec.seams import Segment
+
+    ids = [5, 17, 3, 44, 9, 12, 30]
+    seqs = [target.new_sequence() for _ in range(2)]
+    for s, start in zip(seqs, (0, 2)):
+        forward_one(target, s, ids[start:start + 4], logits="last")
+    both = target.forward([Segment(seqs[0], [ids[4]]), Segment(seqs[1], [ids[6]])])
+    alone = []
+    for s, start, tok in zip(seqs, (0, 2), (ids[4], ids[6])):
+        target.truncate(s, 4)
+        alone.append(forward_one(target, s, [tok]).logits)
+    for out, ref in zip(both, alone):
+        assert torch.equal(out.logits, ref)
+    for s in seqs:
+        target.release(s)
