@@ -101,7 +101,7 @@ def test_a_failed_build_warns_once_and_the_pytorch_path_runs(monkeypatch, tmp_pa
     assert ckernels.library() is None  # decided once: one warning
     warnings = [r.getMessage() for r in caplog.records if r.name == "verispec.nn.ckernels"]
     assert len(warnings) == 1
-    assert "cc -O0 failed on kernels.c + qmatmul.c: cc: error: unrecognized command-line option" in warnings[0]
+    assert "cc -O0 failed on kernels.c + qmatmul.c + layers.c: cc: error: unrecognized command-line option" in warnings[0]
     assert "PyTorch path" in warnings[0]
     state = _filled(False, 1, 8, 10, 0, seed=3)
     q = torch.randn(1, 2, 8, generator=_gen(4))

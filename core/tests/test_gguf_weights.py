@@ -19,11 +19,11 @@ from verispec.gguf_load import Stack, Tensor, plan_weights
 from verispec.nn import ckernels
 from verispec.nn.block_linear import block_linear_class, quantize_activations, reference_matmul
 from verispec.nn.gguf_blocks import BLOCK_FORMATS, GGUFBlocks, unpack
+from verispec.nn.gguf_mode import UnmappedGGUFType
 from verispec.nn.quant import (
     GGUFLinear,
     Int8Linear,
     PartwiseLinear,
-    UnmappedGGUFType,
     canonical_dtype,
     module_batch_invariant,
     rows_per_forward,

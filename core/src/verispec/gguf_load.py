@@ -8,7 +8,7 @@ name) and its config reading. It builds its module on the meta device and calls
 
 `plan_weights` walks the module's state dict and, for every entry, finds its table row and
 picks the GGUF source present in the file (in the `gguf` weight mode it first gives each
-placeholder linear the class for its source's ggml types, `nn.quant.resolve_gguf_linears`: a
+placeholder linear the class for its source's ggml types, `nn.gguf_mode.resolve_gguf_linears`: a
 stack whose parts need different classes becomes a `PartwiseLinear`, one linear per run);
 `WeightPlan.check` (run by `load`) refuses a missing
 (gguf_io.MissingTensor) or misshapen (BadTensorShape, via `GGUFFile.expect_shape`) tensor
@@ -56,7 +56,8 @@ from torch import nn
 
 from verispec.gguf_io import GGUFFile
 from verispec.nn.gguf_blocks import GGUFBlocks
-from verispec.nn.quant import Float32Linear, PartwiseLinear, resolve_gguf_linears
+from verispec.nn.gguf_mode import resolve_gguf_linears
+from verispec.nn.quant import Float32Linear, PartwiseLinear
 from verispec.weight_cache import cached_state
 
 __all__ = ["Stack", "Tensor", "TensorSource", "UnmappedParameter", "WeightPlan", "expand_table",
@@ -294,13 +295,13 @@ def plan_weights(gguf: GGUFFile, model: nn.Module, table: Iterable[Tensor], *, n
     (`WeightPlan.check`), so a family can first refuse a file for what else it holds.
 
     GGUFLinear placeholders (`gguf` weight mode) first become the class for the ggml types of
-    their first present source (nn.quant.resolve_gguf_linears; parts of mixed classes become a
+    their first present source (nn.gguf_mode.resolve_gguf_linears; parts of mixed classes become a
     PartwiseLinear whose linears `<linear>.0`, `<linear>.1`, ... each read their run of parts).
     A linear's entries are planned as one tensor, `<linear>.weight`, of shape
     [out_features, in_features]; every other entry has its module's shape. A stacked source's
     parts take the rows their owning module declares (`Stack`), else an equal share; a
     per-expert part is [num_experts, *shape].
-    Raises UnmappedParameter for a state entry the table does not fill, nn.quant.UnmappedGGUFType
+    Raises UnmappedParameter for a state entry the table does not fill, nn.gguf_mode.UnmappedGGUFType
     for a `gguf`-mode linear stored in a type that mode has no mapping for, ValueError for an
     optional entry absent from the file whose module has no default value (a linear, or a
     meta tensor), for rows a stack cannot share evenly and for declared rows that do not fit.

@@ -109,8 +109,8 @@ def library() -> ctypes.CDLL | None:
             try:
                 lib = ctypes.CDLL(str(build()))
             except (RuntimeError, OSError) as e:
-                log.warning("verispec: the C kernels are unavailable (%s); attention, RMSNorm and the gguf linears run on the slower "
-                            "PyTorch path", e)
+                log.warning("verispec: the C kernels are unavailable (%s); attention, RMSNorm, the gguf linears "
+                            "and the fused layers run on the slower PyTorch path", e)
             else:
                 lib.verispec_attend.restype = ctypes.c_int
                 lib.verispec_attend.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

@@ -40,11 +40,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
-from gguf.constants import GGMLQuantizationType
 from torch import nn
 
 from verispec.errors import VerispecError
-from verispec.nn.gguf_blocks import BLOCK_FORMATS
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "int4", "gguf")
 #: other spellings accepted for the same dtypes (the CLI's --dtype uses the short ones).
@@ -214,27 +212,6 @@ class Int4Linear(Float32Linear):
         return ((q - 8) * scale + zero)[:, :self.in_features]
 
 
-#: the ggml types a `--dtype gguf` linear takes as per-output-channel int8 (requantised from
-#: gguf-py's dequantisation: not exact), the block kernel having no format for them: every other
-#: type gguf-py dequantises (names absent from an older gguf are skipped).
-GGUF_REQUANTISED = frozenset(GGMLQuantizationType[name] for name in (
-    "F32", "F16", "BF16", "Q2_K", "Q3_K", "IQ1_S", "IQ1_M",
-    "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4",
-    "NVFP4") if name in GGMLQuantizationType.__members__)
-
-
-class UnmappedGGUFType(VerispecError, ValueError):
-    """`--dtype gguf` met a tensor whose ggml type it has no mapping for."""
-
-    def __init__(self, name: str, ggml_type: GGMLQuantizationType):
-        self.name, self.ggml_type = name, ggml_type
-        exact = ", ".join(t.name for t in BLOCK_FORMATS)
-        wider = ", ".join(sorted(t.name for t in GGUF_REQUANTISED))
-        super().__init__(f"{name} is stored as {ggml_type.name}, which the gguf weight mode has no mapping "
-                         f"for (it runs {exact} as stored and requantises {wider} to int8); re-quantise the file "
-                         "to one of those types (llama.cpp's llama-quantize)")
-
-
 class GGUFLinear(Float32Linear):
     """The `gguf` weight mode's linear before the file is read: a meta placeholder that
     `resolve_gguf_linears` replaces by the class for its tensor's ggml types
@@ -246,25 +223,6 @@ class GGUFLinear(Float32Linear):
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int8Linear:
         return Int8Linear.from_float(weight)
-
-
-def gguf_linear_class(part_types: Mapping[str, GGMLQuantizationType]) -> type[Float32Linear]:
-    """The `gguf` mode's class for a linear read from GGUF tensors name -> ggml type (stacked
-    parts, in order, all of one class): the type's nn.block_linear class for a type in
-    nn.gguf_blocks.BLOCK_FORMATS (the file's values as stored), else Int8Linear (not exact:
-    requantised per output channel). Raises UnmappedGGUFType naming the tensor, ValueError for
-    parts of different classes (`resolve_gguf_linears` runs those partwise)."""
-    from verispec.nn.block_linear import block_linear_class  # block_linear builds on this module
-
-    classes = set()
-    for name, ggml_type in part_types.items():
-        if ggml_type not in BLOCK_FORMATS.keys() | GGUF_REQUANTISED:
-            raise UnmappedGGUFType(name, ggml_type)
-        classes.add(block_linear_class(ggml_type) if ggml_type in BLOCK_FORMATS else Int8Linear)
-    if len(classes) > 1:
-        raise ValueError(f"{', '.join(part_types)}: parts of different classes are run partwise "
-                         "(resolve_gguf_linears)")
-    return classes.pop() if classes else Int8Linear
 
 
 class PartwiseLinear(nn.ModuleList):
@@ -291,42 +249,6 @@ class PartwiseLinear(nn.ModuleList):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([m(x) for m in self], dim=-1)
-
-
-def resolve_gguf_linears(model: nn.Module,
-                         part_types: Callable[[str], Mapping[str, GGMLQuantizationType]],
-                         part_rows: Callable[[str], Sequence[int] | None] = lambda prefix: None) -> nn.Module:
-    """Replace every GGUFLinear placeholder in `model` (meta) by an empty module for the ggml
-    types of its source parts, `part_types(prefix)` (`prefix` its module name, parts in stack
-    order); in place. Each part's class is `gguf_linear_class({part: type})`; when every part
-    has the same class the linear is one module of it (a stack of Q4_0/Q4_1/Q4_K parts: one
-    exact int4 linear; of other types: one int8 linear, requantised per output row as the
-    parts would be alone). Mixed classes (a Q4_K_M file's Q4_K attn_q/attn_k beside a Q6_K
-    attn_v) are never requantised into one int8 linear: the placeholder becomes a
-    `PartwiseLinear` of one linear per run of parts of one class. The parts' rows are
-    `part_rows(prefix)` (the owning module's declaration), else equal shares.
-    Raises UnmappedGGUFType, ValueError when declared rows do not fit the parts."""
-    def choose(prefix: str, old: nn.Module) -> nn.Module:
-        if not isinstance(old, GGUFLinear):
-            return old
-        types = part_types(prefix)
-        classes = [gguf_linear_class({name: t}) for name, t in types.items()]
-        if len(set(classes)) <= 1:
-            return gguf_linear_class(types)(old.in_features, old.out_features, device="meta")
-        rows = tuple(part_rows(prefix) or [old.out_features // len(classes)] * len(classes))
-        if len(rows) != len(classes) or sum(rows) != old.out_features:
-            raise ValueError(f"{prefix}: {len(classes)} stacked parts cannot have rows {rows} "
-                             f"of its {old.out_features}")
-        runs: list[tuple[type[Float32Linear], list[int]]] = []
-        for cls, r in zip(classes, rows):
-            if runs and runs[-1][0] is cls:
-                runs[-1][1].append(r)
-            else:
-                runs.append((cls, [r]))
-        return PartwiseLinear([cls(old.in_features, sum(r), device="meta") for cls, r in runs],
-                              {str(j): tuple(r) for j, (_, r) in enumerate(runs) if len(r) > 1})
-
-    return _replace_linears(model, choose)
 
 
 LINEAR_CLASSES: dict[str, type[Float32Linear]] = {
@@ -388,10 +310,10 @@ def swap_linears(model: nn.Module, dtype: str) -> nn.Module:
         dense = old.rows(torch.arange(weight.shape[0])) if isinstance(old, Float32Linear) else weight
         return cls.from_float(dense.detach())
 
-    return _replace_linears(model, convert)
+    return replace_linears(model, convert)
 
 
-def _replace_linears(model: nn.Module, make: Callable[[str, nn.Module], nn.Module]) -> nn.Module:
+def replace_linears(model: nn.Module, make: Callable[[str, nn.Module], nn.Module]) -> nn.Module:
     """Set every linear of `model` to `make(module name, linear)`, called once per distinct module
     (shared modules stay shared, plain attributes that alias one follow it); in place."""
     made: dict[int, nn.Module] = {}
