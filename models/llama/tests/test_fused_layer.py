@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_llama import build_hf_model, hf_to_gguf
 from verispec.nn import ckernels
-from verispec.nn.layers import LlamaLayerKernel
+from verispec.nn.layers import DecoderLayerKernel
 from verispec.testing import forward_one
 from verispec.testing.fixture_writer import write_gguf
 from verispec_llama.loader import load
@@ -57,8 +57,8 @@ def _run(target, fused: bool, calls: list):
 
 def test_the_fused_layer_is_the_op_by_op_layer_bitwise(target, monkeypatch):
     calls = []
-    original = LlamaLayerKernel.__call__
-    monkeypatch.setattr(LlamaLayerKernel, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    original = DecoderLayerKernel.__call__
+    monkeypatch.setattr(DecoderLayerKernel, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
     fused = _run(target, True, calls)
     assert calls, "the fused path did not run"
     count = len(calls)

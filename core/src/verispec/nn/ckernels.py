@@ -122,12 +122,13 @@ def library() -> ctypes.CDLL | None:
                                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                                  ctypes.c_int64]
-                lib.verispec_silu_mul.restype = None
-                lib.verispec_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-                lib.verispec_llama_layer.restype = ctypes.c_int
-                lib.verispec_llama_layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+                for glu in (lib.verispec_silu_mul, lib.verispec_gelu_tanh_mul):
+                    glu.restype = None
+                    glu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+                lib.verispec_decoder_layer.restype = ctypes.c_int
+                lib.verispec_decoder_layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
                 lib.verispec_rms_norm.restype = None
                 lib.verispec_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                                   ctypes.c_int64, ctypes.c_float]
@@ -198,21 +199,27 @@ def qmatmul(x: torch.Tensor, weight_args: tuple, y: torch.Tensor) -> None:
         raise MemoryError("the block matmul could not allocate its activation scratch")
 
 
-def silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
-    """SwiGLU's silu(gate) · up: gate_up fp32 contiguous [n, 2F] (gate | up) -> fp32 [n, F]
-    (arithmetic: `reference_silu_mul`)."""
+def glu(activation: str, gate_up: torch.Tensor, width: int) -> torch.Tensor:
+    """A gated MLP's act(gate) · up, activation "silu" (SwiGLU) or "gelu_tanh" (GeGLU):
+    gate_up fp32 contiguous [n, 2F] (gate | up) -> fp32 [n, F] (arithmetic: `reference_glu`)."""
     n = gate_up.shape[0]
     out = torch.empty(n, width)
-    library().verispec_silu_mul(gate_up.data_ptr(), out.data_ptr(), n, width)
+    kernel = library().verispec_silu_mul if activation == "silu" else library().verispec_gelu_tanh_mul
+    kernel(gate_up.data_ptr(), out.data_ptr(), n, width)
     return out
 
 
-def reference_silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
-    """`verispec_silu_mul` of layers.c, operation by operation."""
+def reference_glu(activation: str, gate_up: torch.Tensor, width: int) -> torch.Tensor:
+    """`verispec_silu_mul` / `verispec_gelu_tanh_mul` of layers.c, operation by operation."""
     g, u = gate_up[:, :width], gate_up[:, width:]
-    e = _reference_exp(-g.abs())
-    num = torch.where(g < 0, e, torch.ones_like(e))
-    return (g * (num / (torch.ones_like(e) + e))) * u
+    one = torch.ones_like(g)
+    if activation == "silu":
+        e = _reference_exp(-g.abs())
+        return (g * (torch.where(g < 0, e, one) / (one + e))) * u
+    y = _f32(0.7978845608) * (g + _f32(0.044715) * ((g * g) * g))
+    e = _reference_exp(-y.abs() * _f32(2.0))
+    t = torch.copysign((one - e) / (one + e), y)
+    return ((_f32(0.5) * g) * (one + t)) * u
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

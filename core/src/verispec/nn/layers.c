@@ -2,9 +2,9 @@
  * dozen PyTorch ops and module calls a layer) than in the layer's arithmetic, so a family whose
  * linears are all block-packed (nn.block_linear) runs each layer here. Every step is the same
  * fp32 operation, in the same order, as the family's PyTorch forward with the C kernels
- * (RMSNorm, block linears, RoPE's x·cos + swap(x)·sin, attention, residual adds, and the SwiGLU
- * of `verispec_silu_mul`, which that forward calls too), so the fused and the op-by-op layer
- * give the same bits (tests/test_fused_layers.py).
+ * (RMSNorms, block linears, RoPE's x·cos + swap(x)·sin, attention, residual adds, and the
+ * SwiGLU / GeGLU below, which that forward calls too), so the fused and the op-by-op layer
+ * give the same bits (each family's test_fused_layer.py).
  */
 #include <math.h>
 #include <stdint.h>
@@ -45,14 +45,48 @@ typedef struct {
     verispec_qweight part[4];
 } linear;
 
-/* A llama / qwen2 decoder layer (transformers LlamaDecoderLayer): sizes, norm weights, biases
- * (NULL: none) and the four linears, built once per layer by the family's Python. */
+/* out fp32 [n, F] = gelu_tanh(g) · u for gu fp32 [n, 2F] (gate | up, transformers
+ * GELUTanh / gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))), with
+ * tanh through vexp of a non-positive argument:
+ *   y = 0.7978845608 · (x + 0.044715 · ((x · x) · x)),  e = vexp(-2 |y|),
+ *   t = (1 - e) / (1 + e) with y's sign,  out = ((0.5 · x) · (1 + t)) · u
+ * (`ckernels.reference_gelu_tanh_mul` states it in PyTorch). */
+void verispec_gelu_tanh_mul(const float *gu, float *out, int64_t n, int64_t F) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *g = gu + r * 2 * F, *u = g + F;
+        float *o = out + r * F;
+        for (int64_t i = 0; i < F; i += 16) {
+            const int64_t w = F - i < 16 ? F - i : 16;
+            float gl[16] = {0}, ul[16] = {0}, ol[16];
+            memcpy(gl, g + i, sizeof(float) * w);
+            memcpy(ul, u + i, sizeof(float) * w);
+            v16 x, uv;
+            memcpy(&x, gl, sizeof x);
+            memcpy(&uv, ul, sizeof uv);
+            const v16 y = splat(0.7978845608f) * (x + splat(0.044715f) * ((x * x) * x));
+            const v16i sign = (v16i)y & (v16i)splat(-0.0f);
+            const v16 e = vexp((v16)((v16i)y | (v16i)splat(-0.0f)) * splat(2.0f)); /* vexp(-2|y|) */
+            const v16 t = (v16)((v16i)((splat(1.0f) - e) / (splat(1.0f) + e)) | sign);
+            const v16 res = ((splat(0.5f) * x) * (splat(1.0f) + t)) * uv;
+            memcpy(ol, &res, sizeof ol);
+            memcpy(o + i, ol, sizeof(float) * w);
+        }
+    }
+}
+
+/* A pre-norm decoder layer (transformers LlamaDecoderLayer, Gemma3DecoderLayer): sizes, the
+ * activation (0: SwiGLU, 1: GeGLU tanh), norm weights, biases and optional parts (NULL: none),
+ * and the four linears (q|k|v as one linear of up to 4 parts), built once per layer by the
+ * family's Python (nn.layers.DecoderLayerKernel):
+ *   x = input_norm(h); q|k|v = qkv(x) + qkv_bias; q, k per head: q_norm, k_norm; RoPE on q, k
+ *   a = o(attention(q, k, v)) + o_bias;  h' = h + post_attn_norm(a)
+ *   m = down(act(gate_up(pre_ff_norm(h'))));  out = h' + post_ff_norm(m) */
 typedef struct {
-    int64_t D, H, Hkv, Dh, F, rotary_dim, neox;
+    int64_t D, H, Hkv, Dh, F, rotary_dim, neox, act;
     float eps, scaling;
-    const float *input_norm, *post_norm, *qkv_bias, *o_bias;
+    const float *input_norm, *post_attn_norm, *pre_ff_norm, *post_ff_norm, *q_norm, *k_norm, *qkv_bias, *o_bias;
     linear qkv, o, gate_up, down;
-} llama_layer;
+} decoder_layer;
 
 /* RoPE in place on x [heads, Dh] of one row: y_d = x_d · cos_d + x_swap(d) · sin_d over the first
  * r dims (neox: swap(d) = d ± r/2; normal: d ^ 1), with the row's cos/sin tables [r]
@@ -69,44 +103,52 @@ static void rope(float *x, int64_t heads, int64_t Dh, int64_t r, int64_t neox, c
     }
 }
 
-static void add_rows(float *y, const float *bias, int64_t n, int64_t w) {
+static void add_bias(float *y, const float *bias, int64_t n, int64_t w) {
     if (bias)
         for (int64_t r = 0; r < n; r++)
             for (int64_t i = 0; i < w; i++) y[r * w + i] = y[r * w + i] + bias[i];
 }
 
+/* out = h + (norm ? norm(y) : y), y [n, D] (normed in place). */
+static void residual(const float *h, float *y, const float *norm, float *out, int64_t n, int64_t D, float eps) {
+    if (norm) verispec_rms_norm(y, norm, y, n, D, eps);
+    for (int64_t i = 0; i < n * D; i++) out[i] = h[i] + y[i];
+}
+
 /* out fp32 [n, D] = the layer applied to h fp32 [n, D]; cos, sin fp32 [n, rotary_dim]; desc,
  * num_seqs, attend_threads: verispec_attend's (the caches prepared for the write); threads: the
  * linears'. Returns 0, or -1 when scratch memory ran out. */
-int verispec_llama_layer(const llama_layer *L, const float *h, float *out, int64_t n, const float *cos,
-                         const float *sin, const int64_t *desc, int64_t num_seqs, int64_t attend_threads,
-                         int64_t threads) {
+int verispec_decoder_layer(const decoder_layer *L, const float *h, float *out, int64_t n, const float *cos,
+                           const float *sin, const int64_t *desc, int64_t num_seqs, int64_t attend_threads,
+                           int64_t threads) {
     const int64_t D = L->D, H = L->H, Hkv = L->Hkv, Dh = L->Dh, F = L->F, W = (H + 2 * Hkv) * Dh;
     if (L->rotary_dim > 1024) return -1;
-    float *buf = malloc(sizeof(float) * (size_t)(n * (D + W + H * Dh + 2 * Hkv * Dh + H * Dh + 3 * F)));
+    float *buf = malloc(sizeof(float) * (size_t)(n * (2 * D + W + 2 * H * Dh + 2 * Hkv * Dh + 3 * F)));
     if (!buf) return -1;
-    float *x = buf, *qkv = x + n * D, *q = qkv + n * W, *k = q + n * H * Dh, *v = k + n * Hkv * Dh;
+    float *x = buf, *y = x + n * D, *qkv = y + n * D, *q = qkv + n * W, *k = q + n * H * Dh, *v = k + n * Hkv * Dh;
     float *att = v + n * Hkv * Dh, *gu = att + n * H * Dh, *act = gu + n * 2 * F;
     int status = 0;
     verispec_rms_norm(h, L->input_norm, x, n, D, L->eps);
     status |= verispec_qmatmul_parts(x, n, D, L->qkv.part, L->qkv.parts, qkv, W, threads);
-    add_rows(qkv, L->qkv_bias, n, W);
+    add_bias(qkv, L->qkv_bias, n, W);
     for (int64_t r = 0; r < n; r++) {
         float *row = qkv + r * W;
+        if (L->q_norm) verispec_rms_norm(row, L->q_norm, row, H, Dh, L->eps);
+        if (L->k_norm) verispec_rms_norm(row + H * Dh, L->k_norm, row + H * Dh, Hkv, Dh, L->eps);
         rope(row, H + Hkv, Dh, L->rotary_dim, L->neox, cos + r * L->rotary_dim, sin + r * L->rotary_dim);
         memcpy(q + r * H * Dh, row, sizeof(float) * H * Dh);
         memcpy(k + r * Hkv * Dh, row + H * Dh, sizeof(float) * Hkv * Dh);
         memcpy(v + r * Hkv * Dh, row + (H + Hkv) * Dh, sizeof(float) * Hkv * Dh);
     }
     status |= verispec_attend(q, k, v, att, desc, num_seqs, H, Hkv, Dh, L->scaling, attend_threads);
-    status |= verispec_qmatmul_parts(att, n, H * Dh, L->o.part, L->o.parts, out, D, threads);
-    add_rows(out, L->o_bias, n, D);
-    for (int64_t i = 0; i < n * D; i++) out[i] = h[i] + out[i];
-    verispec_rms_norm(out, L->post_norm, x, n, D, L->eps);
+    status |= verispec_qmatmul_parts(att, n, H * Dh, L->o.part, L->o.parts, y, D, threads);
+    add_bias(y, L->o_bias, n, D);
+    residual(h, y, L->post_attn_norm, out, n, D, L->eps);
+    verispec_rms_norm(out, L->pre_ff_norm, x, n, D, L->eps);
     status |= verispec_qmatmul_parts(x, n, D, L->gate_up.part, L->gate_up.parts, gu, 2 * F, threads);
-    verispec_silu_mul(gu, act, n, F);
-    status |= verispec_qmatmul_parts(act, n, F, L->down.part, L->down.parts, x, D, threads);
-    for (int64_t i = 0; i < n * D; i++) out[i] = out[i] + x[i];
+    (L->act ? verispec_gelu_tanh_mul : verispec_silu_mul)(gu, act, n, F);
+    status |= verispec_qmatmul_parts(act, n, F, L->down.part, L->down.parts, y, D, threads);
+    residual(out, y, L->post_ff_norm, out, n, D, L->eps);
     free(buf);
     return status ? -1 : 0;
 }

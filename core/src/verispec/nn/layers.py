@@ -1,5 +1,5 @@
 """Whole decoder layers in one C call (layers.c): the families' layer modules hand their
-weights here once and call `LlamaLayerKernel` per forward when every linear is block-packed
+weights here once and call `DecoderLayerKernel` per forward when every linear is block-packed
 (the `gguf` weight mode) and the C kernels are built. The arithmetic is the op-by-op forward's
 with the C kernels, so the two give the same bits (tests/test_fused_layers.py); what goes is
 the per-op dispatch, most of a small model's one-row decode.
@@ -15,7 +15,7 @@ from verispec.nn.attention import kernel_descriptors
 from verispec.nn.block_linear import BlockLinear
 from verispec.nn.quant import PartwiseLinear
 
-__all__ = ["LlamaLayerKernel", "block_parts"]
+__all__ = ["DecoderLayerKernel", "block_parts"]
 
 MAX_PARTS = 4
 
@@ -30,10 +30,11 @@ class _Linear(ctypes.Structure):  # layers.c linear
     _fields_ = [("parts", ctypes.c_int64), ("part", _QWeight * MAX_PARTS)]
 
 
-class _LlamaLayer(ctypes.Structure):  # layers.c llama_layer
-    _fields_ = [*[(name, ctypes.c_int64) for name in ("D", "H", "Hkv", "Dh", "F", "rotary_dim", "neox")],
+class _DecoderLayer(ctypes.Structure):  # layers.c decoder_layer
+    _fields_ = [*[(name, ctypes.c_int64) for name in ("D", "H", "Hkv", "Dh", "F", "rotary_dim", "neox", "act")],
                 ("eps", ctypes.c_float), ("scaling", ctypes.c_float),
-                *[(name, ctypes.c_void_p) for name in ("input_norm", "post_norm", "qkv_bias", "o_bias")],
+                *[(name, ctypes.c_void_p) for name in ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm",
+                                                       "q_norm", "k_norm", "qkv_bias", "o_bias")],
                 *[(name, _Linear) for name in ("qkv", "o", "gate_up", "down")]]
 
 
@@ -57,33 +58,53 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-class LlamaLayerKernel:
-    """One llama / qwen2 decoder layer's weights for `verispec_llama_layer` (layers.c): norms,
-    q|k|v, o, gate|up, down (block-packed), biases. The layer's tensors must stay alive and
-    unchanged while it is used (the family rebuilds it when a linear's weights change)."""
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
-    def __init__(self, *, input_norm, post_norm, qkv, o, gate_up, down, qkv_bias, o_bias, num_heads: int,
+
+class DecoderLayerKernel:
+    """One pre-norm decoder layer's weights for `verispec_decoder_layer` (layers.c): llama /
+    qwen2 (input and pre-FF norms, q|k|v and o biases, SwiGLU) and Gemma 3 (sandwich norms,
+    per-head q/k norms, GeGLU, sliding windows). The layer's tensors must stay alive and
+    unchanged while it is used (`keys` names the weights it points at: the family rebuilds it
+    when they change)."""
+
+    def __init__(self, *, qkv: list, o, gate_up, down, input_norm: torch.Tensor, pre_ff_norm: torch.Tensor,
+                 post_attn_norm: torch.Tensor | None = None, post_ff_norm: torch.Tensor | None = None,
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                 qkv_bias: torch.Tensor | None = None, o_bias: torch.Tensor | None = None, num_heads: int,
                  num_kv_heads: int, head_dim: int, intermediate_size: int, rotary_dim: int, neox: bool,
-                 eps: float, scaling: float):
-        parts = [block_parts(m) for m in (qkv, o, gate_up, down)]
-        if any(p is None for p in parts) or rotary_dim > 1024:
+                 activation: str, eps: float, scaling: float, sliding_window: int | None = None):
+        """qkv: the linears whose outputs side by side are q|k|v (one stacked linear, or three).
+        Raises ValueError when a linear is not block-packed or RoPE spans over 1024 dims."""
+        parts = [[p for m in qkv for p in block_parts(m) or [None]], *(block_parts(m) for m in (o, gate_up, down))]
+        if any(p is None or None in p or len(p) > MAX_PARTS for p in parts) or rotary_dim > 1024:
             raise ValueError("a fused layer needs block-packed linears (the gguf weight mode) and RoPE over "
                              "at most 1024 dims")
-        self.keys = tuple(p.kernel_args() for ps in parts for p in ps)  # the weights it points at
-        self._tensors = (input_norm, post_norm, qkv_bias, o_bias)
-        self.args = _LlamaLayer(qkv.in_features, num_heads, num_kv_heads, head_dim, intermediate_size, rotary_dim,
-                                int(neox), eps, scaling, *map(_ptr, self._tensors), *map(_linear, parts))
-        self.num_kv_heads = num_kv_heads
+        self.keys = tuple(p.kernel_args() for ps in parts for p in ps)
+        self._tensors = (input_norm, post_attn_norm, pre_ff_norm, post_ff_norm, q_norm, k_norm, qkv_bias, o_bias)
+        self.args = _DecoderLayer(qkv[0].in_features, num_heads, num_kv_heads,
+                                  head_dim, intermediate_size, rotary_dim, int(neox), ACTIVATIONS[activation], eps,
+                                  scaling, *map(_ptr, self._tensors), *map(_linear, parts))
+        self.sliding_window = sliding_window
+
+    @staticmethod
+    def keys_of(linears) -> tuple | None:
+        """The `keys` a kernel over `linears` would have (None: not all block-packed), to tell
+        whether a built kernel still points at the current weights."""
+        parts = [block_parts(m) for m in linears]
+        if any(p is None for p in parts):
+            return None
+        return tuple(p.kernel_args() for ps in parts for p in ps)
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list, rows) -> torch.Tensor:
         """h fp32 contiguous [n, D] -> fp32 [n, D]; cos, sin fp32 contiguous [n, 1, rotary_dim]
         (`RotaryEmbedding.cos_sin`); caches: each sequence's KV cache of this layer, `rows` its
         nn.trunk.Rows. Raises MemoryError when the kernel's scratch allocation fails."""
-        desc, work = kernel_descriptors(caches, rows, write=True)
+        desc, work = kernel_descriptors(caches, rows, write=True, sliding_window=self.sliding_window)
         out = torch.empty_like(h)
         attend_threads = torch.get_num_threads() if work * self.args.H >= ckernels.PARALLEL_WORK else 1
-        if ckernels.library().verispec_llama_layer(ctypes.addressof(self.args), h.data_ptr(), out.data_ptr(),
-                                                   h.shape[0], cos.data_ptr(), sin.data_ptr(), desc.data_ptr(),
-                                                   desc.shape[0], attend_threads, torch.get_num_threads()) != 0:
+        if ckernels.library().verispec_decoder_layer(ctypes.addressof(self.args), h.data_ptr(), out.data_ptr(),
+                                                     h.shape[0], cos.data_ptr(), sin.data_ptr(), desc.data_ptr(),
+                                                     desc.shape[0], attend_threads, torch.get_num_threads()) != 0:
             raise MemoryError("the fused layer could not allocate its scratch")
         return out

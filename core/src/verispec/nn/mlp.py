@@ -40,8 +40,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.activation == "silu" and ckernels.library() is not None:  # the fused layers' SwiGLU (nn.layers)
-            return self.down_proj(ckernels.silu_mul(gate_up.reshape(-1, 2 * self.intermediate_size).contiguous(),
-                                                    self.intermediate_size).view(*x.shape[:-1], -1))
+        if ckernels.library() is not None:  # the fused layers' activation (nn.layers), same bits
+            act = ckernels.glu(self.activation, gate_up.reshape(-1, 2 * self.intermediate_size).contiguous(),
+                               self.intermediate_size)
+            return self.down_proj(act.view(*x.shape[:-1], -1))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(rowwise(self.act_fn, gate) * up)  # rowwise: batch-invariant

@@ -39,7 +39,7 @@ from torch import nn
 from verispec.errors import UnsupportedVariant
 from verispec.gguf_io import MissingTensor, arch_value
 from verispec.nn import ckernels
-from verispec.nn.layers import LlamaLayerKernel, block_parts
+from verispec.nn.layers import DecoderLayerKernel
 from verispec.nn.attention import attend_rows
 from verispec.nn.state import PagedKVCache
 from verispec.nn.mlp import GatedMLP
@@ -205,26 +205,24 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "silu", device=device)
-        self._kernel: LlamaLayerKernel | None = None
+        self._kernel: DecoderLayerKernel | None = None
 
-    def _fused_kernel(self, rope: RotaryEmbedding) -> LlamaLayerKernel | None:
+    def _fused_kernel(self, rope: RotaryEmbedding) -> DecoderLayerKernel | None:
         """The layer's nn.layers kernel, built on first use and again when a linear's weights
         changed; None when the layer cannot run fused."""
         if not self.fused or ckernels.library() is None:
             return None
         a, mlp = self.self_attn, self.mlp
-        linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        parts = [block_parts(m) for m in linears]
-        if any(p is None for p in parts):
+        keys = DecoderLayerKernel.keys_of((a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        if keys is None:
             return None
-        keys = tuple(p.kernel_args() for ps in parts for p in ps)
         if self._kernel is None or self._kernel.keys != keys:
-            self._kernel = LlamaLayerKernel(
-                input_norm=self.input_layernorm.weight, post_norm=self.post_attention_layernorm.weight,
-                qkv=a.qkv_proj, o=a.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj, qkv_bias=a.qkv_bias,
-                o_bias=a.o_bias, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
-                intermediate_size=mlp.intermediate_size, rotary_dim=rope.rotary_dim, neox=rope.style == "neox",
-                eps=self.input_layernorm.eps, scaling=a.scaling)
+            self._kernel = DecoderLayerKernel(
+                qkv=[a.qkv_proj], o=a.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj,
+                input_norm=self.input_layernorm.weight, pre_ff_norm=self.post_attention_layernorm.weight,
+                qkv_bias=a.qkv_bias, o_bias=a.o_bias, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+                head_dim=a.head_dim, intermediate_size=mlp.intermediate_size, rotary_dim=rope.rotary_dim,
+                neox=rope.style == "neox", activation="silu", eps=self.input_layernorm.eps, scaling=a.scaling)
         return self._kernel
 
     def forward(self, hidden_states: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
