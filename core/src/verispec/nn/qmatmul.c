@@ -115,7 +115,7 @@ static inline float group_val(const qjob *q, const void *v, int64_t i) {
     return q->half ? half_to_float(((const uint16_t *)v)[i]) : ((const float *)v)[i];
 }
 
-#define ROWS 4 /* activation rows sharing each weight load */
+#define ROWS 8 /* activation rows sharing each weight load */
 #ifndef PREFETCH
 #define PREFETCH 8
 #endif
