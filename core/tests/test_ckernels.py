@@ -168,3 +168,20 @@ def test_rmsnorm_module_runs_the_kernel_on_any_leading_shape():
     x = torch.randn(3, 4, 16, generator=_gen(3)).transpose(0, 1)  # non-contiguous [4, 3, 16]
     expected = ckernels.reference_rms_norm(x.reshape(-1, 16), norm.weight, 1e-5).view(4, 3, 16)
     assert torch.equal(norm(x), expected)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("n, width", [(1, 1536), (5, 37), (3, 2048)])
+def test_the_glu_kernels_are_their_pytorch_statement_and_close_to_torch(activation, n, width):
+    """act(gate) · up: bitwise `reference_glu` (any width: 16-lane tails), within 1e-6 relative of
+    torch's own silu / gelu(approximate="tanh") (the reference activations of transformers)."""
+    gate_up = torch.randn(n, 2 * width, generator=_gen(n)) * 4
+    gate_up[0, :5] = torch.tensor([0.0, -0.0, 30.0, -30.0, 1e-4])
+    ours = ckernels.glu(activation, gate_up.contiguous(), width)
+    assert torch.equal(ours, ckernels.reference_glu(activation, gate_up, width))
+    gate, up = gate_up[:, :width], gate_up[:, width:]
+    act = torch.nn.functional.silu(gate) if activation == "silu" else torch.nn.functional.gelu(gate, approximate="tanh")
+    expected = act * up
+    assert ((ours - expected).abs() <= 1e-6 * (gate.abs() * up.abs() + 1e-30)).all()
+    rows = torch.cat([ckernels.glu(activation, gate_up[i:i + 1].contiguous(), width) for i in range(n)])
+    assert torch.equal(ours, rows)  # a row's bits are its own
