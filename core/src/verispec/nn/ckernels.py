@@ -136,8 +136,9 @@ def library() -> ctypes.CDLL | None:
     return _library
 
 
-#: rows x heads x slots below which one thread does the call (a thread's start costs ~20 µs).
-PARALLEL_WORK = 1 << 18
+#: rows x heads x slots below which one thread does the call: the kernels run on torch's OpenMP
+#: team (waking it costs a few µs), and a call this small takes ~0.1 ms on one thread.
+PARALLEL_WORK = 1 << 14
 
 
 def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor, desc: torch.Tensor,

@@ -24,7 +24,7 @@
  * p - sp < W (the sliding rule of reference/gemma4.md §3.1).
  */
 #include <math.h>
-#include <pthread.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -257,22 +257,13 @@ int verispec_attend(const float *q, const float *k, const float *v, float *out, 
     if (threads < 1) threads = 1;
     if (threads > 64) threads = 64;
     job jobs[64];
-    pthread_t ids[64];
     for (int64_t j = 0; j < threads; j++)
         jobs[j] = (job){q, out, desc, num_seqs, H, Hkv, D, max_slots, max_rows, j, threads, scaling, -1};
-    int64_t started = 1;
-    for (; started < threads; started++)
-        if (pthread_create(&ids[started], NULL, run_job, &jobs[started]) != 0) break;
-    run_job(&jobs[0]);
-    int status = jobs[0].status;
-    for (int64_t j = 1; j < started; j++) {
-        pthread_join(ids[j], NULL);
-        status |= jobs[j].status;
-    }
-    for (int64_t j = started; j < threads; j++) { /* a thread that could not start: do its rows here */
-        run_job(&jobs[j]);
-        status |= jobs[j].status;
-    }
+    /* OpenMP: torch's own thread team (qmatmul.c); a thread the team does not grant runs on another */
+#pragma omp parallel num_threads(threads)
+    for (int64_t j = omp_get_thread_num(); j < threads; j += omp_get_num_threads()) run_job(&jobs[j]);
+    int status = 0;
+    for (int64_t j = 0; j < threads; j++) status |= jobs[j].status;
     return status;
 }
 
