@@ -3,11 +3,13 @@ per token").
 
     python benchmarks/decode_profile.py --model gemma3-270m --model smollm2-135m-instruct [--threads 1]
 
-Per model: a 128-token prefill, then --steps one-row decodes timed whole (the step), then as many
-with every call wrapped in a timer: head = the LM head, other linears = every other linear call
-(its dtype casts included), attention = the family's `attend_rows` (cache write + attend), rest
-= the step minus those (norms, RoPE, residuals, activations, Python, bookkeeping). Repeated
---rounds times; medians. With --threads 1 the clock is the thread's CPU time, which a loaded
+Per model and way of running the layers (op by op with the C kernels, or fused: one C call per
+layer, nn.layers): a 128-token prefill, then --steps one-row decodes timed whole (the step),
+then as many with every call wrapped in a timer: head = the LM head, other linears = every
+other linear call, attention = the family's `attend_rows` (cache write + attend), fused layers
+= the nn.layers calls (everything a layer does), rest = the step minus those (op by op: norms,
+RoPE, residuals, activations; both: embedding, Python, bookkeeping). Repeated --rounds times,
+the two ways taking turns; medians. With --threads 1 the clock is the thread's CPU time, which a loaded
 machine barely moves; otherwise wall time (2 threads on a shared machine swing widely).
 """
 from __future__ import annotations
@@ -19,18 +21,20 @@ import time
 
 import torch
 from verispec.api import load_target, resolve_model_path
+from verispec.nn.layers import DecoderLayerKernel
 from verispec.nn.quant import Float32Linear
 from verispec.registry import Registry
 from verispec.seams import Segment
 
-COMPONENTS = ("step", "head", "other linears", "attention", "rest")
+COMPONENTS = ("step", "head", "other linears", "attention", "fused layers", "rest")
 
 
 class Timers:
     """Wraps the target's LM head, linear classes and `attend_rows` with accumulating timers."""
 
     def __init__(self, target, clock):
-        self.target, self.clock, self.ms = target, clock, dict.fromkeys(("head", "linears", "attention"), 0.0)
+        self.target, self.clock = target, clock
+        self.ms = dict.fromkeys(("head", "linears", "attention", "fused"), 0.0)
         self._linears = {type(m): type(m).forward for m in target.modules() if isinstance(m, Float32Linear)}
         self._families = [m for name, m in sys.modules.items()
                           if name.startswith("verispec_") and hasattr(m, "attend_rows")]
@@ -54,6 +58,8 @@ class Timers:
         for module in self._families:
             module.attend_rows = self._timed(self._attend, "attention")
         self.target._lm_head = self._timed(type(self.target)._lm_head.__get__(self.target), "head")
+        self._fused = DecoderLayerKernel.__call__
+        DecoderLayerKernel.__call__ = self._timed(self._fused, "fused")
         return self
 
     def __exit__(self, *exc):
@@ -62,6 +68,7 @@ class Timers:
         for module in self._families:
             module.attend_rows = self._attend
         del self.target._lm_head
+        DecoderLayerKernel.__call__ = self._fused
 
 
 def decode_steps(target, steps: int, clock, timers: Timers | None = None) -> list[float]:
@@ -87,9 +94,16 @@ def profile(target, steps: int, clock) -> dict[str, float]:
         decode_steps(target, steps, clock, timers)
     head = timers.ms["head"] / steps
     other = timers.ms["linears"] / steps - head  # the head's own linear call is counted in both
-    attention = timers.ms["attention"] / steps
-    return {"step": step, "head": head, "other linears": other, "attention": attention,
-            "rest": step - head - other - attention}
+    attention, fused = timers.ms["attention"] / steps, timers.ms["fused"] / steps
+    return {"step": step, "head": head, "other linears": other, "attention": attention, "fused layers": fused,
+            "rest": step - head - other - attention - fused}
+
+
+def set_fused(target, fused: bool) -> None:
+    """Run the family's layers as one C call each (nn.layers) or op by op, where it has both."""
+    for layer in target.model.layers:
+        if hasattr(layer, "fused"):
+            layer.fused = fused
 
 
 def main(argv=None) -> None:
@@ -101,15 +115,20 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     registry = Registry.discover()
-    print("| model | threads | " + " | ".join(COMPONENTS) + " | tok/s |")
-    print("|---" * (len(COMPONENTS) + 3) + "|")
+    print("| model | threads | layers | " + " | ".join(COMPONENTS) + " | tok/s |")
+    print("|---" * (len(COMPONENTS) + 4) + "|")
     for model in args.model or [None]:
         target = load_target(resolve_model_path(model, registry), registry, threads=args.threads)
         decode_steps(target, 3, clock)  # warm-up
-        rounds = [profile(target, args.steps, clock) for _ in range(args.rounds)]
-        med = {c: statistics.median(r[c] for r in rounds) for c in COMPONENTS}
-        print(f"| {model or 'default'} | {args.threads} | " + " | ".join(f"{med[c]:.2f}" for c in COMPONENTS)
-              + f" | {1000 / med['step']:.1f} |", flush=True)
+        rounds = {False: [], True: []}
+        for _ in range(args.rounds):  # the two ways take turns, so a passing load hits both
+            for fused in rounds:
+                set_fused(target, fused)
+                rounds[fused].append(profile(target, args.steps, clock))
+        for fused, results in rounds.items():
+            med = {c: statistics.median(r[c] for r in results) for c in COMPONENTS}
+            print(f"| {model or 'default'} | {args.threads} | {'fused' if fused else 'op by op'} | "
+                  + " | ".join(f"{med[c]:.2f}" for c in COMPONENTS) + f" | {1000 / med['step']:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -142,22 +142,35 @@ def test_block_linears_are_batch_and_thread_invariant(ggml_type):
         torch.set_num_threads(threads)
 
 
+def _cpu_has(*flags: str) -> bool:
+    try:
+        cpu = open("/proc/cpuinfo").read().split()
+    except OSError:
+        return False
+    return all(flag in cpu for flag in flags)
+
+
 @needs_kernels
-def test_the_portable_loop_is_the_vnni_path_bitwise(tmp_path, monkeypatch):
-    """qmatmul.c built with -DVERISPEC_PORTABLE (the loop a CPU without AVX-512 VNNI runs)
-    gives the same bits as this machine's build, for every format."""
+@pytest.mark.parametrize("flags, path", [(["-DVERISPEC_PORTABLE"], 0),
+                                         pytest.param(["-march=x86-64-v3"], 1, marks=pytest.mark.skipif(
+                                             not _cpu_has("avx2", "f16c", "fma"), reason="no AVX2 here"))],
+                         ids=["portable", "avx2"])
+def test_every_path_of_the_kernel_gives_the_same_bits(tmp_path, monkeypatch, flags, path):
+    """qmatmul.c built for another instruction set (the plain loop other CPUs run, AVX2 without
+    AVX-512) gives the same bits as this machine's build, for every format, 1 and 9 rows."""
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
-    portable = ctypes.CDLL(str(ckernels.build(extra_flags=["-DVERISPEC_PORTABLE"])))
-    assert portable.verispec_qmatmul_vnni() == 0
+    other = ctypes.CDLL(str(ckernels.build(extra_flags=flags)))
+    assert other.verispec_qmatmul_path() == path
     for ggml_type in TYPES:
         linear, _ = _linear(ggml_type, seed=4)
-        x = _x(6, 512)
-        y = torch.empty(6, 40)
-        assert portable.verispec_qmatmul(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(6), ctypes.c_int64(512),
-                                         *[ctypes.c_void_p(a) if i < 3 else ctypes.c_int64(a)
-                                           for i, a in enumerate(linear.kernel_args())],
-                                         ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(1)) == 0
-        assert torch.equal(y, linear(x)), ggml_type.name
+        for n in (1, 9):
+            x = _x(n, 512)
+            y = torch.empty(n, 40)
+            assert other.verispec_qmatmul(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(n), ctypes.c_int64(512),
+                                          *[ctypes.c_void_p(a) if i < 3 else ctypes.c_int64(a)
+                                            for i, a in enumerate(linear.kernel_args())],
+                                          ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(1)) == 0
+            assert torch.equal(y, linear(x)), (ggml_type.name, n)
 
 
 def test_without_the_kernels_the_reference_runs(monkeypatch):

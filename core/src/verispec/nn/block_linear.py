@@ -146,7 +146,7 @@ def pack(values: BlockValues) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor 
 
     def groups(x: torch.Tensor) -> torch.Tensor:
         x = F.pad(x, (0, 0, 0, pad)).reshape(tiles, TILE, nb, BLOCK // fmt.group).permute(0, 2, 3, 1)
-        if fmt.half_scales and not torch.equal(x.half().float(), x):
+        if fmt.half_scales and not ((x.half().float() == x) | x.isnan()).all():
             raise ValueError("scales declared fp16 are not fp16 values")
         return x.to(torch.float16 if fmt.half_scales else torch.float32).contiguous()
 

@@ -32,15 +32,22 @@
 #include <math.h>
 #include <omp.h>
 
-#include "kernels.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kernels.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(VERISPEC_PORTABLE)
 #include <immintrin.h>
 #define VNNI 1
+#define AVX2 0
+#elif defined(__AVX2__) && defined(__F16C__) && !defined(VERISPEC_PORTABLE)
+#include <immintrin.h>
+#define VNNI 0
+#define AVX2 1
 #else
 #define VNNI 0
+#define AVX2 0
 #endif
 
 /* ---- threads: OpenMP, so the kernels share torch's own thread team (the same libgomp is
@@ -118,6 +125,13 @@ static inline float group_val(const qjob *q, const void *v, int64_t i) {
 #define ROWS 8 /* activation rows sharing each weight load */
 #ifndef PREFETCH
 #define PREFETCH 8
+#endif
+
+#if AVX2
+static inline __m256 load_group8(const qjob *q, const void *v, int64_t i) {
+    return q->half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)v + i)))
+                   : _mm256_loadu_ps((const float *)v + i);
+}
 #endif
 
 #if VNNI
@@ -201,41 +215,126 @@ static void tile_rows(const qjob *q, int64_t t, int64_t r0, int64_t R) {
     }
     const __mmask16 mask = (__mmask16)((1u << lanes) - 1);
     for (int64_t r = 0; r < R; r++) _mm512_mask_storeu_ps(q->y + (r0 + r) * q->ldy + 16 * t, mask, acc[r]);
+#elif AVX2
+    /* The tile as two halves of 8 rows (bytes 0-31 and 32-63 of each 64-byte vector). u8 · s8
+     * products summed in pairs by maddubs saturate above 32767: u <= 63 (4 to 6 bits) cannot
+     * reach it (63 · 127 · 2), and 8-bit u is split into its two nibbles. */
+    __m256 acc[ROWS][2];
+    for (int64_t r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                            3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = q->w + (t * nb + b) * bytes;
+        __m256i wv[8][2], hv[8][2]; /* [j][half]; hv: 8-bit u's high nibbles */
+        for (int j = 0; j < 8; j++)
+            for (int half = 0; half < 2; half++) {
+                if (q->bits == 8) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * j + 32 * half));
+                    wv[j][half] = _mm256_and_si256(v, low);
+                    hv[j][half] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    continue;
+                }
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * (j & 3) + 32 * half));
+                wv[j][half] = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), low);
+                for (int64_t p = 0; p < q->bits - 4; p++) { /* bit plane p: 32 mask bits -> 32 bytes */
+                    uint32_t m32;
+                    memcpy(&m32, wb + 256 + 64 * p + 8 * j + 4 * half, 4);
+                    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m32), spread);
+                    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+                    wv[j][half] = _mm256_add_epi8(wv[j][half], _mm256_and_si256(set, _mm256_set1_epi8((char)(16 << p))));
+                }
+            }
+        const void *sb = group_vals(q, q->s, t, b), *mb = q->m ? group_vals(q, q->m, t, b) : NULL;
+        __m256 sv[2][2], mv[2][2];
+        for (int64_t h = 0; h < gpb; h++)
+            for (int half = 0; half < 2; half++) {
+                sv[h][half] = load_group8(q, sb, 16 * h + 8 * half);
+                if (mb) mv[h][half] = load_group8(q, mb, 16 * h + 8 * half);
+            }
+        for (int64_t r = 0; r < R; r++) {
+            const int8_t *ab = q->a + (r0 + r) * q->k + b * 32;
+            const int32_t *Sb = q->S + (r0 + r) * (q->k / 16) + 2 * b;
+            const __m256 db = _mm256_set1_ps(q->d[(r0 + r) * nb + b]);
+            int32_t a4[8];
+            memcpy(a4, ab, 32);
+            for (int half = 0; half < 2; half++) {
+                __m256i I[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                for (int j = 0; j < 8; j++) {
+                    const __m256i av = _mm256_set1_epi32(a4[j]);
+                    __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j][half], av), ones);
+                    if (q->bits == 8)
+                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(hv[j][half], av), sixteen));
+                    I[j / 4] = _mm256_add_epi32(I[j / 4], sum);
+                }
+                int32_t Sg[2] = {Sb[0], Sb[1]};
+                if (gpb == 1) {
+                    I[0] = _mm256_add_epi32(I[0], I[1]);
+                    Sg[0] = Sb[0] + Sb[1];
+                }
+                for (int64_t h = 0; h < gpb; h++) {
+                    const __m256i Ih = _mm256_sub_epi32(I[h], _mm256_set1_epi32((int32_t)q->zero * Sg[h]));
+                    const __m256 sd = _mm256_mul_ps(sv[h][half], db);
+                    acc[r][half] = _mm256_add_ps(acc[r][half], _mm256_mul_ps(_mm256_cvtepi32_ps(Ih), sd));
+                    if (mb) {
+                        const __m256 md = _mm256_mul_ps(mv[h][half], db);
+                        acc[r][half] = _mm256_add_ps(acc[r][half], _mm256_mul_ps(md, _mm256_set1_ps((float)Sg[h])));
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        float row[16];
+        _mm256_storeu_ps(row, acc[r][0]);
+        _mm256_storeu_ps(row + 8, acc[r][1]);
+        memcpy(q->y + (r0 + r) * q->ldy + 16 * t, row, sizeof(float) * lanes);
+    }
 #else
+    /* Written so the compiler vectorises across the 16 rows of the tile (AVX2: 8 int32 lanes). */
     float acc[ROWS][16] = {{0}};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = q->w + (t * nb + b) * bytes;
-        uint8_t u[16][32];
+        int32_t u[32][16]; /* [column][row] */
         for (int j = 0; j < 8; j++)
-            for (int l = 0; l < 16; l++)
-                for (int e = 0; e < 4; e++) {
-                    if (q->bits == 8) {
-                        u[l][4 * j + e] = wb[64 * j + 4 * l + e];
-                        continue;
-                    }
-                    uint8_t v = (uint8_t)((wb[64 * (j & 3) + 4 * l + e] >> (4 * (j >> 2))) & 15);
-                    for (int64_t p = 0; p < q->bits - 4; p++) {
-                        uint64_t mask;
-                        memcpy(&mask, wb + 256 + 64 * p + 8 * j, 8);
-                        v = (uint8_t)(v | ((mask >> (4 * l + e)) & 1) << (4 + p));
-                    }
-                    u[l][4 * j + e] = v;
-                }
+            for (int e = 0; e < 4; e++)
+                for (int l = 0; l < 16; l++)
+                    u[4 * j + e][l] = q->bits == 8 ? wb[64 * j + 4 * l + e]
+                                                   : (wb[64 * (j & 3) + 4 * l + e] >> (4 * (j >> 2))) & 15;
+        for (int64_t p = 0; p < q->bits - 4 && q->bits < 8; p++)
+            for (int j = 0; j < 8; j++) {
+                uint64_t mask;
+                memcpy(&mask, wb + 256 + 64 * p + 8 * j, 8);
+                for (int e = 0; e < 4; e++)
+                    for (int l = 0; l < 16; l++) u[4 * j + e][l] |= (int32_t)((mask >> (4 * l + e)) & 1) << (4 + p);
+            }
         const void *sb = group_vals(q, q->s, t, b), *mb = q->m ? group_vals(q, q->m, t, b) : NULL;
+        float sv[2][16], mv[2][16];
+        for (int64_t h = 0; h < gpb; h++)
+            for (int l = 0; l < 16; l++) {
+                sv[h][l] = group_val(q, sb, 16 * h + l);
+                mv[h][l] = mb ? group_val(q, mb, 16 * h + l) : 0.0f;
+            }
         for (int64_t r = 0; r < R; r++) {
             const int8_t *ab = q->a + (r0 + r) * q->k + b * 32;
             const int32_t *Sb = q->S + (r0 + r) * (q->k / 16) + 2 * b;
             const float db = q->d[(r0 + r) * nb + b];
-            for (int l = 0; l < 16; l++)
-                for (int64_t h = 0; h < gpb; h++) {
-                    const int64_t c0 = h * q->group;
-                    int32_t I = 0;
-                    for (int64_t c = c0; c < c0 + q->group; c++) I += (int32_t)u[l][c] * ab[c];
-                    const int32_t Sg = gpb == 1 ? Sb[0] + Sb[1] : Sb[h];
-                    I -= (int32_t)q->zero * Sg;
-                    acc[r][l] = acc[r][l] + (float)I * (group_val(q, sb, 16 * h + l) * db);
-                    if (mb) acc[r][l] = acc[r][l] + (group_val(q, mb, 16 * h + l) * db) * (float)Sg;
+            int32_t I[2][16] = {{0}};
+            for (int c = 0; c < 32; c++) {
+                const int32_t av = ab[c];
+                int32_t *Ih = I[c / 16];
+                for (int l = 0; l < 16; l++) Ih[l] += u[c][l] * av;
+            }
+            if (gpb == 1)
+                for (int l = 0; l < 16; l++) I[0][l] += I[1][l];
+            for (int64_t h = 0; h < gpb; h++) {
+                const int32_t Sg = gpb == 1 ? Sb[0] + Sb[1] : Sb[h];
+                for (int l = 0; l < 16; l++) {
+                    acc[r][l] = acc[r][l] + (float)(I[h][l] - (int32_t)q->zero * Sg) * (sv[h][l] * db);
+                    if (mb) acc[r][l] = acc[r][l] + (mv[h][l] * db) * (float)Sg;
                 }
+            }
         }
     }
     for (int64_t r = 0; r < R; r++) memcpy(q->y + (r0 + r) * q->ldy + 16 * t, acc[r], sizeof(float) * lanes);
@@ -287,5 +386,5 @@ int verispec_qmatmul(const float *x, int64_t n, int64_t k, const uint8_t *w, con
     return verispec_qmatmul_parts(x, n, k, &weight, 1, y, out, threads);
 }
 
-/* Whether this build has the AVX-512 VNNI path (1) or the portable loop (0). */
-int verispec_qmatmul_vnni(void) { return VNNI; }
+/* Which path this build runs: 2 AVX-512 VNNI, 1 AVX2, 0 the portable loop. */
+int verispec_qmatmul_path(void) { return VNNI ? 2 : AVX2 ? 1 : 0; }
