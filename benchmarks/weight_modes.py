@@ -22,7 +22,7 @@ from importlib import resources
 import torch
 from verispec.api import load_target, resolve_model_path
 from verispec.registry import Registry
-from verispec.nn.quant import Float32Linear
+from verispec.nn.quant import Float32Linear, PartwiseLinear
 from verispec.testing import forward_one
 
 
@@ -50,17 +50,24 @@ def decode_ms(targets: dict, tokens: list[int], steps: int) -> dict[str, list[fl
     return times
 
 
+def _linears(target) -> list:
+    """The linears a decode calls, in model order: a PartwiseLinear (a `gguf` stack of mixed
+    types) counts as one, not as its parts."""
+    parts = {id(p) for m in target.modules() if isinstance(m, PartwiseLinear) for p in m}
+    return [m for m in target.modules() if isinstance(m, (Float32Linear, PartwiseLinear)) and id(m) not in parts]
+
+
 def linears_ms(targets: dict, repeats: int) -> dict[str, float]:
     """ms per token spent in the linears alone (LM head included): each linear called on one
     random row, in model order as a decode calls them (so weights stream from memory, not a
     warm cache), median per linear over `repeats` passes, summed; modes take turns pass by pass."""
-    linears = {mode: [m for m in t.modules() if isinstance(m, Float32Linear)] for mode, t in targets.items()}
-    inputs = [torch.randn(1, m.in_features) for m in next(iter(linears.values()))]
-    times = {mode: [[] for _ in inputs] for mode in targets}
+    linears = {mode: _linears(t) for mode, t in targets.items()}
+    inputs = {mode: [torch.randn(1, m.in_features) for m in modules] for mode, modules in linears.items()}
+    times = {mode: [[] for _ in modules] for mode, modules in linears.items()}
     with torch.inference_mode():
         for _ in range(repeats):
             for mode, modules in linears.items():
-                for x, linear, spent in zip(inputs, modules, times[mode]):
+                for x, linear, spent in zip(inputs[mode], modules, times[mode]):
                     started = time.perf_counter()
                     linear(x)
                     spent.append(time.perf_counter() - started)

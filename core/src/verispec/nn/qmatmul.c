@@ -1,11 +1,12 @@
 /* GGUF-block linears on the CPU: y = x · Wᵀ with W the file's own quantised values.
  * `verispec.nn.block_linear` packs the weights and states this arithmetic in PyTorch for the
- * tests. Built with AVX-512 VNNI where -march=native has it, else (or with -DVERISPEC_PORTABLE)
- * a plain loop the compiler vectorises as it can; both give the same bits.
+ * tests. Three paths, chosen by what -march=native offers, all giving the same bits: AVX-512
+ * VNNI (vpdpbusd), AVX2 (maddubs; ~3x VNNI's time), and a plain loop the compiler vectorises as
+ * it can (other CPUs, or -DVERISPEC_PORTABLE; ~20x). Threads: torch's OpenMP team.
  *
  * Weights (packed by block_linear.pack): every weight is u · s + m with u an unsigned integer
  * the file stores (Q8_0's q + 128, Q5_0's q + 16, Q6_K's q + 32, Q4_x's nibble, ...), s and m
- * fp32 per group of G = 16 or 32 input columns (m = 0 for a type without a min, which instead
+ * per group of G = 16 or 32 input columns (m = 0 for a type without a min, which instead
  * carries its offset in the integer zero point z: w = (u - z) · s). Output rows come in tiles
  * of 16, a tile's 32 columns of one block in as many bits a weight as the file's type has:
  *   8 bits:    8 vectors j of 64 bytes; byte 4r + t of vector j = u[r][4j + t]
@@ -27,7 +28,7 @@
  *   y  = y + (float)I · (s_h · d_b)
  *   y  = y + (m_h · d_b) · (float)S_h               (types with mins only)
  * A row's bits therefore depend on nothing but the row and the weights: not on the other rows
- * of the call, the threads, or the instruction set (AVX-512 VNNI or the portable loop below).
+ * of the call, the threads, or the instruction set.
  */
 #include <math.h>
 #include <omp.h>
