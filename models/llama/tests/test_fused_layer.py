@@ -6,8 +6,8 @@ import pytest
 import torch
 from tiny_llama import build_hf_model, hf_to_gguf
 from verispec.nn import ckernels
-from verispec.nn.layers import DecoderLayerKernel
 from verispec.testing import forward_one
+from verispec.testing.gguf_weights import assert_fused_layers_are_op_by_op
 from verispec.testing.fixture_writer import write_gguf
 from verispec_llama.loader import load
 
@@ -17,9 +17,9 @@ pytestmark = pytest.mark.skipif(ckernels.library() is None, reason="no C compile
 TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q4_1",
          "ffn_up": "Q4_1", "ffn_down": "Q8_0"}
 CONFIGS = {  # linear widths multiples of 32 (a block)
-    "llama": ("llama", {"vocab_size": 131, "hidden_size": 96, "intermediate_size": 64, "num_hidden_layers": 2,
+    "llama_blocks": ("llama", {"vocab_size": 131, "hidden_size": 96, "intermediate_size": 64, "num_hidden_layers": 2,
                         "num_attention_heads": 3, "num_key_value_heads": 1, "tie_word_embeddings": False}),
-    "qwen2": ("qwen2", {"vocab_size": 139, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+    "qwen2_blocks": ("qwen2", {"vocab_size": 139, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
                         "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}),
 }
 
@@ -43,29 +43,9 @@ def monkeypatch_module():
         yield mp
 
 
-def _run(target, fused: bool, calls: list):
-    for layer in target.model.layers:
-        layer.fused = fused
+def test_the_fused_layer_is_the_op_by_op_layer_bitwise(target):
     ids = torch.randint(0, target.vocab_size, (90,), generator=torch.Generator().manual_seed(1)).tolist()
-    seq = target.new_sequence()
-    prefill = forward_one(target, seq, ids[:70], logits="all").logits  # 64 + 6 rows: two chunks
-    decodes = torch.cat([forward_one(target, seq, ids[70 + i:71 + i]).logits for i in range(3)])
-    verify = forward_one(target, seq, ids[73:80], verify=True).logits
-    target.release(seq)
-    return prefill, decodes, verify
-
-
-def test_the_fused_layer_is_the_op_by_op_layer_bitwise(target, monkeypatch):
-    calls = []
-    original = DecoderLayerKernel.__call__
-    monkeypatch.setattr(DecoderLayerKernel, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
-    fused = _run(target, True, calls)
-    assert calls, "the fused path did not run"
-    count = len(calls)
-    plain = _run(target, False, calls)
-    assert len(calls) == count  # switched off: not called
-    for name, a, b in zip(("prefill", "decode", "verify"), fused, plain):
-        assert torch.equal(a, b), f"{name}: max |diff| {(a - b).abs().max():.3g}"
+    assert_fused_layers_are_op_by_op(target, ids, prefill=70)  # 64 + 6 rows: two chunks
 
 
 def test_two_sequences_in_one_forward_are_each_alone(target):

@@ -13,11 +13,9 @@
 
 #include "kernels.h"
 
-/* out fp32 [n, F] = silu(g) · u for gu fp32 [n, 2F] (gate | up, transformers LlamaMLP's
- * act_fn(gate_proj(x)) * up_proj(x)), through vexp of a non-positive argument:
- *   e = vexp(-|g|),  sig = g >= 0 ? 1 / (1 + e) : e / (1 + e),  out = (g · sig) · u
- * (`ckernels.reference_silu_mul` states it in PyTorch). Lanes are independent elements. */
-void verispec_silu_mul(const float *gu, float *out, int64_t n, int64_t F) {
+/* act(g) · u over rows of gu fp32 [n, 2F] (gate | up) -> out fp32 [n, F], 16 independent lanes
+ * at a time (a row's tail padded with zeros, which it never reads back). */
+static void glu(const float *gu, float *out, int64_t n, int64_t F, v16 (*act)(v16)) {
     for (int64_t r = 0; r < n; r++) {
         const float *g = gu + r * 2 * F, *u = g + F;
         float *o = out + r * F;
@@ -29,50 +27,43 @@ void verispec_silu_mul(const float *gu, float *out, int64_t n, int64_t F) {
             v16 gv, uv;
             memcpy(&gv, gl, sizeof gv);
             memcpy(&uv, ul, sizeof uv);
-            const v16i neg = gv < splat(0.0f);
-            const v16 e = vexp((v16)((v16i)gv | (v16i)splat(-0.0f))); /* -|g| */
-            const v16 den = splat(1.0f) + e;
-            const v16 num = (v16)(((v16i)e & neg) | ((v16i)splat(1.0f) & ~neg));
-            const v16 res = (gv * (num / den)) * uv;
+            const v16 res = act(gv) * uv;
             memcpy(ol, &res, sizeof ol);
             memcpy(o + i, ol, sizeof(float) * w);
         }
     }
 }
+
+/* silu(g) = g · sigmoid(g) through vexp of a non-positive argument (transformers LlamaMLP's
+ * act_fn): e = vexp(-|g|), sig = g >= 0 ? 1 / (1 + e) : e / (1 + e), silu = g · sig. */
+static v16 silu(v16 g) {
+    const v16i neg = g < splat(0.0f);
+    const v16 e = vexp((v16)((v16i)g | (v16i)splat(-0.0f))); /* -|g| */
+    const v16 num = (v16)(((v16i)e & neg) | ((v16i)splat(1.0f) & ~neg));
+    return g * (num / (splat(1.0f) + e));
+}
+
+/* gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (transformers GELUTanh /
+ * gelu_pytorch_tanh), tanh through vexp of a non-positive argument:
+ *   y = 0.7978845608 · (x + 0.044715 · ((x · x) · x)),  e = vexp(-2 |y|),
+ *   t = (1 - e) / (1 + e) with y's sign,  gelu = (0.5 · x) · (1 + t) */
+static v16 gelu_tanh(v16 x) {
+    const v16 y = splat(0.7978845608f) * (x + splat(0.044715f) * ((x * x) * x));
+    const v16i sign = (v16i)y & (v16i)splat(-0.0f);
+    const v16 e = vexp((v16)((v16i)y | (v16i)splat(-0.0f)) * splat(2.0f)); /* vexp(-2|y|) */
+    const v16 t = (v16)((v16i)((splat(1.0f) - e) / (splat(1.0f) + e)) | sign);
+    return (splat(0.5f) * x) * (splat(1.0f) + t);
+}
+
+/* SwiGLU / GeGLU: out fp32 [n, F] = act(gate) · up for gu fp32 [n, 2F] (gate | up); the
+ * arithmetic above, `ckernels.reference_glu` in PyTorch. */
+void verispec_silu_mul(const float *gu, float *out, int64_t n, int64_t F) { glu(gu, out, n, F, silu); }
+void verispec_gelu_tanh_mul(const float *gu, float *out, int64_t n, int64_t F) { glu(gu, out, n, F, gelu_tanh); }
 
 typedef struct {
     int64_t parts;
     verispec_qweight part[4];
 } linear;
-
-/* out fp32 [n, F] = gelu_tanh(g) · u for gu fp32 [n, 2F] (gate | up, transformers
- * GELUTanh / gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))), with
- * tanh through vexp of a non-positive argument:
- *   y = 0.7978845608 · (x + 0.044715 · ((x · x) · x)),  e = vexp(-2 |y|),
- *   t = (1 - e) / (1 + e) with y's sign,  out = ((0.5 · x) · (1 + t)) · u
- * (`ckernels.reference_gelu_tanh_mul` states it in PyTorch). */
-void verispec_gelu_tanh_mul(const float *gu, float *out, int64_t n, int64_t F) {
-    for (int64_t r = 0; r < n; r++) {
-        const float *g = gu + r * 2 * F, *u = g + F;
-        float *o = out + r * F;
-        for (int64_t i = 0; i < F; i += 16) {
-            const int64_t w = F - i < 16 ? F - i : 16;
-            float gl[16] = {0}, ul[16] = {0}, ol[16];
-            memcpy(gl, g + i, sizeof(float) * w);
-            memcpy(ul, u + i, sizeof(float) * w);
-            v16 x, uv;
-            memcpy(&x, gl, sizeof x);
-            memcpy(&uv, ul, sizeof uv);
-            const v16 y = splat(0.7978845608f) * (x + splat(0.044715f) * ((x * x) * x));
-            const v16i sign = (v16i)y & (v16i)splat(-0.0f);
-            const v16 e = vexp((v16)((v16i)y | (v16i)splat(-0.0f)) * splat(2.0f)); /* vexp(-2|y|) */
-            const v16 t = (v16)((v16i)((splat(1.0f) - e) / (splat(1.0f) + e)) | sign);
-            const v16 res = ((splat(0.5f) * x) * (splat(1.0f) + t)) * uv;
-            memcpy(ol, &res, sizeof ol);
-            memcpy(o + i, ol, sizeof(float) * w);
-        }
-    }
-}
 
 /* A pre-norm decoder layer (transformers LlamaDecoderLayer, Gemma3DecoderLayer): sizes, the
  * activation (0: SwiGLU, 1: GeGLU tanh), norm weights, biases and optional parts (NULL: none),

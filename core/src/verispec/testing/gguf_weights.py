@@ -14,7 +14,8 @@ from verispec.gguf_io import GGUFFile
 from verispec.nn.block_linear import block_linear_class
 from verispec.nn.gguf_blocks import BLOCK_FORMATS, GGUFBlocks, unpack
 
-__all__ = ["assert_file_block_tensors_exact", "assert_verify_rows_are_one_row_decodes"]
+__all__ = ["assert_file_block_tensors_exact", "assert_fused_layers_are_op_by_op",
+           "assert_verify_rows_are_one_row_decodes"]
 
 
 def assert_file_block_tensors_exact(path: str | os.PathLike) -> dict[str, int]:
@@ -52,3 +53,44 @@ def assert_verify_rows_are_one_row_decodes(target, tokens: Sequence[int], prefix
         assert torch.equal(rows, alone[:k]), f"k={k}: max |diff| {(rows - alone[:k]).abs().max():.3g}"
         target.keep(seq, 0)
     target.release(seq)
+
+
+def assert_fused_layers_are_op_by_op(target, tokens: Sequence[int], prefill: int) -> None:
+    """A family whose layers can run as one C call each (`fused`, nn.layers) gives the op-by-op
+    forward's logits bitwise: a `prefill`-token prefill (chunked when longer than the chunk),
+    three one-row decodes and a 7-row verify, fused then op by op; the fused kernel must have run
+    once per layer per forward, and not at all when switched off."""
+    from verispec.nn.layers import DecoderLayerKernel
+    from verispec.testing import forward_one
+
+    assert len(tokens) >= prefill + 10, "too few tokens for the prefill, decodes and verify"
+    calls = []
+    original = DecoderLayerKernel.__call__
+
+    def counted(self, *args):
+        calls.append(1)
+        return original(self, *args)
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        for layer in target.model.layers:
+            layer.fused = fused
+        seq = target.new_sequence()
+        out = [forward_one(target, seq, tokens[:prefill], logits="all").logits]
+        out += [forward_one(target, seq, tokens[prefill + i:prefill + i + 1]).logits for i in range(3)]
+        out.append(forward_one(target, seq, tokens[prefill + 3:prefill + 10], verify=True).logits)
+        target.release(seq)
+        return out
+
+    DecoderLayerKernel.__call__ = counted
+    try:
+        fused = run(True)
+        assert len(calls) >= 5 * len(target.model.layers), "the fused layers did not run"
+        count = len(calls)
+        plain = run(False)
+        assert len(calls) == count, "switched off, the fused layers still ran"
+    finally:
+        DecoderLayerKernel.__call__ = original
+        for layer in target.model.layers:
+            layer.fused = True
+    for i, (a, b) in enumerate(zip(fused, plain)):
+        assert torch.equal(a, b), f"forward {i}: max |diff| {(a - b).abs().max():.3g}"
