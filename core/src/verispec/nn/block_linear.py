@@ -9,7 +9,8 @@ a C compiler), so a row's output depends on the row and the weights alone: batch
 for any row count.
 
 One class per ggml type (`block_linear_class`): its buffers' shapes depend on the type's
-format (a byte or a nibble per weight, groups of 16 or 32, mins or not).
+format (4, 5, 6 or 8 bits a weight, groups of 16 or 32, fp16 or fp32 scales, mins or not).
+Layers whose linears are all BlockLinears can also run whole in C (nn.layers).
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ class BlockLinear(Float32Linear):
     @classmethod
     def from_gguf(cls, parts: Sequence[GGUFBlocks]) -> BlockLinear:
         """parts: tensors of this class's type with equal `cols`, stacked along rows (e.g. gate
-        and up read as one fused weight)."""
+        and up read as one fused weight). Raises ValueError for blocks whose fp16 fields are
+        not what the type declares (never for a file gguf-py reads)."""
         values = [unpack(p) for p in parts]
         u = torch.cat([v.u for v in values])
         s = torch.cat([v.s for v in values])

@@ -1,7 +1,8 @@
 """Whole decoder layers in one C call (layers.c): the families' layer modules hand their
 weights here once and call `DecoderLayerKernel` per forward when every linear is block-packed
 (the `gguf` weight mode) and the C kernels are built. The arithmetic is the op-by-op forward's
-with the C kernels, so the two give the same bits (tests/test_fused_layers.py); what goes is
+with the C kernels, so the two give the same bits (`verispec.testing.gguf_weights.
+assert_fused_layers_are_op_by_op`, run by each family's test_fused_layer.py); what goes is
 the per-op dispatch, most of a small model's one-row decode.
 """
 from __future__ import annotations
