@@ -93,7 +93,7 @@ def _ranged(kind, lo, hi):
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF path or checkpoint alias (default: the embedded default model)")
     p.add_argument("--dtype", choices=["gguf", "int8", "int4", "bf16", "fp32"],
-                   help="weight dtype (default: the model's choice; gguf: the file's own Q4 blocks, see README)")
+                   help="weight dtype (default: the model's choice; gguf: the file's own quantised blocks, see README)")
     p.add_argument("--threads", type=_ranged(int, 1, 1024),
                    help="torch threads (default: the cores idle at start-up, sampled for 0.2 s)")
     p.add_argument("--context-length", type=_ranged(int, 16, 1 << 20))

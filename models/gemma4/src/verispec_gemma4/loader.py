@@ -25,12 +25,12 @@ from verispec.nn.state import MAX_VERIFY_ROWS
 from verispec_gemma4.modeling_gemma3 import Gemma3Config, Gemma3ForCausalLM
 from verispec_gemma4.modeling_gemma4 import Gemma4Config, Gemma4ForCausalLM
 
-#: weight dtype when the caller does not choose one. "gguf": the file's Q4_0/Q4_1/Q4_K blocks
-#: as stored in the int4 kernel, every other type as per-channel int8 (nn.quant). Batch-invariant
-#: (a verify row is bitwise the one-row decode) like int8, and on Gemma 3 270M Q4_K_M both a
-#: little faster (56.9 vs 54.5 and 61.1 vs 60.3 tok/s in two runs of paired rounds) and closer
-#: to fp32 (argmax 96.6 vs 95.7 % of 326 teacher-forced rows): benchmarks/weight_modes.py,
-#: README "Weight dtypes".
+#: weight dtype when the caller does not choose one. "gguf": the file's own blocks (Q4_K, Q5_0,
+#: Q6_K, Q8_0 in the 270M) in the block kernel, nothing requantised, each Gemma 3 layer one C
+#: call (nn.block_linear, nn.layers). Batch-invariant (a verify row is bitwise the one-row
+#: decode) like int8, faster (43.0 vs 21.6 tok/s in paired rounds on a loaded host) and closer to
+#: fp32 (argmax 97.9 vs 95.7 % of 326 teacher-forced rows): benchmarks/weight_modes.py, README
+#: "Weight dtypes".
 DEFAULT_DTYPE = "gguf"
 
 #: GGUF tensor -> parameter in our modules (HF's names); "{i}" = layer index (gemma4's "{e}" = expert).
