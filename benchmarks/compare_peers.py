@@ -11,14 +11,19 @@ system's own plain greedy stream.
 Peers: transformers `generate(prompt_lookup_num_tokens=N)` on the same GGUF loaded with
 `gguf_file=` (fp32, as transformers dequantises); llama-cpp-python's
 `LlamaPromptLookupDecoding` if `llama_cpp` is importable (it is not installed by default:
-building it takes ~13 minutes here).
+building it takes ~13 minutes here). `--with-llama-cpp` adds llama.cpp's own `llama-bench`
+tg128 / pp512 on the same file, built once into the verispec cache (`benchmarks/llama_cpp.py
+--build`, nothing in the venv; done here when missing), and our plain decode ÷ its tg128 per
+scenario.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -117,6 +122,17 @@ def run_llama_cpp(llm, ids, new):
     return tokens, (len(tokens) - 1) / (stamps[-1] - stamps[0]) if stamps[-1] > stamps[0] else 0.0
 
 
+def llama_bench_figures(path: str, threads: int) -> dict[str, float]:
+    """llama-bench tg128 / pp512 on `path` (benchmarks/llama_cpp.py, loaded by path: its name
+    would shadow the llama_cpp package), building llama-bench first when it is missing."""
+    spec = importlib.util.spec_from_file_location("llama_bench", Path(__file__).with_name("llama_cpp.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    if bench.bench_binary() is None:
+        bench.build()
+    return bench.llama_bench(path, threads)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="alias or GGUF path (default: the embedded default)")
@@ -126,6 +142,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default=None, help="our weight dtype (default: the model's choice)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--with-llama-cpp", action="store_true",
+                        help="add llama-bench tg128/pp512 (builds it once into the verispec cache, ~15 min)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -136,6 +154,7 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=torch.float32).eval()
     hf_load_s = time.perf_counter() - t0
+    bench = llama_bench_figures(path, args.threads) if args.with_llama_cpp else None
     llama_plain = load_llama_cpp(path, args.threads, None)
     llama_lookup = load_llama_cpp(path, args.threads, args.lookup)
     rows = []
@@ -168,7 +187,13 @@ def main() -> None:
                 "llama_cpp_identical": cpp_spec == cpp_plain,
                 "spec_ratio_verispec_over_llama_cpp": round(spec_tps / cpp_spec_tps, 2),
             })
+        if bench is not None:
+            rows[-1].update({"llama_bench_tg128": round(bench["llama_cpp_tg128"], 2),
+                             "plain_ratio_verispec_over_llama_bench_tg128":
+                                 round(plain_tps / bench["llama_cpp_tg128"], 2)})
         print(json.dumps(rows[-1]), flush=True)
+    if bench is not None:
+        print(json.dumps({"llama_bench": {k: round(v, 2) for k, v in bench.items()}}))
     if llama_plain is None:
         print("llama-cpp-python not importable: llama.cpp columns skipped")
     if not args.json:

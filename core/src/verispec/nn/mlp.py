@@ -27,8 +27,14 @@ ACTIVATIONS = {
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, *, device=None):
+    """kernel_activation: compute act(gate) · up with the C kernels' `ckernels.glu` where they
+    are built (its own exp), as a family's fused layers (nn.layers) do, so its op-by-op forward
+    gives their bits; otherwise torch's activation."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, *, kernel_activation: bool = False,
+                 device=None):
         super().__init__()
+        self.kernel_activation = kernel_activation
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r}: choose one of {', '.join(ACTIVATIONS)}")
         self.activation = activation
@@ -40,7 +46,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if ckernels.library() is not None:  # the fused layers' activation (nn.layers), same bits
+        if self.kernel_activation and ckernels.library() is not None:
             act = ckernels.glu(self.activation, gate_up.reshape(-1, 2 * self.intermediate_size).contiguous(),
                                self.intermediate_size)
             return self.down_proj(act.view(*x.shape[:-1], -1))

@@ -149,7 +149,7 @@ class Gemma3DecoderLayer(nn.Module):
         c = config
         self.is_sliding = c.layer_types[layer_idx] == SLIDING
         self.self_attn = Gemma3Attention(c, layer_idx, device)
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, "gelu_tanh", device=device)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, "gelu_tanh", kernel_activation=True, device=device)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.pre_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)

@@ -204,7 +204,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "silu", device=device)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "silu", kernel_activation=True,
+                            device=device)
         self._kernel: DecoderLayerKernel | None = None
 
     def _fused_kernel(self, rope: RotaryEmbedding) -> DecoderLayerKernel | None:
