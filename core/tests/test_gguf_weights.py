@@ -376,3 +376,14 @@ def test_a_stacked_part_of_the_wrong_shape_is_named(tmp_path):
         plan_weights(gguf, Attention(), QKV_TABLE, num_layers=0).check()
     with pytest.raises(ValueError, match=r"declares as \(32, 16\)"):  # a declaration that does not fit
         plan_weights(gguf, Attention(rows=(32, 16)), QKV_TABLE, num_layers=0)
+
+
+def test_without_the_kernels_the_default_falls_back_to_int8(monkeypatch):
+    """gguf's PyTorch path gives the kernel's bits ~20x slower, so a family that prefers gguf
+    defaults to int8 where the C kernels are not built; other preferences are kept."""
+    from verispec.nn.gguf_mode import default_dtype
+
+    monkeypatch.setattr(ckernels, "library", lambda: None)
+    assert default_dtype("gguf") == "int8" and default_dtype("bfloat16") == "bfloat16"
+    monkeypatch.setattr(ckernels, "library", lambda: object())
+    assert default_dtype("gguf") == "gguf"

@@ -61,6 +61,7 @@ class BlockLinear(Float32Linear):
         self.register_buffer("scales", torch.empty(groups, dtype=dtype, device=device))
         self.register_buffer("mins", torch.empty(groups if fmt.has_mins else (0,), dtype=dtype, device=device))
         self._kernel: tuple | None = None  # (packed tensor, kernel_args()) once computed
+        self._unpacked: tuple | None = None  # (packed tensor, values()) for the PyTorch path
 
     @classmethod
     def from_gguf(cls, parts: Sequence[GGUFBlocks]) -> BlockLinear:
@@ -105,8 +106,10 @@ class BlockLinear(Float32Linear):
         lead = x.shape[:-1]
         if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
             x = x.reshape(-1, self.in_features).float().contiguous()
-        if ckernels.library() is None:
-            y = reference_matmul(x, self.values())
+        if ckernels.library() is None:  # no C compiler: the kernel's arithmetic in PyTorch
+            if self._unpacked is None or self._unpacked[0] is not self._buffers["packed"]:
+                self._unpacked = (self._buffers["packed"], self.values())  # a byte a weight, kept
+            y = reference_matmul(x, self._unpacked[1])
         else:
             y = torch.empty(x.shape[0], self.out_features)
             ckernels.qmatmul(x, self.kernel_args(), y)

@@ -109,8 +109,9 @@ def library() -> ctypes.CDLL | None:
             try:
                 lib = ctypes.CDLL(str(build()))
             except (RuntimeError, OSError) as e:
-                log.warning("verispec: the C kernels are unavailable (%s); attention, RMSNorm, the gguf linears "
-                            "and the fused layers run on the slower PyTorch path", e)
+                log.warning("verispec: the C kernels are unavailable (%s); attention, RMSNorm and the gguf "
+                            "linears run on the slower PyTorch path, and the gemma/llama families default to int8 "
+                            "weights (gguf's PyTorch path is ~20x slower)", e)
             else:
                 lib.verispec_attend.restype = ctypes.c_int
                 lib.verispec_attend.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

@@ -19,6 +19,7 @@ import os
 import attrs
 from verispec.gguf_io import GGUFFile
 from verispec.gguf_load import Stack, Tensor, plan_weights
+from verispec.nn.gguf_mode import default_dtype
 from verispec.nn.quant import canonical_dtype
 from verispec.nn.state import MAX_VERIFY_ROWS
 
@@ -31,7 +32,7 @@ from verispec_gemma4.modeling_gemma4 import Gemma4Config, Gemma4ForCausalLM
 #: decode) like int8, faster (43.0 vs 21.6 tok/s in paired rounds on a loaded host) and closer to
 #: fp32 (argmax 97.9 vs 95.7 % of 326 teacher-forced rows): benchmarks/weight_modes.py, README
 #: "Weight dtypes".
-DEFAULT_DTYPE = "gguf"
+DEFAULT_DTYPE = "gguf"  # int8 where the C kernels are not built (nn.gguf_mode.default_dtype)
 
 #: GGUF tensor -> parameter in our modules (HF's names); "{i}" = layer index (gemma4's "{e}" = expert).
 #: gguf-py MODEL_TENSORS[GEMMA3]; reference/gemma4.md §2.1 gives the HF <-> GGUF pairs.
@@ -107,7 +108,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     nn.quant.UnknownWeightDtype.
     """
     path = os.fspath(path)
-    dtype = canonical_dtype(dtype or DEFAULT_DTYPE)
+    dtype = canonical_dtype(dtype or default_dtype(DEFAULT_DTYPE))
     gguf = GGUFFile.open(path)
     arch = gguf.architecture
     options = {"dtype": dtype, "context_length": context_length, "max_rows_per_forward": max_rows_per_forward,

@@ -24,6 +24,7 @@ import os
 import attrs
 from verispec.gguf_io import GGUFFile
 from verispec.gguf_load import Stack, Tensor, plan_weights
+from verispec.nn.gguf_mode import default_dtype
 from verispec.nn.quant import canonical_dtype
 
 from verispec_llama.modeling_llama import LlamaConfig, LlamaForCausalLM, UnsupportedLlamaVariant
@@ -35,7 +36,7 @@ __all__ = ["DEFAULT_DTYPE", "ROPE_FREQS", "TENSORS", "config_from_gguf", "load"]
 #: Batch-invariant (a verify row is bitwise the one-row decode) like int8, and faster and closer
 #: to fp32: SmolLM2-135M 138 vs 62 tok/s, argmax = fp32 97.9 vs 97.3 %; Qwen2.5-Coder-0.5B 51 vs
 #: 30 tok/s, 100.0 vs 98.3 % (benchmarks/weight_modes.py, README "Weight dtypes").
-DEFAULT_DTYPE = "gguf"
+DEFAULT_DTYPE = "gguf"  # int8 where the C kernels are not built (nn.gguf_mode.default_dtype)
 
 #: GGUF tensor -> parameter in our modules (HF's names); "{i}" = layer index.
 #: gguf-py MODEL_TENSORS[LLAMA] / [QWEN2]. q|k|v and gate|up are stacked into one linear each
@@ -82,7 +83,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     are listed), nn.quant.UnknownWeightDtype.
     """
     path = os.fspath(path)
-    dtype = canonical_dtype(dtype or DEFAULT_DTYPE)
+    dtype = canonical_dtype(dtype or default_dtype(DEFAULT_DTYPE))
     gguf = GGUFFile.open(path)
     config = config_from_gguf(gguf)
     model = LlamaForCausalLM(config, dtype=dtype, context_length=context_length,
