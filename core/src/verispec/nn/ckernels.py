@@ -26,6 +26,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -74,9 +75,10 @@ def _intact(path: Path) -> bool:
 def build(extra_flags: Sequence[str] = ()) -> Path:
     """Compile the kernels for this machine unless an intact build is there; returns the
     library's path. The compiler is $CC (a command line, e.g. "ccache gcc"), else cc, else gcc.
-    extra_flags: more compiler flags (the tests build `-DVERISPEC_PORTABLE`, qmatmul.c's loop
-    for CPUs without AVX-512 VNNI). Raises RuntimeError naming the compiler's complaint (or
-    its absence)."""
+    extra_flags: more compiler flags (the tests build `-DVERISPEC_PORTABLE`, qmatmul.c's plain
+    loop, and `-march=x86-64-v3`, its AVX2 path). A compile states its time once (logged, and
+    on a terminal's stderr). Raises RuntimeError naming the compiler's complaint (or its
+    absence)."""
     path = library_path(extra_flags)
     if _intact(path):
         return path
@@ -86,6 +88,7 @@ def build(extra_flags: Sequence[str] = ()) -> Path:
         raise RuntimeError(f"{where}: install one (Debian: apt-get install gcc) or point $CC at one")
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    started = time.perf_counter()
     result = subprocess.run([*compiler, *FLAGS, *extra_flags, *map(str, SOURCES), "-o", str(partial), "-lm"],
                             capture_output=True, text=True)
     if result.returncode != 0:
@@ -96,6 +99,10 @@ def build(extra_flags: Sequence[str] = ()) -> Path:
     digest.write_text(hashlib.sha256(partial.read_bytes()).hexdigest())
     os.replace(partial, path)
     os.replace(digest, _digest_path(path))
+    said = f"verispec: compiled the C kernels for this CPU in {time.perf_counter() - started:.1f} s (once: {path})"
+    log.info(said)
+    if sys.stderr.isatty():  # a person waiting on the first run sees why, once
+        print(said, file=sys.stderr)
     return path
 
 
