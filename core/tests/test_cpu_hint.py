@@ -1,6 +1,7 @@
 """verispec.cpu.slow_decode_hint: one line when a decode runs far below what its weights cost."""
 import torch
 
+from verispec import cpu
 from verispec.cpu import SLOW_FACTOR, slow_decode_hint, weight_bytes
 
 
@@ -35,3 +36,26 @@ def test_api_threads_auto_sets_the_idle_cores(monkeypatch, tmp_path):
         assert torch.get_num_threads() == idle
     finally:
         torch.set_num_threads(before)
+
+
+def test_gguf_weights_without_the_kernels_get_their_own_hint(monkeypatch):
+    """A slow decode of gguf weights on the PyTorch path names that cause, not another process."""
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from verispec import cli
+    from verispec.nn import ckernels
+    from verispec.nn.block_linear import block_linear_class
+    from verispec.nn.gguf_blocks import GGUFBlocks
+
+    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
+    raw = np.zeros((16, 64 // block_size * type_size), dtype=np.uint8)
+    target = torch.nn.Sequential(block_linear_class(GGMLQuantizationType.Q8_0).from_gguf(
+        [GGUFBlocks(GGMLQuantizationType.Q8_0, torch.from_numpy(raw), 64)]))
+    engine = type("Engine", (), {"target": target})()
+    result = type("Result", (), {"decode_tokens_per_s": 0.5, "tokens": list(range(10))})()
+    monkeypatch.setattr(cpu, "FLOOR_BYTES_PER_S", 1e30)  # weights that cost nothing: any decode is "slow"
+    monkeypatch.setattr(ckernels, "library", lambda: None)
+    assert "PyTorch path" in cli._slow_decode_hint(engine, result)
+    monkeypatch.setattr(ckernels, "library", lambda: object())
+    assert "another process" in cli._slow_decode_hint(engine, result)

@@ -463,6 +463,14 @@ def test_max_tokens_beyond_what_the_context_holds_is_a_400_naming_the_limit(clie
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
+@pytest.mark.parametrize("field, value", [("max_tokens", 0), ("max_tokens", -3), ("max_completion_tokens", 0)])
+def test_a_max_tokens_below_one_is_a_400_naming_the_field(client, field, value):
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, field: value})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == field and f"{field}={value}" in error["message"]
+
+
 def test_the_completions_default_max_tokens_fits_a_nearly_full_context(client, engine):
     """16 tokens is OpenAI's default, not the client's ask: it shrinks to what fits."""
     prompt = PROMPT + " the cat" * 100

@@ -267,7 +267,19 @@ def _slow_decode_hint(engine, result) -> str | None:
 
     if result.decode_tokens_per_s <= 0 or len(result.tokens) < 8 or not isinstance(engine.target, torch.nn.Module):
         return None
-    return slow_decode_hint(1e3 / result.decode_tokens_per_s, weight_bytes(engine.target), torch.get_num_threads())
+    hint = slow_decode_hint(1e3 / result.decode_tokens_per_s, weight_bytes(engine.target), torch.get_num_threads())
+    if hint and _gguf_without_kernels(engine.target):  # the cause is ours, not another process
+        return (f"hint: decode took {1e3 / result.decode_tokens_per_s:.0f} ms/token: the gguf weights run on the "
+                "PyTorch path, ~20x slower, because the C kernels are off (VERISPEC_C_KERNELS=0) or could not be "
+                "built (the warning above says why): install a C compiler, or pass --dtype int8")
+    return hint
+
+
+def _gguf_without_kernels(target) -> bool:
+    from verispec.nn import ckernels
+    from verispec.nn.block_linear import BlockLinear
+
+    return ckernels.library() is None and any(isinstance(m, BlockLinear) for m in target.modules())
 
 
 def cmd_bench(args) -> int:

@@ -496,6 +496,8 @@ class _Served:
             ids = await anyio.to_thread.run_sync(self.engine.encode, prompt)
             max_tokens = body.limit(context)
             requested = body.requested_limit()
+            if requested is not None and requested[1] < 1:
+                raise RequestRejected(f"{requested[0]}={requested[1]}: ask for at least 1 token", requested[0])
             if ids and len(ids) < context:
                 room = context - len(ids)
                 if requested is not None and requested[1] > room:

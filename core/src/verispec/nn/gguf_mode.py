@@ -21,7 +21,7 @@ __all__ = ["GGUF_REQUANTISED", "UnmappedGGUFType", "default_dtype", "gguf_linear
 def default_dtype(preferred: str = "gguf") -> str:
     """A family's default weight dtype: `preferred` (the gemma and llama families: "gguf"), except
     "gguf" becomes "int8" where the C kernels are not built. Without them the gguf mode runs its
-    kernel's arithmetic in PyTorch (same bits, ~20x slower: Gemma 3 270M 2.8 tok/s, measured
+    kernel's arithmetic in PyTorch (the linears' bits for a given input, ~20x slower: Gemma 3 270M 2.8 tok/s, measured
     2026-12-02), so the default falls back to torch's int8 kernel; the kernels' one warning says
     why they are missing. An explicit dtype is never changed."""
     return "int8" if preferred == "gguf" and ckernels.library() is None else preferred
