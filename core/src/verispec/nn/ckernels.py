@@ -149,6 +149,12 @@ def library() -> ctypes.CDLL | None:
 PARALLEL_WORK = 1 << 14
 
 
+def attend_threads(work: int) -> int:
+    """Threads for an attention call reading `work` rows x heads x slots: torch's count, or 1
+    below PARALLEL_WORK."""
+    return torch.get_num_threads() if work >= PARALLEL_WORK else 1
+
+
 def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out: torch.Tensor, desc: torch.Tensor,
            num_kv_heads: int, scaling: float, work: int = 0) -> None:
     """Run the kernel: q, out fp32 contiguous [rows, H, Dh]; k, v fp32 contiguous [rows, Hkv, Dh],
@@ -160,7 +166,7 @@ def attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, out:
     threads (torch's thread count).
     Raises MemoryError when the kernel's scratch allocation fails."""
     _, num_heads, head_dim = q.shape
-    threads = torch.get_num_threads() if work >= PARALLEL_WORK else 1
+    threads = attend_threads(work)
     k_ptr, v_ptr = (None, None) if k is None else (k.data_ptr(), v.data_ptr())
     if library().verispec_attend(q.data_ptr(), k_ptr, v_ptr, out.data_ptr(), desc.data_ptr(), desc.shape[0], num_heads,
                                  num_kv_heads, head_dim, scaling, threads) != 0:
@@ -200,8 +206,8 @@ def qmatmul(x: torch.Tensor, weight_args: tuple, y: torch.Tensor) -> None:
     """y fp32 contiguous [n, out] = x fp32 contiguous [n, k] times a block-packed weight
     (nn.block_linear.pack; arithmetic: qmatmul.c, `block_linear.reference_matmul`).
     weight_args: `block_linear.BlockLinear.kernel_args()`, the weight's pointers and format
-    (packed, scales, mins or None, out, bits, group, zero, half). Runs on torch's thread
-    count (the pool in qmatmul.c). Raises MemoryError when the activations' scratch cannot be
+    (packed, scales, mins or None, out, bits, group, zero, half). Runs on torch's OpenMP team
+    (torch's thread count). Raises MemoryError when the activations' scratch cannot be
     allocated."""
     n, k = x.shape
     if library().verispec_qmatmul(x.data_ptr(), n, k, *weight_args, y.data_ptr(), torch.get_num_threads()) != 0:

@@ -24,7 +24,6 @@
  * p - sp < W (the sliding rule of reference/gemma4.md §3.1).
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,7 +32,6 @@
 
 /* One sequence's descriptor: DESC_FIELDS int64 values. */
 enum { Q_ROW, N_ROWS, START_POS, NUM_SLOTS, BLOCK, K_TABLE, V_TABLE, SLOT_POS, WINDOW, DESC_FIELDS };
-
 
 static inline int visible(int64_t sp, int64_t p, int64_t window) {
     return sp >= 0 && sp <= p && (window <= 0 || p - sp < window);
@@ -172,21 +170,21 @@ typedef struct {
     const float *q;
     float *out;
     const int64_t *desc;
-    int64_t num_seqs, H, Hkv, D, max_slots, max_rows, first, step;
+    int64_t num_seqs, H, Hkv, D, max_slots, max_rows;
     float scaling;
     int status;
 } job;
 
-/* Units of up to ROWS_PER_UNIT rows of one sequence, flattened over sequences; this job takes
- * every step-th from first. */
-static void *run_job(void *arg) {
-    job *jb = arg;
+/* Units of up to ROWS_PER_UNIT rows of one sequence, flattened over sequences; job `task` of
+ * `tasks` takes every tasks-th unit from its own index. */
+static void run_job(void *arg, int64_t task, int64_t tasks) {
+    job *jb = (job *)arg + task;
     const int64_t T16 = (jb->max_slots + 15) & ~(int64_t)15, group = jb->H / jb->Hkv;
     const int64_t R = jb->max_rows < ROWS_PER_UNIT ? jb->max_rows : ROWS_PER_UNIT; /* scratch for a decode: 1 */
     float *s = malloc(sizeof(float) * (R * group * T16 + 2 * R * T16 + R * group * jb->D + R * group));
     if (!s) {
         jb->status = -1;
-        return NULL;
+        return;
     }
     float *bias = s + R * group * T16, *keep = bias + R * T16, *o = keep + R * T16, *den = o + R * group * jb->D;
     int64_t T[ROWS_PER_UNIT], index = 0;
@@ -194,7 +192,7 @@ static void *run_job(void *arg) {
         const int64_t *dsc = jb->desc + i * DESC_FIELDS;
         const int64_t *slot_pos = (const int64_t *)(intptr_t)dsc[SLOT_POS];
         for (int64_t r0 = 0; r0 < dsc[N_ROWS]; r0 += R, index++) {
-            if (index % jb->step != jb->first) continue;
+            if (index % tasks != task) continue;
             const int64_t n = dsc[N_ROWS] - r0 < R ? dsc[N_ROWS] - r0 : R;
             for (int64_t r = 0; r < n; r++) {
                 const int64_t p = dsc[START_POS] + r0 + r;
@@ -217,7 +215,6 @@ static void *run_job(void *arg) {
     }
     free(s);
     jb->status = 0;
-    return NULL;
 }
 
 /* Copy k, v fp32 [rows, Hkv, D] into each sequence's blocks at its rows' slots: slot = position,
@@ -258,10 +255,8 @@ int verispec_attend(const float *q, const float *k, const float *v, float *out, 
     if (threads > 64) threads = 64;
     job jobs[64];
     for (int64_t j = 0; j < threads; j++)
-        jobs[j] = (job){q, out, desc, num_seqs, H, Hkv, D, max_slots, max_rows, j, threads, scaling, -1};
-    /* OpenMP: torch's own thread team (qmatmul.c); a thread the team does not grant runs on another */
-#pragma omp parallel num_threads(threads)
-    for (int64_t j = omp_get_thread_num(); j < threads; j += omp_get_num_threads()) run_job(&jobs[j]);
+        jobs[j] = (job){q, out, desc, num_seqs, H, Hkv, D, max_slots, max_rows, scaling, -1};
+    run_tasks(run_job, jobs, threads);
     int status = 0;
     for (int64_t j = 0; j < threads; j++) status |= jobs[j].status;
     return status;

@@ -1,6 +1,7 @@
 /* What verispec's C files share (built into one library by `verispec.nn.ckernels`). */
 #ifndef VERISPEC_KERNELS_H
 #define VERISPEC_KERNELS_H
+#include <omp.h>
 #include <stdint.h>
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -29,6 +30,24 @@ static inline v16 vexp(v16 x) {
     y = y + splat(1.0f);
     v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
     return y * (v16)bits;
+}
+
+/* Threads: OpenMP, so the kernels share torch's own thread team (torch's libgomp.so.1 is the one
+ * loaded once per process) instead of a second set of threads competing with it for cores. */
+typedef void (*task_fn)(void *arg, int64_t task, int64_t tasks);
+
+/* Run fn(arg, task, tasks) for task = 0 .. tasks - 1 on up to `tasks` threads of the team (a task
+ * the team does not grant a thread for runs on another). */
+static inline void run_tasks(task_fn fn, void *arg, int64_t tasks) {
+    if (tasks <= 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+#pragma omp parallel num_threads(tasks)
+    {
+        const int64_t team = omp_get_num_threads();
+        for (int64_t task = omp_get_thread_num(); task < tasks; task += team) fn(arg, task, tasks);
+    }
 }
 
 /* One block-packed weight (qmatmul.c's layout; nn.block_linear.BlockLinear.kernel_args). */

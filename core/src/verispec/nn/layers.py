@@ -16,7 +16,7 @@ from verispec.nn.attention import kernel_descriptors
 from verispec.nn.block_linear import BlockLinear
 from verispec.nn.quant import PartwiseLinear
 
-__all__ = ["DecoderLayerKernel", "block_parts"]
+__all__ = ["DecoderLayerKernel", "block_parts", "fused_kernel"]
 
 MAX_PARTS = 4
 
@@ -66,8 +66,8 @@ class DecoderLayerKernel:
     """One pre-norm decoder layer's weights for `verispec_decoder_layer` (layers.c): llama /
     qwen2 (input and pre-FF norms, q|k|v and o biases, SwiGLU) and Gemma 3 (sandwich norms,
     per-head q/k norms, GeGLU, sliding windows). The layer's tensors must stay alive and
-    unchanged while it is used (`keys` names the weights it points at: the family rebuilds it
-    when they change)."""
+    unchanged while it is used (`keys` names the weights it points at; `fused_kernel` rebuilds
+    it when they change)."""
 
     def __init__(self, *, qkv: list, o, gate_up, down, input_norm: torch.Tensor, pre_ff_norm: torch.Tensor,
                  post_attn_norm: torch.Tensor | None = None, post_ff_norm: torch.Tensor | None = None,
@@ -76,36 +76,49 @@ class DecoderLayerKernel:
                  num_kv_heads: int, head_dim: int, intermediate_size: int, rotary_dim: int, neox: bool,
                  activation: str, eps: float, scaling: float, sliding_window: int | None = None):
         """qkv: the linears whose outputs side by side are q|k|v (one stacked linear, or three).
-        Raises ValueError when a linear is not block-packed or RoPE spans over 1024 dims."""
-        parts = [[p for m in qkv for p in block_parts(m) or [None]], *(block_parts(m) for m in (o, gate_up, down))]
-        if any(p is None or None in p or len(p) > MAX_PARTS for p in parts) or rotary_dim > 1024:
+        Raises ValueError when a linear is not block-packed, a linear runs more than MAX_PARTS
+        parts, or RoPE spans over 1024 dims."""
+        per_linear = [block_parts(m) for m in (*qkv, o, gate_up, down)]
+        if None in per_linear or rotary_dim > 1024:
             raise ValueError("a fused layer needs block-packed linears (the gguf weight mode) and RoPE over "
                              "at most 1024 dims")
-        self.keys = tuple(p.kernel_args() for ps in parts for p in ps)
+        parts = [[p for ps in per_linear[:len(qkv)] for p in ps], *per_linear[len(qkv):]]
+        if len(parts[0]) > MAX_PARTS:
+            raise ValueError(f"q|k|v runs {len(parts[0])} parts; a fused layer takes at most {MAX_PARTS}")
+        self.keys = _keys(per_linear)
         self._tensors = (input_norm, post_attn_norm, pre_ff_norm, post_ff_norm, q_norm, k_norm, qkv_bias, o_bias)
-        self.args = _DecoderLayer(qkv[0].in_features, num_heads, num_kv_heads,
-                                  head_dim, intermediate_size, rotary_dim, int(neox), ACTIVATIONS[activation], eps,
-                                  scaling, *map(_ptr, self._tensors), *map(_linear, parts))
+        self.args = _DecoderLayer(qkv[0].in_features, num_heads, num_kv_heads, head_dim, intermediate_size,
+                                  rotary_dim, int(neox), ACTIVATIONS[activation], eps, scaling,
+                                  *map(_ptr, self._tensors), *map(_linear, parts))
         self.sliding_window = sliding_window
 
-    @staticmethod
-    def keys_of(linears) -> tuple | None:
-        """The `keys` a kernel over `linears` would have (None: not all block-packed), to tell
-        whether a built kernel still points at the current weights."""
-        parts = [block_parts(m) for m in linears]
-        if any(p is None for p in parts):
-            return None
-        return tuple(p.kernel_args() for ps in parts for p in ps)
-
-    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list, rows) -> torch.Tensor:
-        """h fp32 contiguous [n, D] -> fp32 [n, D]; cos, sin fp32 contiguous [n, 1, rotary_dim]
-        (`RotaryEmbedding.cos_sin`); caches: each sequence's KV cache of this layer, `rows` its
-        nn.trunk.Rows. Raises MemoryError when the kernel's scratch allocation fails."""
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows, layer: int) -> torch.Tensor:
+        """h fp32 [n, D] -> fp32 [n, D]; cos, sin fp32 contiguous [n, 1, rotary_dim]
+        (`RotaryEmbedding.cos_sin`); rows: the forward's nn.trunk.Rows, whose sequences' caches
+        of `layer` take the K/V. Raises MemoryError when the kernel's scratch allocation fails."""
+        h = h.contiguous()
+        caches = [s.state.layers[layer] for s in rows.sequences]
         desc, work = kernel_descriptors(caches, rows, write=True, sliding_window=self.sliding_window)
         out = torch.empty_like(h)
-        attend_threads = torch.get_num_threads() if work * self.args.H >= ckernels.PARALLEL_WORK else 1
         if ckernels.library().verispec_decoder_layer(ctypes.addressof(self.args), h.data_ptr(), out.data_ptr(),
                                                      h.shape[0], cos.data_ptr(), sin.data_ptr(), desc.data_ptr(),
-                                                     desc.shape[0], attend_threads, torch.get_num_threads()) != 0:
+                                                     desc.shape[0], ckernels.attend_threads(work * self.args.H),
+                                                     torch.get_num_threads()) != 0:
             raise MemoryError("the fused layer could not allocate its scratch")
         return out
+
+
+def _keys(per_linear: list[list[BlockLinear]]) -> tuple:
+    return tuple(p.kernel_args() for ps in per_linear for p in ps)
+
+
+def fused_kernel(cached: DecoderLayerKernel | None, linears, make) -> DecoderLayerKernel | None:
+    """A family layer's kernel for this forward: `cached` while it still points at `linears`'
+    weights, else `make()` (a new DecoderLayerKernel over them); None where the layer cannot run
+    fused (the C kernels not built, a linear not block-packed)."""
+    if ckernels.library() is None:
+        return None
+    per_linear = [block_parts(m) for m in linears]
+    if None in per_linear:
+        return None
+    return cached if cached is not None and cached.keys == _keys(per_linear) else make()

@@ -25,9 +25,8 @@ import attrs
 import torch
 from torch import nn
 from verispec.gguf_io import arch_value
-from verispec.nn import ckernels
 from verispec.nn.attention import attend_rows
-from verispec.nn.layers import DecoderLayerKernel
+from verispec.nn.layers import DecoderLayerKernel, fused_kernel
 from verispec.nn.state import MAX_VERIFY_ROWS, PagedKVCache, RingKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
@@ -157,16 +156,14 @@ class Gemma3DecoderLayer(nn.Module):
         self._kernel: DecoderLayerKernel | None = None
 
     def _fused_kernel(self, rope: RotaryEmbedding) -> DecoderLayerKernel | None:
-        """The layer's nn.layers kernel, built on first use and again when a linear's weights
-        changed; None when the layer cannot run fused (another weight mode, an attention softcap)."""
+        """The layer's nn.layers kernel (nn.layers.fused_kernel); None when it runs op by op (also
+        with an attention softcap, which the kernel does not take)."""
         a, mlp = self.self_attn, self.mlp
-        if not self.fused or a.softcap is not None or ckernels.library() is None:
+        if not self.fused or a.softcap is not None:
             return None
-        keys = DecoderLayerKernel.keys_of((a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj))
-        if keys is None:
-            return None
-        if self._kernel is None or self._kernel.keys != keys:
-            self._kernel = DecoderLayerKernel(
+
+        def make() -> DecoderLayerKernel:
+            return DecoderLayerKernel(
                 qkv=[a.q_proj, a.k_proj, a.v_proj], o=a.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj,
                 input_norm=self.input_layernorm.weight, post_attn_norm=self.post_attention_layernorm.weight,
                 pre_ff_norm=self.pre_feedforward_layernorm.weight, post_ff_norm=self.post_feedforward_layernorm.weight,
@@ -174,12 +171,15 @@ class Gemma3DecoderLayer(nn.Module):
                 head_dim=a.head_dim, intermediate_size=mlp.intermediate_size, rotary_dim=rope.rotary_dim,
                 neox=rope.style == "neox", activation="gelu_tanh", eps=self.input_layernorm.eps, scaling=a.scaling,
                 sliding_window=a.sliding_window)
+
+        linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        self._kernel = fused_kernel(self._kernel, linears, make)
         return self._kernel
 
     def forward(self, x, rows, layer_idx, rope, cos, sin):
         kernel = self._fused_kernel(rope)
         if kernel is not None:
-            return kernel(x.contiguous(), cos, sin, [s.state.layers[layer_idx] for s in rows.sequences], rows)
+            return kernel(x, cos, sin, rows, layer_idx)
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rows, layer_idx, rope, cos, sin))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 

@@ -38,8 +38,7 @@ import torch
 from torch import nn
 from verispec.errors import UnsupportedVariant
 from verispec.gguf_io import MissingTensor, arch_value
-from verispec.nn import ckernels
-from verispec.nn.layers import DecoderLayerKernel
+from verispec.nn.layers import DecoderLayerKernel, fused_kernel
 from verispec.nn.attention import attend_rows
 from verispec.nn.state import PagedKVCache
 from verispec.nn.mlp import GatedMLP
@@ -209,21 +208,20 @@ class LlamaDecoderLayer(nn.Module):
         self._kernel: DecoderLayerKernel | None = None
 
     def _fused_kernel(self, rope: RotaryEmbedding) -> DecoderLayerKernel | None:
-        """The layer's nn.layers kernel, built on first use and again when a linear's weights
-        changed; None when the layer cannot run fused."""
-        if not self.fused or ckernels.library() is None:
+        """The layer's nn.layers kernel (nn.layers.fused_kernel); None when it runs op by op."""
+        if not self.fused:
             return None
         a, mlp = self.self_attn, self.mlp
-        keys = DecoderLayerKernel.keys_of((a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj))
-        if keys is None:
-            return None
-        if self._kernel is None or self._kernel.keys != keys:
-            self._kernel = DecoderLayerKernel(
+
+        def make() -> DecoderLayerKernel:
+            return DecoderLayerKernel(
                 qkv=[a.qkv_proj], o=a.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj,
                 input_norm=self.input_layernorm.weight, pre_ff_norm=self.post_attention_layernorm.weight,
                 qkv_bias=a.qkv_bias, o_bias=a.o_bias, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
                 head_dim=a.head_dim, intermediate_size=mlp.intermediate_size, rotary_dim=rope.rotary_dim,
                 neox=rope.style == "neox", activation="silu", eps=self.input_layernorm.eps, scaling=a.scaling)
+
+        self._kernel = fused_kernel(self._kernel, (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj), make)
         return self._kernel
 
     def forward(self, hidden_states: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
@@ -231,8 +229,7 @@ class LlamaDecoderLayer(nn.Module):
         """hidden_states: fp32 [n, D] -> fp32 [n, D]."""
         kernel = self._fused_kernel(rope)
         if kernel is not None:
-            caches = [s.state.layers[layer_idx] for s in rows.sequences]
-            return kernel(hidden_states.contiguous(), cos, sin, caches, rows)
+            return kernel(hidden_states, cos, sin, rows, layer_idx)
         attn = self.self_attn(self.input_layernorm(hidden_states), rope, cos, sin, rows, layer_idx)
         hidden_states = hidden_states + attn
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
