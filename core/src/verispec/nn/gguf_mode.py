@@ -48,21 +48,16 @@ class UnmappedGGUFType(VerispecError, ValueError):
                          "to one of those types (llama.cpp's llama-quantize)")
 
 
-def gguf_linear_class(part_types: Mapping[str, GGMLQuantizationType]) -> type[Float32Linear]:
-    """The `gguf` mode's class for a linear read from GGUF tensors name -> ggml type (stacked
-    parts, in order, all of one class): the type's nn.block_linear class for a type in
-    nn.gguf_blocks.BLOCK_FORMATS (the file's values as stored), else Int8Linear (not exact:
-    requantised per output channel). Raises UnmappedGGUFType naming the tensor, ValueError for
-    parts of different classes (`resolve_gguf_linears` runs those partwise)."""
-    classes = set()
-    for name, ggml_type in part_types.items():
-        if ggml_type not in BLOCK_FORMATS.keys() | GGUF_REQUANTISED:
-            raise UnmappedGGUFType(name, ggml_type)
-        classes.add(block_linear_class(ggml_type) if ggml_type in BLOCK_FORMATS else Int8Linear)
-    if len(classes) > 1:
-        raise ValueError(f"{', '.join(part_types)}: parts of different classes are run partwise "
-                         "(resolve_gguf_linears)")
-    return classes.pop() if classes else Int8Linear
+def gguf_linear_class(name: str, ggml_type: GGMLQuantizationType) -> type[Float32Linear]:
+    """The `gguf` mode's class for GGUF tensor `name` stored as `ggml_type`: the type's
+    nn.block_linear class for a type in nn.gguf_blocks.BLOCK_FORMATS (the file's values as
+    stored), else Int8Linear (not exact: requantised per output channel). Raises
+    UnmappedGGUFType naming the tensor for a type in neither set."""
+    if ggml_type in BLOCK_FORMATS:
+        return block_linear_class(ggml_type)
+    if ggml_type in GGUF_REQUANTISED:
+        return Int8Linear
+    raise UnmappedGGUFType(name, ggml_type)
 
 
 def resolve_gguf_linears(model: nn.Module,
@@ -70,21 +65,21 @@ def resolve_gguf_linears(model: nn.Module,
                          part_rows: Callable[[str], Sequence[int] | None] = lambda prefix: None) -> nn.Module:
     """Replace every GGUFLinear placeholder in `model` (meta) by an empty module for the ggml
     types of its source parts, `part_types(prefix)` (`prefix` its module name, parts in stack
-    order); in place. Each part's class is `gguf_linear_class({part: type})`; when every part
-    has the same class the linear is one module of it (a stack of Q4_0/Q4_1/Q4_K parts: one
-    exact int4 linear; of other types: one int8 linear, requantised per output row as the
-    parts would be alone). Mixed classes (a Q4_K_M file's Q4_K attn_q/attn_k beside a Q6_K
-    attn_v) are never requantised into one int8 linear: the placeholder becomes a
-    `PartwiseLinear` of one linear per run of parts of one class. The parts' rows are
-    `part_rows(prefix)` (the owning module's declaration), else equal shares.
+    order); in place. Each part's class is `gguf_linear_class(part, type)`; when every part
+    has the same class the linear is one module of it (parts of one block type: one block
+    linear of their stacked values; float parts: one int8 linear, requantised per output row as
+    the parts would be alone). Parts of different classes (a Q4_K_M file's Q4_K attn_q/attn_k
+    beside a Q6_K attn_v) make the placeholder a `PartwiseLinear` of one linear per run of parts
+    of one class, each as stored. The parts' rows are `part_rows(prefix)` (the owning module's
+    declaration), else equal shares.
     Raises UnmappedGGUFType, ValueError when declared rows do not fit the parts."""
     def choose(prefix: str, old: nn.Module) -> nn.Module:
         if not isinstance(old, GGUFLinear):
             return old
         types = part_types(prefix)
-        classes = [gguf_linear_class({name: t}) for name, t in types.items()]
-        if len(set(classes)) <= 1:
-            return gguf_linear_class(types)(old.in_features, old.out_features, device="meta")
+        classes = [gguf_linear_class(name, t) for name, t in types.items()]
+        if len(set(classes)) <= 1:  # no parts (an absent optional source): as for a float tensor
+            return (classes[0] if classes else Int8Linear)(old.in_features, old.out_features, device="meta")
         rows = tuple(part_rows(prefix) or [old.out_features // len(classes)] * len(classes))
         if len(rows) != len(classes) or sum(rows) != old.out_features:
             raise ValueError(f"{prefix}: {len(classes)} stacked parts cannot have rows {rows} "
