@@ -208,9 +208,13 @@ def qmatmul(x: torch.Tensor, weight_args: tuple, y: torch.Tensor) -> None:
     weight_args: `block_linear.BlockLinear.kernel_args()`, the weight's pointers and format
     (packed, scales, mins or None, out, bits, group, zero, half). Runs on torch's OpenMP team
     (torch's thread count). Raises MemoryError when the activations' scratch cannot be
-    allocated."""
+    allocated, ValueError for a format qmatmul.c has no kernel for (not one of
+    nn.gguf_blocks.BLOCK_FORMATS)."""
     n, k = x.shape
-    if library().verispec_qmatmul(x.data_ptr(), n, k, *weight_args, y.data_ptr(), torch.get_num_threads()) != 0:
+    status = library().verispec_qmatmul(x.data_ptr(), n, k, *weight_args, y.data_ptr(), torch.get_num_threads())
+    if status == -2:
+        raise ValueError(f"qmatmul.c has no kernel for (bits, group, zero, half) = {weight_args[4:]}")
+    if status != 0:
         raise MemoryError("the block matmul could not allocate its activation scratch")
 
 
