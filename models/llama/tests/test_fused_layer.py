@@ -65,3 +65,38 @@ def test_two_sequences_in_one_forward_are_each_alone(target):
         assert torch.equal(out.logits, ref)
     for s in seqs:
         target.release(s)
+
+
+
+def test_a_replaced_weight_rebuilds_the_fused_kernel(target):
+    """The cached kernel points at packed tensors: replacing one, or a linear module, makes the
+    next forward build a new kernel over the new weights, never read the old ones."""
+    import copy
+
+    layer = target.model.layers[0]
+    attn, o_proj = layer.self_attn, layer.self_attn.o_proj
+
+    def logits():
+        seq = target.new_sequence()
+        out = forward_one(target, seq, [5, 17, 3, 44], logits="last").logits
+        target.release(seq)
+        return out
+
+    before = logits()
+    kernel = layer._kernel
+    assert kernel is not None and torch.equal(logits(), before) and layer._kernel is kernel  # reused
+    packed = o_proj.packed
+    try:
+        o_proj.packed = torch.zeros_like(packed)  # every o weight's u = 0
+        changed = logits()
+        assert layer._kernel is not kernel and not torch.equal(changed, before)
+        layer.fused = False
+        assert torch.equal(logits(), changed)  # the op-by-op forward reads the same new weights
+        layer.fused = True
+        o_proj.packed = packed
+        attn.o_proj = copy.deepcopy(o_proj)  # a new module (its own tensors), the same values
+        kernel = layer._kernel
+        assert torch.equal(logits(), before) and layer._kernel is not kernel
+        assert layer._kernel.linears[1] is attn.o_proj
+    finally:
+        layer.fused, o_proj.packed, attn.o_proj = True, packed, o_proj
