@@ -156,3 +156,17 @@ def test_a_context_length_beyond_the_trained_positions_is_refused():
     for asked, got in ((None, 32768), (32768, 32768), (4096, 4096)):
         TrunkModule._init_sizes(sizes, config, "int8", None, asked)
         assert sizes.max_context_length == got
+
+
+@pytest.mark.parametrize("trained, advice", [
+    (None, "or load the model with a larger --context-length;?$"),
+    (64, "larger --context-length, up to 64"),
+    (8, r"\(the context already is the model's whole trained length\)"),
+])
+def test_context_overflow_suggests_a_larger_context_only_below_the_trained_length(trained, advice):
+    toy = ToyTarget(max_context_length=8)
+    toy.trained_context_length = trained
+    seq = toy.new_sequence()
+    with pytest.raises(ContextOverflow, match=advice) as raised:
+        toy.forward([Segment(seq, list(range(9)))])
+    assert ("larger --context-length" in str(raised.value)) == (trained != 8)

@@ -27,14 +27,20 @@ if TYPE_CHECKING:  # torch is imported lazily: `verispec plugins` must not load 
 
 
 class ContextOverflow(VerispecError, ValueError):
-    """A forward would write past the trunk's `max_context_length`."""
+    """A forward would write past the trunk's `max_context_length`. trained_context_length: the
+    positions the model was trained on, when the trunk knows it: a larger --context-length is
+    suggested only while the context is below it."""
 
-    def __init__(self, required_len: int, max_context_length: int):
+    def __init__(self, required_len: int, max_context_length: int, trained_context_length: int | None = None):
         self.required_len = required_len
         self.max_context_length = max_context_length
-        super().__init__(
-            f"need {required_len} positions but the context holds {max_context_length}; "
-            "shorten the prompt, lower --max-tokens, or load the model with a larger --context-length")
+        if trained_context_length is not None and trained_context_length <= max_context_length:
+            larger = " (the context already is the model's whole trained length)"
+        else:
+            upto = f", up to {trained_context_length}" if trained_context_length else ""
+            larger = f", or load the model with a larger --context-length{upto}"
+        super().__init__(f"need {required_len} positions but the context holds {max_context_length}; "
+                         f"shorten the prompt or lower --max-tokens{larger}")
 
 
 class UnsupportedTap(ValueError):

@@ -87,6 +87,7 @@ class SequenceTrunk:
     where known."""
 
     max_context_length: int
+    trained_context_length: int | None = None
     max_rows_per_forward: int
     vocab_size: int
     hidden_size: int
@@ -184,7 +185,7 @@ class SequenceTrunk:
         for seg, state in zip(batch, states):
             required = state.seq_len + seg.tokens.numel()
             if required > self.max_context_length:
-                raise ContextOverflow(required, self.max_context_length)
+                raise ContextOverflow(required, self.max_context_length, self.trained_context_length)
             if seg.hidden:
                 self.tap_feature_size(seg.tap_layers)
         return states
