@@ -11,6 +11,11 @@ other linear call, attention = the family's `attend_rows` (cache write + attend)
 RoPE, residuals, activations; both: embedding, Python, bookkeeping). Repeated --rounds times,
 the two ways taking turns; medians. With --threads 1 the clock is the thread's CPU time, which a loaded
 machine barely moves; otherwise wall time (2 threads on a shared machine swing widely).
+
+    python benchmarks/decode_profile.py --model M --verify 2 3 5 9
+
+instead prints what a k-row verify forward (logits for every row, after a 200-token prompt,
+fused layers) costs relative to a one-row decode: the "row cost" speculation pays per draft.
 """
 from __future__ import annotations
 
@@ -99,6 +104,21 @@ def profile(target, steps: int, clock) -> dict[str, float]:
             "rest": step - head - other - attention - fused}
 
 
+def verify_costs(target, widths: list[int], clock, rounds: int) -> dict[int, float]:
+    """Median ms of a k-row verify forward per k in widths (1 included), the widths taking turns."""
+    seq = target.new_sequence()
+    target.forward([Segment(seq, torch.arange(10, 210), logits="last")])
+    ms = {k: [] for k in [1, *widths]}
+    for _ in range(rounds):
+        for k in ms:
+            started = clock()
+            target.forward([Segment(seq, torch.arange(300, 300 + k), logits="all", verify=True)])
+            ms[k].append((clock() - started) * 1e3)
+            target.keep(seq, 0)  # every row rejected: back to the 200-token prompt
+    target.release(seq)
+    return {k: statistics.median(v) for k, v in ms.items()}
+
+
 def set_fused(target, fused: bool) -> None:
     """Run the family's layers as one C call each (nn.layers) or op by op, where it has both."""
     for layer in target.model.layers:
@@ -112,9 +132,20 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--verify", type=int, nargs="+", metavar="K", help="verify widths to cost instead")
     args = parser.parse_args(argv)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     registry = Registry.discover()
+    if args.verify:
+        print("| model | threads | 1 row, ms | " + " | ".join(f"{k} rows" for k in args.verify) + " |")
+        print("|---" * (len(args.verify) + 3) + "|")
+        for model in args.model or [None]:
+            target = load_target(resolve_model_path(model, registry), registry, threads=args.threads)
+            verify_costs(target, args.verify, clock, 2)  # warm-up
+            ms = verify_costs(target, args.verify, clock, 5 * args.rounds)
+            print(f"| {model or 'default'} | {args.threads} | {ms[1]:.2f} | "
+                  + " | ".join(f"{ms[k] / ms[1]:.2f}x" for k in args.verify) + " |", flush=True)
+        return
     print("| model | threads | layers | " + " | ".join(COMPONENTS) + " | tok/s |")
     print("|---" * (len(COMPONENTS) + 4) + "|")
     for model in args.model or [None]:
