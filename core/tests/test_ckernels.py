@@ -23,12 +23,12 @@ def _gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
-def _filled(ring: bool, Hkv: int, Dh: int, length: int, window: int, seed: int):
+def _filled(ring: bool, Hkv: int, Dh: int, length: int, window: int, seed: int, key_block: int = 16):
     """A cache holding `length` random positions, written in 5-row chunks (a ring wraps)."""
     if ring:
         cache = RingKVCache(Hkv, Dh, window=window, max_rows=5, key_block=8)
     else:
-        cache = PagedKVCache(Hkv, Dh, key_block=16, max_positions=256)
+        cache = PagedKVCache(Hkv, Dh, key_block=key_block, max_positions=256)
     state = SequenceState([cache])
     for p in range(0, length, 5):
         n = min(5, length - p)
@@ -61,6 +61,23 @@ def test_the_kernel_is_bitwise_its_pytorch_statement_and_close_to_the_pytorch_pa
                                                  scaling=0.3, window=window)
     assert torch.equal(out, expected)
     torch.testing.assert_close(out, attend(q, cache, start, scaling=0.3, sliding_window=window), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("H, Hkv, Dh", [(4, 1, 256), (7, 1, 64), (9, 3, 64), (14, 2, 128), (6, 2, 48)])
+@pytest.mark.parametrize("window", [None, 70])
+def test_a_prefill_chunk_over_64_slot_blocks_is_bitwise_its_pytorch_statement(H, Hkv, Dh, window):
+    """The kernel's 64-slot loops, with up to 4 query heads sharing each K and V load (heads in
+    runs of 4, 3, 2, 1; Dh 48: no run of 64 columns, so values one head at a time), over the
+    causal rows of a 20-row chunk at 120..139 (units of 8 rows, each row its own key length)."""
+    length, n = 140, 20
+    state = _filled(False, Hkv, Dh, length, 0, seed=H + Dh, key_block=64)
+    q = torch.randn(n, H, Dh, generator=_gen(3))
+    out = _attend_alone(q, state, length - n, window)
+    cache = state.layers[0]
+    k, v, slot_pos = cache.read(cache.key_length(length - 1))
+    expected = ckernels.reference_attend(q, k.transpose(1, 2), v, slot_pos, torch.arange(length - n, length),
+                                         scaling=0.3, window=window)
+    assert torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("ring", [False, True], ids=["paged", "ring"])

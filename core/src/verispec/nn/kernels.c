@@ -102,6 +102,81 @@ static void pv(const float *e, const float *v, int64_t len, int64_t D, float *o,
     }
 }
 
+/* The same two loops for G <= 4 query heads of one row at once (the heads of one KV head share
+ * each K and V load; per head the arithmetic is scores' and pv's, in the same order). */
+static inline __attribute__((always_inline)) void scores_heads(const float *q, int64_t G, const float *k,
+                                                               int64_t stride, int64_t len, int64_t D,
+                                                               float scaling, float *s, int64_t ld) {
+    int64_t l = 0;
+    for (; l + 64 <= len; l += 64) {
+        v16 a[4][4];
+        for (int64_t h = 0; h < G; h++)
+            for (int i = 0; i < 4; i++) a[h][i] = splat(0.0f);
+        for (int64_t d = 0; d < D; d++) {
+            const float *kd = k + d * stride + l;
+            const v16 k0 = load16(kd), k1 = load16(kd + 16), k2 = load16(kd + 32), k3 = load16(kd + 48);
+            for (int64_t h = 0; h < G; h++) {
+                const v16 qd = splat(q[h * D + d]);
+                a[h][0] = a[h][0] + qd * k0, a[h][1] = a[h][1] + qd * k1;
+                a[h][2] = a[h][2] + qd * k2, a[h][3] = a[h][3] + qd * k3;
+            }
+        }
+        for (int64_t h = 0; h < G; h++)
+            for (int i = 0; i < 4; i++) store16(s + h * ld + l + 16 * i, a[h][i] * splat(scaling));
+    }
+    if (l < len)
+        for (int64_t h = 0; h < G; h++) scores(q + h * D, k + l, stride, len - l, D, scaling, s + h * ld + l);
+}
+
+/* o[h][d] += e[h][t] v[t][d], den[h] += e[h][t] for G <= 4 heads whose masked slots (e = 0)
+ * coincide (one row's heads), D % 64 == 0: D in runs of 64 columns, den with the first. */
+static inline __attribute__((always_inline)) void pv_heads(const float *e, int64_t ld, int64_t G, const float *v,
+                                                           int64_t len, int64_t D, float *o, float *den) {
+    for (int64_t c = 0; c < D; c += 64) {
+        v16 a[4][4];
+        float dn[4];
+        for (int64_t h = 0; h < G; h++) {
+            dn[h] = den[h];
+            for (int i = 0; i < 4; i++) a[h][i] = load16(o + h * D + c + 16 * i);
+        }
+        for (int64_t t = 0; t < len; t++) {
+            if (e[t] == 0.0f) continue; /* masked for every head of the row */
+            const float *vt = v + t * D + c;
+            const v16 v0 = load16(vt), v1 = load16(vt + 16), v2 = load16(vt + 32), v3 = load16(vt + 48);
+            for (int64_t h = 0; h < G; h++) {
+                const float eh = e[h * ld + t];
+                const v16 et = splat(eh);
+                if (c == 0) dn[h] = dn[h] + eh;
+                a[h][0] = a[h][0] + et * v0, a[h][1] = a[h][1] + et * v1;
+                a[h][2] = a[h][2] + et * v2, a[h][3] = a[h][3] + et * v3;
+            }
+        }
+        for (int64_t h = 0; h < G; h++) {
+            den[h] = dn[h];
+            for (int i = 0; i < 4; i++) store16(o + h * D + c + 16 * i, a[h][i]);
+        }
+    }
+}
+
+#define HEADS_KERNELS(G)                                                                                   \
+    static void scores_##G(const float *q, const float *k, int64_t stride, int64_t len, int64_t D,         \
+                           float scaling, float *s, int64_t ld) {                                          \
+        scores_heads(q, G, k, stride, len, D, scaling, s, ld);                                              \
+    }                                                                                                      \
+    static void pv_##G##_heads(const float *e, int64_t ld, const float *v, int64_t len, int64_t D, float *o, \
+                               float *den) {                                                               \
+        pv_heads(e, ld, G, v, len, D, o, den);                                                              \
+    }
+HEADS_KERNELS(1)
+HEADS_KERNELS(2)
+HEADS_KERNELS(3)
+HEADS_KERNELS(4)
+
+typedef void (*scores_fn)(const float *, const float *, int64_t, int64_t, int64_t, float, float *, int64_t);
+typedef void (*pv_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, float *);
+static const scores_fn SCORES[5] = {NULL, scores_1, scores_2, scores_3, scores_4};
+static const pv_fn PV[5] = {NULL, pv_1_heads, pv_2_heads, pv_3_heads, pv_4_heads};
+
 /* Rows of one sequence attended together (a verify's or a prefill chunk's): they share each
  * K/V block read. */
 enum { ROWS_PER_UNIT = 8 };
@@ -124,9 +199,9 @@ static void attend_unit(const float *q, float *out, int64_t stride, int64_t n, i
         for (int64_t r = 0; r < n; r++) {
             if (b0 >= T[r]) continue;
             const int64_t len = T[r] - b0 < B ? T[r] - b0 : B;
-            for (int64_t j = 0; j < g; j++)
-                scores(q + r * stride + j * D, kt[b0 / B] + head_kv * D * B, B, len, D, scaling,
-                       s + (r * g + j) * T16 + b0);
+            for (int64_t j = 0; j < g; j += 4) /* up to 4 heads share each K load */
+                SCORES[g - j < 4 ? g - j : 4](q + r * stride + j * D, kt[b0 / B] + head_kv * D * B, B, len, D,
+                                              scaling, s + (r * g + j) * T16 + b0, T16);
         }
     for (int64_t r = 0; r < n; r++) {
         const int64_t T16r = (T[r] + 15) & ~(int64_t)15;
@@ -156,9 +231,13 @@ static void attend_unit(const float *q, float *out, int64_t stride, int64_t n, i
         for (int64_t r = 0; r < n; r++) {
             if (b0 >= T[r]) continue;
             const int64_t len = T[r] - b0 < B ? T[r] - b0 : B;
-            for (int64_t j = 0; j < g; j++)
-                pv(s + (r * g + j) * T16 + b0, vt[b0 / B] + head_kv * B * D, len, D, o + (r * g + j) * D,
-                   den + r * g + j);
+            for (int64_t j = 0; j < g; j += D % 64 ? 1 : 4) /* up to 4 heads share each V load */
+                if (D % 64)
+                    pv(s + (r * g + j) * T16 + b0, vt[b0 / B] + head_kv * B * D, len, D, o + (r * g + j) * D,
+                       den + r * g + j);
+                else
+                    PV[g - j < 4 ? g - j : 4](s + (r * g + j) * T16 + b0, T16, vt[b0 / B] + head_kv * B * D, len,
+                                              D, o + (r * g + j) * D, den + r * g + j);
         }
     for (int64_t r = 0; r < n; r++)
         for (int64_t j = 0; j < g; j++)
