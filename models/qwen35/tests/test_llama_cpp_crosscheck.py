@@ -65,10 +65,13 @@ def test_llama_cpp_perplexity_equals_ours(name, tmp_path):
     path = write_fixture(hf_model, tmp_path / "model.gguf", mtp=mtp, options=options,
                          extra_metadata={"tokenizer.ggml.pre": "default"})  # this llama.cpp refuses "gpt2"
     (tmp_path / "text.txt").write_text(TEXT)
-    done = subprocess.run([str(binary), "-m", path, "-f", str(tmp_path / "text.txt"), "-c", str(N_CTX),
-                           "-b", str(N_CTX), "-t", "1", "-ctk", "f32", "-ctv", "f32"],
-                          capture_output=True, text=True, timeout=300)
-    found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
-    assert found, (done.stdout + done.stderr)[-3000:]
+    for attempt in range(2):  # llama-perplexity ended without its last chunk and estimate 1 run in ~20 here
+        done = subprocess.run([str(binary), "-m", path, "-f", str(tmp_path / "text.txt"), "-c", str(N_CTX),
+                               "-b", str(N_CTX), "-t", "1", "-ctk", "f32", "-ctv", "f32"],
+                              capture_output=True, text=True, timeout=300)
+        found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+        if found:
+            break
+    assert found, f"exit {done.returncode}: " + (done.stdout + done.stderr)[-3000:]
     theirs = float(found.group(1))
     assert abs(_ours(path) - theirs) <= 2e-5 * theirs
