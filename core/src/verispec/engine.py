@@ -185,7 +185,7 @@ class InferenceEngine:
             raise InvalidArgument("empty prompt: give at least one token")
         if len(ids) >= self.target.max_context_length:
             raise ContextOverflow(len(ids) + 1, self.target.max_context_length,
-                                  getattr(self.target, "trained_context_length", None))
+                                  getattr(self.target, "trained_context_length", None), prompt=True)
         if time_limit is not None and not time_limit > 0:
             raise InvalidArgument(f"time_limit={time_limit}: give a positive number of seconds, or None")
         self.scheduler.kv_reservation(len(ids), max_tokens, self.target.max_context_length)  # never fits: raise now

@@ -11,7 +11,16 @@ shows its traceback, the server answers 500.
 """
 from __future__ import annotations
 
-__all__ = ["InvalidArgument", "UnsupportedVariant", "VerispecError"]
+import shlex
+import sys
+
+__all__ = ["InvalidArgument", "UnsupportedVariant", "VerispecError", "pip_install"]
+
+
+def pip_install(args: str) -> str:
+    """The command that installs `args` into this interpreter's environment (a bare `pip`
+    may be another Python's, e.g. outside the venv verispec runs in)."""
+    return f"{shlex.quote(sys.executable)} -m pip install {args}"
 
 
 class VerispecError(Exception):

@@ -22,7 +22,7 @@ import importlib_metadata
 import pluggy
 
 from verispec import hookspecs
-from verispec.errors import VerispecError
+from verispec.errors import VerispecError, pip_install
 from verispec.seams import DraftHeadKind, declared
 from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TargetSpec, resolve
 
@@ -56,7 +56,7 @@ def install_hint(*paths: str, pypi: str = "") -> str:
     where = "" if root else " from a verispec checkout"
     line = " ".join([*(f"-e {prefix}{p}" for p in paths), *([pypi] if pypi else [])])
     verb = "ships" if len(paths) == 1 else "ship"
-    return (f"pip install {line}{where} ({', '.join(paths)} {verb} in the verispec repository, not on PyPI; "
+    return (f"{pip_install(line)}{where} ({', '.join(paths)} {verb} in the verispec repository, not on PyPI; "
             f"{prefix or './'}scripts/setup.sh installs every distribution)")
 
 

@@ -29,9 +29,11 @@ if TYPE_CHECKING:  # torch is imported lazily: `verispec plugins` must not load 
 class ContextOverflow(VerispecError, ValueError):
     """A forward would write past the trunk's `max_context_length`. trained_context_length: the
     positions the model was trained on, when the trunk knows it: a larger --context-length is
-    suggested only while the context is below it."""
+    suggested only while the context is below it. prompt: the prompt alone does not fit (so
+    fewer new tokens would not help)."""
 
-    def __init__(self, required_len: int, max_context_length: int, trained_context_length: int | None = None):
+    def __init__(self, required_len: int, max_context_length: int, trained_context_length: int | None = None,
+                 *, prompt: bool = False):
         self.required_len = required_len
         self.max_context_length = max_context_length
         if trained_context_length is not None and trained_context_length <= max_context_length:
@@ -39,8 +41,9 @@ class ContextOverflow(VerispecError, ValueError):
         else:
             upto = f", up to {trained_context_length}" if trained_context_length else ""
             larger = f", or load the model with a larger --context-length{upto}"
+        fewer = "" if prompt else " or lower --max-tokens"
         super().__init__(f"need {required_len} positions but the context holds {max_context_length}; "
-                         f"shorten the prompt or lower --max-tokens{larger}")
+                         f"shorten the prompt{fewer}{larger}")
 
 
 class UnsupportedTap(ValueError):

@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from verispec.errors import VerispecError
+from verispec.errors import VerispecError, pip_install
 from verispec.gguf_io import GGUFFile
 
 __all__ = [
@@ -299,7 +299,7 @@ def _build(gguf: GGUFFile, model: str):
     except ImportError as e:
         raise UnsupportedTokenizer(model, gguf.architecture,
                                    f"building it the first time needs transformers ({e}); "
-                                   "pip install 'transformers>=5.23'") from None
+                                   + pip_install("'transformers>=5.23'")) from None
     md = gguf.metadata
     spec = {name: md[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
             if f"tokenizer.{key}" in md}

@@ -238,5 +238,6 @@ def load_toy_gguf(path, *, dtype=None, context_length=None) -> ToyTarget:
     target = ToyTarget(gguf.require("toy.vocab_size"), gguf.require("toy.embedding_length"),
                        recurrent=bool(gguf.require("toy.recurrent")), seed=gguf.require("toy.seed"),
                        max_context_length=context_length or gguf.require("toy.context_length"))
+    target.trained_context_length = gguf.require("toy.context_length")  # as a real loader reads it
     target.tokenizer = Tokenizer.from_gguf(gguf, use_cache=False)
     return target
