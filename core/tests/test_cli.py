@@ -76,6 +76,22 @@ def test_generate_on_a_toy_gguf(env, tmp_path):
     assert len(out["tokens"]) == 12 and out["usage"]["completion_tokens"] == 12
 
 
+def test_generate_reads_the_prompt_dash_from_standard_input(env, tmp_path):
+    """`generate -`: a prompt past the OS's argument limit (~128 KiB) comes on stdin, UTF-8."""
+    path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
+    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    run = lambda data: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", code, "generate", "-", "--model", str(path), "--max-tokens", "4", "--json",
+         "--ignore-eos", "--no-spec"], input=data, env=env, capture_output=True, timeout=120)
+    piped, argv = run(b"hello hello hello"), verispec(env, "generate", "hello hello hello", "--model", str(path),
+                                                       "--max-tokens", "4", "--json", "--ignore-eos", "--no-spec")
+    assert piped.returncode == 0 and argv.returncode == 0, piped.stderr
+    assert json.loads(piped.stdout)["tokens"] == json.loads(argv.stdout)["tokens"]
+    assert json.loads(piped.stdout)["usage"]["prompt_tokens"] == json.loads(argv.stdout)["usage"]["prompt_tokens"]
+    bad = run(b"hi \xe9 there")
+    assert bad.returncode == 1 and b"the prompt on standard input is not UTF-8 text: byte 0xe9" in bad.stderr
+
+
 def test_generate_takes_a_kv_budget_and_refuses_one_too_small_for_any_request(env, tmp_path):
     path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
     r = verispec(env, "generate", "hello", "--model", str(path), "--max-tokens", "4", "--kv-cache-gb", "1")

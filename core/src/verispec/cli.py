@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, type=_text("the prompt"),
-                     help="UTF-8 text (default: a short built-in prompt)")
+                     help="UTF-8 text, or - to read it from standard input (a prompt past the OS's "
+                          "argument limit, ~128 KiB) (default: a short built-in prompt)")
     gen.add_argument("--chat", action="store_true", help="render the prompt through the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, tokens and stats")
     _add_model_args(gen)
@@ -233,7 +234,8 @@ def cmd_generate(args) -> int:
                   "" if trained else " (or raise --context-length, up to the model's trained length)")
         raise InvalidArgument(f"--max-tokens {args.max_tokens} is more than the {context}-token context can hold; "
                               f"lower it{larger}")
-    generation = engine.generate(args.prompt, max_tokens=args.max_tokens, sampling=sampling, stop=args.stop,
+    prompt = _stdin_prompt() if args.prompt == "-" else args.prompt
+    generation = engine.generate(prompt, max_tokens=args.max_tokens, sampling=sampling, stop=args.stop,
                                  ignore_eos=args.ignore_eos, chat=args.chat)
     for event in generation:
         if not args.json:
@@ -260,6 +262,19 @@ def cmd_generate(args) -> int:
         if hint:
             print(hint, file=sys.stderr)
     return 0
+
+
+def _stdin_prompt() -> str:
+    """`generate -`: the prompt is standard input, UTF-8. Raises InvalidArgument naming the first
+    byte that is not."""
+    from verispec.errors import InvalidArgument
+    from verispec.tokenizer import text_problem
+
+    text = sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
+    problem = text_problem(text, os_bytes=True)
+    if problem:
+        raise InvalidArgument(f"the prompt on standard input is not UTF-8 text: {problem}")
+    return text
 
 
 def _slow_decode_hint(engine, result) -> str | None:
