@@ -30,10 +30,11 @@
  * A row's bits therefore depend on nothing but the row and the weights: not on the other rows
  * of the call, the threads, or the instruction set.
  *
- * Speed (multi-row calls: prefill, verify): the VNNI path is compiled once per block format and
- * row count 8, 4, 2, 1 (FORMAT_KERNEL), so 8 rows' accumulators stay in registers and share each
+ * Speed: each path is compiled once per block format and row count 8, 4, 2, 1 (FORMAT_KERNEL),
+ * so the format's branches go and (VNNI) 8 rows' accumulators stay in registers and share each
  * unpacked weight block; a task passes over its tiles CHUNK rows at a time, so those rows'
- * activations stay in L2. On Zen 5 one core went from ~90 to ~195 GMAC/s at 512 rows.
+ * activations stay in L2. On Zen 5, one core: VNNI at 512 rows ~90 -> ~195 GMAC/s; the AVX2
+ * build at one row (a decode) 12-20 -> 20-41 GMAC/s.
  */
 #include <math.h>
 #include <stdint.h>
@@ -132,8 +133,8 @@ static inline float half_to_float(uint16_t bits) {
     return (float)h;
 }
 
-static inline float group_val(const qjob *q, const void *v, int64_t i) {
-    return q->half ? half_to_float(((const uint16_t *)v)[i]) : ((const float *)v)[i];
+static inline float group_val(const int f16, const void *v, int64_t i) {
+    return f16 ? half_to_float(((const uint16_t *)v)[i]) : ((const float *)v)[i];
 }
 
 /* Group g (row-major over rows and the weight's groups) of the activations: z · S (formats
@@ -161,8 +162,8 @@ static void group_sums(const qjob *q, const int32_t *S, int32_t *G) {
 #define PREFETCH 8 /* blocks ahead to prefetch: one thread streamed Q4_1 at 12 GB/s without, 16-20 with */
 
 #if AVX2
-static inline __m256 load_group8(const qjob *q, const void *v, int64_t i) {
-    return q->half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)v + i)))
+static inline __m256 load_group8(const int f16, const void *v, int64_t i) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)v + i)))
                    : _mm256_loadu_ps((const float *)v + i);
 }
 #endif
@@ -190,8 +191,8 @@ static inline __attribute__((always_inline)) void load_block(const uint8_t *wb, 
     }
 }
 
-static inline __attribute__((always_inline)) __m512 load_group(const int half, const void *v, int h) {
-    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + 16 * h)))
+static inline __attribute__((always_inline)) __m512 load_group(const int f16, const void *v, int h) {
+    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + 16 * h)))
                 : _mm512_loadu_ps((const float *)v + 16 * h);
 }
 
@@ -200,7 +201,7 @@ static inline __attribute__((always_inline)) __m512 load_group(const int half, c
  * integer sums run as `chains` independent dpbusd chains: with 8 rows the rows already overlap. */
 static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q, int64_t t, int64_t r0, const int R,
                                                                    const int bits, const int gpb, const int mins,
-                                                                   const int half) {
+                                                                   const int f16) {
     const int64_t nb = q->k / 32, bytes = tile_block_bytes(bits), groups = nb * gpb;
     const int chains = gpb == 2 ? 2 : R >= 8 ? 1 : R >= 4 ? 2 : 4;
     __m512 acc[8];
@@ -213,8 +214,8 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
         const void *sb = group_vals(q, q->s, t, b), *mb = mins ? group_vals(q, q->m, t, b) : NULL;
         __m512 sv[2], mv[2];
         for (int h = 0; h < gpb; h++) {
-            sv[h] = load_group(half, sb, h);
-            if (mins) mv[h] = load_group(half, mb, h);
+            sv[h] = load_group(f16, sb, h);
+            if (mins) mv[h] = load_group(f16, mb, h);
         }
         for (int r = 0; r < R; r++) {
             const int8_t *ab = q->a + (r0 + r) * q->k + 32 * b;
@@ -243,6 +244,138 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
     const __mmask16 mask = (__mmask16)((1u << lanes) - 1);
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(q->y + (r0 + r) * q->ldy + 16 * t, mask, acc[r]);
 }
+
+#else
+/* Rows r0 .. r0 + R - 1 (R <= ROWS) of tile t: y[r][16 t + lane]; inlined with constant
+ * arguments as the VNNI path's. */
+static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q, int64_t t, int64_t r0, const int R,
+                                                                   const int bits, const int gpb, const int mins,
+                                                                   const int f16) {
+    const int64_t nb = q->k / 32, bytes = tile_block_bytes(bits);
+    const int64_t lanes = q->out - 16 * t < 16 ? q->out - 16 * t : 16;
+#if AVX2
+    /* The tile as two halves of 8 rows (bytes 0-31 and 32-63 of each 64-byte vector). u8 · s8
+     * products summed in pairs by maddubs saturate above 32767: u <= 63 (4 to 6 bits) cannot
+     * reach it (63 · 127 · 2), and 8-bit u is split into its two nibbles. */
+    __m256 acc[ROWS][2];
+    for (int64_t r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                            3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = q->w + (t * nb + b) * bytes;
+        __m256i wv[8][2], hv[8][2]; /* [j][half]; hv: 8-bit u's high nibbles */
+        for (int j = 0; j < 8; j++)
+            for (int half = 0; half < 2; half++) {
+                if (bits == 8) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * j + 32 * half));
+                    wv[j][half] = _mm256_and_si256(v, low);
+                    hv[j][half] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    continue;
+                }
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * (j & 3) + 32 * half));
+                wv[j][half] = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), low);
+                for (int64_t p = 0; p < bits - 4; p++) { /* bit plane p: 32 mask bits -> 32 bytes */
+                    uint32_t m32;
+                    memcpy(&m32, wb + 256 + 64 * p + 8 * j + 4 * half, 4);
+                    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m32), spread);
+                    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+                    wv[j][half] = _mm256_add_epi8(wv[j][half], _mm256_and_si256(set, _mm256_set1_epi8((char)(16 << p))));
+                }
+            }
+        const void *sb = group_vals(q, q->s, t, b), *mb = mins ? group_vals(q, q->m, t, b) : NULL;
+        __m256 sv[2][2], mv[2][2];
+        for (int64_t h = 0; h < gpb; h++)
+            for (int half = 0; half < 2; half++) {
+                sv[h][half] = load_group8(f16, sb, 16 * h + 8 * half);
+                if (mb) mv[h][half] = load_group8(f16, mb, 16 * h + 8 * half);
+            }
+        for (int64_t r = 0; r < R; r++) {
+            const int8_t *ab = q->a + (r0 + r) * q->k + b * 32;
+            const int64_t g0 = (r0 + r) * (q->k / q->group) + gpb * b;
+            const __m256 db = _mm256_set1_ps(q->d[(r0 + r) * nb + b]);
+            int32_t a4[8];
+            memcpy(a4, ab, 32);
+            for (int half = 0; half < 2; half++) {
+                __m256i I[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                for (int j = 0; j < 8; j++) {
+                    const __m256i av = _mm256_set1_epi32(a4[j]);
+                    __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j][half], av), ones);
+                    if (bits == 8)
+                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(hv[j][half], av), sixteen));
+                    I[j / 4] = _mm256_add_epi32(I[j / 4], sum);
+                }
+                if (gpb == 1) I[0] = _mm256_add_epi32(I[0], I[1]);
+                for (int64_t h = 0; h < gpb; h++) {
+                    const __m256i Ih = mb ? I[h] : _mm256_sub_epi32(I[h], _mm256_set1_epi32(zero_sum(q, g0 + h)));
+                    const __m256 sd = _mm256_mul_ps(sv[h][half], db);
+                    acc[r][half] = _mm256_add_ps(acc[r][half], _mm256_mul_ps(_mm256_cvtepi32_ps(Ih), sd));
+                    if (mb) {
+                        const __m256 md = _mm256_mul_ps(mv[h][half], db);
+                        acc[r][half] = _mm256_add_ps(acc[r][half], _mm256_mul_ps(md, _mm256_set1_ps(float_sum(q, g0 + h))));
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        float row[16];
+        _mm256_storeu_ps(row, acc[r][0]);
+        _mm256_storeu_ps(row + 8, acc[r][1]);
+        memcpy(q->y + (r0 + r) * q->ldy + 16 * t, row, sizeof(float) * lanes);
+    }
+#else
+    /* Written so the compiler vectorises across the 16 rows of the tile (AVX2: 8 int32 lanes). */
+    float acc[ROWS][16] = {{0}};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = q->w + (t * nb + b) * bytes;
+        int32_t u[32][16]; /* [column][row] */
+        for (int j = 0; j < 8; j++)
+            for (int e = 0; e < 4; e++)
+                for (int l = 0; l < 16; l++)
+                    u[4 * j + e][l] = bits == 8 ? wb[64 * j + 4 * l + e]
+                                                   : (wb[64 * (j & 3) + 4 * l + e] >> (4 * (j >> 2))) & 15;
+        for (int64_t p = 0; p < bits - 4 && bits < 8; p++)
+            for (int j = 0; j < 8; j++) {
+                uint64_t mask;
+                memcpy(&mask, wb + 256 + 64 * p + 8 * j, 8);
+                for (int e = 0; e < 4; e++)
+                    for (int l = 0; l < 16; l++) u[4 * j + e][l] |= (int32_t)((mask >> (4 * l + e)) & 1) << (4 + p);
+            }
+        const void *sb = group_vals(q, q->s, t, b), *mb = mins ? group_vals(q, q->m, t, b) : NULL;
+        float sv[2][16], mv[2][16];
+        for (int64_t h = 0; h < gpb; h++)
+            for (int l = 0; l < 16; l++) {
+                sv[h][l] = group_val(f16, sb, 16 * h + l);
+                mv[h][l] = mb ? group_val(f16, mb, 16 * h + l) : 0.0f;
+            }
+        for (int64_t r = 0; r < R; r++) {
+            const int8_t *ab = q->a + (r0 + r) * q->k + b * 32;
+            const int64_t g0 = (r0 + r) * (q->k / q->group) + gpb * b;
+            const float db = q->d[(r0 + r) * nb + b];
+            int32_t I[2][16] = {{0}};
+            for (int c = 0; c < 32; c++) {
+                const int32_t av = ab[c];
+                int32_t *Ih = I[c / 16];
+                for (int l = 0; l < 16; l++) Ih[l] += u[c][l] * av;
+            }
+            if (gpb == 1)
+                for (int l = 0; l < 16; l++) I[0][l] += I[1][l];
+            for (int64_t h = 0; h < gpb; h++) {
+                const int32_t zS = mb ? 0 : zero_sum(q, g0 + h);
+                for (int l = 0; l < 16; l++) {
+                    acc[r][l] = acc[r][l] + (float)(I[h][l] - zS) * (sv[h][l] * db);
+                    if (mb) acc[r][l] = acc[r][l] + (mv[h][l] * db) * float_sum(q, g0 + h);
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) memcpy(q->y + (r0 + r) * q->ldy + 16 * t, acc[r], sizeof(float) * lanes);
+#endif
+}
+
+#endif
 
 /* Rows r0 .. r0 + R - 1 of tile t in runs of 8, 4, 2 and 1, each a compiled instance. */
 #define FORMAT_KERNEL(name, bits, gpb, mins, half)                                                     \
@@ -276,144 +409,6 @@ static rows_fn format_kernel(const qjob *q) {
     default: return NULL;
     }
 }
-#endif
-
-#if !VNNI
-/* Rows r0 .. r0 + R - 1 (R <= ROWS) of tile t: y[r][16 t + lane]. */
-static void tile_rows(const qjob *q, int64_t t, int64_t r0, int64_t R) {
-    const int64_t nb = q->k / 32, gpb = 32 / q->group, bytes = tile_block_bytes(q->bits);
-    const int64_t lanes = q->out - 16 * t < 16 ? q->out - 16 * t : 16;
-#if AVX2
-    /* The tile as two halves of 8 rows (bytes 0-31 and 32-63 of each 64-byte vector). u8 · s8
-     * products summed in pairs by maddubs saturate above 32767: u <= 63 (4 to 6 bits) cannot
-     * reach it (63 · 127 · 2), and 8-bit u is split into its two nibbles. */
-    __m256 acc[ROWS][2];
-    for (int64_t r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
-                                            3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *wb = q->w + (t * nb + b) * bytes;
-        __m256i wv[8][2], hv[8][2]; /* [j][half]; hv: 8-bit u's high nibbles */
-        for (int j = 0; j < 8; j++)
-            for (int half = 0; half < 2; half++) {
-                if (q->bits == 8) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * j + 32 * half));
-                    wv[j][half] = _mm256_and_si256(v, low);
-                    hv[j][half] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                    continue;
-                }
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * (j & 3) + 32 * half));
-                wv[j][half] = _mm256_and_si256(j < 4 ? v : _mm256_srli_epi16(v, 4), low);
-                for (int64_t p = 0; p < q->bits - 4; p++) { /* bit plane p: 32 mask bits -> 32 bytes */
-                    uint32_t m32;
-                    memcpy(&m32, wb + 256 + 64 * p + 8 * j + 4 * half, 4);
-                    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m32), spread);
-                    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
-                    wv[j][half] = _mm256_add_epi8(wv[j][half], _mm256_and_si256(set, _mm256_set1_epi8((char)(16 << p))));
-                }
-            }
-        const void *sb = group_vals(q, q->s, t, b), *mb = q->m ? group_vals(q, q->m, t, b) : NULL;
-        __m256 sv[2][2], mv[2][2];
-        for (int64_t h = 0; h < gpb; h++)
-            for (int half = 0; half < 2; half++) {
-                sv[h][half] = load_group8(q, sb, 16 * h + 8 * half);
-                if (mb) mv[h][half] = load_group8(q, mb, 16 * h + 8 * half);
-            }
-        for (int64_t r = 0; r < R; r++) {
-            const int8_t *ab = q->a + (r0 + r) * q->k + b * 32;
-            const int64_t g0 = (r0 + r) * (q->k / q->group) + gpb * b;
-            const __m256 db = _mm256_set1_ps(q->d[(r0 + r) * nb + b]);
-            int32_t a4[8];
-            memcpy(a4, ab, 32);
-            for (int half = 0; half < 2; half++) {
-                __m256i I[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-                for (int j = 0; j < 8; j++) {
-                    const __m256i av = _mm256_set1_epi32(a4[j]);
-                    __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j][half], av), ones);
-                    if (q->bits == 8)
-                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(hv[j][half], av), sixteen));
-                    I[j / 4] = _mm256_add_epi32(I[j / 4], sum);
-                }
-                if (gpb == 1) I[0] = _mm256_add_epi32(I[0], I[1]);
-                for (int64_t h = 0; h < gpb; h++) {
-                    const __m256i Ih = mb ? I[h] : _mm256_sub_epi32(I[h], _mm256_set1_epi32(zero_sum(q, g0 + h)));
-                    const __m256 sd = _mm256_mul_ps(sv[h][half], db);
-                    acc[r][half] = _mm256_add_ps(acc[r][half], _mm256_mul_ps(_mm256_cvtepi32_ps(Ih), sd));
-                    if (mb) {
-                        const __m256 md = _mm256_mul_ps(mv[h][half], db);
-                        acc[r][half] = _mm256_add_ps(acc[r][half], _mm256_mul_ps(md, _mm256_set1_ps(float_sum(q, g0 + h))));
-                    }
-                }
-            }
-        }
-    }
-    for (int64_t r = 0; r < R; r++) {
-        float row[16];
-        _mm256_storeu_ps(row, acc[r][0]);
-        _mm256_storeu_ps(row + 8, acc[r][1]);
-        memcpy(q->y + (r0 + r) * q->ldy + 16 * t, row, sizeof(float) * lanes);
-    }
-#else
-    /* Written so the compiler vectorises across the 16 rows of the tile (AVX2: 8 int32 lanes). */
-    float acc[ROWS][16] = {{0}};
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *wb = q->w + (t * nb + b) * bytes;
-        int32_t u[32][16]; /* [column][row] */
-        for (int j = 0; j < 8; j++)
-            for (int e = 0; e < 4; e++)
-                for (int l = 0; l < 16; l++)
-                    u[4 * j + e][l] = q->bits == 8 ? wb[64 * j + 4 * l + e]
-                                                   : (wb[64 * (j & 3) + 4 * l + e] >> (4 * (j >> 2))) & 15;
-        for (int64_t p = 0; p < q->bits - 4 && q->bits < 8; p++)
-            for (int j = 0; j < 8; j++) {
-                uint64_t mask;
-                memcpy(&mask, wb + 256 + 64 * p + 8 * j, 8);
-                for (int e = 0; e < 4; e++)
-                    for (int l = 0; l < 16; l++) u[4 * j + e][l] |= (int32_t)((mask >> (4 * l + e)) & 1) << (4 + p);
-            }
-        const void *sb = group_vals(q, q->s, t, b), *mb = q->m ? group_vals(q, q->m, t, b) : NULL;
-        float sv[2][16], mv[2][16];
-        for (int64_t h = 0; h < gpb; h++)
-            for (int l = 0; l < 16; l++) {
-                sv[h][l] = group_val(q, sb, 16 * h + l);
-                mv[h][l] = mb ? group_val(q, mb, 16 * h + l) : 0.0f;
-            }
-        for (int64_t r = 0; r < R; r++) {
-            const int8_t *ab = q->a + (r0 + r) * q->k + b * 32;
-            const int64_t g0 = (r0 + r) * (q->k / q->group) + gpb * b;
-            const float db = q->d[(r0 + r) * nb + b];
-            int32_t I[2][16] = {{0}};
-            for (int c = 0; c < 32; c++) {
-                const int32_t av = ab[c];
-                int32_t *Ih = I[c / 16];
-                for (int l = 0; l < 16; l++) Ih[l] += u[c][l] * av;
-            }
-            if (gpb == 1)
-                for (int l = 0; l < 16; l++) I[0][l] += I[1][l];
-            for (int64_t h = 0; h < gpb; h++) {
-                const int32_t zS = mb ? 0 : zero_sum(q, g0 + h);
-                for (int l = 0; l < 16; l++) {
-                    acc[r][l] = acc[r][l] + (float)(I[h][l] - zS) * (sv[h][l] * db);
-                    if (mb) acc[r][l] = acc[r][l] + (mv[h][l] * db) * float_sum(q, g0 + h);
-                }
-            }
-        }
-    }
-    for (int64_t r = 0; r < R; r++) memcpy(q->y + (r0 + r) * q->ldy + 16 * t, acc[r], sizeof(float) * lanes);
-#endif
-}
-
-static void rows_any_format(const qjob *q, int64_t t, int64_t r0, int64_t R) {
-    for (int64_t r = r0; r < r0 + R; r += ROWS) tile_rows(q, t, r, r0 + R - r < ROWS ? r0 + R - r : ROWS);
-}
-
-static rows_fn format_kernel(const qjob *q) {
-    (void)q;
-    return rows_any_format;
-}
-#endif
 
 /* Task `task` of `tasks` takes an equal run of whole tiles (every row of each), CHUNK rows at a
  * time over all of them. */
