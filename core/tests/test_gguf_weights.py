@@ -84,8 +84,12 @@ def test_module_rows_are_the_files_weights_bitwise(ggml_type):
     expected = torch.from_numpy(dequantize(blocks.data.numpy(), ggml_type))
     assert torch.equal(linear.rows(torch.arange(40)), expected)
     ids = torch.tensor([39, 0, 17, 17, 5])
-    assert torch.equal(linear.rows(ids), expected[ids])
+    assert torch.equal(linear.rows(ids), expected[ids])  # the C lookup where built
+    assert torch.equal(linear.values(ids).dequantize(), expected[ids])  # the path without a C compiler
     assert linear.scales.dtype == (torch.float16 if BLOCK_FORMATS[ggml_type].half_scales else torch.float32)
+    for lookup in (linear.rows, linear.values):  # an id in the last tile's padding is still refused
+        with pytest.raises(IndexError, match=r"\[0, 40\)"):
+            lookup(torch.tensor([3, 40]))
 
 
 def test_activations_are_quantised_per_32_as_llama_cpp_does():

@@ -83,8 +83,11 @@ class BlockLinear(Float32Linear):
                         "from_gguf, never from float weights")
 
     def values(self, ids: torch.Tensor | None = None) -> BlockValues:
-        """The unpacked values of output rows `ids` (all when None); only their tiles are read."""
+        """The unpacked values of output rows `ids` (all when None); only their tiles are read.
+        Raises IndexError for an id outside [0, out_features)."""
         ids = torch.arange(self.out_features) if ids is None else ids
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
+            raise IndexError(f"row ids must be in [0, {self.out_features}): got {int(ids.min())}..{int(ids.max())}")
         tiles, lane = torch.unique(ids // TILE, return_inverse=True)
         mins = self.mins[tiles] if self.FORMAT.has_mins else None
         u, s, m = unpack_tiles(self.FORMAT, self.packed[tiles], self.scales[tiles], mins)
@@ -116,8 +119,11 @@ class BlockLinear(Float32Linear):
         return y if len(lead) == 1 else y.reshape(*lead, self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """fp32 [n, in]: rows `ids` dequantised, gguf-py's values bitwise (a tied embedding's lookup)."""
-        return self.values(ids).dequantize()
+        """fp32 [n, in]: rows `ids` dequantised, gguf-py's values bitwise (a tied embedding's lookup;
+        the C kernel reads the packed rows in place, else their unpacked values)."""
+        if ckernels.library() is None:
+            return self.values(ids).dequantize()
+        return ckernels.block_rows(self.kernel_args(), self.in_features, ids)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, type={self.GGML_TYPE.name}"

@@ -137,6 +137,10 @@ def library() -> ctypes.CDLL | None:
                 lib.verispec_decoder_layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+                lib.verispec_block_rows.restype = ctypes.c_int
+                lib.verispec_block_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                                    *[ctypes.c_int64] * 6, ctypes.c_void_p, ctypes.c_int64,
+                                                    ctypes.c_void_p]
                 lib.verispec_rms_norm.restype = None
                 lib.verispec_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                                   ctypes.c_int64, ctypes.c_float]
@@ -216,6 +220,20 @@ def qmatmul(x: torch.Tensor, weight_args: tuple, y: torch.Tensor) -> None:
         raise ValueError(f"qmatmul.c has no kernel for (bits, group, zero, half) = {weight_args[4:]}")
     if status != 0:
         raise MemoryError("the block matmul could not allocate its activation scratch")
+
+
+def block_rows(weight_args: tuple, in_features: int, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 [n, in_features]: rows `ids` (int64 [n]) of a block-packed weight dequantised,
+    gguf-py's values bitwise (qmatmul.c `verispec_block_rows`; `BlockValues.dequantize` states
+    it). weight_args: `BlockLinear.kernel_args()`. Raises IndexError for an id outside the
+    weight's rows."""
+    packed, scales, mins, rows, bits, group, zero, half = weight_args
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), in_features)
+    if library().verispec_block_rows(packed, scales, mins, rows, in_features, bits, group, zero, half,
+                                     ids.data_ptr(), ids.numel(), out.data_ptr()) != 0:
+        raise IndexError(f"row ids must be in [0, {rows}): got {int(ids.min())}..{int(ids.max())}")
+    return out
 
 
 def glu(activation: str, gate_up: torch.Tensor, width: int) -> torch.Tensor:

@@ -464,5 +464,37 @@ int verispec_qmatmul(const float *x, int64_t n, int64_t k, const uint8_t *w, con
     return verispec_qmatmul_parts(x, n, k, &weight, 1, y, out, threads);
 }
 
+/* out fp32 [n, k] = rows ids[0 .. n - 1] of a packed weight (layout above) dequantised as
+ * gguf-py does, bitwise: (u - z) · s, or u · s + m for a format with mins (each an fp32 step):
+ * a tied embedding's lookup. Returns 0, or -1 (nothing written) when an id is outside [0, rows). */
+int verispec_block_rows(const uint8_t *w, const void *s, const void *m, int64_t rows, int64_t k, int64_t bits,
+                        int64_t group, int64_t zero, int64_t half, const int64_t *ids, int64_t n, float *out) {
+    const qjob q = {.w = w, .s = s, .m = m, .k = k, .bits = bits, .group = group, .half = half};
+    const int64_t nb = k / 32, bytes = tile_block_bytes(bits);
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= rows) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t t = ids[i] / 16, r = ids[i] % 16;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *wb = w + (t * nb + b) * bytes;
+            const void *sb = group_vals(&q, s, t, b), *mb = m ? group_vals(&q, m, t, b) : NULL;
+            for (int c = 0; c < 32; c++) {
+                const int j = c / 4, e = c % 4;
+                int u = bits == 8 ? wb[64 * j + 4 * r + e] : (wb[64 * (j & 3) + 4 * r + e] >> (4 * (j >> 2))) & 15;
+                for (int64_t p = 0; p < bits - 4 && bits < 8; p++) {
+                    uint64_t mask;
+                    memcpy(&mask, wb + 256 + 64 * p + 8 * j, 8);
+                    u |= (int)((mask >> (4 * r + e)) & 1) << (4 + p);
+                }
+                const int64_t g = 16 * (c / group) + r;
+                float *o = out + i * k + 32 * b + c;
+                *o = mb ? (float)u * group_val(half, sb, g) + group_val(half, mb, g)
+                        : ((float)u - (float)zero) * group_val(half, sb, g);
+            }
+        }
+    }
+    return 0;
+}
+
 /* Which path this build runs: 2 AVX-512 VNNI, 1 AVX2, 0 the portable loop. */
 int verispec_qmatmul_path(void) { return VNNI ? 2 : AVX2 ? 1 : 0; }
