@@ -40,24 +40,11 @@ static inline int visible(int64_t sp, int64_t p, int64_t window) {
 static inline v16 load16(const float *x) { v16 r; memcpy(&r, x, sizeof r); return r; }
 static inline void store16(float *x, v16 r) { memcpy(x, &r, sizeof r); }
 
-/* s[l] = (((0 + q_0 k[0][l]) + q_1 k[1][l]) + ...) * scaling for l < len; k: [D, stride]. */
+/* s[l] = (((0 + q_0 k[0][l]) + q_1 k[1][l]) + ...) * scaling for l < len; k: [D, stride]. The
+ * tail of scores_heads (under 64 slots), one head. */
 static void scores(const float *q, const float *k, int64_t stride, int64_t len, int64_t D, float scaling,
                    float *s) {
     int64_t l = 0;
-    for (; l + 64 <= len; l += 64) { /* four independent chains hide the add latency */
-        v16 a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t d = 0; d < D; d++) {
-            const v16 qd = splat(q[d]);
-            const float *kd = k + d * stride + l;
-            a0 = a0 + qd * load16(kd);
-            a1 = a1 + qd * load16(kd + 16);
-            a2 = a2 + qd * load16(kd + 32);
-            a3 = a3 + qd * load16(kd + 48);
-        }
-        const v16 sc = splat(scaling);
-        store16(s + l, a0 * sc), store16(s + l + 16, a1 * sc), store16(s + l + 32, a2 * sc),
-            store16(s + l + 48, a3 * sc);
-    }
     for (; l + 16 <= len; l += 16) {
         v16 a = splat(0.0f);
         for (int64_t d = 0; d < D; d++) a = a + splat(q[d]) * load16(k + d * stride + l);
@@ -71,30 +58,9 @@ static void scores(const float *q, const float *k, int64_t stride, int64_t len, 
 }
 
 /* o[d] = o[d] + e_t v[t][d] and den = den + e_t over the slots t < len in order, skipping
- * e_t = 0 (a masked slot: adding it would change nothing); NV = D / 16 accumulators in
- * registers for the usual head sizes, den's chain running beside them. */
-#define PV_REGISTERS(NV)                                                                          \
-    static void pv_##NV(const float *e, const float *v, int64_t len, float *o, float *den) {      \
-        v16 acc[NV];                                                                              \
-        float dn = *den;                                                                          \
-        for (int j = 0; j < NV; j++) acc[j] = load16(o + 16 * j);                                \
-        for (int64_t t = 0; t < len; t++) {                                                       \
-            if (e[t] == 0.0f) continue;                                                           \
-            const v16 et = splat(e[t]);                                                           \
-            dn = dn + e[t];                                                                       \
-            for (int j = 0; j < NV; j++) acc[j] = acc[j] + et * load16(v + t * 16 * NV + 16 * j); \
-        }                                                                                         \
-        for (int j = 0; j < NV; j++) store16(o + 16 * j, acc[j]);                                \
-        *den = dn;                                                                                \
-    }
-PV_REGISTERS(4)
-PV_REGISTERS(8)
-PV_REGISTERS(16)
-
+ * e_t = 0 (a masked slot: adding it would change nothing). One head whose D is not a multiple
+ * of 64 (pv_heads takes the others). */
 static void pv(const float *e, const float *v, int64_t len, int64_t D, float *o, float *den) {
-    if (D == 64) return pv_4(e, v, len, o, den);
-    if (D == 128) return pv_8(e, v, len, o, den);
-    if (D == 256) return pv_16(e, v, len, o, den);
     for (int64_t t = 0; t < len; t++) {
         if (e[t] == 0.0f) continue;
         *den = *den + e[t];
@@ -231,13 +197,14 @@ static void attend_unit(const float *q, float *out, int64_t stride, int64_t n, i
         for (int64_t r = 0; r < n; r++) {
             if (b0 >= T[r]) continue;
             const int64_t len = T[r] - b0 < B ? T[r] - b0 : B;
-            for (int64_t j = 0; j < g; j += D % 64 ? 1 : 4) /* up to 4 heads share each V load */
-                if (D % 64)
-                    pv(s + (r * g + j) * T16 + b0, vt[b0 / B] + head_kv * B * D, len, D, o + (r * g + j) * D,
-                       den + r * g + j);
-                else
-                    PV[g - j < 4 ? g - j : 4](s + (r * g + j) * T16 + b0, T16, vt[b0 / B] + head_kv * B * D, len,
-                                              D, o + (r * g + j) * D, den + r * g + j);
+            const float *vb = vt[b0 / B] + head_kv * B * D;
+            if (D % 64)
+                for (int64_t j = 0; j < g; j++)
+                    pv(s + (r * g + j) * T16 + b0, vb, len, D, o + (r * g + j) * D, den + r * g + j);
+            else
+                for (int64_t j = 0; j < g; j += 4) /* up to 4 heads share each V load */
+                    PV[g - j < 4 ? g - j : 4](s + (r * g + j) * T16 + b0, T16, vb, len, D, o + (r * g + j) * D,
+                                              den + r * g + j);
         }
     for (int64_t r = 0; r < n; r++)
         for (int64_t j = 0; j < g; j++)
