@@ -137,6 +137,19 @@ static inline float group_val(const int f16, const void *v, int64_t i) {
     return f16 ? half_to_float(((const uint16_t *)v)[i]) : ((const float *)v)[i];
 }
 
+/* u of row r, column c (0 .. 31) of one tile's block wb (the layout above), read one at a time. */
+static inline int32_t tile_value(const uint8_t *wb, int64_t bits, int64_t r, int c) {
+    const int j = c / 4, e = c % 4;
+    if (bits == 8) return wb[64 * j + 4 * r + e];
+    int32_t u = (wb[64 * (j & 3) + 4 * r + e] >> (4 * (j >> 2))) & 15;
+    for (int64_t p = 0; p < bits - 4; p++) {
+        uint64_t mask;
+        memcpy(&mask, wb + 256 + 64 * p + 8 * j, 8);
+        u |= (int32_t)((mask >> (4 * r + e)) & 1) << (4 + p);
+    }
+    return u;
+}
+
 /* Group g (row-major over rows and the weight's groups) of the activations: z · S (formats
  * without mins) or S as a float (formats with mins: z = 0). */
 static inline int32_t zero_sum(const qjob *q, int64_t g) { return ((const int32_t *)q->G)[g]; }
@@ -196,7 +209,7 @@ static inline __attribute__((always_inline)) __m512 load_group(const int f16, co
                 : _mm512_loadu_ps((const float *)v + 16 * h);
 }
 
-/* Rows r0 .. r0 + R - 1 (R <= 8) of tile t for one block format. Always inlined with constant
+/* Rows r0 .. r0 + R - 1 (R <= ROWS) of tile t for one block format. Always inlined with constant
  * arguments, so the R accumulators stay in registers and the format's branches go. Each row's
  * integer sums run as `chains` independent dpbusd chains: with 8 rows the rows already overlap. */
 static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q, int64_t t, int64_t r0, const int R,
@@ -204,7 +217,7 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
                                                                    const int f16) {
     const int64_t nb = q->k / 32, bytes = tile_block_bytes(bits), groups = nb * gpb;
     const int chains = gpb == 2 ? 2 : R >= 8 ? 1 : R >= 4 ? 2 : 4;
-    __m512 acc[8];
+    __m512 acc[ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = q->w + (t * nb + b) * bytes;
@@ -331,18 +344,8 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = q->w + (t * nb + b) * bytes;
         int32_t u[32][16]; /* [column][row] */
-        for (int j = 0; j < 8; j++)
-            for (int e = 0; e < 4; e++)
-                for (int l = 0; l < 16; l++)
-                    u[4 * j + e][l] = bits == 8 ? wb[64 * j + 4 * l + e]
-                                                   : (wb[64 * (j & 3) + 4 * l + e] >> (4 * (j >> 2))) & 15;
-        for (int64_t p = 0; p < bits - 4 && bits < 8; p++)
-            for (int j = 0; j < 8; j++) {
-                uint64_t mask;
-                memcpy(&mask, wb + 256 + 64 * p + 8 * j, 8);
-                for (int e = 0; e < 4; e++)
-                    for (int l = 0; l < 16; l++) u[4 * j + e][l] |= (int32_t)((mask >> (4 * l + e)) & 1) << (4 + p);
-            }
+        for (int c = 0; c < 32; c++)
+            for (int l = 0; l < 16; l++) u[c][l] = tile_value(wb, bits, l, c);
         const void *sb = group_vals(q, q->s, t, b), *mb = mins ? group_vals(q, q->m, t, b) : NULL;
         float sv[2][16], mv[2][16];
         for (int64_t h = 0; h < gpb; h++)
@@ -377,37 +380,35 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
 
 #endif
 
-/* Rows r0 .. r0 + R - 1 of tile t in runs of 8, 4, 2 and 1, each a compiled instance. */
-#define FORMAT_KERNEL(name, bits, gpb, mins, half)                                                     \
-    static void name(const qjob *q, int64_t t, int64_t r0, int64_t R) {                                 \
-        for (; R >= 8; r0 += 8, R -= 8) tile_rows_format(q, t, r0, 8, bits, gpb, mins, half);           \
-        if (R & 4) tile_rows_format(q, t, r0, 4, bits, gpb, mins, half), r0 += 4;                       \
-        if (R & 2) tile_rows_format(q, t, r0, 2, bits, gpb, mins, half), r0 += 2;                       \
-        if (R & 1) tile_rows_format(q, t, r0, 1, bits, gpb, mins, half);                                \
-    }
-FORMAT_KERNEL(rows_q4_0, 4, 1, 0, 1)
-FORMAT_KERNEL(rows_q4_1, 4, 1, 1, 1)
-FORMAT_KERNEL(rows_q4_k, 4, 1, 1, 0)
-FORMAT_KERNEL(rows_q5_0, 5, 1, 0, 1)
-FORMAT_KERNEL(rows_q5_1, 5, 1, 1, 1)
-FORMAT_KERNEL(rows_q5_k, 5, 1, 1, 0)
-FORMAT_KERNEL(rows_q6_k, 6, 2, 0, 0)
-FORMAT_KERNEL(rows_q8_0, 8, 1, 0, 1)
+/* The block formats (nn.gguf_blocks.BLOCK_FORMATS): name, bits, groups a block (32 / G), mins,
+ * fp16 scales. */
+#define BLOCK_FORMATS(X) \
+    X(q4_0, 4, 1, 0, 1)  \
+    X(q4_1, 4, 1, 1, 1)  \
+    X(q4_k, 4, 1, 1, 0)  \
+    X(q5_0, 5, 1, 0, 1)  \
+    X(q5_1, 5, 1, 1, 1)  \
+    X(q5_k, 5, 1, 1, 0)  \
+    X(q6_k, 6, 2, 0, 0)  \
+    X(q8_0, 8, 1, 0, 1)
 
-/* The compiled instance for a weight's format (nn.gguf_blocks.BLOCK_FORMATS), or NULL. */
-static rows_fn format_kernel(const qjob *q) {
-    const int mins = q->m != NULL;
-    switch (q->bits * 1000 + q->group * 10 + mins * 2 + (int)q->half) {
-    case 4321: return rows_q4_0;
-    case 4323: return rows_q4_1;
-    case 4322: return rows_q4_k;
-    case 5321: return rows_q5_0;
-    case 5323: return rows_q5_1;
-    case 5322: return rows_q5_k;
-    case 6160: return rows_q6_k;
-    case 8321: return rows_q8_0;
-    default: return NULL;
+/* Rows r0 .. r0 + R - 1 of tile t in runs of 8, 4, 2 and 1, each a compiled instance. */
+#define FORMAT_KERNEL(name, bits, gpb, mins, f16)                                               \
+    static void rows_##name(const qjob *q, int64_t t, int64_t r0, int64_t R) {                   \
+        for (; R >= ROWS; r0 += ROWS, R -= ROWS) tile_rows_format(q, t, r0, ROWS, bits, gpb, mins, f16); \
+        if (R & 4) tile_rows_format(q, t, r0, 4, bits, gpb, mins, f16), r0 += 4;                 \
+        if (R & 2) tile_rows_format(q, t, r0, 2, bits, gpb, mins, f16), r0 += 2;                 \
+        if (R & 1) tile_rows_format(q, t, r0, 1, bits, gpb, mins, f16);                          \
     }
+BLOCK_FORMATS(FORMAT_KERNEL)
+
+/* The compiled instance for a weight's format, or NULL for one not in BLOCK_FORMATS. */
+static rows_fn format_kernel(const qjob *q) {
+#define MATCH(name, BITS, GPB, MINS, F16) \
+    if (q->bits == BITS && q->group == 32 / GPB && (q->m != NULL) == MINS && q->half == F16) return rows_##name;
+    BLOCK_FORMATS(MATCH)
+#undef MATCH
+    return NULL;
 }
 
 /* Task `task` of `tasks` takes an equal run of whole tiles (every row of each), CHUNK rows at a
@@ -479,13 +480,7 @@ int verispec_block_rows(const uint8_t *w, const void *s, const void *m, int64_t 
             const uint8_t *wb = w + (t * nb + b) * bytes;
             const void *sb = group_vals(&q, s, t, b), *mb = m ? group_vals(&q, m, t, b) : NULL;
             for (int c = 0; c < 32; c++) {
-                const int j = c / 4, e = c % 4;
-                int u = bits == 8 ? wb[64 * j + 4 * r + e] : (wb[64 * (j & 3) + 4 * r + e] >> (4 * (j >> 2))) & 15;
-                for (int64_t p = 0; p < bits - 4 && bits < 8; p++) {
-                    uint64_t mask;
-                    memcpy(&mask, wb + 256 + 64 * p + 8 * j, 8);
-                    u |= (int)((mask >> (4 * r + e)) & 1) << (4 + p);
-                }
+                const int32_t u = tile_value(wb, bits, r, c);
                 const int64_t g = 16 * (c / group) + r;
                 float *o = out + i * k + 32 * b + c;
                 *o = mb ? (float)u * group_val(half, sb, g) + group_val(half, mb, g)
