@@ -122,16 +122,17 @@ class DecoderLayerKernel:
         return True
 
 
-def fused_kernel(cached: DecoderLayerKernel | None, linears, make) -> DecoderLayerKernel | None:
-    """A family layer's kernel for this forward: `cached` while it still points at `linears`'
-    weights, else `make()` (a new DecoderLayerKernel over them); None where the layer cannot run
-    fused (the C kernels not built, a linear not block-packed). A forward asks once a layer, so
-    the check of `cached` looks at identities only (~2 µs)."""
+def fused_kernel(layer, linears, make) -> DecoderLayerKernel | None:
+    """A family layer's kernel for this forward, kept in `layer._kernel`: the kept one while it
+    still points at `linears`' weights, else `make()` (a new DecoderLayerKernel over them); None
+    where the layer cannot run fused (the C kernels not built, a linear not block-packed). A
+    forward asks once a layer, so the check looks at identities only (~2 µs), and `_kernel` is
+    set only when it changes (nn.Module.__setattr__ costs µs)."""
+    cached = layer._kernel
     if cached is not None and cached.points_at(linears):
         return cached
-    if ckernels.library() is None:
-        return None
-    per_linear = [block_parts(m) for m in linears]
-    if None in per_linear:
-        return None
-    return make()
+    fusable = ckernels.library() is not None and None not in [block_parts(m) for m in linears]
+    kernel = make() if fusable else None
+    if kernel is not cached:
+        layer._kernel = kernel
+    return kernel

@@ -173,10 +173,7 @@ class Gemma3DecoderLayer(nn.Module):
                 sliding_window=a.sliding_window)
 
         linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        kernel = fused_kernel(self._kernel, linears, make)
-        if kernel is not self._kernel:  # nn.Module.__setattr__ costs µs: set on change only
-            self._kernel = kernel
-        return kernel
+        return fused_kernel(self, linears, make)
 
     def forward(self, x, rows, layer_idx, rope, cos, sin):
         kernel = self._fused_kernel(rope)

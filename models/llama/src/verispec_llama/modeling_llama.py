@@ -221,10 +221,7 @@ class LlamaDecoderLayer(nn.Module):
                 head_dim=a.head_dim, intermediate_size=mlp.intermediate_size, rotary_dim=rope.rotary_dim,
                 neox=rope.style == "neox", activation="silu", eps=self.input_layernorm.eps, scaling=a.scaling)
 
-        kernel = fused_kernel(self._kernel, (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj), make)
-        if kernel is not self._kernel:  # nn.Module.__setattr__ costs µs: set on change only
-            self._kernel = kernel
-        return kernel
+        return fused_kernel(self, (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj), make)
 
     def forward(self, hidden_states: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
                 rows: Rows, layer_idx: int) -> torch.Tensor:
