@@ -15,7 +15,7 @@ import torch
 from verispec import tokenizer as tokenizer_module
 from verispec.gguf_io import GGUFFile, MissingKey
 from verispec.testing.fixture_writer import byte_level_vocab, write_gguf
-from verispec.tokenizer import NoChatTemplate, StreamDecoder, Tokenizer, UnsupportedTokenizer
+from verispec.tokenizer import ChatTemplateError, NoChatTemplate, StreamDecoder, Tokenizer, UnsupportedTokenizer
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
           " + '<|im_end|>\n' }}{% endfor %}"
@@ -113,7 +113,7 @@ def test_chat_template_from_the_file(tmp_path):
     assert text == ("<bos><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhéllo<|im_end|>\n"
                     '<|im_start|>assistant\n<eos>[{"name": "café <b>"}]')
     assert not tok.render_chat(messages, add_generation_prompt=False, tools=None).count("assistant")
-    with pytest.raises(jinja2.TemplateError, match="one turn only"):
+    with pytest.raises(ChatTemplateError, match="one turn only"):
         tok.render_chat(messages * 2)
 
 
@@ -133,7 +133,7 @@ def test_gemma_default_template(tmp_path):
     assert tok.render_chat(conversation) == (
         "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
         "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
-    with pytest.raises(jinja2.TemplateError, match="tool"):
+    with pytest.raises(ChatTemplateError, match="tool"):
         tok.render_chat([{"role": "tool", "content": "{}"}])
 
 

@@ -11,8 +11,6 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from jinja2 import TemplateError
-
 from verispec.engine import InferenceEngine
 from verispec.errors import VerispecError
 from verispec.sampling import SamplingParams
@@ -74,7 +72,7 @@ def _turn(engine, messages, *, sampling, max_tokens, stop, ignore_eos, stdout, s
     try:
         generation = engine.generate(messages, max_tokens=max_tokens, sampling=sampling, stop=stop,
                                      ignore_eos=ignore_eos)
-    except (VerispecError, TemplateError) as e:  # ContextOverflow, a template's raise_exception
+    except VerispecError as e:  # ContextOverflow, a template's raise_exception (ChatTemplateError)
         hint = " (/reset starts a new conversation)" if len(messages) > 1 else ""
         print(f"verispec: error: {e}{hint}", file=stderr)
         return None

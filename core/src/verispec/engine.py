@@ -157,14 +157,19 @@ class InferenceEngine:
     # -- requests ------------------------------------------------------------------------
 
     def encode(self, prompt: str | Sequence[int] | Sequence[dict], *, chat: bool = False) -> list[int]:
-        """Text, token ids, or chat messages ([{"role", "content"}]) → token ids."""
+        """Text, token ids, or chat messages ([{"role", "content"}]) → token ids.
+
+        Plain text is the caller's whole prompt: special-token spellings in it ("<|im_start|>")
+        are control tokens, as in llama.cpp's completion prompts. Chat messages (and text with
+        chat=True) go through the chat template, where only the template's markup yields control
+        tokens (`Tokenizer.encode_chat`). Raises NoChatTemplate, ChatTemplateError, InvalidText.
+        """
         if isinstance(prompt, str):
             if chat:
-                return self.tokenizer.encode(self.tokenizer.render_chat([{"role": "user", "content": prompt}]),
-                                             add_special=False)
+                return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(prompt)
         if prompt and isinstance(prompt[0], dict):
-            return self.tokenizer.encode(self.tokenizer.render_chat(list(prompt)), add_special=False)
+            return self.tokenizer.encode_chat(list(prompt))
         return [int(t) for t in prompt]
 
     def generate(self, prompt, *, max_tokens: int = 128, sampling: SamplingParams = SamplingParams(),

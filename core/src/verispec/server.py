@@ -70,7 +70,6 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -263,7 +262,8 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
     # RequestRejected, SamplingParams, the engine (max_tokens, empty prompt), ContextOverflow, ...
     @app.exception_handler(VerispecError)
     async def _rejected(request: Request, exc: VerispecError):
-        return _error(str(exc), getattr(exc, "param", None), getattr(exc, "code", None))
+        return _error(str(exc), getattr(exc, "param", None), getattr(exc, "code", None),
+                      status_code=getattr(exc, "http_status", 400))
 
     @app.exception_handler(Exception)  # a bug: OpenAI's body, status 500 (the exception is still logged)
     async def _internal(request: Request, exc: Exception):
@@ -517,7 +517,7 @@ class _Served:
             raise RequestRejected(
                 f"the prompt needs {e.required_len} positions (its tokens and one new token) but the context "
                 f"holds {e.max_context_length}; shorten the prompt{larger}", param, "context_length_exceeded") from e
-        except (TokenizerError, TemplateError) as e:  # NoChatTemplate, a template's raise_exception
+        except TokenizerError as e:  # NoChatTemplate, ForgedControlToken (ChatTemplateError carries its status)
             raise RequestRejected(f"cannot render the messages: {e}", param) from e
         self.live.add(generation)
         if self.closing:  # the server began shutting down while this prompt was encoded

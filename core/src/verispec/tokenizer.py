@@ -13,12 +13,21 @@ architecture and the transformers version, so only the first start imports trans
 BOS/EOS follow llama.cpp: `tokenizer.ggml.add_bos_token` (default: on for "llama"
 vocabularies, off otherwise) and `add_eos_token`. Text passed to `encode` may contain
 special tokens ("<start_of_turn>", "<|im_start|>"); they are matched whole, as llama.cpp does
-with parse_special. Encode a rendered chat with `add_special=False`: templates write BOS.
+with parse_special. `encode_chat` keeps the template's markup and the messages' text apart:
+only the markup yields control tokens, a message's "<|im_end|>" stays text.
+
+Chat templates render in jinja2's immutable sandbox with a time bound (RENDER_TIME_LIMIT_S),
+a size bound on the output (RENDER_MAX_CHARS, also on `*` and `**` before they compute); a
+template that fails raises ChatTemplateError.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,7 +35,9 @@ from verispec.errors import VerispecError, pip_install
 from verispec.gguf_io import GGUFFile
 
 __all__ = [
+    "ChatTemplateError",
     "DEFAULT_CHAT_TEMPLATES",
+    "ForgedControlToken",
     "InvalidText",
     "NoChatTemplate",
     "StreamDecoder",
@@ -70,6 +81,12 @@ _GEMMA_TEMPLATE = (
 #: chat templates used only when the GGUF has no `tokenizer.chat_template`, by architecture.
 DEFAULT_CHAT_TEMPLATES: Mapping[str, str] = {"gemma": _GEMMA_TEMPLATE, "gemma2": _GEMMA_TEMPLATE,
                                              "gemma3": _GEMMA_TEMPLATE}
+
+
+#: seconds a chat template may render for.
+RENDER_TIME_LIMIT_S = 5.0
+#: characters a rendered chat (or one string or list a template builds with `*`) may hold.
+RENDER_MAX_CHARS = 1 << 24
 
 
 class TokenizerError(VerispecError):
@@ -119,6 +136,38 @@ class NoChatTemplate(TokenizerError):
             "send plain text (no --chat), or use a GGUF converted with its chat template")
 
 
+class ChatTemplateError(VerispecError):
+    """The chat template failed: a syntax error, a sandbox refusal, a render bound, an error while
+    rendering (`refused=False`: the file's fault, HTTP 500), or its `raise_exception` refused
+    these messages (`refused=True`: the request's fault, HTTP 400). `http_status` is that code."""
+
+    param = "messages"
+
+    def __init__(self, problem: str, *, refused: bool = False):
+        self.problem, self.refused = problem, refused
+        self.http_status = 400 if refused else 500
+        super().__init__(f"the chat template refused these messages: {problem}; change the messages"
+                         if refused else
+                         f"the model's chat template failed: {problem}; fix tokenizer.chat_template "
+                         "in the GGUF, or send plain text (no chat)")
+
+
+class ForgedControlToken(TokenizerError):
+    """Message content holds control-token text that the chat template's transformation of
+    content leaves no way to keep as text."""
+
+    def __init__(self, tokens: Sequence[str]):
+        self.tokens = tuple(tokens)
+        self.param = "messages"
+        super().__init__(f"a message holds control token text ({', '.join(sorted(set(self.tokens)))}) and this "
+                         "chat template transforms message content, so it cannot be kept as text; "
+                         "remove it from the message")
+
+
+class _TemplateRefusal(Exception):
+    """raise_exception() called by a template."""
+
+
 class Tokenizer:
     """Text <-> token ids for one model, plus its chat template and stop tokens."""
 
@@ -138,6 +187,8 @@ class Tokenizer:
         self.vocab_size = len(tokens)
         self._tokens = tokens
         self._compiled: dict[str, Any] = {}
+        self._special: frozenset[int] | None = None
+        self._as_text = None
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile | str | os.PathLike, *, use_cache: bool = True) -> Tokenizer:
@@ -195,19 +246,87 @@ class Tokenizer:
         """The prompt text for `messages` ([{"role", "content"}]) through the GGUF's chat template
         (jinja2, sandboxed, HF's variables: messages, add_generation_prompt, bos_token,
         eos_token, raise_exception, strftime_now, plus **kwargs such as tools), or the family
-        default in DEFAULT_CHAT_TEMPLATES when the file has none. Encode the result with
-        add_special=False. Raises NoChatTemplate, jinja2.TemplateError (incl. raise_exception).
+        default in DEFAULT_CHAT_TEMPLATES when the file has none. To tokenize it, use
+        `encode_chat`, which keeps message text from becoming control tokens.
+        Raises NoChatTemplate, ChatTemplateError.
         """
         source = self.chat_template or DEFAULT_CHAT_TEMPLATES.get(self.architecture)
         if source is None:
             raise NoChatTemplate(self.architecture)
         if source not in self._compiled:
-            self._compiled[source] = _jinja_env().from_string(source)
+            self._compiled[source] = _compile(source)
         special = {name: self._tokens[i] if i is not None else ""
                    for name, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id))}
-        return self._compiled[source].render(messages=list(messages),
-                                             add_generation_prompt=add_generation_prompt,
-                                             **special, **kwargs)
+        return _render(self._compiled[source], messages=list(messages),
+                       add_generation_prompt=add_generation_prompt, **special, **kwargs)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs) -> list[int]:
+        """Token ids of `render_chat(messages)` in which only the template's markup yields control
+        tokens: a message content holding "<|im_end|>" is tokenized as that text.
+
+        The template is rendered a second time with each str content replaced by a unique
+        sentinel, which locates the contents in the real render (a template that trims content
+        is followed). When no control token falls inside a content the ids are those of the whole
+        render; otherwise the markup pieces are encoded with special tokens and the contents as
+        text. A template that transforms content beyond trimming is checked by its control
+        tokens instead: the render must hold exactly those of its markup. Raises NoChatTemplate,
+        ChatTemplateError, ForgedControlToken (such a template, and content holding control
+        token text).
+        """
+        messages = list(messages)
+        rendered = self.render_chat(messages, add_generation_prompt, **kwargs)
+        encoding = self._encode_whole(rendered)
+        texts = [m.get("content") if isinstance(m.get("content"), str) else None for m in messages]
+        nonce = secrets.token_hex(8)
+        while any(nonce in t for t in texts if t) or nonce in rendered:
+            nonce = secrets.token_hex(8)
+        marked = [{**m, "content": f"{_PAD}\ue000{nonce}:{i}\ue001{_PAD}"} if texts[i] is not None else m
+                  for i, m in enumerate(messages)]
+        template = self.render_chat(marked, add_generation_prompt, **kwargs)
+        markup, contents = _split_at_sentinels(template, nonce, texts)
+        special = self._special_ids()
+        if "".join(_interleave(markup, contents)) != rendered:  # a template transforming content
+            whole = [i for i in encoding.ids if i in special]
+            if whole != [i for i in self._encode_whole("".join(markup)).ids if i in special]:
+                raise ForgedControlToken([self._tokens[i] for i in whole])
+            return encoding.ids
+        spans, at = [], 0
+        for piece, content in zip(markup, contents + [""]):
+            at += len(piece)
+            spans.append((at, at + len(content)))
+            at += len(content)
+        if not any(i in special and any(a < end and start < b for a, b in spans)
+                   for i, (start, end) in zip(encoding.ids, encoding.offsets)):
+            return encoding.ids
+        text_backend = self._text_backend()
+        ids: list[int] = []
+        for piece, content in zip(markup, contents + [""]):
+            ids += self._encode_whole(piece).ids if piece else []
+            ids += text_backend.encode(content, add_special_tokens=False).ids if content else []
+        return ids
+
+    def _encode_whole(self, text: str):
+        try:
+            return self.backend.encode(text, add_special_tokens=False)
+        except TypeError:
+            raise InvalidText(text_problem(text) or "the tokenizer refused the text") from None
+
+    def _special_ids(self) -> frozenset[int]:
+        if self._special is None:
+            self._special = frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+        return self._special
+
+    def _text_backend(self):
+        """A copy of the backend that reads special-token spellings as text (a copy, not a toggle
+        of the shared one: the server encodes from several threads)."""
+        if self._as_text is None:
+            from tokenizers import Tokenizer as Backend
+
+            backend = Backend.from_str(self.backend.to_str())
+            backend.encode_special_tokens = True
+            self._as_text = backend
+        return self._as_text
 
     def __repr__(self) -> str:
         return (f"Tokenizer({self.architecture}, vocab_size={self.vocab_size}, bos={self.bos_id}, "
@@ -337,23 +456,116 @@ def _stop_ids(md: Mapping[str, Any], tokens: Sequence[str]) -> list[int]:
 
 # --- chat templates ---------------------------------------------------------------------
 
+# whitespace around each sentinel: where a template trims content, it is gone
+_PAD = " \t\n"
+
+
+def _split_at_sentinels(rendered: str, nonce: str, texts: Sequence[str | None]) -> tuple[list[str], list[str]]:
+    """The markup pieces of a render whose contents are sentinels, and the text each sentinel
+    stands for (its message's content, trimmed on the side where the template trimmed)."""
+    pattern = re.compile(f"({re.escape(_PAD)})?\ue000{nonce}:(\\d+)\ue001({re.escape(_PAD)})?")
+    markup, contents, at = [], [], 0
+    for m in pattern.finditer(rendered):
+        markup.append(rendered[at:m.start()])
+        text = texts[int(m.group(2))] or ""
+        text = text if m.group(1) else text.lstrip()
+        contents.append(text if m.group(3) else text.rstrip())
+        at = m.end()
+    markup.append(rendered[at:])
+    return markup, contents
+
+
+def _interleave(markup: list[str], contents: list[str]):
+    for piece, content in zip(markup, contents + [""]):
+        yield piece
+        yield content
+
+
+def _compile(source: str):
+    import jinja2
+
+    try:
+        return _jinja_env().from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"syntax error at line {e.lineno}: {e.message}") from None
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"{type(e).__name__}: {e}") from None
+
+
+def _render(template, **variables) -> str:
+    """The template's output, refused once it runs past RENDER_TIME_LIMIT_S or RENDER_MAX_CHARS
+    (checked between output chunks and at each call, attribute and operator the sandbox sees)."""
+    from jinja2.exceptions import SecurityError, TemplateError
+
+    env = template.environment
+    env.bound.deadline = time.monotonic() + RENDER_TIME_LIMIT_S  # per thread: the server renders in several
+    chunks, size = [], 0
+    try:
+        for chunk in template.generate(**variables):
+            size += len(chunk)
+            if size > RENDER_MAX_CHARS:
+                raise SecurityError(f"the output passed {RENDER_MAX_CHARS} characters")
+            env.check_time()
+            chunks.append(chunk)
+    except _TemplateRefusal as e:
+        raise ChatTemplateError(str(e), refused=True) from None
+    except SecurityError as e:
+        raise ChatTemplateError(f"the sandbox stopped it: {e}") from None
+    except TemplateError as e:
+        raise ChatTemplateError(f"{type(e).__name__}: {e}") from None
+    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as e:
+        raise ChatTemplateError(f"{type(e).__name__} while rendering: {e}") from None
+    return "".join(chunks)
+
+
 def _jinja_env():
     """The environment HF renders chat templates in: sandboxed, trim_blocks, lstrip_blocks,
-    loop controls, a `tojson` that keeps non-ASCII and does not HTML-escape."""
+    loop controls, a `tojson` that keeps non-ASCII and does not HTML-escape; bounded in time
+    and size (`_render`)."""
     from datetime import datetime
 
-    import jinja2
+    from jinja2.exceptions import SecurityError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    class Bounded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+        bound = threading.local()
+
+        def check_time(self):
+            if time.monotonic() > getattr(self.bound, "deadline", float("inf")):
+                raise SecurityError(f"rendering ran past {RENDER_TIME_LIMIT_S:g} s")
+
+        def call_binop(self, context, operator, left, right):
+            self.check_time()
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > RENDER_MAX_CHARS:
+                        raise SecurityError(f"{operator!r} would build a value longer than {RENDER_MAX_CHARS}")
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 \
+                    and abs(left) > 1 and right * abs(left).bit_length() > RENDER_MAX_CHARS:
+                raise SecurityError(f"{left} ** {right} is too large a number")
+            return super().call_binop(context, operator, left, right)
+
+        def call(self, __context, __obj, *args, **kwargs):
+            self.check_time()
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def getattr(self, obj, attribute):
+            self.check_time()
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj, argument):
+            self.check_time()
+            return super().getitem(obj, argument)
+
     def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+        raise _TemplateRefusal(message)
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
