@@ -111,7 +111,7 @@ def test_a_template_error_is_reported_and_the_chat_goes_on(tmp_path, registry):
     path = write_toy_gguf(tmp_path / "picky.gguf", vocab_size=110, recurrent=False, seed=4, chat_template=template)
     engine = api.load(path, registry=registry, spec=SpecOptions(enabled=False))
     rc, _, err, summaries = chat(engine, f"bad\n{CAT}\n")
-    assert rc == 0 and "verispec: error: no bad words" in err and len(summaries) == 1
+    assert rc == 0 and "verispec: error: the chat template refused these messages: no bad words" in err and len(summaries) == 1
 
 
 def test_a_model_without_a_chat_template_exits_2(tmp_path, registry):

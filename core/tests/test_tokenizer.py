@@ -119,8 +119,9 @@ def test_chat_template_from_the_file(tmp_path):
 
 def test_templates_run_sandboxed(tmp_path):
     tok = Tokenizer.from_gguf(_fixture(tmp_path, **{"tokenizer.chat_template": "{{ ''.__class__.__mro__ }}"}))
-    with pytest.raises(jinja2.exceptions.SecurityError):
+    with pytest.raises(ChatTemplateError, match="the sandbox stopped it") as e:
         tok.render_chat([])
+    assert e.value.http_status == 500 and not e.value.refused
 
 
 def test_gemma_default_template(tmp_path):
