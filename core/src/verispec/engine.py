@@ -18,8 +18,8 @@ from verispec.errors import InvalidArgument
 from verispec.execution import resolve_draft_window
 from verispec.governor import SpeculationCostGovernor
 from verispec.sampling import SamplingParams
-from verispec.scheduler import (DEFAULT_MAX_IDLE_SEQUENCES, DEFAULT_MAX_RUNNING, Generation, GenerationResult,
-                                Request, Scheduler, Speculation, TokenEvent)
+from verispec.requests import Generation, GenerationResult, Request, Speculation, TokenEvent
+from verispec.scheduler import DEFAULT_MAX_IDLE_SEQUENCES, DEFAULT_MAX_RUNNING, Scheduler
 from verispec.seams import ContextOverflow, declared
 from verispec.window import DraftWindow
 
@@ -63,7 +63,7 @@ class InferenceEngine:
     prefill_chunk: rows one engine step forwards at most (prefill chunks beside decodes).
     max_running: requests decoding at once (later ones queue). max_idle_sequences: finished
     sequences kept for prefix reuse. kv_budget_bytes: KV/state memory of running and idle
-    sequences (verispec.scheduler; None = no budget).
+    sequences (verispec.kv_budget; None = no budget).
     """
 
     def __init__(self, target, *, registry=None, spec: SpecOptions = SpecOptions(), prefill_chunk: int = 512,
@@ -188,7 +188,7 @@ class InferenceEngine:
                                   getattr(self.target, "trained_context_length", None), prompt=True)
         if time_limit is not None and not time_limit > 0:
             raise InvalidArgument(f"time_limit={time_limit}: give a positive number of seconds, or None")
-        self.scheduler.kv_reservation(len(ids), max_tokens, self.target.max_context_length)  # never fits: raise now
+        self.scheduler.kv_budget.reservation(len(ids), max_tokens, self.target.max_context_length)  # never fits: raise now
         generation = Generation(self.step)
         self.scheduler.submit(Request(
             generation, ids, tokenizer=self.tokenizer, max_tokens=max_tokens, sampling=sampling, stop=tuple(stop),

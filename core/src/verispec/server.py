@@ -406,9 +406,9 @@ def prometheus_text(engine: InferenceEngine) -> str:
         ("prefix_cache_reused_tokens_total", "counter", "Prompt tokens not prefilled thanks to the prefix cache.",
          m.num_reused_prefix_tokens),
         ("kv_budget_bytes", "gauge", "KV/state memory budget of running and idle sequences (0: none).",
-         scheduler.kv_budget_bytes or 0),
-        ("kv_reserved_bytes", "gauge", "KV/state memory reserved by running requests.", scheduler.kv_reserved_bytes),
-        ("kv_idle_bytes", "gauge", "KV/state memory held by idle prefix-cache sequences.", scheduler.kv_idle_bytes),
+         scheduler.kv_budget.budget_bytes or 0),
+        ("kv_reserved_bytes", "gauge", "KV/state memory reserved by running requests.", scheduler.kv_budget.reserved_bytes),
+        ("kv_idle_bytes", "gauge", "KV/state memory held by idle prefix-cache sequences.", scheduler.kv_budget.idle_bytes),
         ("kv_budget_evictions_total", "counter", "Idle sequences released to make room in the KV budget.",
          m.num_kv_budget_evictions),
     ]
