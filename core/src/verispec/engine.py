@@ -58,7 +58,7 @@ class SpecOptions:
 
 
 class InferenceEngine:
-    """Serves one trunk to any number of requests. `target.tokenizer` turns text into ids and back.
+    """Serves one trunk to any number of requests. `declared(target, "tokenizer")` turns text into ids and back.
 
     prefill_chunk: rows one engine step forwards at most (prefill chunks beside decodes).
     max_running: requests decoding at once (later ones queue). max_idle_sequences: finished
@@ -70,7 +70,7 @@ class InferenceEngine:
                  max_running: int = DEFAULT_MAX_RUNNING, max_idle_sequences: int = DEFAULT_MAX_IDLE_SEQUENCES,
                  kv_budget_bytes: int | None = None):
         self.target = target
-        self.tokenizer = target.tokenizer
+        self.tokenizer = declared(target, "tokenizer")
         self.registry = registry
         self.scheduler = Scheduler(target, max_rows_per_step=prefill_chunk, max_running=max_running,
                                    max_idle_sequences=max_idle_sequences, kv_budget_bytes=kv_budget_bytes)
@@ -135,7 +135,7 @@ class InferenceEngine:
 
     def _load_draft_head(self, path):
         if path is None:
-            return getattr(self.target, "draft_head", None)
+            return declared(self.target, "draft_head")
         from verispec.gguf_io import read_architecture
         from verispec.specs import resolve
 
@@ -185,7 +185,7 @@ class InferenceEngine:
             raise InvalidArgument("empty prompt: give at least one token")
         if len(ids) >= self.target.max_context_length:
             raise ContextOverflow(len(ids) + 1, self.target.max_context_length,
-                                  getattr(self.target, "trained_context_length", None), prompt=True)
+                                  declared(self.target, "trained_context_length"), prompt=True)
         if time_limit is not None and not time_limit > 0:
             raise InvalidArgument(f"time_limit={time_limit}: give a positive number of seconds, or None")
         self.scheduler.kv_budget.reservation(len(ids), max_tokens, self.target.max_context_length)  # never fits: raise now

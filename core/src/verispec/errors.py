@@ -14,13 +14,23 @@ from __future__ import annotations
 import shlex
 import sys
 
-__all__ = ["InvalidArgument", "UnsupportedVariant", "VerispecError", "pip_install"]
+__all__ = ["InvalidArgument", "UnsupportedVariant", "VerispecError", "larger_context_advice", "pip_install"]
 
 
 def pip_install(args: str) -> str:
     """The command that installs `args` into this interpreter's environment (a bare `pip`
     may be another Python's, e.g. outside the venv verispec runs in)."""
     return f"{shlex.quote(sys.executable)} -m pip install {args}"
+
+
+def larger_context_advice(max_context_length: int, trained_context_length: int | None) -> str:
+    """The clause that ends every "does not fit in the context" message (CLI, engine, server):
+    `, or load the model with a larger --context-length[, up to T]`, or, when the context already
+    is the whole trained length T, a note saying so (a larger one would be refused at load)."""
+    if trained_context_length is not None and trained_context_length <= max_context_length:
+        return " (the context already is the model's whole trained length)"
+    upto = f", up to {trained_context_length}" if trained_context_length else ""
+    return f", or load the model with a larger --context-length{upto}"
 
 
 class VerispecError(Exception):

@@ -75,9 +75,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.engine import Generation, InferenceEngine, TokenEvent
-from verispec.errors import VerispecError
+from verispec.errors import VerispecError, larger_context_advice
 from verispec.sampling import SamplingParams
-from verispec.seams import ContextOverflow
+from verispec.seams import ContextOverflow, declared
 from verispec.tokenizer import TokenizerError, text_problem
 
 #: most top logprobs a request may ask for (OpenAI's chat limit; vLLM's default max_logprobs).
@@ -510,13 +510,10 @@ class _Served:
             generation = self.engine.generate(ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
                                               ignore_eos=body.ignore_eos, time_limit=self.request_timeout)
         except ContextOverflow as e:
-            trained = getattr(self.engine.target, "trained_context_length", None)
-            larger = (f", or start `verispec serve` with a larger --context-length (this model takes up to {trained})"
-                      if trained and trained > e.max_context_length else
-                      " (the model's whole trained context)" if trained else "")
+            advice = larger_context_advice(e.max_context_length, declared(self.engine.target, "trained_context_length"))
             raise RequestRejected(
                 f"the prompt needs {e.required_len} positions (its tokens and one new token) but the context "
-                f"holds {e.max_context_length}; shorten the prompt{larger}", param, "context_length_exceeded") from e
+                f"holds {e.max_context_length}; shorten the prompt{advice}", param, "context_length_exceeded") from e
         except (TokenizerError, TemplateError) as e:  # NoChatTemplate, a template's raise_exception
             raise RequestRejected(f"cannot render the messages: {e}", param) from e
         self.live.add(generation)
