@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from verispec.errors import UnsupportedVariant
 from verispec import weight_cache
 from tiny_llama import build_hf_model, write_fixture
 from verispec.gguf_io import GGUFFile, MissingKey
@@ -40,7 +41,7 @@ def _variant(model, tmp_path, **extra):
     ({"extra_tensors": {"blk.0.ffn_gate_inp.weight": torch.zeros(8, 48)}}, "does not use"),
 ])
 def test_refuses_variants_it_cannot_compute(llama_model, tmp_path, extra, what):
-    with pytest.raises(UnsupportedLlamaVariant, match=what):
+    with pytest.raises(UnsupportedVariant, match=what):
         load(_variant(llama_model, tmp_path, **extra), dtype="float32")
 
 
