@@ -14,7 +14,8 @@ from __future__ import annotations
 import shlex
 import sys
 
-__all__ = ["InvalidArgument", "UnsupportedVariant", "VerispecError", "larger_context_advice", "pip_install"]
+__all__ = ["DamagedFile", "InvalidArgument", "UnsupportedArchitecture", "UnsupportedVariant", "UnusedTensors",
+           "VerispecError", "larger_context_advice", "pip_install"]
 
 
 def pip_install(args: str) -> str:
@@ -49,3 +50,32 @@ class UnsupportedVariant(VerispecError, ValueError):
     def __init__(self, source: str, what: str, fix: str):
         self.source, self.what = source, what
         super().__init__(f"{source}: {what}; {fix}")
+
+
+class UnusedTensors(UnsupportedVariant):
+    """A file of a family a model package loads that holds tensors its math would not read
+    (another variant: MoE, extra norms, sidecars). The message lists the first of them."""
+
+    def __init__(self, source: str, family: str, names: list[str]):
+        self.names = names
+        super().__init__(source, f"tensors the {family} math does not use: {names[:6]}",
+                         "the file is another variant and cannot be served by this package")
+
+
+class UnsupportedArchitecture(VerispecError, ValueError):
+    """A GGUF whose `general.architecture` the package it was handed to does not load."""
+
+    def __init__(self, source: str, architecture: str, loads: tuple[str, ...]):
+        self.source, self.architecture = source, architecture
+        super().__init__(f"{source} is a {architecture!r} GGUF; this package loads {', '.join(map(repr, loads))} "
+                         "files (pick the model package for its architecture)")
+
+
+class DamagedFile(VerispecError, ValueError):
+    """A model file whose numbers contradict each other or its tensors (a block count the tensors
+    do not have, zero heads, a token list the embedding does not match, non-finite weights).
+    Message: `<source>: <what>; <fix>`."""
+
+    def __init__(self, source: str, what: str):
+        self.source, self.what = source, what
+        super().__init__(f"{source}: {what}; the file is damaged or was converted wrongly: convert it again")
