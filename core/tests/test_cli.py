@@ -240,7 +240,7 @@ def test_plain_text_output_ends_with_a_newline_and_a_full_context_is_named(env, 
     assert "finish=length (context full at 16 tokens; --context-length sets it)" in r.stderr
     r = verispec(env, "generate", "hi", "--model", str(path), "--max-tokens", "17", "--context-length", "16")
     assert r.returncode == 1 and "--max-tokens 17 is more than the 16-token context can hold" in r.stderr
-    assert "lower it (or raise --context-length, up to 512)" in r.stderr  # the file's trained length
+    assert "lower it, or load the model with a larger --context-length, up to 512" in r.stderr  # the file's trained length
     r = verispec(env, "generate", "hello hello", "--model", str(path), "--max-tokens", "3", "--ignore-eos")
     assert "finish=length," in r.stderr  # --max-tokens itself ended it: nothing to explain
 

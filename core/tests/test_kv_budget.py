@@ -113,7 +113,7 @@ def solo(model_path, registry, prompt, **kw):
 
 
 def reservation(engine, prompt, max_tokens):
-    return engine.scheduler.kv_reservation(len(engine.encode(prompt)), max_tokens, engine.target.max_context_length)
+    return engine.scheduler.kv_budget.reservation(len(engine.encode(prompt)), max_tokens, engine.target.max_context_length)
 
 
 def held(engine, seqs):
@@ -140,15 +140,15 @@ def test_a_third_request_waits_for_room_and_every_stream_equals_its_solo_stream(
             g.poll()
         running = [r.seq for r in scheduler._running]
         trace.append((scheduler.num_running, scheduler.num_waiting, [g.done for g in generations]))
-        assert scheduler.kv_reserved_bytes <= budget
-        assert held(engine, running) <= scheduler.kv_reserved_bytes  # the reservations bound what is allocated
+        assert scheduler.kv_budget.reserved_bytes <= budget
+        assert held(engine, running) <= scheduler.kv_budget.reserved_bytes  # the reservations bound what is allocated
     assert trace[0][:2] == (2, 1)  # the budget, not max_running (16), held the third back
     admitted = next(i for i, (_, waiting, _) in enumerate(trace) if waiting == 0)
     assert admitted > 1 and trace[admitted - 1][2][0] and not trace[admitted - 2][2][0]  # the step after the first finished
     for kw, generation in zip(REQUESTS, generations):
         expected = solo(model_path, registry, **kw)
         assert generation.result.tokens == expected.tokens and generation.result.text == expected.text
-    assert scheduler.kv_reserved_bytes == 0
+    assert scheduler.kv_budget.reserved_bytes == 0
 
 
 def test_a_request_larger_than_the_budget_is_refused_and_the_next_is_served(model_path, registry):
@@ -168,14 +168,14 @@ def test_a_request_larger_than_the_budget_is_refused_and_the_next_is_served(mode
     assert generation.result.tokens == solo(model_path, registry, **small).tokens
     # a budget lowered while it was queued: refused at admission, through its generation
     queued = engine.generate(**small)
-    engine.scheduler.kv_budget_bytes = budget - 1
+    engine.scheduler.kv_budget.budget_bytes = budget - 1
     with pytest.raises(InvalidArgument, match=f"KV budget of {budget - 1} bytes"):
         list(queued)
-    engine.scheduler.kv_budget_bytes = budget
+    engine.scheduler.kv_budget.budget_bytes = budget
     generation = engine.generate(**small)
     list(generation)
     assert generation.result.tokens == solo(model_path, registry, **small).tokens
-    assert engine.scheduler.kv_reserved_bytes == 0 and not engine.has_work
+    assert engine.scheduler.kv_budget.reserved_bytes == 0 and not engine.has_work
 
 
 def test_idle_sequences_are_released_to_admit_a_request(model_path, registry):
@@ -186,22 +186,22 @@ def test_idle_sequences_are_released_to_admit_a_request(model_path, registry):
     tight = engine_with(model_path, registry, need)
     for engine in (roomy, tight):
         list(engine.generate(**first))
-        assert len(engine.scheduler._idle) == 1 and engine.scheduler.kv_idle_bytes > 0
+        assert len(engine.scheduler.prefix_cache) == 1 and engine.scheduler.kv_budget.idle_bytes > 0
         generation = engine.generate(**second)
         list(generation)
         assert generation.result.tokens == solo(model_path, registry, **second).tokens
-    assert roomy.scheduler.metrics.num_kv_budget_evictions == 0 and len(roomy.scheduler._idle) == 2
-    assert tight.scheduler.metrics.num_kv_budget_evictions == 1 and len(tight.scheduler._idle) == 1
-    assert tight.scheduler.kv_idle_bytes <= need
+    assert roomy.scheduler.metrics.num_kv_budget_evictions == 0 and len(roomy.scheduler.prefix_cache) == 2
+    assert tight.scheduler.metrics.num_kv_budget_evictions == 1 and len(tight.scheduler.prefix_cache) == 1
+    assert tight.scheduler.kv_budget.idle_bytes <= need
 
 
 def test_an_idle_sequence_the_prompt_continues_is_taken_over_not_evicted(model_path, registry):
     first = REQUESTS[0]
     probe = engine_with(model_path, registry, 1 << 40)
     list(probe.generate(**first))
-    history = next(iter(probe.scheduler._idle.values()))  # the prompt and the answer, as the sequence holds them
+    history = probe.scheduler.prefix_cache.tokens(probe.scheduler.prefix_cache.sequences()[0])  # the prompt and the answer, as the sequence holds them
     turn = history + [40, 41, 42]
-    need = probe.scheduler.kv_reservation(len(turn), 8, probe.target.max_context_length)
+    need = probe.scheduler.kv_budget.reservation(len(turn), 8, probe.target.max_context_length)
     engine = engine_with(model_path, registry, need)  # no room for the idle sequence beside a new one
     list(engine.generate(**first))
     generation = engine.generate(turn, max_tokens=8, ignore_eos=True)
@@ -229,23 +229,23 @@ def test_a_trunk_without_sequence_nbytes_is_not_budgeted(model_path, registry):
     engine = engine_with(model_path, registry, 1, target=Unbudgeted(api.load_target(model_path, registry)))
     generations = [engine.generate(**kw) for kw in REQUESTS]
     engine.step()
-    assert engine.scheduler.num_running == 3 and engine.scheduler.kv_reserved_bytes == 0
+    assert engine.scheduler.num_running == 3 and engine.scheduler.kv_budget.reserved_bytes == 0
     while not all(g.done for g in generations):
         engine.step()
         for g in generations:
             g.poll()
     for kw, generation in zip(REQUESTS, generations):
         assert generation.result.tokens == solo(model_path, registry, **kw).tokens
-    assert engine.scheduler.kv_idle_bytes == 0
+    assert engine.scheduler.kv_budget.idle_bytes == 0
 
 
 def test_the_default_budget_is_half_the_available_memory(model_path, registry, monkeypatch):
     monkeypatch.setattr(api, "available_memory_bytes", lambda: 10 << 30)
-    assert api.load(model_path, registry=registry).scheduler.kv_budget_bytes == 5 << 30
-    assert api.load(model_path, registry=registry, kv_cache_gb=1.5).scheduler.kv_budget_bytes == 3 << 29
-    assert api.load(model_path, registry=registry, kv_cache_gb=0).scheduler.kv_budget_bytes is None
+    assert api.load(model_path, registry=registry).scheduler.kv_budget.budget_bytes == 5 << 30
+    assert api.load(model_path, registry=registry, kv_cache_gb=1.5).scheduler.kv_budget.budget_bytes == 3 << 29
+    assert api.load(model_path, registry=registry, kv_cache_gb=0).scheduler.kv_budget.budget_bytes is None
     monkeypatch.setattr(api, "available_memory_bytes", lambda: None)
-    assert api.load(model_path, registry=registry).scheduler.kv_budget_bytes is None
+    assert api.load(model_path, registry=registry).scheduler.kv_budget.budget_bytes is None
     for bad in (-1, "abc", float("inf"), float("nan"), True, 1e-12):
         with pytest.raises(InvalidArgument, match=f"kv_cache_gb={bad!r}" if isinstance(bad, str) else "kv_cache_gb="):
             api.load(model_path, registry=registry, kv_cache_gb=bad)
@@ -253,7 +253,7 @@ def test_the_default_budget_is_half_the_available_memory(model_path, registry, m
 
 def test_a_budget_that_cannot_hold_one_sequence_is_refused_at_load(model_path, registry):
     probe = engine_with(model_path, registry, 1 << 40)
-    smallest = probe.scheduler._smallest_reservation()
+    smallest = probe.scheduler.kv_budget.smallest_reservation()
     assert smallest == reservation(probe, "a", 1) or len(probe.encode("a")) > 1
     with pytest.raises(InvalidArgument, match=f"cannot hold one sequence.*reserves {smallest} bytes"):
         engine_with(model_path, registry, smallest - 1)
@@ -277,11 +277,11 @@ def test_metrics_show_the_budget_and_the_reservations(model_path, registry):
     engine = engine_with(model_path, registry, 1 << 20)
     generation = engine.generate(**REQUESTS[0])
     engine.step()
-    reserved = engine.scheduler.kv_reserved_bytes
+    reserved = engine.scheduler.kv_budget.reserved_bytes
     assert reserved == reservation(engine, REQUESTS[0]["prompt"], REQUESTS[0]["max_tokens"]) > 0
     text = prometheus_text(engine)
     assert f"verispec_kv_budget_bytes {1 << 20}\n" in text and f"verispec_kv_reserved_bytes {reserved}\n" in text
     list(generation)
     text = prometheus_text(engine)
     assert "verispec_kv_reserved_bytes 0\n" in text
-    assert f"verispec_kv_idle_bytes {engine.scheduler.kv_idle_bytes}\n" in text and engine.scheduler.kv_idle_bytes > 0
+    assert f"verispec_kv_idle_bytes {engine.scheduler.kv_budget.idle_bytes}\n" in text and engine.scheduler.kv_budget.idle_bytes > 0

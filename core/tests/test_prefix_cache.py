@@ -177,9 +177,9 @@ def test_only_speculators_that_declare_it_arm_after_prefix_reuse(model_path):
        st.integers(0, 250), st.sampled_from([1, 3, 64]))
 @settings(max_examples=300, deadline=None)
 def test_common_prefix_compares_blocks_as_token_by_token(a, b, limit, block):
-    from verispec.scheduler import _common_prefix
+    from verispec.prefix_cache import common_prefix
     b = a[:len(b)] + b[len(a):] if len(b) > len(a) // 2 else b  # long shared prefixes are common too
     expected = 0
     while expected < min(limit, len(a), len(b)) and a[expected] == b[expected]:
         expected += 1
-    assert _common_prefix(a, b, limit, block=block) == expected
+    assert common_prefix(a, b, limit, block=block) == expected

@@ -101,7 +101,7 @@ def load(model: str | None = None, *, dtype: str | None = None, threads: int | s
     model: GGUF path, checkpoint alias (e.g. "gemma3-270m"), or None for the default.
     spec: a SpecOptions, or pass its fields as keywords (spec_type="ngram", draft_window=8, ...).
     prefill_chunk, max_running: the engine's rows per step and concurrent requests (None = its defaults).
-    kv_cache_gb: GiB of KV/state memory for running and idle sequences (verispec.scheduler); a
+    kv_cache_gb: GiB of KV/state memory for running and idle sequences (verispec.kv_budget); a
       request that does not fit waits. None = half of the memory available once the model is
       loaded; 0 = no budget.
     Raises InvalidArgument when both `spec` and its fields as keywords are given.

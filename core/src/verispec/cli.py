@@ -227,13 +227,12 @@ def cmd_generate(args) -> int:
     engine = load_engine(args)
     context = engine.target.max_context_length
     if args.max_tokens > context:  # as the server's 400: not hours of decoding into a full context
-        from verispec.errors import InvalidArgument
+        from verispec.errors import InvalidArgument, larger_context_advice
+        from verispec.seams import declared
 
-        trained = getattr(engine.target, "trained_context_length", None)
-        larger = (f" (or raise --context-length, up to {trained})" if trained and trained > context else
-                  "" if trained else " (or raise --context-length, up to the model's trained length)")
+        advice = larger_context_advice(context, declared(engine.target, "trained_context_length"))
         raise InvalidArgument(f"--max-tokens {args.max_tokens} is more than the {context}-token context can hold; "
-                              f"lower it{larger}")
+                              f"lower it{advice}")
     prompt = _stdin_prompt() if args.prompt == "-" else args.prompt
     generation = engine.generate(prompt, max_tokens=args.max_tokens, sampling=sampling, stop=args.stop,
                                  ignore_eos=args.ignore_eos, chat=args.chat)

@@ -18,8 +18,8 @@ from verispec.errors import InvalidArgument
 from verispec.execution import resolve_draft_window
 from verispec.governor import SpeculationCostGovernor
 from verispec.sampling import SamplingParams
-from verispec.scheduler import (DEFAULT_MAX_IDLE_SEQUENCES, DEFAULT_MAX_RUNNING, Generation, GenerationResult,
-                                Request, Scheduler, Speculation, TokenEvent)
+from verispec.requests import Generation, GenerationResult, Request, Speculation, TokenEvent
+from verispec.scheduler import DEFAULT_MAX_IDLE_SEQUENCES, DEFAULT_MAX_RUNNING, Scheduler
 from verispec.seams import ContextOverflow, declared
 from verispec.window import DraftWindow
 
@@ -58,19 +58,19 @@ class SpecOptions:
 
 
 class InferenceEngine:
-    """Serves one trunk to any number of requests. `target.tokenizer` turns text into ids and back.
+    """Serves one trunk to any number of requests. `declared(target, "tokenizer")` turns text into ids and back.
 
     prefill_chunk: rows one engine step forwards at most (prefill chunks beside decodes).
     max_running: requests decoding at once (later ones queue). max_idle_sequences: finished
     sequences kept for prefix reuse. kv_budget_bytes: KV/state memory of running and idle
-    sequences (verispec.scheduler; None = no budget).
+    sequences (verispec.kv_budget; None = no budget).
     """
 
     def __init__(self, target, *, registry=None, spec: SpecOptions = SpecOptions(), prefill_chunk: int = 512,
                  max_running: int = DEFAULT_MAX_RUNNING, max_idle_sequences: int = DEFAULT_MAX_IDLE_SEQUENCES,
                  kv_budget_bytes: int | None = None):
         self.target = target
-        self.tokenizer = target.tokenizer
+        self.tokenizer = declared(target, "tokenizer")
         self.registry = registry
         self.scheduler = Scheduler(target, max_rows_per_step=prefill_chunk, max_running=max_running,
                                    max_idle_sequences=max_idle_sequences, kv_budget_bytes=kv_budget_bytes)
@@ -135,7 +135,7 @@ class InferenceEngine:
 
     def _load_draft_head(self, path):
         if path is None:
-            return getattr(self.target, "draft_head", None)
+            return declared(self.target, "draft_head")
         from verispec.gguf_io import read_architecture
         from verispec.specs import resolve
 
@@ -190,10 +190,10 @@ class InferenceEngine:
             raise InvalidArgument("empty prompt: give at least one token")
         if len(ids) >= self.target.max_context_length:
             raise ContextOverflow(len(ids) + 1, self.target.max_context_length,
-                                  getattr(self.target, "trained_context_length", None), prompt=True)
+                                  declared(self.target, "trained_context_length"), prompt=True)
         if time_limit is not None and not time_limit > 0:
             raise InvalidArgument(f"time_limit={time_limit}: give a positive number of seconds, or None")
-        self.scheduler.kv_reservation(len(ids), max_tokens, self.target.max_context_length)  # never fits: raise now
+        self.scheduler.kv_budget.reservation(len(ids), max_tokens, self.target.max_context_length)  # never fits: raise now
         generation = Generation(self.step)
         self.scheduler.submit(Request(
             generation, ids, tokenizer=self.tokenizer, max_tokens=max_tokens, sampling=sampling, stop=tuple(stop),

@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -60,8 +62,8 @@ from verispec.nn.gguf_mode import resolve_gguf_linears
 from verispec.nn.quant import Float32Linear, PartwiseLinear
 from verispec.weight_cache import cached_state
 
-__all__ = ["Stack", "Tensor", "TensorSource", "UnmappedParameter", "WeightPlan", "expand_table",
-           "plan_weights"]
+__all__ = ["Arch", "Stack", "Tensor", "TensorSource", "UnmappedParameter", "WeightPlan", "expand_table",
+           "check_numbers", "load_trunk", "plan_weights"]
 
 
 class UnmappedParameter(LookupError):
@@ -387,3 +389,113 @@ def _part_shapes(name: str, shape: tuple[int, ...], parts: tuple[str, ...] | Non
             raise ValueError(f"{name!r} has {shape[0]} rows, which {len(parts)} stacked parts cannot share")
         shapes = ((rows, *shape[1:]),) * len(parts)
     return shapes if expert is None else tuple((num_experts, *s) for s in shapes)
+
+
+@attrs.frozen
+class Arch:
+    """One architecture a family loads, as data for `load_trunk`.
+
+    config: `gguf -> config` (the family's reader; the config has `num_hidden_layers`, and
+      `num_experts` when its table has per-expert rows).
+    model: the trunk class, called as `model(config, dtype=..., **options)`, built on meta.
+    tensors: the tensor table, or `config -> table` when it depends on the config.
+    layout: the family's tag for its converted layout (weight cache key).
+    family: the name the unused-tensor refusal gives the math ("llama/qwen2").
+    read_elsewhere: tensors the config reads (e.g. rope_freqs), not the plan.
+    default_dtype: the weight dtype when the caller chooses none (nn.gguf_mode.default_dtype
+      turns "gguf" into int8 where the C kernels are not built).
+    """
+
+    config: Callable[[GGUFFile], Any]
+    model: Callable[..., nn.Module]
+    tensors: tuple[Tensor, ...] | Callable[[Any], tuple[Tensor, ...]]
+    layout: str
+    family: str
+    read_elsewhere: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    default_dtype: str = "int8"
+
+
+def load_trunk(path: str | os.PathLike, archs: Mapping[str, Arch], *, dtype: str | None = None,
+               use_cache: bool = True, tokenizer: bool = True, progress: bool | None = None,
+               **options) -> nn.Module:
+    """Open → config → model → `plan_weights` → refuse unused tensors → load → tokenizer.
+
+    archs: `general.architecture` -> its `Arch`. options: passed to the model class
+    (context_length, max_rows_per_forward, ...). Returns the trunk in eval mode with
+    `.tokenizer` (when `tokenizer`). Before the config is read, `check_numbers` refuses a file
+    whose sizes contradict its tensors, so nothing is allocated per layer for a count the file
+    does not back.
+    Raises gguf_io errors, errors.UnsupportedArchitecture, errors.DamagedFile,
+    errors.UnusedTensors (naming the tensors), the family's UnsupportedVariant subclass,
+    nn.quant.UnknownWeightDtype."""
+    from verispec.errors import UnsupportedArchitecture, UnusedTensors
+    from verispec.nn.gguf_mode import default_dtype
+    from verispec.nn.quant import canonical_dtype
+
+    path = os.fspath(path)
+    gguf = GGUFFile.open(path)
+    arch = archs.get(gguf.architecture)
+    if arch is None:
+        raise UnsupportedArchitecture(path, gguf.architecture, tuple(archs))
+    dtype = canonical_dtype(dtype or default_dtype(arch.default_dtype))
+    check_numbers(gguf)
+    config = arch.config(gguf)
+    model = arch.model(config, dtype=dtype, **options)
+    table = arch.tensors(config) if callable(arch.tensors) else arch.tensors
+    plan = plan_weights(gguf, model, table, num_layers=config.num_hidden_layers,
+                        num_experts=getattr(config, "num_experts", 0))
+    unused = plan.unused_tensors(read_elsewhere=arch.read_elsewhere)
+    if unused:
+        raise UnusedTensors(path, arch.family, unused)
+    plan.load(dtype=dtype, layout=arch.layout, use_cache=use_cache, progress=progress)
+    if tokenizer:
+        from verispec.tokenizer import Tokenizer
+
+        model.tokenizer = Tokenizer.from_gguf(gguf)
+    return model
+
+
+def check_numbers(gguf: GGUFFile) -> None:
+    """Refuse a file whose sizes the tensors it holds do not back, before anything is built:
+    `block_count` must be the number of `blk.N` indices present (0..N-1), `embedding_length`
+    token_embd's columns, head counts positive, the token list as long as token_embd's rows
+    (llama.cpp's rule), the bos/eos ids inside it. Reads metadata and the tensor table only.
+    Raises errors.DamagedFile (one line naming the key and the numbers), gguf_io.MissingKey."""
+    from verispec.errors import DamagedFile
+
+    arch, source = gguf.architecture, gguf.path
+    blocks = {int(n.split(".")[1]) for n in gguf if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    count = gguf.arch_key("block_count")
+    if not isinstance(count, int) or count < 1 or count > len(blocks) or any(i not in blocks for i in range(count)):
+        raise DamagedFile(source, f"{arch}.block_count is {count!r}, but the file has tensors for blocks "
+                          f"{_span(blocks)}")
+    for key in ("attention.head_count", "embedding_length"):
+        values = gguf.arch_key(key, None)
+        values = list(values) if isinstance(values, (list, tuple, np.ndarray)) else [values]
+        if values != [None] and not any(isinstance(v, (int, np.integer)) and v > 0 for v in values):
+            raise DamagedFile(source, f"{arch}.{key} is {_short(values)}: a positive count is needed")
+        if values != [None] and any(not isinstance(v, (int, np.integer)) or v < 0 for v in values):
+            raise DamagedFile(source, f"{arch}.{key} holds {_short(values)}: counts are non-negative integers")
+    if "token_embd.weight" not in gguf:
+        return
+    rows, hidden = gguf.tensor_info("token_embd.weight").shape[:2]
+    width = gguf.arch_key("embedding_length", None)
+    if width is not None and width != hidden:
+        raise DamagedFile(source, f"{arch}.embedding_length is {width}, but token_embd.weight is "
+                          f"[{rows}, {hidden}]")
+    tokens = gguf.get("tokenizer.ggml.tokens")
+    if tokens is not None and len(tokens) != rows:
+        raise DamagedFile(source, f"the token list has {len(tokens)} entries, but token_embd.weight has "
+                          f"{rows} rows")
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        value = gguf.get(key)
+        if value is not None and not 0 <= value < rows:
+            raise DamagedFile(source, f"{key} is {value}, outside the vocabulary of {rows} tokens")
+
+
+def _span(indices: set[int]) -> str:
+    return f"0..{max(indices)} ({len(indices)} present)" if indices else "none"
+
+
+def _short(values: list) -> str:
+    return repr(values[0]) if len(values) == 1 else f"{values[:4]}{' ...' if len(values) > 4 else ''}"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
-from verispec.errors import VerispecError
+from verispec.errors import VerispecError, larger_context_advice
 
 if TYPE_CHECKING:  # torch is imported lazily: `verispec plugins` must not load it
     import torch
@@ -36,14 +36,9 @@ class ContextOverflow(VerispecError, ValueError):
                  *, prompt: bool = False):
         self.required_len = required_len
         self.max_context_length = max_context_length
-        if trained_context_length is not None and trained_context_length <= max_context_length:
-            larger = " (the context already is the model's whole trained length)"
-        else:
-            upto = f", up to {trained_context_length}" if trained_context_length else ""
-            larger = f", or load the model with a larger --context-length{upto}"
         fewer = "" if prompt else " or lower --max-tokens"
         super().__init__(f"need {required_len} positions but the context holds {max_context_length}; "
-                         f"shorten the prompt{fewer}{larger}")
+                         f"shorten the prompt{fewer}{larger_context_advice(max_context_length, trained_context_length)}")
 
 
 class UnsupportedTap(ValueError):
@@ -104,6 +99,12 @@ TARGET_DECLARATIONS: dict[str, Any] = {
     "sequence_nbytes": None,
     # Memory: (seq) -> bytes a sequence holds now; None = its `sequence_nbytes` at its length stands in.
     "sequence_held_nbytes": None,
+    # Context: the positions the model was trained on; None = unknown (a larger --context-length is suggested unbounded).
+    "trained_context_length": None,
+    # Drafting: the DraftHead the model file carries (e.g. MTP weights); None = none, or load one with --spec-draft-model.
+    "draft_head": None,
+    # Text: the verispec.tokenizer.Tokenizer turning text into ids and back; None = the target takes ids only.
+    "tokenizer": None,
 }
 
 

@@ -74,9 +74,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.engine import Generation, InferenceEngine, TokenEvent
-from verispec.errors import VerispecError
+from verispec.errors import VerispecError, larger_context_advice
 from verispec.sampling import SamplingParams
-from verispec.seams import ContextOverflow
+from verispec.seams import ContextOverflow, declared
 from verispec.tokenizer import TokenizerError, text_problem
 
 #: most top logprobs a request may ask for (OpenAI's chat limit; vLLM's default max_logprobs).
@@ -406,9 +406,9 @@ def prometheus_text(engine: InferenceEngine) -> str:
         ("prefix_cache_reused_tokens_total", "counter", "Prompt tokens not prefilled thanks to the prefix cache.",
          m.num_reused_prefix_tokens),
         ("kv_budget_bytes", "gauge", "KV/state memory budget of running and idle sequences (0: none).",
-         scheduler.kv_budget_bytes or 0),
-        ("kv_reserved_bytes", "gauge", "KV/state memory reserved by running requests.", scheduler.kv_reserved_bytes),
-        ("kv_idle_bytes", "gauge", "KV/state memory held by idle prefix-cache sequences.", scheduler.kv_idle_bytes),
+         scheduler.kv_budget.budget_bytes or 0),
+        ("kv_reserved_bytes", "gauge", "KV/state memory reserved by running requests.", scheduler.kv_budget.reserved_bytes),
+        ("kv_idle_bytes", "gauge", "KV/state memory held by idle prefix-cache sequences.", scheduler.kv_budget.idle_bytes),
         ("kv_budget_evictions_total", "counter", "Idle sequences released to make room in the KV budget.",
          m.num_kv_budget_evictions),
     ]
@@ -510,13 +510,10 @@ class _Served:
             generation = self.engine.generate(ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
                                               ignore_eos=body.ignore_eos, time_limit=self.request_timeout)
         except ContextOverflow as e:
-            trained = getattr(self.engine.target, "trained_context_length", None)
-            larger = (f", or start `verispec serve` with a larger --context-length (this model takes up to {trained})"
-                      if trained and trained > e.max_context_length else
-                      " (the model's whole trained context)" if trained else "")
+            advice = larger_context_advice(e.max_context_length, declared(self.engine.target, "trained_context_length"))
             raise RequestRejected(
                 f"the prompt needs {e.required_len} positions (its tokens and one new token) but the context "
-                f"holds {e.max_context_length}; shorten the prompt{larger}", param, "context_length_exceeded") from e
+                f"holds {e.max_context_length}; shorten the prompt{advice}", param, "context_length_exceeded") from e
         except TokenizerError as e:  # NoChatTemplate, ForgedControlToken (ChatTemplateError carries its status)
             raise RequestRejected(f"cannot render the messages: {e}", param) from e
         self.live.add(generation)

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from verispec.errors import DamagedFile, UnsupportedVariant
 from verispec import weight_cache
 from tiny_llama import build_hf_model, write_fixture
 from verispec.gguf_io import GGUFFile, MissingKey
@@ -40,8 +41,20 @@ def _variant(model, tmp_path, **extra):
     ({"extra_tensors": {"blk.0.ffn_gate_inp.weight": torch.zeros(8, 48)}}, "does not use"),
 ])
 def test_refuses_variants_it_cannot_compute(llama_model, tmp_path, extra, what):
-    with pytest.raises(UnsupportedLlamaVariant, match=what):
+    with pytest.raises(UnsupportedVariant, match=what):
         load(_variant(llama_model, tmp_path, **extra), dtype="float32")
+
+
+@pytest.mark.parametrize("metadata, what", [
+    ({"llama.block_count": 10**9}, "block_count is 1000000000"),
+    ({"llama.attention.head_count": 0}, "head_count is 0"),
+    ({"tokenizer.ggml.tokens": ["a", "b"]}, "the token list has 2 entries"),
+    ({"tokenizer.ggml.eos_token_id": 10**6}, "eos_token_id is 1000000"),
+])
+def test_damaged_sizes_are_refused_before_the_model_is_built(llama_model, tmp_path, metadata, what):
+    with pytest.raises(DamagedFile, match=what) as error:
+        load(_variant(llama_model, tmp_path, extra_metadata=metadata), dtype="float32", tokenizer=False)
+    assert "\n" not in str(error.value)
 
 
 def test_refuses_another_architecture_and_missing_keys(tiny_fixture):

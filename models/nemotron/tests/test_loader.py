@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 from tiny_nemotron import build_hf_model, write_fixture
+from verispec.errors import UnusedTensors
 from verispec.gguf_io import BadTensorShape, GGUFFile, MissingKey, MissingTensor
 from verispec.nn.quant import WEIGHT_DTYPES
 from verispec.seams import ContextOverflow
@@ -64,7 +65,7 @@ def dense_model():
 
 
 @pytest.mark.parametrize("variant, error, match", [
-    ({"extra_tensors": {"blk.1.attn_q.bias": torch.zeros(48)}}, UnsupportedNemotronVariant, "does not use"),
+    ({"extra_tensors": {"blk.1.attn_q.bias": torch.zeros(48)}}, UnusedTensors, "does not use"),
     ({"drop": ("blk.0.ssm_out.weight",)}, MissingTensor, "blk.0.ssm_out.weight"),
     ({"extra_tensors": {"blk.3.ssm_norm.weight": torch.ones(48)}}, BadTensorShape, "blk.3.ssm_norm.weight"),
 ])

@@ -53,7 +53,9 @@ def test_trunk_with_chunked_prefill(tiny_fixture):
         expected = hf_model(torch.tensor([prompt])).logits[0]
     seqs = [exact.new_sequence(), chunked.new_sequence()]
     got = [forward_one(t, s, prompt).logits for t, s in zip((exact, chunked), seqs)]
-    torch.testing.assert_close(got[1], expected, atol=1e-4, rtol=0)
+    # the chunked delta rule sums in another order than HF's recurrent reference: 1.2e-4 seen on
+    # an AMX Xeon (fp32 logits of order 1), so the bound is 2e-4; an error in the math is far larger
+    torch.testing.assert_close(got[1], expected, atol=2e-4, rtol=0)
     torch.testing.assert_close(got[1], got[0], atol=1e-4, rtol=0)
     # a verify after a chunked prefill still records every row: keep(2) equals a plain run's state
     forward_one(chunked, seqs[1], prompt[:5], logits="none", verify=True)

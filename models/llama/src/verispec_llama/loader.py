@@ -9,7 +9,7 @@
    shape, dequantises each to fp32 (in the gguf mode, Q4 linears take the stored blocks
    instead), converts linears to the module's weight dtype (nn.quant; norms and biases stay
    fp32) and fills the module. A file with tensors the plan does not
-   read is refused (UnsupportedLlamaVariant). Q/K rows are taken as the file holds them
+   read is refused (errors.UnusedTensors). Q/K rows are taken as the file holds them
    (llama's are permuted by llama.cpp's converter); `modeling_llama` applies the matching RoPE
    pairing, so nothing is un-permuted here.
    Dequantising and requantising takes seconds (SmolLM2 ~8 s, Qwen2.5-Coder-0.5B ~30 s), so
@@ -23,13 +23,11 @@ import os
 
 import attrs
 from verispec.gguf_io import GGUFFile
-from verispec.gguf_load import Stack, Tensor, plan_weights
-from verispec.nn.gguf_mode import default_dtype
-from verispec.nn.quant import canonical_dtype
+from verispec.gguf_load import Arch, Stack, Tensor, load_trunk
 
-from verispec_llama.modeling_llama import LlamaConfig, LlamaForCausalLM, UnsupportedLlamaVariant
+from verispec_llama.modeling_llama import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["DEFAULT_DTYPE", "ROPE_FREQS", "TENSORS", "config_from_gguf", "load"]
+__all__ = ["ARCHS", "DEFAULT_DTYPE", "ROPE_FREQS", "TENSORS", "config_from_gguf", "load"]
 
 #: weight dtype when the caller does not choose one. "gguf": the file's own blocks (Q4_0 ... Q8_0)
 #: in the block kernel, nothing requantised, each layer one C call (nn.block_linear, nn.layers).
@@ -65,10 +63,14 @@ TENSORS = (
 ROPE_FREQS = "rope_freqs.weight"
 
 
+ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), LlamaForCausalLM, TENSORS, layout="llama", family="llama/qwen2",
+                   read_elsewhere={ROPE_FREQS}, default_dtype=DEFAULT_DTYPE) for name in ("llama", "qwen2")}
+
+
 def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: int | None = None,
          max_rows_per_forward: int | None = None, use_cache: bool = True, tokenizer: bool = True,
          progress: bool | None = None) -> LlamaForCausalLM:
-    """Load a llama or qwen2 GGUF as a `LlamaForCausalLM` trunk.
+    """Load a llama or qwen2 GGUF as a `LlamaForCausalLM` trunk (verispec.gguf_load.load_trunk).
 
     Returns the trunk in eval mode: linears in `dtype` (nn.quant), norms and biases fp32;
     `.tokenizer` set from the file's metadata when `tokenizer` is true.
@@ -78,27 +80,12 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
     Threads are the caller's (`verispec.api.load_target` sets them).
-    Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...),
-    UnsupportedLlamaVariant (also for a file holding tensors the math would not use, which
-    are listed), nn.quant.UnknownWeightDtype.
+    Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.DamagedFile,
+    errors.UnusedTensors (a file holding tensors the math would not use, listed),
+    UnsupportedLlamaVariant, nn.quant.UnknownWeightDtype.
     """
-    path = os.fspath(path)
-    dtype = canonical_dtype(dtype or default_dtype(DEFAULT_DTYPE))
-    gguf = GGUFFile.open(path)
-    config = config_from_gguf(gguf)
-    model = LlamaForCausalLM(config, dtype=dtype, context_length=context_length,
-                             max_rows_per_forward=max_rows_per_forward)
-    plan = plan_weights(gguf, model, TENSORS, num_layers=config.num_hidden_layers)
-    unused = plan.unused_tensors(read_elsewhere={ROPE_FREQS})
-    if unused:
-        raise UnsupportedLlamaVariant(path, f"tensors the llama/qwen2 math does not use: {unused[:6]}",
-                                      "the file is another variant (MoE, extra norms) and cannot be served here")
-    plan.load(dtype=dtype, layout="llama", use_cache=use_cache, progress=progress)
-    if tokenizer:
-        from verispec.tokenizer import Tokenizer
-
-        model.tokenizer = Tokenizer.from_gguf(gguf)
-    return model
+    return load_trunk(path, ARCHS, dtype=dtype, use_cache=use_cache, tokenizer=tokenizer, progress=progress,
+                      context_length=context_length, max_rows_per_forward=max_rows_per_forward)
 
 
 def config_from_gguf(gguf: GGUFFile) -> LlamaConfig:

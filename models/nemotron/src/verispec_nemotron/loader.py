@@ -10,7 +10,7 @@
    parameters and the router stay fp32) and fills the module. Tensors are taken as llama.cpp's
    converter stores them: `ssm_a` already holds -exp(A_log), `ssm_norm` is [G, di/G],
    `ssm_conv1d` is [C, K]; expert tensors are 3-D [E, rows, cols] and each expert is its own
-   linear. A file with tensors the plan does not read is refused.
+   linear. A file with tensors the plan does not read is refused (errors.UnusedTensors).
 4. The tokenizer from the file's own metadata (verispec.tokenizer).
 """
 from __future__ import annotations
@@ -18,13 +18,11 @@ from __future__ import annotations
 import os
 
 from verispec.gguf_io import GGUFFile
-from verispec.gguf_load import Tensor, plan_weights
-from verispec.nn.quant import canonical_dtype
+from verispec.gguf_load import Arch, Tensor, load_trunk
 
-from verispec_nemotron.modeling_nemotron_h import (NemotronHConfig, NemotronHForCausalLM,
-                                                   UnsupportedNemotronVariant)
+from verispec_nemotron.modeling_nemotron_h import NemotronHConfig, NemotronHForCausalLM
 
-__all__ = ["DEFAULT_DTYPE", "TENSORS", "config_from_gguf", "load"]
+__all__ = ["ARCHS", "DEFAULT_DTYPE", "TENSORS", "config_from_gguf", "load"]
 
 #: weight dtype when the caller does not choose one. int8 weight-only: batch-invariant, so a
 #: verify row is bitwise the one-row decode (README.md "Verdict").
@@ -66,10 +64,16 @@ TENSORS = (
 )
 
 
+ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), NemotronHForCausalLM, TENSORS, layout="nemotron_h",
+                   family="Nemotron-H", default_dtype=DEFAULT_DTYPE)
+         for name in ("nemotron_h", "nemotron_h_moe")}
+
+
 def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: int | None = None,
          max_rows_per_forward: int | None = None, use_cache: bool = True, tokenizer: bool = True,
          progress: bool | None = None) -> NemotronHForCausalLM:
-    """Load a nemotron_h / nemotron_h_moe GGUF as a `NemotronHForCausalLM` trunk.
+    """Load a nemotron_h / nemotron_h_moe GGUF as a `NemotronHForCausalLM` trunk
+    (verispec.gguf_load.load_trunk).
 
     Returns the trunk in eval mode: linears in `dtype` (nn.quant), everything else fp32;
     `.tokenizer` set from the file's metadata when `tokenizer` is true.
@@ -78,29 +82,12 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     max_rows_per_forward: forward chunk (default: nn.quant.rows_per_forward(dtype)).
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
-    Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...),
-    UnsupportedNemotronVariant (also for a file holding tensors the math would not use, which
-    are listed), nn.quant.UnknownWeightDtype.
+    Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.DamagedFile,
+    errors.UnusedTensors (a file holding tensors the math would not use, listed),
+    UnsupportedNemotronVariant, nn.quant.UnknownWeightDtype.
     """
-    path = os.fspath(path)
-    dtype = canonical_dtype(dtype or DEFAULT_DTYPE)
-    gguf = GGUFFile.open(path)
-    config = config_from_gguf(gguf)
-    model = NemotronHForCausalLM(config, dtype=dtype, context_length=context_length,
-                                 max_rows_per_forward=max_rows_per_forward)
-    plan = plan_weights(gguf, model, TENSORS, num_layers=config.num_hidden_layers,
-                        num_experts=config.n_routed_experts)
-    unused = plan.unused_tensors()
-    if unused:
-        raise UnsupportedNemotronVariant(path, f"tensors the Nemotron-H math does not use: {unused[:6]}",
-                                         "the file is another variant (biases, latent MoE, MTP) and cannot "
-                                         "be served here")
-    plan.load(dtype=dtype, layout="nemotron_h", use_cache=use_cache, progress=progress)
-    if tokenizer:
-        from verispec.tokenizer import Tokenizer
-
-        model.tokenizer = Tokenizer.from_gguf(gguf)
-    return model
+    return load_trunk(path, ARCHS, dtype=dtype, use_cache=use_cache, tokenizer=tokenizer, progress=progress,
+                      context_length=context_length, max_rows_per_forward=max_rows_per_forward)
 
 
 def config_from_gguf(gguf: GGUFFile) -> NemotronHConfig:

@@ -106,6 +106,11 @@ class NemotronHConfig:
         """C: channels of the short convolution (x, B, C)."""
         return self.intermediate_size + 2 * self.n_groups * self.ssm_state_size
 
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE block (0: dense), the name `gguf_load.load_trunk` reads."""
+        return self.n_routed_experts
+
     @classmethod
     def from_gguf(cls, metadata: Mapping, tensor_shapes: Mapping[str, tuple[int, ...]], *,
                   source: str = "the GGUF") -> NemotronHConfig:
