@@ -13,7 +13,7 @@ installed in the venv.
 
 Per model, one row: llama-bench tg128 (its default configuration: weight repacking on) and
 pp512 with and without repacking (`--repack 0`: on a Xeon with AMX the repacked path died with
-SIGILL in prefill, issue 10); ours measured the same way in this process: 128 greedy tokens
+SIGILL in prefill); ours measured the same way in this process: 128 greedy tokens
 after a one-token prompt (decode tok/s excludes the first, as tg128 does), and the prefill of a
 512-token prompt of random ids (prompt tokens / time to the first token); then the ratios.
 Run it on a quiet machine: two threads beside other work measure the contention, not the code.

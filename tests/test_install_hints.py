@@ -1,5 +1,5 @@
 """Install hints name only what exists: this repository's distributions by their path (none is
-on PyPI), PyPI packages by their real names (issue 14, item 5)."""
+on PyPI), PyPI packages by their real names."""
 import re
 from pathlib import Path
 

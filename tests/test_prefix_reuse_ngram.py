@@ -1,4 +1,4 @@
-"""Prefix reuse with speculation armed over the reused tokens (issue 11): a two-turn chat whose
+"""Prefix reuse with speculation armed over the reused tokens: a two-turn chat whose
 second turn starts from the first turn's cached prefix. With the installed n-gram plugin
 (it declares can_arm_after_prefix_reuse), turn 2 drafts from the reused tokens, its output
 equals the no-speculation output, and the prefix-cache hits are the same with and without

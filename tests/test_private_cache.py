@@ -1,4 +1,4 @@
-"""Test sessions never write to the user's verispec cache (issue 14, item 6): the workspace
+"""Test sessions never write to the user's verispec cache: the workspace
 conftest points VERISPEC_CACHE at a private directory for the whole session."""
 import os
 import subprocess

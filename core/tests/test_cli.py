@@ -132,7 +132,7 @@ def test_missing_model_path_and_unknown_spec_type_are_one_line_errors(env, tmp_p
     assert r.returncode == 1 and "nosuchalgo" in r.stderr and "Traceback" not in r.stderr
 
 
-# -- exit codes and one-line messages (issue 14, items 1, 2 and 6) -------------------------------
+# -- exit codes and one-line messages -----------------------------------------------------------
 
 def run_code(env, code, *args, **kwargs):
     return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, timeout=120, **kwargs)
@@ -229,7 +229,7 @@ def test_a_context_length_beyond_the_models_training_is_a_one_line_error(gemma3_
     assert len(r.stderr.splitlines()) == 1, r.stderr
 
 
-# -- issue 14 leftovers: what ended a run, a directory as --model, the last line --------------
+# -- what ended a run, a directory as --model, the last line -----------------------------------
 
 def test_plain_text_output_ends_with_a_newline_and_a_full_context_is_named(env, tmp_path):
     path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)

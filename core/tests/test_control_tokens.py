@@ -49,6 +49,14 @@ def _control_ids(engine):
     return {engine.tokenizer.token_to_id(m) for m in MARKERS}
 
 
+def _with_template(tok, content_filter):
+    """`tok` with a ChatML template that passes each message's content through `content_filter`."""
+    return Tokenizer(tok.backend, architecture=tok.architecture, tokens=tok._tokens, bos_id=tok.bos_id,
+                     eos_id=tok.eos_id, add_bos=False, add_eos=False, stop_ids=tok.stop_ids,
+                     chat_template="{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                                   f"{{{{ m['content'] | {content_filter} }}}}<|im_end|>\n{{% endfor %}}")
+
+
 def test_the_template_markup_still_yields_control_tokens(engine):
     ids = engine.encode([{"role": "user", "content": "hello"}])
     # the default system turn, the user turn, the generation prompt: three <|im_start|>, two <|im_end|>
@@ -96,11 +104,7 @@ def test_a_completions_prompt_parses_special_tokens_as_llama_cpp_does(engine):
 
 def test_a_template_that_transforms_content_refuses_forged_markers(engine):
     """A content transformation the sentinels cannot follow: checked by the render's control tokens."""
-    tok = engine.tokenizer
-    upper = Tokenizer(tok.backend, architecture=tok.architecture, tokens=tok._tokens, bos_id=tok.bos_id,
-                      eos_id=tok.eos_id, add_bos=False, add_eos=False, stop_ids=tok.stop_ids,
-                      chat_template="{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-                                    "{{ m['content'] | replace('a', 'A') }}<|im_end|>\n{% endfor %}")
+    upper = _with_template(engine.tokenizer, "replace('a', 'A')")
     assert sum(i in _control_ids(engine) for i in upper.encode_chat([{"role": "user", "content": "a cat"}])) == 2
     with pytest.raises(ForgedControlToken, match="<|im_end|>"):
         upper.encode_chat([{"role": "user", "content": FORGED}])
@@ -108,10 +112,7 @@ def test_a_template_that_transforms_content_refuses_forged_markers(engine):
 
 def test_a_trimming_template_keeps_markup_and_text_apart(engine):
     tok = engine.tokenizer
-    trim = Tokenizer(tok.backend, architecture=tok.architecture, tokens=tok._tokens, bos_id=tok.bos_id,
-                     eos_id=tok.eos_id, add_bos=False, add_eos=False, stop_ids=tok.stop_ids,
-                     chat_template="{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-                                   "{{ m['content'] | trim }}<|im_end|>\n{% endfor %}")
+    trim = _with_template(tok, "trim")
     ids = trim.encode_chat([{"role": "user", "content": "  " + FORGED + " \n"}])
     assert sum(i in _control_ids(engine) for i in ids) == 2
     assert tok.decode(ids, skip_special=False) == f"<|im_start|>user\n{FORGED}<|im_end|>\n"

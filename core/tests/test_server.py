@@ -421,7 +421,7 @@ def test_a_speculator_that_raises_mid_stream_never_breaks_a_request(model_path, 
     assert len(calls) == 3  # never asked again
 
 
-# -- hostile input and held engines (issue 14, items 2 and 3) ------------------------------------
+# -- hostile input and held engines ---------------------------------------------------------------
 
 @pytest.mark.parametrize("path,request_body,field", [
     ("/v1/completions", {"prompt": "caf\ud800 au lait"}, "prompt"),

@@ -140,7 +140,7 @@ def test_view_kv_reads_committed_rows_only_and_never_the_trunks_buffers():
 
 def test_a_context_length_beyond_the_trained_positions_is_refused():
     """`--context-length 1000000` on a model trained on 32768 positions: an error naming both
-    (issue 14, item 6), raised by TrunkModule._init_sizes before any weight is allocated."""
+    raised by TrunkModule._init_sizes before any weight is allocated."""
     from types import SimpleNamespace
 
     from verispec.errors import VerispecError

@@ -277,7 +277,7 @@ def _stdin_prompt() -> str:
 
 
 def _slow_decode_hint(engine, result) -> str | None:
-    """cpu.slow_decode_hint for a finished generation (issue 14: a loaded machine is silent otherwise)."""
+    """cpu.slow_decode_hint for a finished generation (without it a loaded machine is silent)."""
     import torch
 
     from verispec.cpu import slow_decode_hint, weight_bytes

@@ -1,4 +1,4 @@
-"""The speculation verdict, measured (issue 13): teacher-forced, one prefix through a k-row verify
+"""The speculation verdict, measured: teacher-forced, one prefix through a k-row verify
 and through k one-row decodes, max |Δlogit| per row for k = 2..16.
 
 int8 (the default dtype) must be bitwise (every op a row sees has its one-row shape), so the
