@@ -27,7 +27,7 @@ import time
 import torch
 from verispec.api import load_target, resolve_model_path
 from verispec.nn.layers import DecoderLayerKernel
-from verispec.nn.quant import Float32Linear
+from verispec.weights.quant import Float32Linear
 from verispec.registry import Registry
 from verispec.seams import Segment
 

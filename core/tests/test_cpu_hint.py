@@ -44,9 +44,9 @@ def test_gguf_weights_without_the_kernels_get_their_own_hint(monkeypatch):
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     from verispec import cli
-    from verispec.nn import ckernels
-    from verispec.nn.block_linear import block_linear_class
-    from verispec.nn.gguf_blocks import GGUFBlocks
+    from verispec.kernels import ckernels
+    from verispec.weights.block_linear import block_linear_class
+    from verispec.weights.gguf_blocks import GGUFBlocks
 
     block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
     raw = np.zeros((16, 64 // block_size * type_size), dtype=np.uint8)

@@ -15,7 +15,7 @@ from verispec.gguf_load import (
     plan_weights,
 )
 from verispec.nn.norm import RMSNorm
-from verispec.nn.quant import Int8Linear, swap_linears
+from verispec.weights.quant import Int8Linear, swap_linears
 from verispec.testing.fixture_writer import write_gguf
 
 # hidden, q rows, gate and up rows each, experts, layers, vocab

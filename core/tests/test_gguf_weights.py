@@ -1,5 +1,5 @@
 """The `gguf` weight mode: a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 blocks reach the
-block kernel unrequantised (nn.gguf_blocks, nn.block_linear, qmatmul.c), other types go to
+block kernel unrequantised (weights.gguf_blocks, weights.block_linear, qmatmul.c), other types go to
 int8; checked against `gguf.quants.dequantize` on random stored blocks (every bit pattern of
 the packed fields), the C kernel against its PyTorch statement bitwise, through the loader and
 the weight cache, and for batch invariance."""
@@ -16,11 +16,11 @@ from torch import nn
 from verispec import weight_cache
 from verispec.gguf_io import GGUFFile
 from verispec.gguf_load import Stack, Tensor, plan_weights
-from verispec.nn import ckernels
-from verispec.nn.block_linear import block_linear_class, quantize_activations, reference_matmul
-from verispec.nn.gguf_blocks import BLOCK_FORMATS, GGUFBlocks, unpack
-from verispec.nn.gguf_mode import UnmappedGGUFType
-from verispec.nn.quant import (
+from verispec.kernels import ckernels
+from verispec.weights.block_linear import block_linear_class, quantize_activations, reference_matmul
+from verispec.weights.gguf_blocks import BLOCK_FORMATS, GGUFBlocks, unpack
+from verispec.weights.gguf_mode import UnmappedGGUFType
+from verispec.weights.quant import (
     GGUFLinear,
     Int8Linear,
     PartwiseLinear,
@@ -163,7 +163,7 @@ def test_every_path_of_the_kernel_gives_the_same_bits(tmp_path, monkeypatch, fla
     """qmatmul.c built for another instruction set (the plain loop other CPUs run, AVX2 without
     AVX-512) gives the same bits as this machine's build, for every format, 1 and 9 rows."""
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
-    other = ctypes.CDLL(str(ckernels.build(extra_flags=flags)))
+    other = ctypes.CDLL(str(ckernels.LIBRARY.build(extra_flags=flags)))
     assert other.verispec_qmatmul_path() == path
     for ggml_type in TYPES:
         linear, _ = _linear(ggml_type, seed=4)
@@ -385,7 +385,7 @@ def test_a_stacked_part_of_the_wrong_shape_is_named(tmp_path):
 def test_without_the_kernels_the_default_falls_back_to_int8(monkeypatch):
     """gguf's PyTorch path gives the kernel's bits ~20x slower, so a family that prefers gguf
     defaults to int8 where the C kernels are not built; other preferences are kept."""
-    from verispec.nn.gguf_mode import default_dtype
+    from verispec.weights.gguf_mode import default_dtype
 
     monkeypatch.setattr(ckernels, "library", lambda: None)
     assert default_dtype("gguf") == "int8" and default_dtype("bfloat16") == "bfloat16"

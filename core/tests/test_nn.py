@@ -7,7 +7,7 @@ from verispec.nn.attention import attend
 from verispec.nn.state import CannotTruncate, PagedKVCache, RewindBeyondWindow, RingKVCache, SequenceState
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
-from verispec.nn.quant import (
+from verispec.weights.quant import (
     BFloat16Linear,
     Float32Linear,
     Int4Linear,
@@ -259,7 +259,7 @@ def test_decodes_of_several_sequences_attend_as_alone(ring, H, Hkv, kernel, two_
     # attend_rows runs the rows of every sequence of a forward together (one kernel call):
     # each sequence's rows must be bitwise what it computes alone.
     # Five sequences: three decode in one key block, one in the next, one runs three rows.
-    from verispec.nn import ckernels
+    from verispec.kernels import ckernels
     from verispec.nn.attention import attend_rows
     from verispec.nn.trunk import Rows, RowsOfSequence
     if not kernel:

@@ -293,8 +293,8 @@ def _slow_decode_hint(engine, result) -> str | None:
 
 
 def _gguf_without_kernels(target) -> bool:
-    from verispec.nn import ckernels
-    from verispec.nn.block_linear import BlockLinear
+    from verispec.kernels import ckernels
+    from verispec.weights.block_linear import BlockLinear
 
     return ckernels.library() is None and any(isinstance(m, BlockLinear) for m in target.modules())
 

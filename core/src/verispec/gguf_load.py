@@ -8,17 +8,17 @@ name) and its config reading. It builds its module on the meta device and calls
 
 `plan_weights` walks the module's state dict and, for every entry, finds its table row and
 picks the GGUF source present in the file (in the `gguf` weight mode it first gives each
-placeholder linear the class for its source's ggml types, `nn.gguf_mode.resolve_gguf_linears`: a
+placeholder linear the class for its source's ggml types, `weights.gguf_mode.resolve_gguf_linears`: a
 stack whose parts need different classes becomes a `PartwiseLinear`, one linear per run);
 `WeightPlan.check` (run by `load`) refuses a missing
 (gguf_io.MissingTensor) or misshapen (BadTensorShape, via `GGUFFile.expect_shape`) tensor
 before any conversion starts. `WeightPlan.convert` reads each source (dequantised to fp32 by
 `GGUFFile.tensor`) and decides its dtype:
-- the weight of a linear (`nn.quant.Float32Linear` and subclasses) is converted to that
+- the weight of a linear (`weights.quant.Float32Linear` and subclasses) is converted to that
   linear's weight dtype by `type(module).from_float(tensor)`; its state entries (`weight`,
   int8 `scales`, int4 `packed`/`nibbles`/`scales_zeros`) are what that module holds;
-- a linear whose class has `from_gguf` (the `gguf` weight mode's nn.block_linear classes) gets the
-  stored blocks instead (`nn.gguf_blocks.GGUFBlocks`: ggml type + raw bytes, stacked parts
+- a linear whose class has `from_gguf` (the `gguf` weight mode's weights.block_linear classes) gets the
+  stored blocks instead (`weights.gguf_blocks.GGUFBlocks`: ggml type + raw bytes, stacked parts
   and expert slices as for fp32), so the file's quantised values reach it unrequantised;
 - everything else (norms, biases, scales, scalars) stays fp32 as stored.
 `WeightPlan.load` goes through `verispec.weight_cache.cached_state` (the next load
@@ -57,9 +57,9 @@ from gguf.constants import GGMLQuantizationType
 from torch import nn
 
 from verispec.gguf_io import GGUFFile
-from verispec.nn.gguf_blocks import GGUFBlocks
-from verispec.nn.gguf_mode import resolve_gguf_linears
-from verispec.nn.quant import Float32Linear, PartwiseLinear
+from verispec.weights.gguf_blocks import GGUFBlocks
+from verispec.weights.gguf_mode import resolve_gguf_linears
+from verispec.weights.quant import Float32Linear, PartwiseLinear
 from verispec.weight_cache import cached_state
 
 __all__ = ["Arch", "Stack", "Tensor", "TensorSource", "UnmappedParameter", "WeightPlan", "expand_table",
@@ -222,7 +222,7 @@ class WeightPlan:
     def convert(self, progress: bool | None = None) -> dict[str, torch.Tensor]:
         """The model's state dict read from the file, no cache: for each linear, the entries of
         `type(linear).from_float(weight)` (fp32 / bf16 [out, in], int8 [out, in'] + bf16 scales
-        [out], int4 packed groups: see nn.quant), or of `from_gguf(blocks)` when the class has
+        [out], int4 packed groups: see weights.quant), or of `from_gguf(blocks)` when the class has
         it (the stored blocks of each stacked part, an expert's slice); every other entry fp32
         in its module's shape
         (an absent optional entry: a copy of the module's default).
@@ -297,13 +297,13 @@ def plan_weights(gguf: GGUFFile, model: nn.Module, table: Iterable[Tensor], *, n
     (`WeightPlan.check`), so a family can first refuse a file for what else it holds.
 
     GGUFLinear placeholders (`gguf` weight mode) first become the class for the ggml types of
-    their first present source (nn.gguf_mode.resolve_gguf_linears; parts of mixed classes become a
+    their first present source (weights.gguf_mode.resolve_gguf_linears; parts of mixed classes become a
     PartwiseLinear whose linears `<linear>.0`, `<linear>.1`, ... each read their run of parts).
     A linear's entries are planned as one tensor, `<linear>.weight`, of shape
     [out_features, in_features]; every other entry has its module's shape. A stacked source's
     parts take the rows their owning module declares (`Stack`), else an equal share; a
     per-expert part is [num_experts, *shape].
-    Raises UnmappedParameter for a state entry the table does not fill, nn.gguf_mode.UnmappedGGUFType
+    Raises UnmappedParameter for a state entry the table does not fill, weights.gguf_mode.UnmappedGGUFType
     for a `gguf`-mode linear stored in a type that mode has no mapping for, ValueError for an
     optional entry absent from the file whose module has no default value (a linear, or a
     meta tensor), for rows a stack cannot share evenly and for declared rows that do not fit.
@@ -402,7 +402,7 @@ class Arch:
     layout: the family's tag for its converted layout (weight cache key).
     family: the name the unused-tensor refusal gives the math ("llama/qwen2").
     read_elsewhere: tensors the config reads (e.g. rope_freqs), not the plan.
-    default_dtype: the weight dtype when the caller chooses none (nn.gguf_mode.default_dtype
+    default_dtype: the weight dtype when the caller chooses none (weights.gguf_mode.default_dtype
       turns "gguf" into int8 where the C kernels are not built).
     """
 
@@ -427,10 +427,10 @@ def load_trunk(path: str | os.PathLike, archs: Mapping[str, Arch], *, dtype: str
     does not back.
     Raises gguf_io errors, errors.UnsupportedArchitecture, errors.DamagedFile,
     errors.UnusedTensors (naming the tensors), the family's UnsupportedVariant subclass,
-    nn.quant.UnknownWeightDtype."""
+    weights.quant.UnknownWeightDtype."""
     from verispec.errors import UnsupportedArchitecture, UnusedTensors
-    from verispec.nn.gguf_mode import default_dtype
-    from verispec.nn.quant import canonical_dtype
+    from verispec.weights.gguf_mode import default_dtype
+    from verispec.weights.quant import canonical_dtype
 
     path = os.fspath(path)
     gguf = GGUFFile.open(path)

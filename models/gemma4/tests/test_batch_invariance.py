@@ -9,7 +9,7 @@ from tiny_gemma import token_ids
 from verispec.testing import forward_one
 
 PREFIX = 58
-INVARIANT_DTYPES = ["int8", "gguf"]  # bf16 is not invariant on every CPU (nn.quant)
+INVARIANT_DTYPES = ["int8", "gguf"]  # bf16 is not invariant on every CPU (weights.quant)
 
 
 def _one_row_decodes(model, seq, ids):

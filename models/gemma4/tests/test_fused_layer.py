@@ -4,7 +4,7 @@ and full layers, through a prefill longer than the window (chunked), decodes and
 the fused path checked to have run; and the real 270M when it is installed."""
 import pytest
 from tiny_gemma import gemma3_gguf_tensors, make_hf_gemma3, token_ids, write_gemma3_gguf
-from verispec.nn import ckernels
+from verispec.kernels import ckernels
 from verispec.testing.gguf_weights import assert_fused_layers_are_op_by_op
 from verispec_gemma4.loader import load
 

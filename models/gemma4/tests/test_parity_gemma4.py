@@ -40,7 +40,7 @@ def test_fp32_logits_match_transformers(tiny):
     torch.testing.assert_close(out.hidden, hf_hidden[:NUM_PREFILL], atol=1e-4, rtol=0)  # pre-softcap tap
 
 
-@pytest.mark.parametrize("dtype", ["int8"])  # the batch-invariant dtypes (bf16 is not on every CPU: nn.quant)
+@pytest.mark.parametrize("dtype", ["int8"])  # the batch-invariant dtypes (bf16 is not on every CPU: weights.quant)
 def test_verify_rows_are_bitwise_one_row_decodes(tiny, dtype):
     path, ids, _, _ = tiny
     model = _load(path, dtype)

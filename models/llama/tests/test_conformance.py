@@ -6,7 +6,7 @@ the suite's atol instead.
 """
 import pytest
 import torch
-from verispec.nn.quant import WEIGHT_DTYPES
+from verispec.weights.quant import WEIGHT_DTYPES
 from verispec.seams import Segment, SpeculativeTarget, declared
 from verispec.testing import TargetConformance, forward_one, plain_logits
 from verispec_llama.loader import load
@@ -109,7 +109,7 @@ def test_long_prefill_rows_equal_one_row_decodes(loaded):
     alone = plain_logits(loaded, tokens)
     assert together.shape == alone.shape == (len(tokens), loaded.vocab_size)
     assert not (declared(loaded, "spec_batch_invariant") and _linears_not_batch_invariant(loaded)), (
-        "a linear declared batch-invariant is not on this CPU (core nn.quant)")
+        "a linear declared batch-invariant is not on this CPU (core weights.quant)")
     _assert_rows_equal(loaded, together, alone)
 
 

@@ -5,7 +5,7 @@ in one forward, with the fused path checked to have run."""
 import pytest
 import torch
 from tiny_llama import build_hf_model, hf_to_gguf
-from verispec.nn import ckernels
+from verispec.kernels import ckernels
 from verispec.testing import forward_one
 from verispec.testing.gguf_weights import assert_fused_layers_are_op_by_op
 from verispec.testing.fixture_writer import write_gguf

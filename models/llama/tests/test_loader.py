@@ -9,7 +9,7 @@ from verispec.errors import DamagedFile, UnsupportedVariant
 from verispec import weight_cache
 from tiny_llama import build_hf_model, write_fixture
 from verispec.gguf_io import GGUFFile, MissingKey
-from verispec.nn.quant import UnknownWeightDtype
+from verispec.weights.quant import UnknownWeightDtype
 from verispec.seams import ContextOverflow, Segment, UnsupportedTap
 from verispec.testing import forward_one, plain_logits
 from verispec_llama.loader import load
@@ -69,7 +69,7 @@ def test_refuses_another_architecture_and_missing_keys(tiny_fixture):
 
 
 def test_int8_serves_odd_widths_and_unknown_dtypes_are_refused(tiny_fixture):
-    _, path = tiny_fixture("llama")  # intermediate_size 37: nn.quant.Int8Linear pads to 48 columns
+    _, path = tiny_fixture("llama")  # intermediate_size 37: weights.quant.Int8Linear pads to 48 columns
     model = load(path, dtype="int8")
     rows = forward_one(model, model.new_sequence(), [4, 8, 15]).logits
     assert rows.shape == (3, model.vocab_size)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.nn import ckernels
+from verispec.kernels import ckernels
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, rows, layer: int, *,

@@ -11,10 +11,10 @@ import ctypes
 
 import torch
 
-from verispec.nn import ckernels
+from verispec.kernels import ckernels
 from verispec.nn.attention import kernel_descriptors
-from verispec.nn.block_linear import BlockLinear
-from verispec.nn.quant import PartwiseLinear
+from verispec.weights.block_linear import BlockLinear
+from verispec.weights.quant import PartwiseLinear
 
 __all__ = ["DecoderLayerKernel", "block_parts", "fused_kernel"]
 

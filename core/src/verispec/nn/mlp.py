@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.nn import ckernels
+from verispec.kernels import ckernels
 from verispec.nn.elementwise import rowwise
 
 ACTIVATIONS = {

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.nn import ckernels
+from verispec.kernels import ckernels
 
 
 class RMSNorm(nn.Module):

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from verispec.errors import VerispecError
-from verispec.nn.quant import canonical_dtype, module_batch_invariant, rows_per_forward, swap_linears
+from verispec.weights.quant import canonical_dtype, module_batch_invariant, rows_per_forward, swap_linears
 from verispec.nn.state import SequenceState
 from verispec.seams import ContextOverflow, Segment, SegmentOutput, UnsupportedTap
 
@@ -308,7 +308,7 @@ class TrunkModule(SequenceTrunk, nn.Module):
 
     @property
     def spec_batch_invariant(self) -> bool:
-        """True when every linear uses a batch-invariant kernel (nn.quant) and no forward chunk
+        """True when every linear uses a batch-invariant kernel (weights.quant) and no forward chunk
         exceeds the kernels' invariance limit (read at each call: max_rows_per_forward may change)."""
         limits = [m.max_invariant_rows for m in self.modules() if getattr(m, "max_invariant_rows", None)]
         return module_batch_invariant(self) and all(self.max_rows_per_forward <= limit for limit in limits)

@@ -11,15 +11,15 @@ import torch
 from gguf.quants import dequantize
 
 from verispec.gguf_io import GGUFFile
-from verispec.nn.block_linear import block_linear_class
-from verispec.nn.gguf_blocks import BLOCK_FORMATS, GGUFBlocks, unpack
+from verispec.weights.block_linear import block_linear_class
+from verispec.weights.gguf_blocks import BLOCK_FORMATS, GGUFBlocks, unpack
 
 __all__ = ["assert_file_block_tensors_exact", "assert_fused_layers_are_op_by_op",
            "assert_verify_rows_are_one_row_decodes"]
 
 
 def assert_file_block_tensors_exact(path: str | os.PathLike) -> dict[str, int]:
-    """For every 2-D tensor of the GGUF at `path` stored in a block-kernel type (nn.gguf_blocks
+    """For every 2-D tensor of the GGUF at `path` stored in a block-kernel type (weights.gguf_blocks
     BLOCK_FORMATS): the unpacked values, and the rows of the block linear built from them,
     equal gguf-py's dequantisation bitwise. Returns how many tensors of each type were checked."""
     gguf = GGUFFile.open(path)

@@ -6,17 +6,22 @@ GatedDeltaNet / Mamba-2 state at toy size — and one attention layer over a `Pa
 Its recurrent state (`nn.state.RecurrentState`: conv tail [2, D], matrix [D, D]) is recorded
 after every verify row, so `keep` selects it with no re-forward, exactly as a real hybrid
 family will. Every row is computed with the same one-row ops whatever the batch, so it is
-batch-invariant by construction.
+batch-invariant by construction. Its short convolution is the toy plugin's own C kernel
+(`toy_conv.c`, built through `kernels.build.CLibrary` as any distribution's would be), bitwise
+its PyTorch statement `reference_short_conv`, which runs where the kernel cannot be built.
 
 Shape letters: n rows, V vocabulary, D width.
 """
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from verispec.kernels.build import CLibrary
 from verispec.nn.state import PagedKVCache, RecurrentState
 from verispec.nn.trunk import Rows, SequenceTrunk
 from verispec.seams import Speculator
@@ -24,6 +29,40 @@ from verispec.specs import SpeculatorSpec
 
 #: rows of the short convolution (the current row and CONV_WIDTH - 1 before it).
 CONV_WIDTH = 3
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.verispec_toy_short_conv.restype = None
+    lib.verispec_toy_short_conv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+
+
+LIBRARY = CLibrary("toy", [Path(__file__).with_name("toy_conv.c")], declare=_declare,
+                   fallback="the toy trunk's short convolution runs on its PyTorch path")
+
+
+def short_conv(padded: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal short convolution: padded fp32 [n + W - 1, D] (the state's W - 1 tail
+    rows, then the n rows), weight fp32 [W, D] -> fp32 [n, D] (arithmetic: `reference_short_conv`).
+    The C kernel where it is built, else the reference."""
+    lib = LIBRARY.load()
+    if lib is None:
+        return reference_short_conv(padded, weight)
+    padded, weight = padded.float().contiguous(), weight.float().contiguous()
+    width, dim = weight.shape
+    out = torch.empty(padded.shape[0] - width + 1, dim)
+    lib.verispec_toy_short_conv(padded.data_ptr(), weight.data_ptr(), out.data_ptr(), out.shape[0], width, dim)
+    return out
+
+
+def reference_short_conv(padded: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`verispec_toy_short_conv` of toy_conv.c, operation by operation: out[i] = Σ_w
+    padded[i + w] · weight[w], summed over w = 0, 1, ... in order."""
+    width = weight.shape[0]
+    n = padded.shape[0] - width + 1
+    out = padded[0:n] * weight[0]
+    for w in range(1, width):
+        out = out + padded[w:w + n] * weight[w]
+    return out
 
 
 class ToyTarget(SequenceTrunk):
@@ -79,15 +118,16 @@ class ToyTarget(SequenceTrunk):
     def _delta_rule(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
         """x [n, D] -> output rows [n, D]; records the state after every row (state.update)."""
         conv, matrix = state.values["conv"], state.values["matrix"]
+        padded = torch.cat([conv, x])  # [W - 1 + n, D]
+        pre = short_conv(padded, self.conv)  # [n, D]
         outputs, convs, matrices = [], [], []
-        for row in x:
-            window = torch.cat([conv, row[None]])  # [W, D]
-            u = F.silu((window * self.conv).sum(0))  # [D]
+        for i in range(x.shape[0]):
+            u = F.silu(pre[i])  # [D]
             k = F.normalize(self.delta_k @ u, dim=0)
             q = F.normalize(self.delta_q @ u, dim=0)
             beta = torch.sigmoid(self.delta_beta @ u)
             matrix = matrix + beta * torch.outer(self.delta_v @ u - matrix @ k, k)  # S += β (v - S k) kᵀ
-            conv = window[1:]
+            conv = padded[i + 1:i + CONV_WIDTH]  # the state's tail after row i
             outputs.append(matrix @ q)
             convs.append(conv)
             matrices.append(matrix)

@@ -6,7 +6,7 @@
 3. Weights: one typed tensor table per family (`verispec.gguf_load.Tensor`: GGUF name ->
    HF-style parameter name) handed to `verispec.gguf_load.plan_weights`, which checks every
    tensor's presence and shape, dequantises each to fp32 (in the gguf mode, Q4 linears take the
-   stored blocks instead), converts linears to the chosen weight dtype (nn.quant; norms and
+   stored blocks instead), converts linears to the chosen weight dtype (weights.quant; norms and
    scales stay fp32) and fills the module.
    Dequantising Q4_K/Q5_0 and requantising takes seconds, so the converted state goes
    through `verispec.weight_cache` and the next load memory-maps it (the 270M: ~0.3 s).
@@ -19,8 +19,8 @@ import os
 import attrs
 from verispec.gguf_io import GGUFFile
 from verispec.gguf_load import Stack, Tensor, plan_weights
-from verispec.nn.gguf_mode import default_dtype
-from verispec.nn.quant import canonical_dtype
+from verispec.weights.gguf_mode import default_dtype
+from verispec.weights.quant import canonical_dtype
 from verispec.nn.state import MAX_VERIFY_ROWS
 
 from verispec_gemma4.modeling_gemma3 import Gemma3Config, Gemma3ForCausalLM
@@ -28,11 +28,11 @@ from verispec_gemma4.modeling_gemma4 import Gemma4Config, Gemma4ForCausalLM
 
 #: weight dtype when the caller does not choose one. "gguf": the file's own blocks (Q4_K, Q5_0,
 #: Q6_K, Q8_0 in the 270M) in the block kernel, nothing requantised, each Gemma 3 layer one C
-#: call (nn.block_linear, nn.layers). Batch-invariant (a verify row is bitwise the one-row
+#: call (weights.block_linear, nn.layers). Batch-invariant (a verify row is bitwise the one-row
 #: decode) like int8, faster (43.0 vs 21.6 tok/s in paired rounds on a loaded host) and closer to
 #: fp32 (argmax 97.9 vs 95.7 % of 326 teacher-forced rows): benchmarks/weight_modes.py, README
 #: "Weight dtypes".
-DEFAULT_DTYPE = "gguf"  # int8 where the C kernels are not built (nn.gguf_mode.default_dtype)
+DEFAULT_DTYPE = "gguf"  # int8 where the C kernels are not built (weights.gguf_mode.default_dtype)
 
 #: GGUF tensor -> parameter in our modules (HF's names); "{i}" = layer index (gemma4's "{e}" = expert).
 #: gguf-py MODEL_TENSORS[GEMMA3]; reference/gemma4.md §2.1 gives the HF <-> GGUF pairs.
@@ -96,7 +96,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
          progress: bool | None = None) -> Gemma3ForCausalLM | Gemma4ForCausalLM:
     """Load a gemma3 or gemma4 GGUF as a `Gemma3ForCausalLM` / `Gemma4ForCausalLM` trunk.
 
-    Returns the trunk in eval mode: linears in `dtype` (nn.quant), norms, scales and scalars
+    Returns the trunk in eval mode: linears in `dtype` (weights.quant), norms, scales and scalars
     fp32; `.tokenizer` set from the file's metadata when `tokenizer` is true.
     dtype: "gguf" (default) | "int8" | "bfloat16"/"bf16" | "float32"/"fp32" | "int4".
     context_length: max positions (default: the file's context_length).
@@ -105,7 +105,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     progress: tqdm bar while converting (None: on a terminal, after a second).
     Threads are the caller's (`verispec.api.load_target` sets them).
     Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), UnsupportedArchitecture,
-    nn.quant.UnknownWeightDtype.
+    weights.quant.UnknownWeightDtype.
     """
     path = os.fspath(path)
     dtype = canonical_dtype(dtype or default_dtype(DEFAULT_DTYPE))

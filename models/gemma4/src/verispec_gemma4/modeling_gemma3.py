@@ -203,9 +203,9 @@ class Gemma3TextModel(nn.Module):
 class Gemma3ForCausalLM(TrunkModule):
     """The Gemma 3 trunk: a `SpeculativeTarget` (the seam is verispec.nn.trunk.SequenceTrunk).
 
-    dtype: weight dtype ("float32" | "bfloat16" | "int8", see verispec.nn.quant).
+    dtype: weight dtype ("float32" | "bfloat16" | "int8", see verispec.weights.quant).
     max_rows_per_forward: longer inputs are split into chunks this long (default: 64, or the
-      dtype's batch-invariance limit, nn.quant.rows_per_forward).
+      dtype's batch-invariance limit, weights.quant.rows_per_forward).
     max_verify_rows: the widest verify that `keep` must be able to roll back to any row; the
       sliding-window rings hold window + max(max_rows_per_forward, max_verify_rows) - 1 slots
       (nn.state); `keep` after a wider verify raises RewindBeyondWindow.

@@ -7,7 +7,7 @@
 3. Weights: one typed tensor table (`verispec.gguf_load.Tensor`: GGUF name -> HF parameter
    name) handed to `verispec.gguf_load.plan_weights`, which checks every tensor's presence and
    shape, dequantises each to fp32 (in the gguf mode, Q4 linears take the stored blocks
-   instead), converts linears to the module's weight dtype (nn.quant; norms and biases stay
+   instead), converts linears to the module's weight dtype (weights.quant; norms and biases stay
    fp32) and fills the module. A file with tensors the plan does not
    read is refused (errors.UnusedTensors). Q/K rows are taken as the file holds them
    (llama's are permuted by llama.cpp's converter); `modeling_llama` applies the matching RoPE
@@ -30,16 +30,16 @@ from verispec_llama.modeling_llama import LlamaConfig, LlamaForCausalLM
 __all__ = ["ARCHS", "DEFAULT_DTYPE", "ROPE_FREQS", "TENSORS", "config_from_gguf", "load"]
 
 #: weight dtype when the caller does not choose one. "gguf": the file's own blocks (Q4_0 ... Q8_0)
-#: in the block kernel, nothing requantised, each layer one C call (nn.block_linear, nn.layers).
+#: in the block kernel, nothing requantised, each layer one C call (weights.block_linear, nn.layers).
 #: Batch-invariant (a verify row is bitwise the one-row decode) like int8, and faster and closer
 #: to fp32: SmolLM2-135M 138 vs 62 tok/s, argmax = fp32 97.9 vs 97.3 %; Qwen2.5-Coder-0.5B 51 vs
 #: 30 tok/s, 100.0 vs 98.3 % (benchmarks/weight_modes.py, README "Weight dtypes").
-DEFAULT_DTYPE = "gguf"  # int8 where the C kernels are not built (nn.gguf_mode.default_dtype)
+DEFAULT_DTYPE = "gguf"  # int8 where the C kernels are not built (weights.gguf_mode.default_dtype)
 
 #: GGUF tensor -> parameter in our modules (HF's names); "{i}" = layer index.
 #: gguf-py MODEL_TENSORS[LLAMA] / [QWEN2]. q|k|v and gate|up are stacked into one linear each
 #: (modeling_llama; in the gguf mode parts of mixed classes, e.g. a Q4_K attn_q beside a Q6_K
-#: attn_v, run as one linear per run of one class: nn.quant.PartwiseLinear). Entries the model
+#: attn_v, run as one linear per run of one class: weights.quant.PartwiseLinear). Entries the model
 #: does not have are not looked up: `output.weight` only for an untied LM head, the q/k/v
 #: biases for qwen2 and llama with attention_bias, the output bias for llama with
 #: attention_out_bias (LlamaConfig.from_gguf).
@@ -72,17 +72,17 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
          progress: bool | None = None) -> LlamaForCausalLM:
     """Load a llama or qwen2 GGUF as a `LlamaForCausalLM` trunk (verispec.gguf_load.load_trunk).
 
-    Returns the trunk in eval mode: linears in `dtype` (nn.quant), norms and biases fp32;
+    Returns the trunk in eval mode: linears in `dtype` (weights.quant), norms and biases fp32;
     `.tokenizer` set from the file's metadata when `tokenizer` is true.
     dtype: "gguf" (default) | "int8" | "bfloat16"/"bf16" | "float32"/"fp32" | "int4".
     context_length: max positions (default: the file's context_length).
-    max_rows_per_forward: forward chunk (default: nn.quant.rows_per_forward(dtype)).
+    max_rows_per_forward: forward chunk (default: weights.quant.rows_per_forward(dtype)).
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
     Threads are the caller's (`verispec.api.load_target` sets them).
     Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.DamagedFile,
     errors.UnusedTensors (a file holding tensors the math would not use, listed),
-    UnsupportedLlamaVariant, nn.quant.UnknownWeightDtype.
+    UnsupportedLlamaVariant, weights.quant.UnknownWeightDtype.
     """
     return load_trunk(path, ARCHS, dtype=dtype, use_cache=use_cache, tokenizer=tokenizer, progress=progress,
                       context_length=context_length, max_rows_per_forward=max_rows_per_forward)

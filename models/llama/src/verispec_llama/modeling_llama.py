@@ -22,7 +22,7 @@ q|k|v run as one linear `qkv_proj` (and one bias `qkv_bias`), gate|up as one `ga
 holding the separate linears' values (every dtype quantises per output row); with the int8 /
 int4 / gguf kernels each output is bitwise theirs (core/tests/test_nn.py, test_gguf_weights.py).
 
-All activations are fp32; only the linears see the weight dtype (`verispec.nn.quant`). With
+All activations are fp32; only the linears see the weight dtype (`verispec.weights.quant`). With
 int8 or bf16 weights every op is per row, so a row inside an n-row verify is bitwise the row
 computed alone (`spec_batch_invariant`, declared by `TrunkModule` from the linears).
 Sources: transformers models/llama/modeling_llama.py, models/qwen2/modeling_qwen2.py (5.24);
@@ -252,9 +252,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(TrunkModule):
     """The llama/qwen2 trunk: a `SpeculativeTarget` (the seam is verispec.nn.trunk.SequenceTrunk).
 
-    dtype: weight dtype ("int8" | "bfloat16" | "float32", see verispec.nn.quant).
+    dtype: weight dtype ("int8" | "bfloat16" | "float32", see verispec.weights.quant).
     max_rows_per_forward: longer inputs run in chunks this long (exact for batch-invariant
-      dtypes); default nn.quant.rows_per_forward(dtype): 64, 32 for bf16 (measured here too:
+      dtypes); default weights.quant.rows_per_forward(dtype): 64, 32 for bf16 (measured here too:
       bf16 F.linear changes its bits from 33 rows on this AVX2 machine, int8pack_mm never).
     context_length: max positions (default: the GGUF's context_length).
     Built on the meta device; `load_state_dict(state, assign=True)` fills the weights. Module

@@ -75,16 +75,16 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     """Load a nemotron_h / nemotron_h_moe GGUF as a `NemotronHForCausalLM` trunk
     (verispec.gguf_load.load_trunk).
 
-    Returns the trunk in eval mode: linears in `dtype` (nn.quant), everything else fp32;
+    Returns the trunk in eval mode: linears in `dtype` (weights.quant), everything else fp32;
     `.tokenizer` set from the file's metadata when `tokenizer` is true.
     dtype: "int8" (default) | "bfloat16"/"bf16" | "float32"/"fp32" | "int4".
     context_length: max positions (default: the file's context_length).
-    max_rows_per_forward: forward chunk (default: nn.quant.rows_per_forward(dtype)).
+    max_rows_per_forward: forward chunk (default: weights.quant.rows_per_forward(dtype)).
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
     Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.DamagedFile,
     errors.UnusedTensors (a file holding tensors the math would not use, listed),
-    UnsupportedNemotronVariant, nn.quant.UnknownWeightDtype.
+    UnsupportedNemotronVariant, weights.quant.UnknownWeightDtype.
     """
     return load_trunk(path, ARCHS, dtype=dtype, use_cache=use_cache, tokenizer=tokenizer, progress=progress,
                       context_length=context_length, max_rows_per_forward=max_rows_per_forward)

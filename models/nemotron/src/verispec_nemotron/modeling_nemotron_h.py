@@ -442,7 +442,7 @@ class NemotronHModel(nn.Module):
     def __init__(self, config: NemotronHConfig, *, device=None):
         super().__init__()
         c = config
-        # a linear [V, D] read by rows, so a tied LM head is this same module (nn.quant)
+        # a linear [V, D] read by rows, so a tied LM head is this same module (weights.quant)
         self.embed_tokens = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device=device)
         self.layers = nn.ModuleList(NemotronHBlock(c, t, w, device=device)
                                     for t, w in zip(c.layer_types, c.intermediate_sizes))
@@ -452,7 +452,7 @@ class NemotronHModel(nn.Module):
 class NemotronHForCausalLM(TrunkModule):
     """The Nemotron-H trunk: a `SpeculativeTarget` (the seam is verispec.nn.trunk.SequenceTrunk).
 
-    dtype: weight dtype ("int8" | "bfloat16" | "float32" | "int4", see verispec.nn.quant); the
+    dtype: weight dtype ("int8" | "bfloat16" | "float32" | "int4", see verispec.weights.quant); the
       router, norms, conv and SSM parameters stay fp32.
     max_rows_per_forward: longer inputs run in chunks this long.
     context_length: max positions (default: the GGUF's context_length).

@@ -22,7 +22,7 @@ import os
 import attrs
 from verispec.gguf_io import GGUFFile, MissingTensor, arch_value
 from verispec.gguf_load import Stack, Tensor, plan_weights
-from verispec.nn.quant import canonical_dtype
+from verispec.weights.quant import canonical_dtype
 
 from verispec_qwen35.modeling_qwen35 import (FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config,
                                              Qwen35ForCausalLM, UnsupportedQwen35Variant)
@@ -110,7 +110,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     chunked_prefill_min_rows: see Qwen35ForCausalLM (default None: the exact row loop only).
     Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...),
     UnsupportedQwen35Variant (wrong architecture, qwen3next layouts, a standalone MTP file,
-    tensors the math would not use), nn.quant.UnknownWeightDtype.
+    tensors the math would not use), weights.quant.UnknownWeightDtype.
     """
     path = os.fspath(path)
     dtype = canonical_dtype(dtype or DEFAULT_DTYPE)
@@ -150,7 +150,7 @@ def load_mtp_file(path: str | os.PathLike, target, *, use_cache: bool = True):
     its config differs from the file's: the fields are named), gguf_io errors for a broken file.
     """
     from torch import nn
-    from verispec.nn.quant import swap_linears
+    from verispec.weights.quant import swap_linears
 
     from verispec_qwen35.draft_head import Qwen35MtpHead
     from verispec_qwen35.modeling_qwen35 import Qwen35Mtp

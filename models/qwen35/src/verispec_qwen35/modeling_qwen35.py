@@ -327,7 +327,7 @@ class Qwen35Model(nn.Module):
 class Qwen35ForCausalLM(TrunkModule):
     """The Qwen 3.5 / 3.6 trunk: a `SpeculativeTarget` over GDN recurrent state and attention KV.
 
-    dtype: weight dtype of the linears ("int8" | "bfloat16" | "float32" | "int4", nn.quant);
+    dtype: weight dtype of the linears ("int8" | "bfloat16" | "float32" | "int4", weights.quant);
     norms, conv kernel, decay parameters and all state stay fp32.
     chunked_prefill_min_rows: non-verify chunks of at least this many rows run the chunked delta
     rule (equal within fp32 rounding, not bitwise: the trunk then declares no batch invariance);

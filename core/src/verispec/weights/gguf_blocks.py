@@ -39,7 +39,7 @@ T = GGMLQuantizationType
 
 @attrs.frozen
 class BlockFormat:
-    """How a type's values reach the block kernel (nn.block_linear): G columns per scale, the
+    """How a type's values reach the block kernel (weights.block_linear): G columns per scale, the
     zero point z, whether it has mins, the bits of u (4, 5, 6 or 8: the packed size), and
     whether its scales and mins are the file's fp16 fields (kept as fp16, exact) or products
     that need fp32."""

@@ -1,5 +1,5 @@
 """The `gguf` weight mode's choice of linear class per GGUF tensor: the file's ggml type
-decides (nn.gguf_blocks.BLOCK_FORMATS types run as stored in nn.block_linear's classes, the rest
+decides (weights.gguf_blocks.BLOCK_FORMATS types run as stored in weights.block_linear's classes, the rest
 are requantised to int8), and a stacked linear whose parts differ runs partwise.
 """
 from __future__ import annotations
@@ -10,10 +10,10 @@ from gguf.constants import GGMLQuantizationType
 from torch import nn
 
 from verispec.errors import VerispecError
-from verispec.nn import ckernels
-from verispec.nn.block_linear import block_linear_class
-from verispec.nn.gguf_blocks import BLOCK_FORMATS
-from verispec.nn.quant import Float32Linear, GGUFLinear, Int8Linear, PartwiseLinear, replace_linears
+from verispec.kernels import ckernels
+from verispec.weights.block_linear import block_linear_class
+from verispec.weights.gguf_blocks import BLOCK_FORMATS
+from verispec.weights.quant import Float32Linear, GGUFLinear, Int8Linear, PartwiseLinear, replace_linears
 
 __all__ = ["GGUF_REQUANTISED", "UnmappedGGUFType", "default_dtype", "gguf_linear_class", "resolve_gguf_linears"]
 
@@ -50,7 +50,7 @@ class UnmappedGGUFType(VerispecError, ValueError):
 
 def gguf_linear_class(name: str, ggml_type: GGMLQuantizationType) -> type[Float32Linear]:
     """The `gguf` mode's class for GGUF tensor `name` stored as `ggml_type`: the type's
-    nn.block_linear class for a type in nn.gguf_blocks.BLOCK_FORMATS (the file's values as
+    weights.block_linear class for a type in weights.gguf_blocks.BLOCK_FORMATS (the file's values as
     stored), else Int8Linear (not exact: requantised per output channel). Raises
     UnmappedGGUFType naming the tensor for a type in neither set."""
     if ggml_type in BLOCK_FORMATS:

@@ -1,4 +1,4 @@
-/* What verispec's C files share (built into one library by `verispec.nn.ckernels`). */
+/* What verispec's C files share (built into one library by `verispec.kernels.ckernels`). */
 #ifndef VERISPEC_KERNELS_H
 #define VERISPEC_KERNELS_H
 #include <omp.h>
@@ -50,7 +50,7 @@ static inline void run_tasks(task_fn fn, void *arg, int64_t tasks) {
     }
 }
 
-/* One block-packed weight (qmatmul.c's layout; nn.block_linear.BlockLinear.kernel_args). */
+/* One block-packed weight (qmatmul.c's layout; weights.block_linear.BlockLinear.kernel_args). */
 typedef struct {
     const uint8_t *w;
     const void *s, *m;

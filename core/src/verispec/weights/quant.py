@@ -10,11 +10,11 @@ takes and returns fp32 activations [n, in] -> [n, out]; only the matmul sees bf1
 | bfloat16 | bf16 [out, in]                 | F.linear bf16, bf16 out                     | no: CPU-dependent (AVX-512 BF16: rows differ from n = 21 at 48→80) |
 | int8     | int8 [out, in] + bf16 scale [out] | aten._weight_int8pack_mm, bf16 act/out  | yes             |
 | int4     | int4 groups of 32 + bf16 scale/zero | aten._weight_int4pack_mm_for_cpu, bf16 | yes (checked to 33 rows) |
-| gguf     | per tensor: the file's blocks as stored (nn.gguf_blocks) | block kernel (qmatmul.c), int8 activations per 32 | yes, any row count |
+| gguf     | per tensor: the file's blocks as stored (weights.gguf_blocks) | block kernel (qmatmul.c), int8 activations per 32 | yes, any row count |
 
 gguf (the gemma, gemma4 and llama families' default) keeps the file's own quantised values: a
 Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K or Q8_0 tensor becomes that type's
-nn.block_linear.BlockLinear (nothing requantised: its rows are gguf-py's dequantisation
+weights.block_linear.BlockLinear (nothing requantised: its rows are gguf-py's dequantisation
 bitwise), whose product quantises each activation row to int8 per 32 columns as llama.cpp's
 CPU kernels do; float and other types go to per-channel int8 (requantised, not exact;
 GGUF_REQUANTISED), a type gguf-py cannot dequantise is refused. A stacked linear (q|k|v,

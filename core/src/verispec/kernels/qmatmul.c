@@ -1,5 +1,5 @@
 /* GGUF-block linears on the CPU: y = x · Wᵀ with W the file's own quantised values.
- * `verispec.nn.block_linear` packs the weights and states this arithmetic in PyTorch for the
+ * `verispec.weights.block_linear` packs the weights and states this arithmetic in PyTorch for the
  * tests. Three paths, chosen by what -march=native offers, all giving the same bits: AVX-512
  * VNNI (vpdpbusd), AVX2 (maddubs; ~3x VNNI's time), and a plain loop the compiler vectorises as
  * it can (other CPUs, or -DVERISPEC_PORTABLE; ~20x). Threads: torch's OpenMP team.
@@ -380,7 +380,7 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
 
 #endif
 
-/* The block formats (nn.gguf_blocks.BLOCK_FORMATS): name, bits, groups a block (32 / G), mins,
+/* The block formats (weights.gguf_blocks.BLOCK_FORMATS): name, bits, groups a block (32 / G), mins,
  * fp16 scales. */
 #define BLOCK_FORMATS(X) \
     X(q4_0, 4, 1, 0, 1)  \

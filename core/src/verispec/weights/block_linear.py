@@ -1,6 +1,6 @@
 """The `gguf` weight mode's linear: a GGUF tensor's own quantised values in the block kernel.
 
-`BlockLinear.from_gguf` unpacks the file's blocks (nn.gguf_blocks: u, s, m, nothing
+`BlockLinear.from_gguf` unpacks the file's blocks (weights.gguf_blocks: u, s, m, nothing
 requantised) and `pack`s them into the tiles `qmatmul.c` reads; the forward quantises each
 activation row to int8 per 32 columns, as llama.cpp's CPU dot products do, and sums exact
 integer products per group before one fp32 scale per group. `reference_matmul` states that
@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
 
-from verispec.nn import ckernels
-from verispec.nn.gguf_blocks import BLOCK_FORMATS, BlockFormat, BlockValues, GGUFBlocks, unpack
-from verispec.nn.quant import Float32Linear
+from verispec.kernels import ckernels
+from verispec.weights.gguf_blocks import BLOCK_FORMATS, BlockFormat, BlockValues, GGUFBlocks, unpack
+from verispec.weights.quant import Float32Linear
 
 __all__ = ["BlockLinear", "block_linear_class", "pack", "reference_matmul", "quantize_activations"]
 
@@ -131,7 +131,7 @@ class BlockLinear(Float32Linear):
 
 @functools.cache
 def block_linear_class(ggml_type: GGMLQuantizationType) -> type[BlockLinear]:
-    """The BlockLinear subclass for one of nn.gguf_blocks.BLOCK_FORMATS' types (KeyError otherwise)."""
+    """The BlockLinear subclass for one of weights.gguf_blocks.BLOCK_FORMATS' types (KeyError otherwise)."""
     fmt = BLOCK_FORMATS[ggml_type]
     return type(f"{ggml_type.name}Linear", (BlockLinear,), {"FORMAT": fmt, "GGML_TYPE": ggml_type,
                                                              "__module__": __name__})

@@ -1,4 +1,4 @@
-/* verispec's C kernels (CPU, fp32): attention over paged KV and RMSNorm; `verispec.nn.ckernels`
+/* verispec's C kernels (CPU, fp32): attention over paged KV and RMSNorm; `verispec.kernels.ckernels`
  * builds this file once per machine and states each kernel's arithmetic in PyTorch for the tests.
  *
  * Causal / sliding-window GQA over paged fp32 KV: every row of every sequence in one call.
@@ -15,7 +15,7 @@
  * Each step is one IEEE fp32 operation: build with -ffp-contract=off (no fused multiply-add)
  * and without -ffast-math. Vectorised loops run across independent elements (slots for s,
  * dims for o), never across a reduction, so vector width does not change any result.
- * `verispec.nn.ckernels` states the same arithmetic in PyTorch for the tests.
+ * `verispec.kernels.ckernels` states the same arithmetic in PyTorch for the tests.
  *
  * Slot t of a sequence lives in block t / B at offset t % B. Per block:
  *   K transposed, fp32 [Hkv, D, B];  V fp32 [Hkv, B, D].

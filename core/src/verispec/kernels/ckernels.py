@@ -1,151 +1,66 @@
-"""verispec's C kernels (`kernels.c`): built once per machine, called through ctypes.
+"""The kernels every family shares (`kernels.c`, `qmatmul.c`, `layers.c`), called through ctypes.
 
 - `attend`: `attention.attend_rows` runs every row of every sequence of a forward through it
   in one call (an attention softcap takes the PyTorch path in `attention`).
-- `rms_norm`: `norm.RMSNorm`'s forward.
+- `qmatmul` / `block_rows`: the `gguf` weights' block matmul and row gather (weights.block_linear).
+- `glu`, `rms_norm`, and `verispec_decoder_layer` (nn.layers' fused layer).
 Without them (no C compiler, `VERISPEC_C_KERNELS=0`) the PyTorch paths run. Each kernel fixes
 its own order of fp32 operations per row, so a row's bits never depend on the other rows or
 sequences of the call (the batch invariance speculation needs), and `reference_attend` /
-`reference_rms_norm` below state that order in PyTorch: the tests check the kernels against
-them bitwise.
+`reference_glu` / `reference_rms_norm` below state that order in PyTorch: the tests check the
+kernels against them bitwise.
 
-Build: `cc -O3 -march=native -ffp-contract=off -shared` (~1 s, no torch headers) into
-`cache_dir("kernels")`, named by a hash of the source, the flags and the CPU's feature flags
-(a library built for another CPU is never loaded), with its sha256 beside it: a file that does
-not match (damaged, replaced) is rebuilt, never loaded. `python -m verispec.nn.ckernels`
-builds it ahead of time (`scripts/setup.sh` does); a failed build warns once and the PyTorch
-path runs.
+Built by `kernels.build.CLibrary` (~2 s, no torch headers, once per machine and source).
+`python -m verispec.kernels.ckernels` builds it ahead of time (`scripts/setup.sh` does).
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shlex
-import shutil
-import subprocess
 import sys
-import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "qmatmul.c", "layers.c")]
-HEADERS = [Path(__file__).with_name("kernels.h")]
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread", "-fopenmp"]
-
-_library: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable
-log = logging.getLogger(__name__)
+from verispec.kernels.build import CLibrary
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
+def _declare(lib: ctypes.CDLL) -> None:
+    """The ctypes signatures of the shared kernels."""
+    lib.verispec_attend.restype = ctypes.c_int
+    lib.verispec_attend.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                    ctypes.c_void_p, ctypes.c_int64,
+                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                                    ctypes.c_int64]
+    lib.verispec_qmatmul.restype = ctypes.c_int
+    lib.verispec_qmatmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_int64]
+    for glu in (lib.verispec_silu_mul, lib.verispec_gelu_tanh_mul):
+        glu.restype = None
+        glu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    lib.verispec_decoder_layer.restype = ctypes.c_int
+    lib.verispec_decoder_layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    lib.verispec_block_rows.restype = ctypes.c_int
+    lib.verispec_block_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                        *[ctypes.c_int64] * 6, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_void_p]
+    lib.verispec_rms_norm.restype = None
+    lib.verispec_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                      ctypes.c_int64, ctypes.c_float]
 
 
-def library_path(extra_flags: Sequence[str] = ()) -> Path:
-    """Where this machine's build (with `extra_flags`) lives (it may not exist yet)."""
-    from verispec.checkpoints import cache_dir
-
-    texts = [src.read_text() for src in [*SOURCES, *HEADERS]]
-    key = hashlib.sha256("\0".join([*texts, *FLAGS, *extra_flags, _cpu_flags()]).encode()).hexdigest()[:16]
-    return cache_dir("kernels") / f"kernels-{key}.so"
-
-
-def _digest_path(path: Path) -> Path:
-    return path.with_name(path.name + ".sha256")
-
-
-def _intact(path: Path) -> bool:
-    """The library is the file a build wrote: its sha256 matches the one saved beside it (a
-    damaged or foreign file can crash the process inside dlopen, so it is checked first)."""
-    try:
-        return _digest_path(path).read_text() == hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return False
-
-
-def build(extra_flags: Sequence[str] = ()) -> Path:
-    """Compile the kernels for this machine unless an intact build is there; returns the
-    library's path. The compiler is $CC (a command line, e.g. "ccache gcc"), else cc, else gcc.
-    extra_flags: more compiler flags (the tests build `-DVERISPEC_PORTABLE`, qmatmul.c's plain
-    loop, and `-march=x86-64-v3`, its AVX2 path). A compile states its time once (logged, and
-    on a terminal's stderr). Raises RuntimeError naming the compiler's complaint (or its
-    absence)."""
-    path = library_path(extra_flags)
-    if _intact(path):
-        return path
-    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
-    if not compiler[0] or not shutil.which(compiler[0]):
-        where = f"$CC={os.environ['CC']!r} is not a program" if os.environ.get("CC") else "no C compiler (cc/gcc) on PATH"
-        raise RuntimeError(f"{where}: install one (Debian: apt-get install gcc) or point $CC at one")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    started = time.perf_counter()
-    result = subprocess.run([*compiler, *FLAGS, *extra_flags, *map(str, SOURCES), "-o", str(partial), "-lm"],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        partial.unlink(missing_ok=True)
-        complaint = result.stderr.strip()[-2000:] or f"exit status {result.returncode}, no message"
-        raise RuntimeError(f"{' '.join(compiler)} failed on {' + '.join(src.name for src in SOURCES)}: {complaint}")
-    digest = _digest_path(partial)
-    digest.write_text(hashlib.sha256(partial.read_bytes()).hexdigest())
-    os.replace(partial, path)
-    os.replace(digest, _digest_path(path))
-    said = f"verispec: compiled the C kernels for this CPU in {time.perf_counter() - started:.1f} s (once: {path})"
-    log.info(said)
-    if sys.stderr.isatty():  # a person waiting on the first run sees why, once
-        print(said, file=sys.stderr)
-    return path
+LIBRARY = CLibrary("kernels", [Path(__file__).with_name(name) for name in ("kernels.c", "qmatmul.c", "layers.c")],
+                   [Path(__file__).with_name("kernels.h")], declare=_declare,
+                   fallback="attention, RMSNorm and the gguf linears run on the slower PyTorch path, and the "
+                            "gemma/llama families default to int8 weights (gguf's PyTorch path is ~20x slower)")
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, building them on first use; None when switched off
-    (`VERISPEC_C_KERNELS=0`) or when they cannot be built (one logged warning says why)."""
-    global _library
-    if _library is False:
-        _library = None
-        if os.environ.get("VERISPEC_C_KERNELS", "1") != "0":
-            try:
-                lib = ctypes.CDLL(str(build()))
-            except (RuntimeError, OSError) as e:
-                log.warning("verispec: the C kernels are unavailable (%s); attention, RMSNorm and the gguf "
-                            "linears run on the slower PyTorch path, and the gemma/llama families default to int8 "
-                            "weights (gguf's PyTorch path is ~20x slower)", e)
-            else:
-                lib.verispec_attend.restype = ctypes.c_int
-                lib.verispec_attend.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                                ctypes.c_void_p, ctypes.c_int64,
-                                                ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
-                                                ctypes.c_int64]
-                lib.verispec_qmatmul.restype = ctypes.c_int
-                lib.verispec_qmatmul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                                 ctypes.c_int64]
-                for glu in (lib.verispec_silu_mul, lib.verispec_gelu_tanh_mul):
-                    glu.restype = None
-                    glu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-                lib.verispec_decoder_layer.restype = ctypes.c_int
-                lib.verispec_decoder_layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-                lib.verispec_block_rows.restype = ctypes.c_int
-                lib.verispec_block_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                                    *[ctypes.c_int64] * 6, ctypes.c_void_p, ctypes.c_int64,
-                                                    ctypes.c_void_p]
-                lib.verispec_rms_norm.restype = None
-                lib.verispec_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                                  ctypes.c_int64, ctypes.c_float]
-                _library = lib
-    return _library
+    """The shared kernels, built on first use (`LIBRARY.load()`); None when unavailable."""
+    return LIBRARY.load()
 
 
 #: rows x heads x slots below which one thread does the call: the kernels run on torch's OpenMP
@@ -208,12 +123,12 @@ def reference_attend(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, slot_p
 
 def qmatmul(x: torch.Tensor, weight_args: tuple, y: torch.Tensor) -> None:
     """y fp32 contiguous [n, out] = x fp32 contiguous [n, k] times a block-packed weight
-    (nn.block_linear.pack; arithmetic: qmatmul.c, `block_linear.reference_matmul`).
+    (weights.block_linear.pack; arithmetic: qmatmul.c, `block_linear.reference_matmul`).
     weight_args: `block_linear.BlockLinear.kernel_args()`, the weight's pointers and format
     (packed, scales, mins or None, out, bits, group, zero, half). Runs on torch's OpenMP team
     (torch's thread count). Raises MemoryError when the activations' scratch cannot be
     allocated, ValueError for a format qmatmul.c has no kernel for (not one of
-    nn.gguf_blocks.BLOCK_FORMATS)."""
+    weights.gguf_blocks.BLOCK_FORMATS)."""
     n, k = x.shape
     status = library().verispec_qmatmul(x.data_ptr(), n, k, *weight_args, y.data_ptr(), torch.get_num_threads())
     if status == -2:
@@ -311,5 +226,5 @@ def _reference_exp(x: torch.Tensor) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    print(build())
+    print(LIBRARY.build())
     sys.exit(0 if library() is not None else 1)

@@ -1,6 +1,6 @@
 /* Whole decoder layers in one call: a one-row decode spends more time in per-op dispatch (a
  * dozen PyTorch ops and module calls a layer) than in the layer's arithmetic, so a family whose
- * linears are all block-packed (nn.block_linear) runs each layer here. Every step is the same
+ * linears are all block-packed (weights.block_linear) runs each layer here. Every step is the same
  * fp32 operation, in the same order, as the family's PyTorch forward with the C kernels
  * (RMSNorms, block linears, RoPE's x·cos + swap(x)·sin, attention, residual adds, and the
  * SwiGLU / GeGLU below, which that forward calls too), so the fused and the op-by-op layer
