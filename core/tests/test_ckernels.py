@@ -9,7 +9,8 @@ import torch
 
 from verispec.kernels import build, ckernels
 from verispec.nn.attention import attend, attend_rows
-from verispec.nn.state import PagedKVCache, RingKVCache, SequenceState
+from verispec.nn.kv_cache import PagedKVCache, RingKVCache
+from verispec.nn.state import SequenceState
 from verispec.nn.trunk import Rows, RowsOfSequence
 
 

@@ -8,7 +8,8 @@ import torch
 from verispec import api
 from verispec.engine import InferenceEngine, SpecOptions
 from verispec.errors import InvalidArgument
-from verispec.nn.state import PagedKVCache, RecurrentState, RingKVCache, SequenceState
+from verispec.nn.kv_cache import PagedKVCache, RingKVCache
+from verispec.nn.state import RecurrentState, SequenceState
 from verispec.registry import Registry
 from verispec.testing import ToyTarget, forward_one, toy_plugin
 from verispec.testing.toy import write_toy_gguf

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 from verispec.nn.attention import attend
-from verispec.nn.state import CannotTruncate, PagedKVCache, RewindBeyondWindow, RingKVCache, SequenceState
+from verispec.nn.kv_cache import PagedKVCache, RewindBeyondWindow, RingKVCache
+from verispec.nn.state import CannotTruncate, SequenceState
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.weights.quant import (
@@ -30,12 +31,9 @@ from verispec.nn.rope import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_thread):
+    """torch on one thread (verispec.testing.plugin.one_thread)."""
 
 
 def _gen(seed=0):

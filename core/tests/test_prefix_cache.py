@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from verispec import api
 from verispec.engine import SpecOptions
-from verispec.nn.state import CannotTruncate, PagedKVCache, RingKVCache, SequenceState
+from verispec.nn.kv_cache import PagedKVCache, RingKVCache
+from verispec.nn.state import CannotTruncate, SequenceState
 from verispec.registry import Registry
 from verispec.seams import Segment
 from verispec.testing import ToyTarget, forward_one, plain_logits, toy_plugin

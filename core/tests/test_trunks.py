@@ -106,7 +106,7 @@ def test_view_reads_embedding_and_lm_head_without_changing_the_trunk():
 def test_a_refused_keep_changes_no_layer():
     """A ring that cannot undo a verify wider than its slack refuses before the recurrent layer
     ahead of it is rolled back, so the sequence stays whole and a narrower keep still works."""
-    from verispec.nn.state import RewindBeyondWindow, RingKVCache
+    from verispec.nn.kv_cache import RewindBeyondWindow, RingKVCache
 
     recurrent, ring = RecurrentState({"h": (1,)}), RingKVCache(1, 2, window=2, max_rows=2, key_block=1)  # 3 slots
     sequence = SequenceState([recurrent, ring])

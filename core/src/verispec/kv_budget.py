@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from verispec.errors import InvalidArgument
-from verispec.nn.state import MAX_VERIFY_ROWS
+from verispec.nn.kv_cache import MAX_VERIFY_ROWS
 from verispec.seams import declared
 
 

@@ -1,27 +1,12 @@
-"""Fixtures for the gemma tests; the helpers they use live in `tiny_gemma.py`.
-
-Test modules import `tiny_gemma` directly: this directory is put on sys.path here because
-the workspace runs pytest with --import-mode=importlib (no rootdir-relative imports).
-"""
-import sys
-from pathlib import Path
-
+"""Fixtures for the gemma tests; the helpers they use live in `tiny_gemma.py` (on pytest's
+`pythonpath`, set in the workspace's pyproject.toml)."""
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-import torch
 from tiny_gemma import make_hf_gemma3, write_gemma3_gguf
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared 2-core box OpenMP's spin-waits
-    make each forward ~100x slower while other processes run; restored after each module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every module runs torch on one thread (verispec.testing.plugin.one_thread)."""
 
 
 @pytest.fixture(scope="session")

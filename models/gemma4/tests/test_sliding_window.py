@@ -8,7 +8,8 @@ within 1e-5 for fp32.
 import pytest
 import torch
 from tiny_gemma import token_ids
-from verispec.nn.state import CannotTruncate, RewindBeyondWindow, RingKVCache
+from verispec.nn.kv_cache import RewindBeyondWindow, RingKVCache
+from verispec.nn.state import CannotTruncate
 from verispec.testing import forward_one
 
 PREFIX, ROWS = 30, 9
@@ -136,7 +137,7 @@ def test_truncate_within_the_slack_is_exact(load_tiny):
 
 
 def test_default_rings_absorb_the_widest_verify(gemma3_gguf):
-    from verispec.nn.state import MAX_VERIFY_ROWS
+    from verispec.nn.kv_cache import MAX_VERIFY_ROWS
     from verispec_gemma4.loader import load
 
     ids = token_ids(20 + MAX_VERIFY_ROWS, seed=18)

@@ -1,38 +1,22 @@
-"""Fixtures for the Nemotron-H tests; the helpers they use live in `tiny_nemotron.py`.
-
-Test modules import `tiny_nemotron` directly: this directory is put on sys.path here because
-the workspace runs pytest with --import-mode=importlib (no rootdir-relative imports).
-"""
-import sys
-from pathlib import Path
-
+"""Fixtures for the Nemotron-H tests; the helpers they use live in `tiny_nemotron.py` (on
+pytest's `pythonpath`, set in the workspace's pyproject.toml)."""
 import pytest
-import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-
 from tiny_nemotron import build_hf_model, write_fixture
+
+from verispec.testing import built_once
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared 2-core box OpenMP's spin-waits
-    make each small op far slower while other processes run; restored after each module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every module runs torch on one thread (verispec.testing.plugin.one_thread)."""
+
+
+def _build(name, directory):
+    model = build_hf_model(name)
+    return model, write_fixture(model, directory / f"{name}.gguf")
 
 
 @pytest.fixture(scope="session")
 def tiny_fixture(tmp_path_factory):
     """tiny_fixture(name) -> (transformers model, GGUF path); built once per session."""
-    built = {}
-
-    def make(name: str):
-        if name not in built:
-            model = build_hf_model(name)
-            built[name] = (model, write_fixture(model, tmp_path_factory.mktemp(name) / f"{name}.gguf"))
-        return built[name]
-
-    return make
+    return built_once(tmp_path_factory, _build)

@@ -1,39 +1,22 @@
-"""Fixtures for the qwen35 tests; the helpers live in `tiny_qwen35.py` (put on sys.path here:
-the workspace runs pytest with --import-mode=importlib)."""
-import sys
-from pathlib import Path
-
+"""Fixtures for the qwen35 tests; the helpers live in `tiny_qwen35.py` (on pytest's
+`pythonpath`, set in the workspace's pyproject.toml)."""
 import pytest
+from tiny_qwen35 import TINY_CONFIGS, build_hf_model, write_fixture
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from tiny_qwen35 import TINY_CONFIGS, build_hf_model, write_fixture  # noqa: E402
+from verispec.testing import built_once
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _one_thread():
-    """Tiny configs are thousands of small ops: one thread is ~10x faster than two on a shared
-    2-core runner (OpenMP spin-waits), and CI stays well under its budget."""
-    import torch
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_thread):
+    """Every module runs torch on one thread (verispec.testing.plugin.one_thread)."""
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+
+def _build(name, directory):
+    model, mtp = build_hf_model(name)
+    return model, mtp, write_fixture(model, directory / f"{name}.gguf", mtp=mtp, options=TINY_CONFIGS[name][3])
 
 
 @pytest.fixture(scope="session")
 def tiny_fixture(tmp_path_factory):
     """tiny_fixture(name) -> (transformers model, MTP state dict or None, GGUF path), once per session."""
-    built = {}
-
-    def make(name: str):
-        if name not in built:
-            model, mtp = build_hf_model(name)
-            options = TINY_CONFIGS[name][3]
-            path = write_fixture(model, tmp_path_factory.mktemp(name) / f"{name}.gguf", mtp=mtp,
-                                 options=options)
-            built[name] = (model, mtp, path)
-        return built[name]
-
-    return make
+    return built_once(tmp_path_factory, _build)

@@ -7,8 +7,9 @@
   path (`attention.attend`) where the kernel is unavailable.
 - `mlp.GatedMLP`: down(act(gate(x)) * up(x)); `elementwise.rowwise`: a row-at-a-time op.
 - `layers`: a decoder layer fused into one C call (`kernels/layers.c`), bitwise the op-by-op forward.
-- `state`: per-sequence, per-layer state kinds (`PagedKVCache`, `RingKVCache`,
-  `RecurrentState`) and `SequenceState`, which keeps a verify's rows or truncates a prefix.
+- `kv_cache`: the attention state kinds (`PagedKVCache`, `RingKVCache`, a draft head's `HeadKVCache`).
+- `state`: `RecurrentState` and `SequenceState`, which holds a sequence's per-layer state kinds
+  and keeps a verify's rows or truncates a prefix.
 - `trunk`: the seam written once (`SequenceTrunk`: sequences, batched forward, keep) and the
   families' nn.Module base (`TrunkModule`).
 

@@ -3,6 +3,7 @@
 - `TargetConformance`, `SpeculatorConformance`: suites to subclass (see `conformance`).
 - `ToyTarget`, `MarkovTarget`, `ScriptedSpeculator`, `oracle_speculator`: toy trunks and drafters.
 - `fixture_writer`: writes tiny GGUF fixtures with llama.cpp's key and tensor names.
+- `real_checkpoint`, `built_once` (and the `one_thread` fixture): shared test scaffolding (see `plugin`).
 
 Imports are lazy so that loading the pytest plugin does not import torch.
 """
@@ -18,6 +19,8 @@ _EXPORTS = {
     "MarkovTarget": "verispec.testing.toy",
     "ScriptedSpeculator": "verispec.testing.toy",
     "oracle_speculator": "verispec.testing.toy",
+    "real_checkpoint": "verispec.testing.plugin",
+    "built_once": "verispec.testing.plugin",
 }
 
 __all__ = list(_EXPORTS)

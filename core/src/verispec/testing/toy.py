@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from verispec.kernels.build import CLibrary
-from verispec.nn.state import PagedKVCache, RecurrentState
+from verispec.nn.kv_cache import PagedKVCache
+from verispec.nn.state import RecurrentState
 from verispec.nn.trunk import Rows, SequenceTrunk
 from verispec.seams import Speculator
 from verispec.specs import SpeculatorSpec

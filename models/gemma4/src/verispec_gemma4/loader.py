@@ -21,7 +21,7 @@ from verispec.gguf_io import GGUFFile
 from verispec.gguf_load import Stack, Tensor, plan_weights
 from verispec.weights.gguf_mode import default_dtype
 from verispec.weights.quant import canonical_dtype
-from verispec.nn.state import MAX_VERIFY_ROWS
+from verispec.nn.kv_cache import MAX_VERIFY_ROWS
 
 from verispec_gemma4.modeling_gemma3 import Gemma3Config, Gemma3ForCausalLM
 from verispec_gemma4.modeling_gemma4 import Gemma4Config, Gemma4ForCausalLM

@@ -27,7 +27,7 @@ from torch import nn
 from verispec.gguf_io import arch_value
 from verispec.nn.attention import attend_rows
 from verispec.nn.layers import DecoderLayerKernel, fused_kernel
-from verispec.nn.state import MAX_VERIFY_ROWS, PagedKVCache, RingKVCache
+from verispec.nn.kv_cache import MAX_VERIFY_ROWS, PagedKVCache, RingKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.rope import RotaryEmbedding, linear_scaling

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from verispec.gguf_io import arch_value
 from verispec.nn.attention import attend_rows
-from verispec.nn.state import MAX_VERIFY_ROWS, PagedKVCache, RingKVCache
+from verispec.nn.kv_cache import MAX_VERIFY_ROWS, PagedKVCache, RingKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.rope import RotaryEmbedding, default_inv_freq

@@ -40,7 +40,7 @@ from verispec.errors import UnsupportedVariant
 from verispec.gguf_io import MissingTensor, arch_value
 from verispec.nn.layers import DecoderLayerKernel, fused_kernel
 from verispec.nn.attention import attend_rows
-from verispec.nn.state import PagedKVCache
+from verispec.nn.kv_cache import PagedKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.rope import RotaryEmbedding, default_inv_freq, freq_factors, linear_scaling

@@ -45,7 +45,8 @@ from verispec.errors import UnsupportedVariant
 from verispec.gguf_io import MissingTensor, arch_value
 from verispec.nn.attention import attend_rows
 from verispec.nn.norm import RMSNorm
-from verispec.nn.state import PagedKVCache, RecurrentState
+from verispec.nn.kv_cache import PagedKVCache
+from verispec.nn.state import RecurrentState
 from verispec.nn.trunk import Rows, TrunkModule
 
 __all__ = ["ARCHITECTURES", "LAYER_TYPES", "NemotronHConfig", "NemotronHForCausalLM",

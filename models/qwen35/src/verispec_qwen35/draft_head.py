@@ -25,42 +25,10 @@ from collections.abc import Sequence
 
 import torch
 from verispec.nn.attention import attend
+from verispec.nn.kv_cache import HeadKVCache
 from verispec.seams import DraftHeadKind
 
-__all__ = ["HeadKVCache", "MtpState", "Qwen35MtpHead"]
-
-
-class HeadKVCache:
-    """The head's KV: slot = position, fp32 [Hkv, S, Dh]; a slot holds a position only once written
-    (positions of a gap or of dropped provisional rows read as empty, -1). Grows on demand."""
-
-    def __init__(self, num_kv_heads: int, head_dim: int):
-        self.k = torch.zeros(num_kv_heads, 0, head_dim)
-        self.v = torch.zeros(num_kv_heads, 0, head_dim)
-        self.tags = torch.full((0,), -1, dtype=torch.long)
-
-    def key_length(self, pos: int) -> int:
-        return pos + 1
-
-    def write(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: fp32 [m, Hkv, Dh] for positions start_pos .. start_pos + m - 1."""
-        end = start_pos + k.shape[0]
-        if end > self.k.shape[1]:
-            size = max(end, 2 * self.k.shape[1], 64)
-            grow = size - self.k.shape[1]
-            self.k = torch.cat([self.k, self.k.new_zeros(self.k.shape[0], grow, self.k.shape[2])], dim=1)
-            self.v = torch.cat([self.v, self.v.new_zeros(self.v.shape[0], grow, self.v.shape[2])], dim=1)
-            self.tags = torch.cat([self.tags, self.tags.new_full((grow,), -1)])
-        self.k[:, start_pos:end] = k.transpose(0, 1)
-        self.v[:, start_pos:end] = v.transpose(0, 1)
-        self.tags[start_pos:end] = torch.arange(start_pos, end)
-
-    def read(self, num_slots: int):
-        return self.k[:, :num_slots], self.v[:, :num_slots], self.tags[:num_slots]
-
-    def drop_from(self, pos: int) -> None:
-        """Forget every entry at position >= pos."""
-        self.tags[pos:] = -1
+__all__ = ["MtpState", "Qwen35MtpHead"]
 
 
 class MtpState:

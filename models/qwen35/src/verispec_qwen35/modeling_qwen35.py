@@ -36,7 +36,8 @@ from verispec.nn.elementwise import rowwise
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.rope import RotaryEmbedding
-from verispec.nn.state import PagedKVCache, RecurrentState
+from verispec.nn.kv_cache import PagedKVCache
+from verispec.nn.state import RecurrentState
 from verispec.nn.trunk import Rows, TrunkModule
 
 __all__ = ["Qwen35Config", "Qwen35ForCausalLM", "UnsupportedQwen35Variant"]
