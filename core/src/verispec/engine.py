@@ -101,7 +101,7 @@ class InferenceEngine:
         if not spec.enabled or self.registry is None:
             return
         if refusal is not None:
-            if spec.spec_type != "auto":  # DESIGN §3: an explicit type that cannot serve is an error
+            if spec.spec_type != "auto":  # docs/design.md §3: an explicit type that cannot serve is an error
                 from verispec.registry import SpeculationUnavailable
 
                 raise SpeculationUnavailable(spec.spec_type, {spec.spec_type: f"the trunk refuses speculation: "

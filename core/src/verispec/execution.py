@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("verispec")
 
-#: the --spec-draft default (DESIGN §5).
+#: the --spec-draft default (docs/design.md §5).
 DEFAULT_DRAFT_WINDOW = 8
 MAX_DRAFT_WINDOW = 64
 

@@ -1,4 +1,4 @@
-"""SpeculationCostGovernor: speculation must never make decoding slower (DESIGN.md §3).
+"""SpeculationCostGovernor: speculation must never make decoding slower (docs/design.md §3).
 
 It sits beside the loop. Before each step the loop asks `should_speculate()`; it times the
 step with `gov.clock` and reports it with `record_spec_step` or `record_plain_step`. The

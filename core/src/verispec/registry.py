@@ -1,6 +1,6 @@
 """The registry: the only place that knows which algorithms and models are installed.
 
-Fed by the entry-point group "verispec" (DESIGN.md §4). Each entry point names a light hook
+Fed by the entry-point group "verispec" (docs/design.md §4). Each entry point names a light hook
 module; its hooks call `register(spec)` with a `SpeculatorSpec`, `TargetSpec`,
 `DraftFileSpec` or `CheckpointSpec`. Plugins load one at a time and each is all or nothing:
 one whose import fails, whose hook raises, which registers a wrong type or a name already

@@ -55,7 +55,7 @@ class GenerationResult:
 @attrs.frozen
 class Speculation:
     """The engine's speculation policy as requests use it: one speculator, and one governor and
-    draft window shared by every request (DESIGN §3: per (model, drafter, backend))."""
+    draft window shared by every request (docs/design.md §3: per (model, drafter, backend))."""
 
     speculator: object  # seams.Speculator
     draft_window: int

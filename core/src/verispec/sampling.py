@@ -1,4 +1,4 @@
-"""Greedy and seeded sampling keyed by (seed, position) (DESIGN.md §5).
+"""Greedy and seeded sampling keyed by (seed, position) (docs/design.md §5).
 
 Shape letters: V vocabulary, m tokens kept by the filters.
 

@@ -1,4 +1,4 @@
-"""The seams between the loop and what plugs into it (DESIGN.md §3).
+"""The seams between the loop and what plugs into it (docs/design.md §3).
 
 Shape letters: n rows of one sequence in a forward, V vocabulary, D hidden size, F feature
 width of a hidden tap (`TrunkView.tap_feature_size`), K draft window.

@@ -18,7 +18,7 @@ ACCEPT_DECAY per step, so the window follows the text, and start from a prior of
 PRIOR_JUDGED drafts at PRIOR_ACCEPT_RATE.
 
 cost(n) — a speculative step with n = K + 1 verify rows, in units of one plain decode row
-(`set_plain_row_s`). It is not a line: on this CPU (reference/baselines.md §5) an int8 verify
+(`set_plain_row_s`). It is not a line: on this CPU (docs/reference/baselines.md §5) an int8 verify
 costs 0.99x at 2 rows, 1.22x at 4, 2.28x at 8, 4.39x at 16 — memory-bound up to ~4 rows, then
 compute-bound (a roofline knee) — while fp32 is concave (1.77x at 2, 2.56x at 16). No single
 per-row cost fits both, so the window keeps what it measured, per row count:

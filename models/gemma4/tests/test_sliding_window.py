@@ -2,7 +2,7 @@
 
 With 9-row chunks and verifies the rings hold 8 + 9 - 1 = 16 slots, so a 9-row verify that
 keeps few rows has overwritten slots a ring of W slots would still need (the silent bug of
-reference/gemma4.md §5.2). The next decode must equal a plain run: bitwise for int8,
+docs/reference/gemma4.md §5.2). The next decode must equal a plain run: bitwise for int8,
 within 1e-5 for fp32.
 """
 import pytest

@@ -12,7 +12,7 @@ from verispec_llama.loader import load
 pytest.importorskip("transformers")
 
 PARITY_CONFIGS = ["llama", "llama_tied_bias_llama3", "qwen2", "qwen2_tied_linear"]
-ATOL = 1e-4  # DESIGN.md §6: fp32 max |Δlogit| on tiny random configs
+ATOL = 1e-4  # docs/design.md §6: fp32 max |Δlogit| on tiny random configs
 
 
 def _hf_prefill_and_decodes(hf_model, prompt, continuation):

@@ -14,7 +14,7 @@ from verispec_nemotron.loader import load
 
 pytest.importorskip("transformers")
 
-ATOL = 1e-4  # DESIGN.md §6: fp32 max |Δlogit| on tiny random configs
+ATOL = 1e-4  # docs/design.md §6: fp32 max |Δlogit| on tiny random configs
 NUM_PROMPT, NUM_DECODE = 64, 16
 
 

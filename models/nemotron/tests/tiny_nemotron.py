@@ -4,7 +4,7 @@
 `write_fixture(model, path)` maps its state dict to GGUF names and layout (`hf_to_gguf`) and
 writes it with `verispec.testing.fixture_writer`. conftest's `tiny_fixture(name)` caches both.
 
-The map is written from reference/glm5-nemotron.md §7.2-7.3 (llama.cpp's names and shapes):
+The map is written from docs/reference/glm5-nemotron.md §7.2-7.3 (llama.cpp's names and shapes):
 `ssm_a` = -exp(A_log) [Hm, 1], `ssm_d` [Hm, 1], `ssm_norm` [G, di/G], `ssm_conv1d` [C, K]
 (HF's conv1d.weight is [C, 1, K]); the block pattern is the per-layer head_count_kv /
 feed_forward_length arrays; MoE files are `nemotron_h_moe`.

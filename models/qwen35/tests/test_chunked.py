@@ -14,7 +14,7 @@ TOL = 2e-5
 
 
 def _row_loop(q, k, v, beta, g, state):
-    """The delta rule one row at a time (reference/qwen35.md §5.3), written out here."""
+    """The delta rule one row at a time (docs/reference/qwen35.md §5.3), written out here."""
     outputs = []
     for t in range(q.shape[0]):
         state = state * g[t].exp()[:, None, None]

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 @pytest.mark.parametrize("name", ["dense_mtp", "moe_fused_mtp", "moe"])
 def test_fixture_names_are_gguf_pys(name):
     """Every tensor and key the test map writes is one gguf-py 0.19 names for the architecture
-    (MODEL_TENSORS / Keys), except the NextN rows it does not list yet (reference/qwen35.md §3.7)."""
+    (MODEL_TENSORS / Keys), except the NextN rows it does not list yet (docs/reference/qwen35.md §3.7)."""
     from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES, Keys
 
     hf_model, mtp = build_hf_model(name)

@@ -129,7 +129,7 @@ def test_one_speculator_serves_interleaved_sequences(tiny_fixture, kind):
     assert stats == solos
 
 
-# -- a standalone MTP GGUF paired with a main file without one (reference/qwen35.md §3.7, variant 3) --
+# -- a standalone MTP GGUF paired with a main file without one (docs/reference/qwen35.md §3.7, variant 3) --
 
 def _split_files(tiny_fixture, tmp_path, name="dense_mtp"):
     """(main GGUF without the MTP block, the MTP-only GGUF, the combined GGUF) of one model."""

@@ -3,7 +3,7 @@
 `build_hf_model(name)` builds the seeded transformers model of `TINY_CONFIGS[name]` and,
 when `mtp=True`, a random MTP block in HF's `mtp.*` names (transformers drops MTP weights on
 load, so they are drawn here). `hf_to_gguf` is the HF -> GGUF map written from llama.cpp's
-converter naming (reference/qwen35.md §3, §4: `conversion/qwen.py`), independently of the
+converter naming (docs/reference/qwen35.md §3, §4: `conversion/qwen.py`), independently of the
 loader's table: norms +1 except `linear_attn.norm`, A_log -> -exp(A_log), conv1d squeezed,
 value heads re-tiled, experts' gate_up split, MTP renamed onto `blk.{L}`.
 Sizes are odd and distinct (nv != nk so the re-tiling matters, dk != dv so a transposed
@@ -126,7 +126,7 @@ _ATTN = {
 
 
 def tiled_order(nk: int, nv: int) -> torch.Tensor:
-    """GGUF v-head p holds HF (grouped) v-head (p % nk) · r + p // nk (reference/qwen35.md §4.6)."""
+    """GGUF v-head p holds HF (grouped) v-head (p % nk) · r + p // nk (docs/reference/qwen35.md §4.6)."""
     r = nv // nk
     return torch.tensor([(p % nk) * r + p // nk for p in range(nv)])
 

@@ -21,7 +21,7 @@
  *   K transposed, fp32 [Hkv, D, B];  V fp32 [Hkv, B, D].
  * A slot is visible to the query at position p when its position sp (slot_pos[t], or t itself
  * when the sequence has no slot_pos table) satisfies 0 <= sp <= p and, with a window W > 0,
- * p - sp < W (the sliding rule of reference/gemma4.md §3.1).
+ * p - sp < W (the sliding rule of docs/reference/gemma4.md §3.1).
  */
 #include <math.h>
 #include <stdint.h>

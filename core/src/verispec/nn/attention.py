@@ -10,7 +10,7 @@ PyTorch path:
 Shape letters: n query rows, H query heads, Hkv KV heads, g = H / Hkv, Dh head dim,
 T key slots read.
 
-Batch invariance on CPU (reference/cpu-kernel-facts.md): a row computed inside an n-row
+Batch invariance on CPU (docs/reference/cpu-kernel-facts.md): a row computed inside an n-row
 verify must be bitwise the row computed alone. Two things make that true here:
 1. Every product is one query row per bmm batch item ([g, Dh] @ [Dh, T], then
    [g, T] @ [T, Dh]); the kernels give the same bits whatever the batch count, whereas a
@@ -25,7 +25,7 @@ Masked slots (other positions, empty or stale ring slots) get -inf scores, hence
 exactly 0, and contribute exact zeros to the output.
 Softmax and everything else is fp32.
 Source: transformers eager_attention_forward (scores · scaling, optional softcap, mask,
-softmax, @ V); the sliding rule 0 <= q - k < window (reference/gemma4.md §0, §3.1).
+softmax, @ V); the sliding rule 0 <= q - k < window (docs/reference/gemma4.md §0, §3.1).
 """
 from __future__ import annotations
 

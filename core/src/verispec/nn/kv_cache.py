@@ -46,7 +46,7 @@ class RewindBeyondWindow(CannotTruncate):
             "the model with a larger max_verify_rows")
 
 
-#: the widest verify the loop sends: --spec-draft is 1..64 (DESIGN §5), plus the pending token.
+#: the widest verify the loop sends: --spec-draft is 1..64 (docs/design.md §5), plus the pending token.
 #: A verify longer than a model's chunk is split, but kept as one, so rings keep this slack.
 MAX_VERIFY_ROWS = 65
 

@@ -3,7 +3,7 @@
 Families differ in what they store, not in how the norm runs: gemma/gemma2/gemma3 and
 qwen35 GGUFs already hold `1 + w` (llama.cpp's converter adds the 1), gemma4 holds `w`,
 llama holds `w`. So there is no offset flag here; the difference lives in each family's
-HF -> GGUF conversion (reference/gemma4.md §2.1, §8.1).
+HF -> GGUF conversion (docs/reference/gemma4.md §2.1, §8.1).
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def default_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
 def proportional_inv_freq(head_dim: int, theta: float, partial_rotary_factor: float) -> torch.Tensor:
     """fp32 [head_dim/2]: Gemma 4's full-layer RoPE. The first `factor·head_dim/2` pairs get
     theta^(-2i/head_dim) (denominator: the *whole* head dim), the others frequency 0 (identity).
-    Source: transformers _compute_proportional_rope_parameters; reference/gemma4.md §3.3."""
+    Source: transformers _compute_proportional_rope_parameters; docs/reference/gemma4.md §3.3."""
     rope_angles = int(partial_rotary_factor * head_dim // 2)
     exponents = torch.arange(0, 2 * rope_angles, 2, dtype=torch.int64).float() / head_dim
     rotated = 1.0 / (theta ** exponents)

@@ -28,7 +28,7 @@ is opt-in.
 int8 is symmetric per output channel: w ≈ q · scale, q in [-127, 127], scale =
 max|w_row| / 127 rounded up to bf16 (the kernel takes bf16 scales; rounding up means no
 weight clips). Its output, like bf16's, is bf16-rounded (8 significant bits) before it
-returns to fp32. Invariance and costs measured for this project: reference/cpu-kernel-facts.md,
+returns to fp32. Invariance and costs measured for this project: docs/reference/cpu-kernel-facts.md,
 baselines.md §5.
 
 `rows(ids)` gathers fp32 rows of the weight, so a tied embedding table and LM head are one

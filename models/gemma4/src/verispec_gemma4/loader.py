@@ -35,7 +35,7 @@ from verispec_gemma4.modeling_gemma4 import Gemma4Config, Gemma4ForCausalLM
 DEFAULT_DTYPE = "gguf"  # int8 where the C kernels are not built (weights.gguf_mode.default_dtype)
 
 #: GGUF tensor -> parameter in our modules (HF's names); "{i}" = layer index (gemma4's "{e}" = expert).
-#: gguf-py MODEL_TENSORS[GEMMA3]; reference/gemma4.md §2.1 gives the HF <-> GGUF pairs.
+#: gguf-py MODEL_TENSORS[GEMMA3]; docs/reference/gemma4.md §2.1 gives the HF <-> GGUF pairs.
 #: `output.weight` is only in files with an untied LM head (a tied model has no lm_head entry).
 #: The dense MLP's gate and up are one stacked linear (nn.mlp.GatedMLP).
 GEMMA3_TENSORS = (
@@ -57,7 +57,7 @@ GEMMA3_TENSORS = (
     Tensor("blk.{i}.post_ffw_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight"),
 )
 
-#: gemma4 (llama.cpp src/models/gemma4 loader, gguf-py MODEL_TENSORS[GEMMA4]; reference/gemma4.md §2.3):
+#: gemma4 (llama.cpp src/models/gemma4 loader, gguf-py MODEL_TENSORS[GEMMA4]; docs/reference/gemma4.md §2.3):
 #: every gemma3 row, plus per-layer embeddings, layer scalars, MoE. Norms are stored as w (no +1).
 #: KV-shared layers have no attn_k/attn_v/attn_k_norm; full layers of K=V models no attn_v (the
 #: model then builds no v_proj, so neither is looked up). The layer scalar and per-expert scales

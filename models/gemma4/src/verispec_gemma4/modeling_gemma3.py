@@ -1,7 +1,7 @@
 """Gemma 3 text trunk (math only; `loader.py` does the file I/O).
 
 References: transformers 5.24 `models/gemma3/modeling_gemma3.py` (Gemma3TextModel,
-Gemma3ForCausalLM) and llama.cpp's gemma3 graph; the forward is reference/gemma4.md §3.2.
+Gemma3ForCausalLM) and llama.cpp's gemma3 graph; the forward is docs/reference/gemma4.md §3.2.
 
 Shape legend: n rows in a forward, D hidden size, H / Hkv query / KV heads, Dh head dim,
 F MLP width, V vocabulary, L layers.
@@ -67,7 +67,7 @@ class Gemma3Config:
     def from_gguf_metadata(cls, md: Mapping[str, Any], *, vocab_size: int,
                            tie_word_embeddings: bool = True) -> Gemma3Config:
         """Config from GGUF metadata (`{arch}.` keys), with llama.cpp's gemma3 defaults for what
-        the file omits (reference/gemma4.md §2.1). `vocab_size` comes from token_embd's rows,
+        the file omits (docs/reference/gemma4.md §2.1). `vocab_size` comes from token_embd's rows,
         `tie_word_embeddings` from whether the file has output.weight. Raises gguf_io.MissingKey
         for a required key the file lacks."""
         key = functools.partial(arch_value, md)

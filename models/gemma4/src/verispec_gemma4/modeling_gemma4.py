@@ -2,7 +2,7 @@
 
 References: transformers 5.24 `models/gemma4/modeling_gemma4.py` (Gemma4TextModel,
 Gemma4TextDecoderLayer, Gemma4TextRouter/Experts) and llama.cpp's gemma4 graph; the
-forward is reference/gemma4.md §3.3. No real Gemma 4 weights were available offline: the
+forward is docs/reference/gemma4.md §3.3. No real Gemma 4 weights were available offline: the
 math is checked against transformers on tiny random configs only.
 
 Shape legend: n rows in a forward, D hidden size, H / Hkv query / KV heads, Dh head dim
@@ -111,7 +111,7 @@ class Gemma4Config:
     def from_gguf_metadata(cls, md: Mapping[str, Any], *, vocab_size: int, rope_freqs=None,
                            vocab_size_per_layer_input: int = 0, attention_k_eq_v: bool = False,
                            tie_word_embeddings: bool = True) -> Gemma4Config:
-        """Config from `gemma4.*` keys (reference/gemma4.md §2.3). What only the tensors tell the
+        """Config from `gemma4.*` keys (docs/reference/gemma4.md §2.3). What only the tensors tell the
         loader passes in: vocab sizes, `rope_freqs`, whether attn_v exists, output.weight.
         Raises gguf_io.MissingKey for a required key the file lacks."""
         key = functools.partial(arch_value, md)

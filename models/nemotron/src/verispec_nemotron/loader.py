@@ -30,7 +30,7 @@ DEFAULT_DTYPE = "int8"
 
 _L = "model.layers.{i}"
 #: GGUF tensor -> parameter in our modules; "{i}" = block, "{e}" = expert. gguf-py
-#: MODEL_TENSORS[NEMOTRON_H] / [NEMOTRON_H_MOE]; reference/glm5-nemotron.md §7.3. Entries the
+#: MODEL_TENSORS[NEMOTRON_H] / [NEMOTRON_H_MOE]; docs/reference/glm5-nemotron.md §7.3. Entries the
 #: model does not have (a block's other mixers, an untied head's absence) are not looked up.
 TENSORS = (
     Tensor("token_embd.weight", "model.embed_tokens.weight"),

@@ -8,7 +8,7 @@ Every block is pre-norm with a residual (transformers NemotronHBlock):
     h = h + mixer(rmsnorm(h))          mixer = Mamba-2 | attention | MLP | MoE
 then logits = lm_head(rmsnorm(h)). No positional encoding anywhere (no RoPE).
 
-Mamba-2, per row t of a sequence (reference/glm5-nemotron.md §7.4; transformers
+Mamba-2, per row t of a sequence (docs/reference/glm5-nemotron.md §7.4; transformers
 NemotronHMamba2Mixer, mamba2_selective_state_update; llama.cpp ggml_ssm_conv / ggml_ssm_scan):
     z, xBC, dt = in_proj(x)                                    [di], [C], [Hm]
     xBC = silu(conv1d over the last K inputs (conv state) + bias)
@@ -115,7 +115,7 @@ class NemotronHConfig:
     @classmethod
     def from_gguf(cls, metadata: Mapping, tensor_shapes: Mapping[str, tuple[int, ...]], *,
                   source: str = "the GGUF") -> NemotronHConfig:
-        """Read `{arch}.*` keys (reference/glm5-nemotron.md §7.2) and which optional tensors exist.
+        """Read `{arch}.*` keys (docs/reference/glm5-nemotron.md §7.2) and which optional tensors exist.
 
         The block pattern comes from the per-layer arrays: head_count_kv[i] = feed_forward_length[i]
         = 0 is a Mamba-2 block, head_count_kv[i] > 0 attention, feed_forward_length[i] > 0 an

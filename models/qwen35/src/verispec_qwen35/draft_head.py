@@ -1,6 +1,6 @@
 """The Qwen 3.5 / 3.6 MTP (NextN) block as a PER_TOKEN `DraftHead` bound to its trunk.
 
-One draft step (reference/qwen35.md §7.1), for a hidden row h [D] and the token t that follows
+One draft step (docs/reference/qwen35.md §7.1), for a hidden row h [D] and the token t that follows
 the position h came from, at MTP position p (the token's position: llama.cpp's convention):
     x  = fc( [enorm(embed(t)) ‖ hnorm(h)] )                    embedding first, then hidden
     x  = x + attn(input_layernorm(x))                          the head's own KV, partial RoPE, gate

@@ -2,7 +2,7 @@
 
 `load(path, dtype=..., context_length=...)` is the TargetSpec loader. Steps:
 1. `GGUFFile.open` (verispec.gguf_io): metadata and the tensor table.
-2. `config_from_gguf`: sizes from `{arch}.*` keys (reference/qwen35.md §2); the main stack is
+2. `config_from_gguf`: sizes from `{arch}.*` keys (docs/reference/qwen35.md §2); the main stack is
    block_count - nextn_predict_layers; layer types from `attention.recurrent_layers` when the
    file has it, else the `full_attention_interval` rule.
 3. Weights: one typed tensor table (`TENSORS`, GGUF name -> HF-style parameter name) through
@@ -80,7 +80,7 @@ TENSORS = (
 
 
 def mtp_tensors(n: int) -> tuple[Tensor, ...]:
-    """The MTP block `blk.{n}` (n = main layer count) onto `mtp.*` (reference/qwen35.md §3.7)."""
+    """The MTP block `blk.{n}` (n = main layer count) onto `mtp.*` (docs/reference/qwen35.md §3.7)."""
     def at(source):
         if isinstance(source, str):
             return source.format(i=n)
@@ -141,7 +141,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
 
 
 def load_mtp_file(path: str | os.PathLike, target, *, use_cache: bool = True):
-    """A standalone MTP GGUF (reference/qwen35.md §3.7, variant 3) as the draft head of `target`,
+    """A standalone MTP GGUF (docs/reference/qwen35.md §3.7, variant 3) as the draft head of `target`,
     the `DraftFileSpec` loader behind `--draft-model` for qwen35 / qwen35moe files.
 
     The block is loaded in the trunk's weight dtype; the head reads the trunk's embedding and LM
@@ -188,7 +188,7 @@ _READ_FROM_TRUNK = ("token_embd.weight", "output.weight", "output_norm.weight")
 
 
 def config_from_gguf(gguf: GGUFFile, *, standalone_mtp: bool = False) -> Qwen35Config:
-    """Read the `{arch}.*` keys of an opened qwen35 / qwen35moe GGUF (reference/qwen35.md §2).
+    """Read the `{arch}.*` keys of an opened qwen35 / qwen35moe GGUF (docs/reference/qwen35.md §2).
 
     standalone_mtp: the file is the converter's separate MTP GGUF (§3.7, variant 3: the main
     file's metadata, only `blk.{n_main}.*` plus embedding/norm/head tensors) rather than a main file.

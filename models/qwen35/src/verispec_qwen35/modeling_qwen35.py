@@ -10,7 +10,7 @@ Per layer (pre-norm residual, as transformers Qwen3_5DecoderLayer):
     h = h + ffn(post_attention_layernorm(h))    ffn = SwiGLU | MoE + shared expert
 then logits = lm_head(norm(h)). Layer i is full attention iff (i + 1) % interval == 0.
 
-What the GGUF holds (reference/qwen35.md §4), so the math here is plain:
+What the GGUF holds (docs/reference/qwen35.md §4), so the math here is plain:
 - every `*norm.weight` except the GDN gated norm already holds 1 + w: RMSNorm multiplies by it;
 - `ssm_a` holds -exp(A_log): the log decay is g = ssm_a · softplus(a + dt_bias);
 - value heads are re-tiled: GGUF v-head p pairs with k-head p % nk, so q/k are expanded to
@@ -113,7 +113,7 @@ class Qwen35GatedDeltaNet(nn.Module):
                                           requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.nv, device=device), requires_grad=False)
         self.ssm_a = nn.Parameter(torch.empty(self.nv, device=device), requires_grad=False)  # -exp(A_log)
-        self.norm = RMSNorm(self.dv, c.rms_norm_eps)  # plain weight (no 1 + w), reference/qwen35.md §4.1
+        self.norm = RMSNorm(self.dv, c.rms_norm_eps)  # plain weight (no 1 + w), docs/reference/qwen35.md §4.1
         #: run a non-verify chunk of at least this many rows through `chunked_delta_rule` (None: never).
         self.chunked_min_rows: int | None = None
 
@@ -185,7 +185,7 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
     state: [nv, dk, dv]. Returns (outputs [m, nv, dv], the state after the last row).
     Per chunk, with Γ the in-chunk cumulative log decay and L_ij = β_i e^(Γ_i−Γ_j) k_i·k_j (j < i):
     U = (I + L)⁻¹ (β⊙V − β⊙e^Γ⊙K · S₀), o_i = e^Γ_i q_i S₀ + Σ_{j≤i} e^(Γ_i−Γ_j) (q_i·k_j) u_j,
-    S = e^Γ_C S₀ + Σ_j e^(Γ_C−Γ_j) k_j u_jᵀ (reference/qwen35.md §5.4). The upper triangle is
+    S = e^Γ_C S₀ + Σ_j e^(Γ_C−Γ_j) k_j u_jᵀ (docs/reference/qwen35.md §5.4). The upper triangle is
     masked before exponentiating (Γ_i − Γ_j > 0 there); padded rows have β = g = 0 (inert).
     """
     m = q.shape[0]

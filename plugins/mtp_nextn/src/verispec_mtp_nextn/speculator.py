@@ -9,7 +9,7 @@ A step, with the pending token x at position p and the trunk's tapped row h of p
     ...
 
 The gate (--spec-pmin, default 0.15): the top-1 probability of a softmax over the step's ten
-largest logits; drafting stops at the first step below it (reference/qwen35.md §7, llama.cpp's
+largest logits; drafting stops at the first step below it (docs/reference/qwen35.md §7, llama.cpp's
 draft p_min). It stops after a stop token (the stop is drafted) and at the window; a pending
 stop token gets no draft. Greedy argmax drafts: the loop's acceptance keeps the output exact
 for any sampler.
@@ -31,7 +31,7 @@ from verispec_mtp_nextn.hooks import SPEC
 if TYPE_CHECKING:
     import torch
 
-#: the gate's softmax runs over this many largest logits (the `--spec-pmin` units, DESIGN §5).
+#: the gate's softmax runs over this many largest logits (the `--spec-pmin` units, docs/design.md §5).
 GATE_TOP_K = 10
 
 
