@@ -29,7 +29,7 @@ int8 is symmetric per output channel: w ≈ q · scale, q in [-127, 127], scale 
 max|w_row| / 127 rounded up to bf16 (the kernel takes bf16 scales; rounding up means no
 weight clips). Its output, like bf16's, is bf16-rounded (8 significant bits) before it
 returns to fp32. Invariance and costs measured for this project: docs/reference/cpu-kernel-facts.md,
-baselines.md §5.
+docs/reference/baselines.md §5.
 
 `rows(ids)` gathers fp32 rows of the weight, so a tied embedding table and LM head are one
 module (one int8 copy of Gemma's 262k x 640 table, not two).
