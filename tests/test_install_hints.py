@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from verispec.registry import DEFAULT_CHECKPOINT_INSTALL, Registry, format_plugin_table, install_hint
+from verispec.install_hints import DEFAULT_CHECKPOINT_INSTALL, install_hint
+from verispec.registry import Registry, format_plugin_table
+from verispec.speculator_choice import choose_speculator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,5 +49,5 @@ def test_the_unknown_architecture_hint_names_the_model_directories():
     message = str(UnknownArchitecture("qwen35", ["gemma3"]))
     assert f"-e {ROOT}/models/gemma4 -e {ROOT}/models/llama" in message and "verispec-gemma4" not in message
     assert "verispec-dflash" not in str(UnknownArchitecture("dflash", [], kind="draft_file"))
-    assert Registry.from_plugins({}).choose_speculator("auto", None, max_draft_tokens=8).reason.endswith(
+    assert choose_speculator(Registry.from_plugins({}), "auto", None, max_draft_tokens=8).reason.endswith(
         "not on PyPI; " f"{ROOT}/scripts/setup.sh installs every distribution))")

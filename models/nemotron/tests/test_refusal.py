@@ -14,7 +14,8 @@ import sys
 
 import pytest
 from verispec import api
-from verispec.registry import Registry, SpeculationUnavailable
+from verispec.registry import Registry
+from verispec.speculator_choice import SpeculationUnavailable, choose_speculator
 from verispec_nemotron.loader import load
 from verispec_nemotron.modeling_nemotron_h import NemotronHForCausalLM
 
@@ -37,11 +38,11 @@ def path(tiny_fixture):
 def test_registry_auto_declines_and_an_explicit_type_raises(path, refusing):
     registry = Registry.discover()
     target = load(path, use_cache=False, tokenizer=False)
-    choice = registry.choose_speculator("auto", target, max_draft_tokens=8)
+    choice = choose_speculator(registry, "auto", target, max_draft_tokens=8)
     assert choice.speculator is None and choice.declines
     assert all(REASON in why for why in choice.declines.values())
     with pytest.raises(SpeculationUnavailable, match="3e-2"):
-        registry.choose_speculator("ngram", target, max_draft_tokens=8)
+        choose_speculator(registry, "ngram", target, max_draft_tokens=8)
 
 
 def test_engine_auto_logs_the_reason_once_and_decodes_plainly(path, refusing, caplog):

@@ -6,8 +6,9 @@ handling, per-sequence state and registration are tested without trained weights
 """
 import pytest
 import torch
-from verispec.registry import Registry, SpeculationUnavailable
+from verispec.registry import Registry
 from verispec.seams import DraftContext, DraftHeadKind
+from verispec.speculator_choice import SpeculationUnavailable, choose_speculator
 from verispec.testing import SpeculatorConformance, ToyTarget, run_greedy
 from verispec_mtp_nextn import hooks
 from verispec_mtp_nextn.speculator import MtpSpeculator, top1_gate_prob
@@ -100,10 +101,10 @@ def test_registry_declines_without_a_draft_head_and_builds_with_one():
     registry = Registry.from_plugins({"mtp": hooks})
     target = ToyTarget(vocab_size=16)
     with pytest.raises(SpeculationUnavailable, match="no draft head"):
-        registry.choose_speculator("mtp", target, draft_head=None, max_draft_tokens=4)
+        choose_speculator(registry, "mtp", target, draft_head=None, max_draft_tokens=4)
     with pytest.raises(SpeculationUnavailable, match="no draft head"):
-        registry.choose_speculator("draft-head", target, draft_head=None, max_draft_tokens=4)
-    choice = registry.choose_speculator("draft-head", target, draft_head=ToyNextHead(target.view()),
+        choose_speculator(registry, "draft-head", target, draft_head=None, max_draft_tokens=4)
+    choice = choose_speculator(registry, "draft-head", target, draft_head=ToyNextHead(target.view()),
                                         max_draft_tokens=4)
     assert isinstance(choice.speculator, MtpSpeculator) and choice.name == "mtp"
     assert choice.speculator.min_draft_prob == 0.15 and choice.speculator.spec.requires_draft_head

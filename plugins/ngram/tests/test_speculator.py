@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from verispec.registry import Registry
 from verispec.seams import DraftContext, Speculator
 from verispec.specs import SpeculatorSpec, resolve
+from verispec.speculator_choice import choose_speculator
 from verispec_ngram import hooks
 from verispec_ngram.hooks import SPEC
 from verispec_ngram.speculator import NGramSpeculator, NGramState, create
@@ -306,10 +307,10 @@ def test_declarations_and_factory():
 
 def test_registry_builds_it_over_the_registered_spec():
     registry = Registry.from_plugins({"ngram": hooks})
-    choice = registry.choose_speculator("ngram", object(), max_draft_tokens=6)
+    choice = choose_speculator(registry, "ngram", object(), max_draft_tokens=6)
     assert isinstance(choice.speculator, NGramSpeculator) and choice.speculator.spec is SPEC
     assert (choice.speculator.max_draft_tokens, choice.speculator.min_draft_prob) == (6, 0.0)
-    assert registry.choose_speculator("ngram", object(), max_draft_tokens=6,
+    assert choose_speculator(registry, "ngram", object(), max_draft_tokens=6,
                                       min_draft_prob=0.5).speculator.min_draft_prob == 0.5
 
 

@@ -1,0 +1,152 @@
+"""Choosing the speculator for a trunk: `choose_speculator` tries the installed speculators a
+--spec-type selects, in priority order, and builds the first that can serve.
+
+A speculator declines from its declarations alone (`requires_draft_head`, the trunk's
+`speculation_refusal` / `speculation_profitable`), from its own `decline` check, or by its
+factory returning None; a factory that raises is a broken plugin: it declines with the error
+(logged), never taking the engine down. An explicit --spec-type that nothing can serve is an
+error naming every reason (`SpeculationUnavailable`); "auto" then decodes plainly.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from verispec.errors import VerispecError
+from verispec.install_hints import install_hint
+from verispec.registry import Entry, Registry
+from verispec.seams import DraftHeadKind, declared
+from verispec.specs import SpeculatorSpec, resolve
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class Choice:
+    """The speculator `choose_speculator` built, or None to decode plainly, and why."""
+
+    #: the built Speculator, or None: decode plainly.
+    speculator: Any
+    #: its registered name (None when decoding plainly).
+    name: str | None
+    #: one operator-facing line: which and why, or why none.
+    reason: str
+    #: speculator name -> why it declined, for those tried before the pick.
+    declines: dict[str, str]
+
+
+class SpeculationUnavailable(VerispecError, RuntimeError):
+    """An explicit --spec-type that no installed speculator can serve for this trunk."""
+
+    def __init__(self, spec_type: str, reasons: Mapping[str, str]):
+        self.spec_type, self.reasons = spec_type, dict(reasons)
+        super().__init__(f"--spec-type {spec_type} cannot be served: {_reasons(self.reasons)}; pick another "
+                         "--spec-type, or --spec-type auto to decode plainly when nothing can serve")
+
+
+def choose_speculator(registry: Registry, spec_type: str, target: Any, *, draft_head: Any = None,
+                      max_draft_tokens: int, min_draft_prob: float | None = None) -> Choice:
+    """Build the speculator `spec_type` selects for `target` among those `registry` holds.
+
+    spec_type: "auto" (highest priority that can serve), "draft-head" (any that requires a
+    draft head), "block" (those, with a BLOCK head) or a registered name.
+    min_draft_prob: None means each speculator's default_min_draft_prob.
+    Returns a Choice; with "auto" and nothing serving, Choice(speculator=None, ...).
+    Raises SpeculationUnavailable when an explicit spec_type cannot be served.
+    """
+    declines: dict[str, str] = {}
+    for entry in _candidates(registry, spec_type):
+        reason = _precheck(entry.spec, spec_type, target, draft_head)
+        speculator = None
+        if reason is None:
+            speculator, reason = _build(entry.spec, target, draft_head, max_draft_tokens, min_draft_prob)
+        if speculator is not None:
+            return Choice(speculator, entry.name, _picked(entry.spec, spec_type, declines), declines)
+        declines[entry.name] = reason
+    if spec_type != "auto":
+        raise SpeculationUnavailable(spec_type, declines)
+    why = (_reasons(declines) if declines
+           else f"no speculator plugin is installed, e.g. {install_hint('plugins/ngram')}")
+    reason = f"decoding plainly: nothing can serve this trunk ({why})"
+    logger.info(reason)
+    return Choice(None, None, reason, declines)
+
+def _candidates(registry: Registry, spec_type: str) -> list[Entry]:
+    ranked = sorted(registry.speculators.values(), key=lambda e: (-e.spec.priority, e.name))
+    installed = _names(sorted(registry.speculators))
+    if spec_type == "auto":
+        return ranked
+    if spec_type in ("draft-head", "block"):
+        group = [e for e in ranked if e.spec.requires_draft_head]
+        if not group:
+            raise SpeculationUnavailable(spec_type, {spec_type: (
+                f"no installed speculator drafts with a draft head (installed: {installed})")})
+        return group
+    if spec_type in registry.speculators:
+        return [registry.speculators[spec_type]]
+    raise SpeculationUnavailable(spec_type, {spec_type: (
+        f"no speculator named {spec_type!r} is installed (installed: {installed}); "
+        "pip install the distribution that provides it")})
+
+
+def _precheck(spec: SpeculatorSpec, spec_type: str, target: Any, draft_head: Any) -> str | None:
+    """Why `spec` cannot serve, from declarations alone (nothing imported), or None."""
+    refusal = declared(target, "speculation_refusal")
+    if refusal is not None:
+        return f"the trunk refuses speculation: {refusal}"
+    if spec_type == "auto" and not declared(target, "speculation_profitable"):
+        return "the trunk declares speculation unprofitable (an explicit --spec-type still runs)"
+    head_kind = getattr(draft_head, "draft_head_kind", DraftHeadKind.NONE)
+    if spec_type == "block" and head_kind is not DraftHeadKind.BLOCK:  # before the generic no-head line
+        loaded = "none is loaded" if head_kind is DraftHeadKind.NONE else f"the loaded one is {head_kind.value}"
+        return (f"--spec-type block needs a block draft head and {loaded}; pass a block drafter GGUF with "
+                "--draft-model PATH")
+    if spec.requires_draft_head and head_kind is DraftHeadKind.NONE:
+        return (f"no draft head: {spec.name} drafts with trained drafter weights and none are loaded "
+                "for this trunk; pass --draft-model PATH, or pick a weight-free --spec-type")
+    return None
+
+
+def _build(spec: SpeculatorSpec, target, draft_head, max_draft_tokens, min_draft_prob):
+    """(speculator, None), or (None, why not): the spec's decline check, then its factory."""
+    try:
+        if spec.decline is not None:
+            reason = resolve(spec.decline)(target)
+            if reason:
+                return None, reason
+        speculator = resolve(spec.factory)(
+            target, spec=spec, max_draft_tokens=max_draft_tokens, draft_head=draft_head,
+            min_draft_prob=spec.default_min_draft_prob if min_draft_prob is None else min_draft_prob)
+    except Exception as exc:  # a broken plugin declines; it never takes the engine down
+        logger.warning("speculator %r failed to build: %s", spec.name, _text(exc),
+                       exc_info=os.environ.get("VERISPEC_DEBUG") == "1")  # the traceback on request
+        return None, f"{spec.name} failed to build: {_text(exc)}"
+    if speculator is None:
+        return None, f"{spec.name} cannot serve this trunk"
+    return speculator, None
+
+
+def _picked(spec: SpeculatorSpec, spec_type: str, declines: dict[str, str]) -> str:
+    if spec_type == spec.name:
+        reason = f"{spec.name}: requested by --spec-type {spec_type}"
+    else:
+        group = "" if spec_type == "auto" else f"{spec_type} "
+        reason = (f"{spec.name}: the highest-priority {group}speculator that can serve this trunk "
+                  f"(priority {spec.priority})")
+    return f"{reason}; declined: {_reasons(declines)}" if declines else reason
+
+
+def _names(names) -> str:
+    return ", ".join(names) or "none"
+
+
+def _reasons(reasons: Mapping[str, str]) -> str:
+    return "; ".join(f"{name}: {why}" for name, why in reasons.items())
+
+
+def _text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
