@@ -1,8 +1,7 @@
 """Open and validate a GGUF file: typed metadata, tensor table, tensors as torch.
 
-The file is memory-mapped once; parsing the header walks it with `struct` and decodes
-string arrays (a 262k-token vocabulary) in one pass: 0.1 s for Gemma 3 270M, where
-`gguf.GGUFReader` builds a numpy view per vocabulary entry and takes 9-24 s.
+The file is memory-mapped once and its header parsed by `gguf_header.parse` (0.1 s for Gemma 3
+270M's 262k-token vocabulary); the errors it raises are `gguf_errors`' (listed here too).
 Tensor data stays in the map until asked for: `raw_tensor` returns a read-only view of
 the stored bytes, `tensor` dequantises through `gguf.quants.dequantize`.
 
@@ -19,17 +18,16 @@ numpy and torch are the only heavy imports; torch is imported inside `tensor()`,
 from __future__ import annotations
 
 import hashlib
-import math
 import os
-import struct
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from verispec.errors import VerispecError
+from verispec.gguf_errors import (BadTensorShape, CorruptGGUF, GGUFError, MissingKey, MissingTensor, NotGGUF,
+                                  TruncatedGGUF, UnsupportedGGUFVersion, UnsupportedTensorType)
+from verispec.gguf_header import PLAIN_NUMPY, TensorInfo, architecture_text, parse, read_architecture
 
 if TYPE_CHECKING:
     import torch
@@ -50,248 +48,6 @@ __all__ = [
     "read_architecture",
 ]
 
-_MAGIC = b"GGUF"
-_SUPPORTED_VERSIONS = (2, 3)  # v1 counted with u32 and predates every file in use
-_KNOWN_VERSIONS = (1, 2, 3)
-#: a version field above this is garbage (no writer has got near it), unless it is a known
-#: version byte-swapped (a big-endian file).
-_MAX_PLAUSIBLE_VERSION = 255
-#: more tensors or metadata keys than any model file holds (the largest have tens of thousands).
-_MAX_PLAUSIBLE_ENTRIES = 1 << 24
-#: arrays of arrays nest at most this deep (llama.cpp writes none); deeper is corruption,
-#: refused before Python's recursion limit is reached.
-_MAX_ARRAY_DEPTH = 8
-_DEFAULT_ALIGNMENT = 32  # llama.cpp's GGUF_DEFAULT_ALIGNMENT
-
-# scalar value types: struct format and numpy dtype (little-endian)
-_SCALAR_FORMAT = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-}
-_SCALAR_DTYPE = {vtype: np.dtype(fmt.replace("?", "b1")) for vtype, fmt in _SCALAR_FORMAT.items()}
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-
-# ggml types stored as plain values: read by reinterpreting the bytes
-_PLAIN_NUMPY = {
-    GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
-    GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
-    GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
-    GGMLQuantizationType.I64: np.int64,
-}
-
-
-# --- errors ---------------------------------------------------------------------------
-
-class GGUFError(VerispecError):
-    """Base class: a GGUF file cannot be read, or lacks what a loader needs."""
-
-
-class NotGGUF(GGUFError):
-    """A foreign file: it does not start with the GGUF magic."""
-
-    def __init__(self, path: str, magic: bytes):
-        self.path, self.magic = path, magic
-        super().__init__(
-            f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
-            "pass a .gguf model file (convert safetensors with llama.cpp's convert_hf_to_gguf.py)")
-
-
-class TruncatedGGUF(GGUFError):
-    """The file is shorter than its own header or tensor table says."""
-
-    def __init__(self, path: str, needed_bytes: int, file_bytes: int, what: str):
-        self.path, self.needed_bytes, self.file_bytes, self.what = path, needed_bytes, file_bytes, what
-        super().__init__(
-            f"{path} is truncated: {what} needs {needed_bytes:,} bytes but the file has {file_bytes:,}; "
-            "the download or copy was cut short, fetch or assemble the file again")
-
-
-class UnsupportedGGUFVersion(GGUFError):
-    """A GGUF version this reader does not take: v1, a newer one, or a big-endian file (its
-    version reads byte-swapped). A version field no writer produces is CorruptGGUF instead."""
-
-    def __init__(self, path: str, version: int):
-        self.path, self.version = path, version
-        swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
-        if swapped in _KNOWN_VERSIONS:
-            hint = f"it is big-endian (version {swapped} byte-swapped); use a little-endian file"
-        elif version > max(_SUPPORTED_VERSIONS):
-            hint = "a newer format than this reader knows; re-convert it with a llama.cpp that writes v3"
-        else:
-            hint = "re-convert it with a current llama.cpp (writes v3)"
-        super().__init__(f"{path} is GGUF version {version}; supported: "
-                         f"{', '.join(map(str, _SUPPORTED_VERSIONS))}; {hint}")
-
-
-class CorruptGGUF(GGUFError):
-    """The header parses but contradicts itself (bad type id, misaligned or overlapping data)."""
-
-    def __init__(self, path: str, detail: str):
-        self.path, self.detail = path, detail
-        super().__init__(f"{path} is corrupt: {detail}; re-download or re-convert the file")
-
-
-class MissingKey(GGUFError):
-    def __init__(self, key: str, arch: str | None, path: str):
-        self.key, self.arch, self.path = key, arch, path
-        super().__init__(
-            f"{path} (architecture {arch!r}) has no metadata key {key!r}; the file was written by a "
-            "converter that predates this model family, re-convert it with a current llama.cpp")
-
-
-class MissingTensor(GGUFError):
-    def __init__(self, name: str, arch: str | None, path: str | None = None):
-        self.name, self.arch, self.path = name, arch, path
-        super().__init__(
-            f"{path or 'the GGUF'} (architecture {arch!r}) has no tensor {name!r}; it is incomplete or "
-            "a different variant of this family: re-convert it with a current llama.cpp")
-
-
-class BadTensorShape(GGUFError):
-    def __init__(self, name: str, expected: tuple[int, ...], got: tuple[int, ...]):
-        self.name, self.expected, self.got = name, tuple(expected), tuple(got)
-        super().__init__(
-            f"tensor {name!r} has shape {list(self.got)} but the metadata implies {list(self.expected)} "
-            "(torch order); the file's metadata and weights disagree, re-convert it")
-
-
-class UnsupportedTensorType(GGUFError):
-    def __init__(self, name: str, ggml_type: int):
-        self.name, self.ggml_type = name, ggml_type
-        super().__init__(
-            f"tensor {name!r} has ggml type {ggml_type}, which gguf {_gguf_version()} cannot dequantise; "
-            "upgrade the `gguf` package or re-quantise the file (e.g. Q8_0, Q4_K)")
-
-
-def _gguf_version() -> str:
-    from importlib.metadata import version
-
-    return version("gguf")
-
-
-# --- value types ----------------------------------------------------------------------
-
-@attrs.frozen
-class TensorInfo:
-    name: str
-    #: torch order (GGUF dims reversed): a linear weight is [out, in].
-    shape: tuple[int, ...]
-    ggml_type: GGMLQuantizationType
-    #: absolute byte offset of the data in the file.
-    offset: int
-    nbytes: int
-
-    @property
-    def is_quantized(self) -> bool:
-        return self.ggml_type not in _PLAIN_NUMPY and self.ggml_type != GGMLQuantizationType.BF16
-
-
-# --- the parser -----------------------------------------------------------------------
-
-class _Cursor:
-    """Reads little-endian values from a buffer; any read past the end raises TruncatedGGUF."""
-
-    def __init__(self, buf: memoryview, path: str):
-        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
-
-    def need(self, n: int, what: str) -> None:
-        if self.pos + n > self.size:
-            raise TruncatedGGUF(self.path, self.pos + n, self.size, what)
-
-    def unpack(self, fmt: struct.Struct, what: str):
-        self.need(fmt.size, what)
-        values = fmt.unpack_from(self.buf, self.pos)
-        self.pos += fmt.size
-        return values
-
-    def string(self, what: str) -> str:
-        (length,) = self.unpack(_U64, what)
-        self.need(length, what)
-        start, self.pos = self.pos, self.pos + length
-        try:
-            return str(self.buf[start:self.pos], "utf-8")
-        except UnicodeDecodeError:
-            raise CorruptGGUF(self.path, f"{what} at byte {start} is not UTF-8 text") from None
-
-    def string_array(self, count: int, what: str) -> list[str]:
-        # the hot loop of a 262k vocabulary: locals only, bounds checked once per string
-        buf, pos, size, unpack_u64 = self.buf, self.pos, self.size, _U64.unpack_from
-        out: list[str] = []
-        append = out.append
-        try:
-            for _ in range(count):
-                if pos + 8 > size:
-                    raise TruncatedGGUF(self.path, pos + 8, size, what)
-                (length,) = unpack_u64(buf, pos)
-                pos += 8
-                if pos + length > size:
-                    raise TruncatedGGUF(self.path, pos + length, size, what)
-                append(str(buf[pos:pos + length], "utf-8"))
-                pos += length
-        except UnicodeDecodeError:
-            detail = f"{what}, entry {len(out)} at byte {pos}, is not UTF-8 text"
-            raise CorruptGGUF(self.path, detail) from None
-        self.pos = pos
-        return out
-
-    def value(self, vtype: int, key: str, depth: int = 0) -> Any:
-        what = f"metadata value {key!r}"
-        if vtype in _SCALAR_FORMAT:
-            return self.unpack(struct.Struct(_SCALAR_FORMAT[vtype]), what)[0]
-        if vtype == GGUFValueType.STRING:
-            return self.string(what)
-        if vtype == GGUFValueType.ARRAY:
-            element_type, count = self.unpack(struct.Struct("<IQ"), what)
-            if element_type in _SCALAR_DTYPE:
-                dtype = _SCALAR_DTYPE[element_type]
-                self.need(count * dtype.itemsize, what)
-                array = np.frombuffer(self.buf, dtype, count, self.pos).copy()  # copy: don't pin the map
-                self.pos += count * dtype.itemsize
-                return array.astype(dtype.newbyteorder("="), copy=False)
-            if element_type == GGUFValueType.STRING:
-                return self.string_array(count, what)
-            if element_type == GGUFValueType.ARRAY:
-                if depth >= _MAX_ARRAY_DEPTH:
-                    raise CorruptGGUF(self.path,
-                                      f"metadata key {key!r} nests arrays deeper than {_MAX_ARRAY_DEPTH}")
-                return [self.value(GGUFValueType.ARRAY, key, depth + 1) for _ in range(count)]
-            raise CorruptGGUF(self.path, f"metadata key {key!r} is an array of unknown type {element_type}")
-        raise CorruptGGUF(self.path, f"metadata key {key!r} has unknown value type {vtype}")
-
-
-def _open_map(path: str) -> np.memmap:
-    size = os.path.getsize(path)
-    if size < 4:
-        raise TruncatedGGUF(path, 24, size, "the GGUF header")
-    return np.memmap(path, mode="r", dtype=np.uint8)
-
-
-def _read_header(cur: _Cursor) -> tuple[int, int, int]:
-    magic = bytes(cur.buf[:4])
-    if magic != _MAGIC:
-        raise NotGGUF(cur.path, magic)
-    cur.pos = 4
-    (version,) = cur.unpack(_U32, "the GGUF header")
-    if version not in _SUPPORTED_VERSIONS:
-        swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
-        if version > _MAX_PLAUSIBLE_VERSION and swapped not in _KNOWN_VERSIONS:
-            raise CorruptGGUF(cur.path, f"the bytes after the magic (version field 0x{version:08x}) are no "
-                                        "GGUF version any writer produces")
-        raise UnsupportedGGUFVersion(cur.path, version)
-    tensor_count, kv_count = cur.unpack(struct.Struct("<QQ"), "the GGUF header")
-    # Each entry takes at least 8 bytes. Counts no model has (beyond _MAX_PLAUSIBLE_ENTRIES) are
-    # corruption; plausible counts the file is too short to hold mean the file was cut short.
-    if max(tensor_count, kv_count) > _MAX_PLAUSIBLE_ENTRIES:
-        raise CorruptGGUF(cur.path, f"header claims {tensor_count} tensors and {kv_count} metadata keys")
-    if 8 * (tensor_count + kv_count) > cur.size - cur.pos:
-        raise TruncatedGGUF(cur.path, cur.pos + 8 * (tensor_count + kv_count), cur.size,
-                            f"the table of the header's {tensor_count} tensors and {kv_count} metadata keys")
-    return version, tensor_count, kv_count
-
-
 def arch_value(metadata: Mapping[str, Any], suffix: str, default: Any = ..., *, source: str = "the GGUF") -> Any:
     """metadata[f"{arch}.{suffix}"], arch = metadata["general.architecture"]; `default` when the
     key is absent, else raises MissingKey naming `source` (the file's path)."""
@@ -302,29 +58,6 @@ def arch_value(metadata: Mapping[str, Any], suffix: str, default: Any = ..., *, 
     if default is ...:
         raise MissingKey(key, arch, source)
     return default
-
-
-def read_architecture(path: str | os.PathLike) -> str:
-    """`general.architecture` of a GGUF, reading only the keys before it (usually the first).
-
-    Raises NotGGUF, TruncatedGGUF, UnsupportedGGUFVersion, MissingKey.
-    """
-    path = os.fspath(path)
-    cur = _Cursor(memoryview(_open_map(path)), path)
-    _, _, kv_count = _read_header(cur)
-    for _ in range(kv_count):
-        key = cur.string("a metadata key")
-        (vtype,) = cur.unpack(_U32, f"metadata key {key!r}")
-        value = cur.value(vtype, key)
-        if key == "general.architecture":
-            return _architecture_text(value, path)
-    raise MissingKey("general.architecture", None, path)
-
-
-def _architecture_text(value: Any, path: str) -> str:
-    if not isinstance(value, str):
-        raise CorruptGGUF(path, f"general.architecture is a {type(value).__name__}, not text")
-    return value
 
 
 class GGUFFile:
@@ -357,43 +90,14 @@ class GGUFFile:
         Raises NotGGUF, TruncatedGGUF, UnsupportedGGUFVersion, CorruptGGUF, UnsupportedTensorType.
         """
         path = os.fspath(path)
-        mm = _open_map(path)
-        cur = _Cursor(memoryview(mm), path)
-        version, tensor_count, kv_count = _read_header(cur)
-        metadata: dict[str, Any] = {}
-        kv_spans: dict[str, tuple[int, int]] = {}
-        for _ in range(kv_count):
-            start = cur.pos
-            key = cur.string("a metadata key")
-            (vtype,) = cur.unpack(_U32, f"metadata key {key!r}")
-            metadata[key] = cur.value(vtype, key)
-            kv_spans[key] = (start, cur.pos)
-        alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
-        if isinstance(alignment, bool) or not isinstance(alignment, (int, np.integer)):
-            raise CorruptGGUF(path, f"general.alignment is a {type(alignment).__name__}, not an integer")
-        alignment = int(alignment)
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise CorruptGGUF(path, f"general.alignment={alignment} is not a power of two")
-        entries = [_read_tensor_entry(cur) for _ in range(tensor_count)]
-        data_offset = -(-cur.pos // alignment) * alignment
-        tensors = {}
-        for name, dims, ggml_type, rel_offset in entries:
-            info = _tensor_info(path, name, dims, ggml_type, data_offset + rel_offset, alignment)
-            if name in tensors:
-                raise CorruptGGUF(path, f"tensor {name!r} appears twice in the tensor table")
-            tensors[name] = info
-        end = max((t.offset + t.nbytes for t in tensors.values()), default=data_offset)
-        if end > cur.size:
-            last = max(tensors.values(), key=lambda t: t.offset + t.nbytes)
-            raise TruncatedGGUF(path, end, cur.size, f"tensor data (last tensor {last.name!r})")
-        return cls(path, version, metadata, kv_spans, tensors, data_offset, alignment, mm)
+        return cls(path, *parse(path))
 
     # -- metadata --
 
     @property
     def architecture(self) -> str:
         """`general.architecture`; raises MissingKey when absent, CorruptGGUF when not text."""
-        return _architecture_text(self.require("general.architecture"), self.path)
+        return architecture_text(self.require("general.architecture"), self.path)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -470,8 +174,8 @@ class GGUFFile:
         from gguf.quants import dequantize
 
         raw, ggml_type, shape = self.raw_tensor(name)
-        if ggml_type in _PLAIN_NUMPY:
-            array = np.array(raw.view(_PLAIN_NUMPY[ggml_type]).reshape(shape))  # copy out of the map
+        if ggml_type in PLAIN_NUMPY:
+            array = np.array(raw.view(PLAIN_NUMPY[ggml_type]).reshape(shape))  # copy out of the map
             out = torch.from_numpy(array)
             if out.is_floating_point() and dtype is None:
                 dtype = torch.float32
@@ -490,32 +194,3 @@ class GGUFFile:
                 f"v{self.version}, {len(self.metadata)} keys, {len(self._tensors)} tensors)")
 
 
-def _read_tensor_entry(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
-    name = cur.string("the tensor table")
-    (n_dims,) = cur.unpack(_U32, f"tensor {name!r} info")
-    if n_dims > 8:  # GGML_MAX_DIMS is 4; anything larger is garbage
-        raise CorruptGGUF(cur.path, f"tensor {name!r} claims {n_dims} dimensions")
-    dims = cur.unpack(struct.Struct(f"<{n_dims}Q"), f"tensor {name!r} info")
-    ggml_type, rel_offset = cur.unpack(struct.Struct("<IQ"), f"tensor {name!r} info")
-    return name, tuple(reversed(dims)), ggml_type, rel_offset
-
-
-def _tensor_info(path: str, name: str, shape: tuple[int, ...], ggml_type: int, offset: int,
-                 alignment: int) -> TensorInfo:
-    # ggml counts elements in int64 (llama.cpp's gguf.c refuses the same): a dim of 2**60 beside
-    # a zero one would otherwise pass the size check and break every view of the tensor
-    if math.prod(max(d, 1) for d in shape) >= 1 << 63:
-        raise CorruptGGUF(path,
-                          f"tensor {name!r} claims shape {list(shape)}, more elements than int64 counts")
-    try:
-        qtype = GGMLQuantizationType(ggml_type)
-        block_size, type_size = GGML_QUANT_SIZES[qtype]
-    except (ValueError, KeyError):
-        raise UnsupportedTensorType(name, ggml_type) from None
-    if shape and shape[-1] % block_size:
-        raise CorruptGGUF(path, f"tensor {name!r} row length {shape[-1]} is not a multiple of "
-                                f"{qtype.name}'s block size {block_size}")
-    if offset % alignment:
-        raise CorruptGGUF(path, f"tensor {name!r} data offset {offset} is not {alignment}-byte aligned")
-    nbytes = math.prod(shape) // block_size * type_size
-    return TensorInfo(name, shape, qtype, offset, nbytes)
