@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from verispec import cache_digest
 from verispec.nn import ckernels
 from verispec.nn.attention import attend, attend_rows
 from verispec.nn.state import PagedKVCache, RingKVCache, SequenceState
@@ -141,7 +142,7 @@ def test_a_damaged_library_is_rebuilt_never_loaded(monkeypatch, tmp_path, damage
     path.write_bytes(good[:5000] if damage == "cut short" else Path(sys.executable).read_bytes())
     damaged = path.read_bytes()
     assert ckernels.build() == path
-    assert path.read_bytes() != damaged and ckernels._intact(path)
+    assert path.read_bytes() != damaged and cache_digest.intact(path, "C kernel library")
     assert ctypes.CDLL(str(path)).verispec_attend is not None
 
 

@@ -52,16 +52,21 @@ def save(path: Path, write: Callable[[Path], object]) -> None:
 
 def intact(path: Path, what: str) -> bool:
     """Whether the entry at `path` is the file `save` wrote: False when there is none; when its
-    sha256 differs from the one beside it (or that one is missing), the entry is discarded (see
+    sha256 differs from the one beside it, or none is there, the entry is discarded (see
     `discard`; `what` names it, e.g. "converted weights") and False returned."""
     if not path.is_file():
         return False
     try:
-        if digest_path(path).read_text() == file_sha256(path):
-            return True
+        saved = digest_path(path).read_text()
     except OSError:
-        pass
-    discard(path, what, "does not match its sha256")
+        discard(path, what, "has no sha256 saved beside it")
+        return False
+    try:
+        if file_sha256(path) == saved:
+            return True
+    except OSError:  # another run discarded it meanwhile
+        return False
+    discard(path, what, "does not match the sha256 saved beside it")
     return False
 
 

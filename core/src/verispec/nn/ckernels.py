@@ -11,10 +11,10 @@ them bitwise.
 
 Build: `cc -O3 -march=native -ffp-contract=off -shared` (~1 s, no torch headers) into
 `cache_dir("kernels")`, named by a hash of the source, the flags and the CPU's feature flags
-(a library built for another CPU is never loaded), with its sha256 beside it: a file that does
-not match (damaged, replaced) is rebuilt, never loaded. `python -m verispec.nn.ckernels`
-builds it ahead of time (`scripts/setup.sh` does); a failed build warns once and the PyTorch
-path runs.
+(a library built for another CPU is never loaded), with its sha256 beside it (`cache_digest`):
+a file that does not match (damaged, replaced) is rebuilt, never loaded.
+`python -m verispec.nn.ckernels` builds it ahead of time (`scripts/setup.sh` does); a failed
+build warns once and the PyTorch path runs.
 """
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+from verispec import cache_digest
 
 SOURCES = [Path(__file__).with_name(name) for name in ("kernels.c", "qmatmul.c", "layers.c")]
 HEADERS = [Path(__file__).with_name("kernels.h")]
@@ -59,19 +61,6 @@ def library_path(extra_flags: Sequence[str] = ()) -> Path:
     return cache_dir("kernels") / f"kernels-{key}.so"
 
 
-def _digest_path(path: Path) -> Path:
-    return path.with_name(path.name + ".sha256")
-
-
-def _intact(path: Path) -> bool:
-    """The library is the file a build wrote: its sha256 matches the one saved beside it (a
-    damaged or foreign file can crash the process inside dlopen, so it is checked first)."""
-    try:
-        return _digest_path(path).read_text() == hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return False
-
-
 def build(extra_flags: Sequence[str] = ()) -> Path:
     """Compile the kernels for this machine unless an intact build is there; returns the
     library's path. The compiler is $CC (a command line, e.g. "ccache gcc"), else cc, else gcc.
@@ -80,25 +69,23 @@ def build(extra_flags: Sequence[str] = ()) -> Path:
     on a terminal's stderr). Raises RuntimeError naming the compiler's complaint (or its
     absence)."""
     path = library_path(extra_flags)
-    if _intact(path):
+    if cache_digest.intact(path, "C kernel library"):  # a damaged file can crash the process inside dlopen
         return path
     compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
     if not compiler[0] or not shutil.which(compiler[0]):
         where = f"$CC={os.environ['CC']!r} is not a program" if os.environ.get("CC") else "no C compiler (cc/gcc) on PATH"
         raise RuntimeError(f"{where}: install one (Debian: apt-get install gcc) or point $CC at one")
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     started = time.perf_counter()
-    result = subprocess.run([*compiler, *FLAGS, *extra_flags, *map(str, SOURCES), "-o", str(partial), "-lm"],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        partial.unlink(missing_ok=True)
-        complaint = result.stderr.strip()[-2000:] or f"exit status {result.returncode}, no message"
-        raise RuntimeError(f"{' '.join(compiler)} failed on {' + '.join(src.name for src in SOURCES)}: {complaint}")
-    digest = _digest_path(partial)
-    digest.write_text(hashlib.sha256(partial.read_bytes()).hexdigest())
-    os.replace(partial, path)
-    os.replace(digest, _digest_path(path))
+
+    def compile_into(partial: Path) -> None:
+        result = subprocess.run([*compiler, *FLAGS, *extra_flags, *map(str, SOURCES), "-o", str(partial), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            complaint = result.stderr.strip()[-2000:] or f"exit status {result.returncode}, no message"
+            raise RuntimeError(f"{' '.join(compiler)} failed on {' + '.join(src.name for src in SOURCES)}: {complaint}")
+
+    cache_digest.save(path, compile_into)
     said = f"verispec: compiled the C kernels for this CPU in {time.perf_counter() - started:.1f} s (once: {path})"
     log.info(said)
     if sys.stderr.isatty():  # a person waiting on the first run sees why, once
