@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+_CHUNK_BYTES = 1 << 20
 
 
 def digest_path(path: Path) -> Path:
@@ -27,9 +28,13 @@ def digest_path(path: Path) -> Path:
 
 
 def file_sha256(path: Path) -> str:
-    """The sha256 hex digest of the file at `path`. Raises OSError."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    """The sha256 hex digest of the file at `path`, read in 1 MiB chunks (as fast as
+    hashlib.file_digest, which needs Python 3.11; verispec supports 3.10). Raises OSError."""
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def save(path: Path, write: Callable[[Path], object]) -> None:
