@@ -173,7 +173,7 @@ def test_a_cached_tokenizer_altered_as_valid_json_is_rebuilt(tmp_path, cache, ca
     entry.write_text(json.dumps(saved))
     with caplog.at_level(logging.WARNING, logger=cache_digest.__name__):
         assert Tokenizer.from_gguf(path).encode(TEXTS[0]) == ids
-    [line] = [r.getMessage() for r in caplog.records]
+    [line] = [r.getMessage() for r in caplog.records if r.name == cache_digest.__name__]
     assert entry.name in line and "rebuilding" in line
     assert json.loads(entry.read_text())["model"]["vocab"][first] == ids[1]
 
