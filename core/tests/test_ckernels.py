@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from verispec import cache_digest
 from verispec.kernels import build, ckernels
 from verispec.nn.attention import attend, attend_rows
 from verispec.nn.kv_cache import PagedKVCache, RingKVCache
@@ -142,7 +143,7 @@ def test_a_damaged_library_is_rebuilt_never_loaded(monkeypatch, tmp_path, damage
     path.write_bytes(good[:5000] if damage == "cut short" else Path(sys.executable).read_bytes())
     damaged = path.read_bytes()
     assert ckernels.LIBRARY.build() == path
-    assert path.read_bytes() != damaged and build.intact(path)
+    assert path.read_bytes() != damaged and cache_digest.intact(path, "C kernel library")
     assert ctypes.CDLL(str(path)).verispec_attend is not None
 
 

@@ -2,6 +2,8 @@
 StreamDecoder on fixtures; on the real checkpoints, ids against transformers' GGUF
 tokenizer, against SentencePiece built from the same vocabulary (Gemma), and against prompt
 lengths llama.cpp produced (docs/reference/baselines.md)."""
+import json
+import logging
 import re
 import time
 from importlib.metadata import PackageNotFoundError, distribution
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from verispec import cache_digest
 from verispec import tokenizer as tokenizer_module
 from verispec.gguf_io import GGUFFile, MissingKey
 from verispec.testing.fixture_writer import byte_level_vocab, write_gguf
@@ -157,6 +160,22 @@ def test_second_load_comes_from_the_cache(tmp_path, cache):
     entry.write_text("{ damaged")
     assert Tokenizer.from_gguf(path).encode(TEXTS[2]) == first.encode(TEXTS[2])
     assert entry.read_text().startswith("{") and len(entry.read_text()) > 100  # rebuilt and rewritten
+
+
+def test_a_cached_tokenizer_altered_as_valid_json_is_rebuilt(tmp_path, cache, caplog):
+    path = _fixture(tmp_path)
+    ids = Tokenizer.from_gguf(path).encode(TEXTS[0])
+    [entry] = (cache / "tokenizers").glob("*.json")
+    saved = json.loads(entry.read_text())
+    vocab = saved["model"]["vocab"]
+    first, second = (next(piece for piece, i in vocab.items() if i == ids[k]) for k in (1, 2))
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # two pieces swap ids: still loads
+    entry.write_text(json.dumps(saved))
+    with caplog.at_level(logging.WARNING, logger=cache_digest.__name__):
+        assert Tokenizer.from_gguf(path).encode(TEXTS[0]) == ids
+    [line] = [r.getMessage() for r in caplog.records if r.name == cache_digest.__name__]
+    assert entry.name in line and "rebuilding" in line
+    assert json.loads(entry.read_text())["model"]["vocab"][first] == ids[1]
 
 
 def test_cache_key_follows_the_vocabulary(tmp_path, cache):

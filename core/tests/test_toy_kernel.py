@@ -4,7 +4,7 @@ PyTorch statement bitwise, and without a compiler falls back with one warning na
 import pytest
 import torch
 
-from verispec.kernels import build
+from verispec import cache_digest
 from verispec.testing.toy import CONV_WIDTH, LIBRARY, ToyTarget, reference_short_conv, short_conv
 
 
@@ -20,7 +20,7 @@ def fresh(monkeypatch, tmp_path):
 def test_the_toy_kernel_is_built_under_its_own_name_and_checked(fresh, tmp_path):
     path = LIBRARY.build()
     assert path.name.startswith("toy-") and path.parent == tmp_path / "kernels"
-    assert build.intact(path)
+    assert cache_digest.intact(path, "toy C library")
     assert LIBRARY.load() is not None
 
 

@@ -4,7 +4,9 @@ Dequantising Q4_K/Q5_0 and requantising to the weight dtype takes seconds; a mod
 calls `cached_state(gguf, dtype, convert)` and the next load memory-maps the saved state
 (`torch.load(mmap=True)`, ~0.3 s). Entries live under `cache_dir("weights")` (listed and
 cleared by `verispec cache`), keyed by the file's content (see `content_key`), so a file
-rewritten in place with other weights never hits a stale entry.
+rewritten in place with other weights never hits a stale entry. Each entry's sha256 is saved
+beside it and checked before it is read (`cache_digest`: 0.16 s for a 253 MB state), so a
+damaged entry, even one that still loads, is a miss: deleted, logged once, converted again.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from verispec import cache_digest
 from verispec.gguf_io import GGUFFile
 
 #: bump when a converted layout changes: older entries are then ignored.
@@ -30,27 +33,23 @@ def cached_state(gguf: GGUFFile, dtype: str, convert: Callable[[], dict[str, tor
     """The converted state of `gguf` in `dtype`: from the cache, else `convert()` (then saved).
 
     layout: a family's own version tag for its converted layout (part of the key).
-    A damaged entry counts as a miss and is replaced.
+    A damaged entry (its sha256 differs from the one saved with it, or it does not load)
+    counts as a miss: it is deleted with one logged warning and converted again.
     """
     path = _cache_file(gguf, dtype, layout) if use_cache else None
     if path is not None:
         from verispec.checkpoints import remove_stale_partials
 
         remove_stale_partials(path.parent)  # a run killed while saving left a .partial
-    if path is not None and path.is_file():
+    if path is not None and cache_digest.intact(path, "converted weights"):
         try:
             return torch.load(path, mmap=True, weights_only=True)
-        except Exception:  # noqa: BLE001 -- torch.load raises many types; a damaged entry is a miss
-            path.unlink(missing_ok=True)
+        except Exception as e:  # noqa: BLE001 -- torch.load raises many types; a damaged entry is a miss
+            cache_digest.discard(path, "converted weights", f"does not load ({type(e).__name__})")
     started = time.perf_counter()
     state = convert()
     if path is not None and time.perf_counter() - started > MIN_CONVERT_SECONDS:
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        try:
-            torch.save(state, partial)
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
+        cache_digest.save(path, lambda partial: torch.save(state, partial))
     return state
 
 

@@ -1,12 +1,15 @@
 """The loader's own duties: what it refuses, the converted-weight cache, options, hidden taps,
 and a hook module that stays light."""
+import logging
+import struct
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
 from verispec.errors import DamagedFile, UnsupportedVariant
-from verispec import weight_cache
+from verispec import cache_digest, weight_cache
 from tiny_llama import build_hf_model, write_fixture
 from verispec.gguf_io import GGUFFile, MissingKey
 from verispec.weights.quant import UnknownWeightDtype
@@ -92,6 +95,47 @@ def test_converted_weights_are_cached_and_a_damaged_entry_is_rebuilt(tiny_fixtur
     entries[0].write_bytes(b"not a torch file")
     assert torch.equal(_last_logits(load(path, dtype="int8"), tokens), first)
     assert entries[0].stat().st_size > 100  # rewritten
+
+
+def _greedy_text(path) -> str:
+    import verispec
+    from verispec.engine import SpecOptions
+
+    engine = verispec.load(path, dtype="int8", spec=SpecOptions(enabled=False), kv_cache_gb=0)
+    generation = engine.generate("ab", max_tokens=24, ignore_eos=True)
+    list(generation)
+    return generation.result.text
+
+
+def _scramble_a_tensor(entry, nbytes=4096) -> bytes:
+    """Invert `nbytes` in the middle of the largest record of a torch.save zip: a tensor's
+    data, as a bad disk block in the middle of a real model's state would be. The file still
+    loads. Returns its new bytes."""
+    with zipfile.ZipFile(entry) as z:
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    data = bytearray(entry.read_bytes())
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)  # the local header's
+    start = info.header_offset + 30 + name_len + extra_len + (info.file_size - nbytes) // 2
+    data[start:start + nbytes] = bytes(b ^ 0xFF for b in data[start:start + nbytes])
+    entry.write_bytes(data)
+    return bytes(data)
+
+
+def test_a_cached_state_scrambled_inside_a_tensor_is_rebuilt(tiny_fixture, tmp_path, monkeypatch, caplog):
+    from verispec.checkpoints import cache_dir
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(weight_cache, "MIN_CONVERT_SECONDS", 0.0)
+    _, path = tiny_fixture("qwen2_int8")
+    text = _greedy_text(path)
+    [entry] = cache_dir("weights").glob("*-int8-*.pt")
+    damaged = _scramble_a_tensor(entry)
+    with caplog.at_level(logging.WARNING, logger=cache_digest.__name__):
+        assert _greedy_text(path) == text
+    [line] = [r.getMessage() for r in caplog.records if r.name == cache_digest.__name__]
+    assert entry.name in line and "rebuilding" in line
+    assert entry.read_bytes() != damaged
+    assert cache_digest.digest_path(entry).read_text() == cache_digest.file_sha256(entry)
 
 
 def test_cache_key_changes_when_the_weights_change(llama_model, tmp_path):

@@ -3,7 +3,7 @@ distribution's own sources, compiled once per machine and loaded through ctypes.
 
 Build: `$CC FLAGS sources -o <cache_dir("kernels")>/<name>-<key>.so -lm`, key = sha256 of the
 sources and headers, the flags and the CPU's feature flags (a library built for another CPU or
-from other sources is never loaded), with its sha256 written beside it: a file that does not
+from other sources is never loaded), with its sha256 beside it (`cache_digest`): a file that does not
 match (damaged, replaced) is rebuilt, never loaded (a cut-short library can crash the process
 inside dlopen). A failed build, or `VERISPEC_C_KERNELS=0`, makes `load()` None with one logged
 warning naming the library and what runs instead; the caller takes its PyTorch path.
@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from verispec import cache_digest
+
 #: every library's flags: -ffp-contract=off keeps each fp32 operation rounded as written (the
 #: PyTorch statements of the kernels rely on it); OpenMP shares torch's thread team.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-pthread", "-fopenmp")
@@ -44,18 +46,6 @@ def cpu_flags() -> str:
     except OSError:
         pass
     return os.uname().machine
-
-
-def intact(path: Path) -> bool:
-    """`path` is the file a build wrote: its sha256 matches the one saved beside it."""
-    try:
-        return _digest_path(path).read_text() == hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return False
-
-
-def _digest_path(path: Path) -> Path:
-    return path.with_name(path.name + ".sha256")
 
 
 class CLibrary:
@@ -87,25 +77,24 @@ class CLibrary:
         compile states its time once (logged, and on a terminal's stderr). Raises RuntimeError
         naming the compiler's complaint (or its absence)."""
         path = self.path(extra_flags)
-        if intact(path):
+        if cache_digest.intact(path, f"{self.name} C library"):  # a damaged file can crash the process in dlopen
             return path
         compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
         if not compiler[0] or not shutil.which(compiler[0]):
             where = f"$CC={os.environ['CC']!r} is not a program" if os.environ.get("CC") else "no C compiler (cc/gcc) on PATH"
             raise RuntimeError(f"{where}: install one (Debian: apt-get install gcc) or point $CC at one")
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         started = time.perf_counter()
-        result = subprocess.run([*compiler, *FLAGS, *extra_flags, *map(str, self.sources), "-o", str(partial), "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            partial.unlink(missing_ok=True)
-            complaint = result.stderr.strip()[-2000:] or f"exit status {result.returncode}, no message"
-            raise RuntimeError(f"{' '.join(compiler)} failed on {' + '.join(s.name for s in self.sources)}: {complaint}")
-        digest = _digest_path(partial)
-        digest.write_text(hashlib.sha256(partial.read_bytes()).hexdigest())
-        os.replace(partial, path)
-        os.replace(digest, _digest_path(path))
+
+        def compile_into(partial: Path) -> None:
+            result = subprocess.run([*compiler, *FLAGS, *extra_flags, *map(str, self.sources), "-o", str(partial),
+                                     "-lm"], capture_output=True, text=True)
+            if result.returncode != 0:
+                complaint = result.stderr.strip()[-2000:] or f"exit status {result.returncode}, no message"
+                raise RuntimeError(f"{' '.join(compiler)} failed on {' + '.join(s.name for s in self.sources)}: "
+                                   f"{complaint}")
+
+        cache_digest.save(path, compile_into)
         said = f"verispec: compiled the {self.name} kernels for this CPU in {time.perf_counter() - started:.1f} s (once: {path})"
         log.info(said)
         if sys.stderr.isatty():  # a person waiting on the first run sees why, once
