@@ -196,7 +196,7 @@ def _render(template, **variables) -> str:
     except _TemplateRefusal as e:
         raise ChatTemplateError(str(e), refused=True) from None
     except SecurityError as e:
-        raise ChatTemplateError(f"the sandbox stopped it: {e}") from None
+        raise ChatTemplateError(f"the sandbox stopped it: {str(e).rstrip('.')}") from None
     except TemplateError as e:
         raise ChatTemplateError(f"{type(e).__name__}: {e}") from None
     except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as e:
