@@ -275,6 +275,23 @@ def test_a_model_without_a_chat_template_refuses_chat_requests(tmp_path, registr
     assert r.status_code == 400 and "has no tokenizer.chat_template" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("template, status, kind, message", [
+    ("{% for m in messages %}\n{{ m.content }\n{% endfor %}", 500, "server_error",
+     "the model's chat template failed: syntax error at line 2: unexpected '}'; fix tokenizer.chat_template"),
+    ("{{ 'x' * 10**10 }}", 500, "server_error", "'*' would build a value longer than 16777216 characters"),
+    ("{{ raise_exception('one turn only') }}", 400, "invalid_request_error",
+     "the chat template refused these messages: one turn only; change the messages"),
+])
+def test_a_chat_template_that_fails_answers_its_status_with_the_template_error(tmp_path, registry, template, status,
+                                                                              kind, message):
+    path = write_toy_gguf(tmp_path / "broken.gguf", vocab_size=110, chat_template=template)
+    client = TestClient(create_app(api.load(path, registry=registry)), raise_server_exceptions=False)
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["type"] == kind and error["param"] == "messages", error
+
+
 def test_models_and_health(client, engine):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["toy"]

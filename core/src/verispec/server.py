@@ -262,8 +262,9 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
     # RequestRejected, SamplingParams, the engine (max_tokens, empty prompt), ContextOverflow, ...
     @app.exception_handler(VerispecError)
     async def _rejected(request: Request, exc: VerispecError):
-        return _error(str(exc), getattr(exc, "param", None), getattr(exc, "code", None),
-                      status_code=getattr(exc, "http_status", 400))
+        status = getattr(exc, "http_status", 400)  # 500: the model file's fault (a chat template that fails)
+        return _error(str(exc), getattr(exc, "param", None), getattr(exc, "code", None), status_code=status,
+                      kind="server_error" if status >= 500 else "invalid_request_error")
 
     @app.exception_handler(Exception)  # a bug: OpenAI's body, status 500 (the exception is still logged)
     async def _internal(request: Request, exc: Exception):
