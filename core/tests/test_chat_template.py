@@ -43,6 +43,10 @@ def test_a_template_looping_past_the_time_bound_stops_there(monkeypatch):
     f"{{{{ 'a\\tb'.expandtabs({WIDE}) }}}}",
     f"{{{{ 'x' | center({WIDE}) }}}}",
     f"{{{{ 'a\\nb' | indent({WIDE}) }}}}",
+    "{% set s = 'x' * 2**23 %}{{ s.replace('x', s) | length }}",
+    "{% set s = 'x' * 2**23 %}{{ s | replace('x', s) | length }}",
+    "{% set s = 'x' * 2**23 %}{{ s.join(['ab'] * 2**22) | length }}",
+    "{% set s = 'x' * 2**23 %}{{ (['ab'] * 2**22) | join(s) | length }}",
 ])
 def test_a_value_past_the_size_bound_is_refused_before_it_is_built(source):
     with pytest.raises(ChatTemplateError, match="would build a value longer than 16777216 characters") as e:
@@ -50,10 +54,23 @@ def test_a_value_past_the_size_bound_is_refused_before_it_is_built(source):
     assert e.value.http_status == 500
 
 
+@pytest.mark.parametrize("error", [MemoryError(), RecursionError("maximum recursion depth exceeded"),
+                                   OverflowError("int too large")])
+def test_an_error_the_template_raises_while_rendering_is_a_template_error(error):
+    def fail():
+        raise error
+    with pytest.raises(ChatTemplateError, match=f"{type(error).__name__} while rendering") as e:
+        ChatTemplate("{{ fail() }}").render([], fail=fail)
+    assert e.value.http_status == 500
+
+
 def test_ordinary_widths_and_formats_render_as_python_formats_them():
     source = ("{{ '{:>5}|{:.2f}|{n:03}|'.format('a', 3.14159, n=7) }}{{ '{k}|'.format_map({'k': 'v'}) }}"
               "{{ '%-4s|%03d|%.1f|' % ('b', 7, 2.25) }}{{ '%s-%s|' | format(1, 2) }}"
-              "{{ 'x'.ljust(3) }}|{{ 'a' | center(5) }}|{{ 'a\\nb' | indent(2) }}|{{ 'a\\tb'.expandtabs(4) }}|"
-              "{{ ('ab' + 'cd') * 2 }}")
+              "{{ 'x'.ljust(3) }}|{{ 'a' | center(5) }}|{{ 'a\\nb' | indent(2) }}|"
+              "{{ 'a\\tb'.expandtabs(4) }}|{{ ('ab' + 'cd') * 2 }}|"
+              "{{ 'abc'.replace('b', 'XX') }}|{{ 'abcb' | replace('b', 'Y', 1) }}|"
+              "{{ '-'.join(['a', 'b']) }}|{{ [1, 2] | join(', ') }}|"
+              "{{ [{'n': 1}, {'n': 2}] | join('+', attribute='n') }}")
     assert ChatTemplate(source).render([]) == ("    a|3.14|007|v|b   |007|2.2|1-2|x  |  a  |a\n  b|a   b|"
-                                               "abcdabcd")
+                                               "abcdabcd|aXXc|aYcb|a-b|1, 2|1+2")

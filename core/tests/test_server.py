@@ -279,7 +279,8 @@ def test_a_sampling_value_out_of_range_is_a_400_naming_its_field(client, path, f
     r = client.post(path, json={**prompt, "max_tokens": 2, field: value})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["param"] == field and f"{field}={float(value) if field != 'top_k' else value!r}" in error["message"]
+    shown = value if field == "top_k" else float(value)  # SamplingParams' converters
+    assert error["param"] == field and f"{field}={shown!r}" in error["message"], error
 
 
 def test_a_model_without_a_chat_template_refuses_chat_requests(tmp_path, registry):
@@ -295,8 +296,8 @@ def test_a_model_without_a_chat_template_refuses_chat_requests(tmp_path, registr
     ("{{ raise_exception('one turn only') }}", 400, "invalid_request_error",
      "the chat template refused these messages: one turn only; change the messages"),
 ])
-def test_a_chat_template_that_fails_answers_its_status_with_the_template_error(tmp_path, registry, template, status,
-                                                                              kind, message):
+def test_a_failing_chat_template_answers_its_status_naming_it(tmp_path, registry, template, status, kind,
+                                                              message):
     path = write_toy_gguf(tmp_path / "broken.gguf", vocab_size=110, chat_template=template)
     client = TestClient(create_app(api.load(path, registry=registry)), raise_server_exceptions=False)
     r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
@@ -395,10 +396,10 @@ def test_verispec_serve_answers_on_localhost(tmp_path, model_path):
         process.wait(timeout=30)
 
 
-@pytest.mark.parametrize("host, warned", [("127.0.0.1", False), ("127.0.0.2", False), ("::1", False),
-                                          ("[::1]", False), ("localhost", False), ("0.0.0.0", True), ("::", True),
-                                          ("192.168.1.20", True), ("example.com", True)])
-def test_serving_beyond_loopback_warns_that_there_is_no_authentication(engine, monkeypatch, capsys, host, warned):
+@pytest.mark.parametrize("host, warned", [
+    ("127.0.0.1", False), ("127.0.0.2", False), ("::1", False), ("[::1]", False), ("localhost", False),
+    ("0.0.0.0", True), ("::", True), ("192.168.1.20", True), ("example.com", True)])
+def test_serving_beyond_loopback_warns_of_no_authentication(engine, monkeypatch, capsys, host, warned):
     from verispec import server as server_module
 
     bound = []
@@ -662,8 +663,8 @@ def test_over_a_real_socket_headers_without_their_body_answer_408_and_close(engi
     it gets a 408 naming the wait and the connection closes; the server goes on serving."""
     with _uvicorn(create_app(engine, body_timeout=1.0)) as port:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as stalled:
-            stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                            b"Content-Length: 100\r\n\r\n")
+            stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
             sent, answer = time.monotonic(), b""
             while chunk := stalled.recv(65536):  # until the server closes; socket.timeout after 10 s
                 answer += chunk
@@ -671,8 +672,10 @@ def test_over_a_real_socket_headers_without_their_body_answer_408_and_close(engi
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 408 ") and 0.9 < took < 5, (answer, took)
         error = json.loads(body)["error"]
-        assert "did not arrive within 1 s (0 bytes came)" in error["message"] and error["code"] == "request_timeout"
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
+        assert "did not arrive within 1 s (0 bytes came)" in error["message"]
+        assert error["code"] == "request_timeout"
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                       timeout=30)
         assert r.status_code == 200, r.text
 
 
@@ -751,9 +754,12 @@ def test_a_body_over_the_limit_is_a_413_naming_the_limit(engine):
      "messages[0].content: Input should be a valid string or Input should be a valid list"),
     ([{"content": "hi"}], "messages[0].role", "messages[0].role: Field required"),
     ([{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": {"a": 1}}]}],
-     "messages[0].content[1].text", "messages[0].content[1].text: a text part's text is a string, not an object"),
-    ([{"role": "user", "content": [{"type": "text", "text": ["hi"]}]}], "messages[0].content[0].text", "not an array"),
-    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text", "not null (or missing)"),
+     "messages[0].content[1].text",
+     "messages[0].content[1].text: a text part's text is a string, not an object; send {"),
+    ([{"role": "user", "content": [{"type": "text", "text": ["hi"]}]}], "messages[0].content[0].text",
+     "not an array"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text",
+     "not null (or missing)"),
 ])
 def test_a_bad_message_is_a_400_naming_its_field(client, messages, param, message):
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})

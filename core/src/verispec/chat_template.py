@@ -9,7 +9,8 @@ Bounds: RENDER_TIME_LIMIT_S seconds of rendering, checked between output chunks 
 attribute, item and operator the sandbox sees; RENDER_MAX_CHARS characters of output, also checked
 before a value that could pass it is built: `*`, `**` and `+` on their operands, printf-style `%`
 and the `format` filter on their widths and precisions, str.format on each field's format spec,
-the width of str.ljust / rjust / center / zfill / expandtabs and of the center and indent filters.
+the width of str.ljust / rjust / center / zfill / expandtabs and of the center and indent filters,
+and what str.replace / str.join and the replace and join filters would build.
 A template that fails (a syntax error, a sandbox refusal, a bound, an error while rendering, its
 raise_exception) raises ChatTemplateError.
 """
@@ -199,7 +200,8 @@ def _render(template, **variables) -> str:
         raise ChatTemplateError(f"the sandbox stopped it: {str(e).rstrip('.')}") from None
     except TemplateError as e:
         raise ChatTemplateError(f"{type(e).__name__}: {e}") from None
-    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as e:
+    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RuntimeError,
+            MemoryError) as e:  # RuntimeError: RecursionError among them; MemoryError: a value too large
         raise ChatTemplateError(f"{type(e).__name__} while rendering: {e}") from None
     return "".join(chunks)
 
@@ -255,7 +257,8 @@ def _check_printf(fmt: str, values) -> None:
 
 
 def _check_str_call(method, args, kwargs) -> None:
-    """A str method whose result grows with an argument: ljust, rjust, center, zfill, expandtabs."""
+    """A str method whose result grows with its arguments: ljust, rjust, center, zfill, expandtabs,
+    replace, join."""
     owner, name = getattr(method, "__self__", None), getattr(method, "__name__", "")
     if not isinstance(owner, str):
         return
@@ -265,6 +268,22 @@ def _check_str_call(method, args, kwargs) -> None:
         tabsize = args[0] if args else kwargs.get("tabsize", 8)
         if isinstance(tabsize, int):
             _check_count(len(owner) + owner.count("\t") * tabsize, "str.expandtabs")
+    elif name == "replace" and len(args) >= 2:
+        _check_replace(owner, *args[:3])
+    elif name == "join" and args:
+        _check_join(owner, args[0])
+
+
+def _check_replace(s, old, new, count=-1) -> None:
+    if isinstance(s, str) and isinstance(old, str) and isinstance(new, str) and isinstance(count, int):
+        hits = s.count(old) if count < 0 else min(count, s.count(old))  # "".count("") is 1: a gap each
+        _check_count(len(s) + hits * (len(new) - len(old)), "replace")
+
+
+def _check_join(separator, items) -> None:
+    if isinstance(separator, str) and isinstance(items, (list, tuple)):
+        pieces = sum(len(item) for item in items if isinstance(item, str))
+        _check_count(pieces + len(separator) * max(len(items) - 1, 0), "join")
 
 
 def _jinja_env():
@@ -272,7 +291,8 @@ def _jinja_env():
     from datetime import datetime
 
     from jinja2.exceptions import SecurityError
-    from jinja2.filters import do_center, do_format, do_indent
+    from jinja2 import pass_eval_context
+    from jinja2.filters import do_center, do_format, do_indent, do_join, do_replace
     from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter
 
     class FormatSpecs(SandboxedFormatter):
@@ -344,8 +364,21 @@ def _jinja_env():
         _check_count(lines * (width if isinstance(width, int) else len(str(width))), "the indent filter")
         return do_indent(s, width, first, blank)
 
+    @pass_eval_context
+    def replace(eval_ctx, s, old, new, count=None):
+        _check_replace(str(s), str(old), str(new), -1 if count is None else count)
+        return do_replace(eval_ctx, s, old, new, count)
+
+    @pass_eval_context
+    def join(eval_ctx, value, d="", attribute=None):
+        items = list(value)
+        if attribute is None:
+            _check_join(str(d), [str(item) for item in items])
+        return do_join(eval_ctx, items, d, attribute)
+
     env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters.update(tojson=tojson, format=format_filter, center=center, indent=indent)
+    env.filters.update(tojson=tojson, format=format_filter, center=center, indent=indent, replace=replace,
+                       join=join)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env

@@ -211,10 +211,10 @@ class ChatMessage(BaseModel):
             raise RequestRejected("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported; "
                                   "this model reads text", f"messages[{index}].content")
         for j, part in enumerate(self.content):
-            field = f"messages[{index}].content[{j}].text"
-            if not isinstance(part.get("text"), str):
-                raise RequestRejected(f"{field}: a text part's text is a string, not {_json_type(part.get('text'))}; "
-                                      "send {\"type\": \"text\", \"text\": \"...\"}", field)
+            field, text = f"messages[{index}].content[{j}].text", part.get("text")
+            if not isinstance(text, str):
+                raise RequestRejected(f"{field}: a text part's text is a string, not {_json_type(text)}; "
+                                      'send {"type": "text", "text": "..."}', field)
             _check_text(part["text"], field)
         return {"role": self.role, "content": "".join(part["text"] for part in self.content)}
 
@@ -329,8 +329,8 @@ def serve(engine: InferenceEngine, *, host: str = "127.0.0.1", port: int = 8000,
     at their next token, their responses finish, and the server exits; uvicorn then re-raises
     the signal, so Ctrl-C reaches the caller as KeyboardInterrupt). A host other than loopback
     gets a warning line on stderr first (exposure_warning)."""
-    app = create_app(engine, model_name=model_name, request_timeout=request_timeout, max_body_bytes=max_body_bytes,
-                     body_timeout=body_timeout)
+    app = create_app(engine, model_name=model_name, request_timeout=request_timeout,
+                     max_body_bytes=max_body_bytes, body_timeout=body_timeout)
     warning = exposure_warning(host, port)
     if warning:
         print(warning, file=sys.stderr, flush=True)
@@ -346,9 +346,9 @@ def exposure_warning(host: str, port: int) -> str | None:
         loopback = host.lower() == "localhost"
     if loopback:
         return None
-    return (f"verispec: warning: serving on {host}:{port}, which other machines may reach, and this server has "
-            "no authentication: anyone who reaches it can run the model; serve on 127.0.0.1 (the default), or "
-            "put an authenticating proxy in front")
+    return (f"verispec: warning: serving on {host}:{port}, which other machines may reach, and this server "
+            "has no authentication: anyone who reaches it can run the model; serve on 127.0.0.1 (the "
+            "default), or put an authenticating proxy in front")
 
 
 def server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, **config: Any):
@@ -681,8 +681,8 @@ class _BodyRead:
     async def _too_large(self, scope, receive, send, size: str) -> None:
         mib = self.max_bytes / 2**20
         await self._close_with(scope, receive, send, _error(
-            f"the request body {size}; this server reads at most {self.max_bytes} bytes ({mib:g} MiB): send a "
-            "shorter prompt", code="request_too_large", status_code=413))
+            f"the request body {size}; this server reads at most {self.max_bytes} bytes ({mib:g} MiB): "
+            "send a shorter prompt", code="request_too_large", status_code=413))
 
     @staticmethod
     async def _close_with(scope, receive, send, response: Response) -> None:
