@@ -429,7 +429,7 @@ def _check_text(text: str, field: str) -> None:
 
 
 def _json_type(value) -> str:
-    """JSON's name for the type of a parsed value ("object", "array", "null", ...)."""
+    """JSON's name for a parsed value's type, with its article ("an object", "an array", ...)."""
     names = {dict: "an object", list: "an array", bool: "a boolean", int: "a number", float: "a number"}
     return "null (or missing)" if value is None else names.get(type(value), type(value).__name__)
 
@@ -669,9 +669,10 @@ class _BodyRead:
         if size > self.max_bytes:
             return await self._too_large(scope, receive, send, "is larger")
         if not whole:
+            came = f"{size} of its {int(length)} bytes" if length.isdigit() else f"{size} bytes"
             return await self._close_with(scope, receive, send, _error(
-                f"the request body did not arrive within {self.timeout:g} s ({size} bytes came); send the "
-                "whole body with the headers", code="request_timeout", status_code=408))
+                f"the request body did not arrive within {self.timeout:g} s ({came} came); send the whole "
+                "body with the headers", code="request_timeout", status_code=408))
         replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replayed():  # the body once, then the client's messages (its disconnect)
