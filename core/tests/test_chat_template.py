@@ -31,6 +31,8 @@ def test_a_template_looping_past_the_time_bound_stops_there(monkeypatch):
 @pytest.mark.parametrize("source", [
     "{{ 'x' * 10**10 }}",
     "{% set s = ('x' * 10**7) + ('x' * 10**7) %}{{ s | length }}",
+    "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+    "{{ ns.s | length }}",
     f"{{{{ '{{:>{WIDE}}}'.format(1) }}}}",
     f"{{{{ '{{x:{WIDE}}}'.format_map({{'x': 1}}) }}}}",
     f"{{{{ '{{:{{w}}}}'.format(1, w={WIDE}) }}}}",  # a nested spec, filled in before the check
@@ -68,9 +70,9 @@ def test_ordinary_widths_and_formats_render_as_python_formats_them():
     source = ("{{ '{:>5}|{:.2f}|{n:03}|'.format('a', 3.14159, n=7) }}{{ '{k}|'.format_map({'k': 'v'}) }}"
               "{{ '%-4s|%03d|%.1f|' % ('b', 7, 2.25) }}{{ '%s-%s|' | format(1, 2) }}"
               "{{ 'x'.ljust(3) }}|{{ 'a' | center(5) }}|{{ 'a\\nb' | indent(2) }}|"
-              "{{ 'a\\tb'.expandtabs(4) }}|{{ ('ab' + 'cd') * 2 }}|"
+              "{{ 'a\\tb'.expandtabs(4) }}|{{ ('ab' + 'cd') * 2 }}|{{ 'a' ~ 1 ~ none }}|"
               "{{ 'abc'.replace('b', 'XX') }}|{{ 'abcb' | replace('b', 'Y', 1) }}|"
               "{{ '-'.join(['a', 'b']) }}|{{ [1, 2] | join(', ') }}|"
               "{{ [{'n': 1}, {'n': 2}] | join('+', attribute='n') }}")
     assert ChatTemplate(source).render([]) == ("    a|3.14|007|v|b   |007|2.2|1-2|x  |  a  |a\n  b|a   b|"
-                                               "abcdabcd|aXXc|aYcb|a-b|1, 2|1+2")
+                                               "abcdabcd|a1None|aXXc|aYcb|a-b|1, 2|1+2")

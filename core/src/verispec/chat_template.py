@@ -7,7 +7,7 @@ bos_token, eos_token, raise_exception, strftime_now, plus the caller's (tools, .
 
 Bounds: RENDER_TIME_LIMIT_S seconds of rendering, checked between output chunks and at each call,
 attribute, item and operator the sandbox sees; RENDER_MAX_CHARS characters of output, also checked
-before a value that could pass it is built: `*`, `**` and `+` on their operands, printf-style `%`
+before a value that could pass it is built: `*`, `**`, `+` and `~` on their operands, printf-style `%`
 and the `format` filter on their widths and precisions, str.format on each field's format spec,
 the width of str.ljust / rjust / center / zfill / expandtabs and of the center and indent filters,
 and what str.replace / str.join and the replace and join filters would build.
@@ -292,6 +292,7 @@ def _jinja_env():
 
     from jinja2.exceptions import SecurityError
     from jinja2 import pass_eval_context
+    from jinja2.compiler import CodeGenerator
     from jinja2.filters import do_center, do_format, do_indent, do_join, do_replace
     from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter
 
@@ -303,9 +304,26 @@ def _jinja_env():
                 _check_digits(digits, "str.format")
             return super().format_field(value, format_spec)
 
+    class CheckedConcat(CodeGenerator):
+        """Compiles `~` to the environment's `concat`, which checks the parts' length before joining."""
+
+        def visit_Concat(self, node, frame):
+            self.write("environment.concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
     class Bounded(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"*", "**", "+", "%"})
+        code_generator_class = CheckedConcat
         bound = threading.local()
+
+        def concat(self, parts):  # `~`, as jinja2's str_join (no autoescape here) does it
+            self.check_time()
+            texts = [str(part) for part in parts]
+            _check_count(sum(map(len, texts)), "'~'")
+            return "".join(texts)
 
         def check_time(self):
             if time.monotonic() > getattr(self.bound, "deadline", float("inf")):
