@@ -220,6 +220,20 @@ def test_chat_on_a_model_without_a_template_is_a_one_line_error(env, tmp_path):
     assert r.returncode == 1 and "has no tokenizer.chat_template" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("command, template, problem", [
+    (["chat"], "{% for m in messages %}\n{{ m.content }\n{% endfor %}", "syntax error at line 2: unexpected '}'"),
+    (["chat"], "{{ raise_exception('no chat here') }}", "the chat template refused these messages: no chat here"),
+    (["chat"], "{{ ''.__class__.__mro__ }}", "the sandbox stopped it"),
+    (["generate", "hi", "--chat"], "{{ 'x' * 10**10 }}", "'*' would build a value longer than"),
+])
+def test_chat_with_a_failing_template_is_a_one_line_error(env, tmp_path, command, template, problem):
+    path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110, chat_template=template)
+    r = verispec(env, *command, "--model", str(path))
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("verispec: error: ")]
+    assert len(errors) == 1 and problem in errors[0] and "Traceback" not in r.stderr, r.stderr
+
+
 @pytest.mark.real_checkpoint
 def test_a_context_length_beyond_the_models_training_is_a_one_line_error(gemma3_270m_spec):
     r = subprocess.run([sys.executable, "-m", "verispec.cli", "generate", "--model", "gemma3-270m",

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server (verispec.server) over the toy plugin's GGUF, through
 fastapi.testclient (no socket); expected outputs come from the engine called directly.
 One test runs the real `verispec serve` process on a free localhost port."""
+import contextlib
 import json
 import os
 import socket
@@ -269,10 +270,40 @@ def test_rejected_requests_are_400_with_an_openai_error(client, path, request_bo
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_k", -1),
+                                          ("min_p", 2), ("frequency_penalty", 3), ("presence_penalty", -2.5),
+                                          ("repetition_penalty", 0)])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_sampling_value_out_of_range_is_a_400_naming_its_field(client, path, field, value):
+    prompt = {"messages": MESSAGES} if "chat" in path else {"prompt": PROMPT}
+    r = client.post(path, json={**prompt, "max_tokens": 2, field: value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    shown = value if field == "top_k" else float(value)  # SamplingParams' converters
+    assert error["param"] == field and f"{field}={shown!r}" in error["message"], error
+
+
 def test_a_model_without_a_chat_template_refuses_chat_requests(tmp_path, registry):
     engine = api.load(write_toy_gguf(tmp_path / "plain.gguf", vocab_size=110), registry=registry)
     r = TestClient(create_app(engine)).post("/v1/chat/completions", json={"messages": MESSAGES})
     assert r.status_code == 400 and "has no tokenizer.chat_template" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("template, status, kind, message", [
+    ("{% for m in messages %}\n{{ m.content }\n{% endfor %}", 500, "server_error",
+     "the model's chat template failed: syntax error at line 2: unexpected '}'; fix tokenizer.chat_template"),
+    ("{{ 'x' * 10**10 }}", 500, "server_error", "'*' would build a value longer than 16777216 characters"),
+    ("{{ raise_exception('one turn only') }}", 400, "invalid_request_error",
+     "the chat template refused these messages: one turn only; change the messages"),
+])
+def test_a_failing_chat_template_answers_its_status_naming_it(tmp_path, registry, template, status, kind,
+                                                              message):
+    path = write_toy_gguf(tmp_path / "broken.gguf", vocab_size=110, chat_template=template)
+    client = TestClient(create_app(api.load(path, registry=registry)), raise_server_exceptions=False)
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["type"] == kind and error["param"] == "messages", error
 
 
 def test_models_and_health(client, engine):
@@ -363,6 +394,25 @@ def test_verispec_serve_answers_on_localhost(tmp_path, model_path):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.mark.parametrize("host, warned", [
+    ("127.0.0.1", False), ("127.0.0.2", False), ("::1", False), ("[::1]", False), ("localhost", False),
+    ("0.0.0.0", True), ("::", True), ("192.168.1.20", True), ("example.com", True)])
+def test_serving_beyond_loopback_warns_of_no_authentication(engine, monkeypatch, capsys, host, warned):
+    from verispec import server as server_module
+
+    bound = []
+    monkeypatch.setattr(server_module, "server", lambda app, host, port: type(
+        "Bound", (), {"run": lambda self: bound.append((host, port))})())
+    server_module.serve(engine, host=host, port=8123)
+    err = capsys.readouterr().err
+    assert bound == [(host, 8123)]
+    if warned:
+        assert err.startswith(f"verispec: warning: serving on {host}:8123, ") and "no authentication" in err
+        assert len(err.splitlines()) == 1
+    else:
+        assert err == ""
 
 
 def test_verispec_serve_without_fastapi_names_the_extra(monkeypatch, capsys):
@@ -566,16 +616,15 @@ def test_an_internal_error_is_a_500_with_an_openai_error_body(model_path, regist
     assert r.json()["error"]["type"] == "server_error" and "IndexError" in r.json()["error"]["message"]
 
 
-def test_over_a_real_socket_a_client_that_times_out_stops_its_generation(slow_engine, reference):
-    """uvicorn on a loopback port: a non-streaming client gives up after 0.3 s; its generation
-    ends at the next token (far fewer than its 90 forwards run), and the next client's 5 tokens
-    come right after (no forward of the abandoned request runs meanwhile)."""
+@contextlib.contextmanager
+def _uvicorn(app):
+    """uvicorn serving `app` on a free loopback port in a thread; yields the port."""
     import threading
 
     import uvicorn
 
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(slow_engine), host="127.0.0.1", port=port, log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -583,6 +632,17 @@ def test_over_a_real_socket_a_client_that_times_out_stops_its_generation(slow_en
         while not server.started:
             assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
             time.sleep(0.05)
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_over_a_real_socket_a_client_that_times_out_stops_its_generation(slow_engine, reference):
+    """uvicorn on a loopback port: a non-streaming client gives up after 0.3 s; its generation
+    ends at the next token (far fewer than its 90 forwards run), and the next client's 5 tokens
+    come right after (no forward of the abandoned request runs meanwhile)."""
+    with _uvicorn(create_app(slow_engine)) as port:
         url = f"http://127.0.0.1:{port}/v1/completions"
         request = {"prompt": PROMPT, "max_tokens": 90, "temperature": 0, "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout):
@@ -596,9 +656,27 @@ def test_over_a_real_socket_a_client_that_times_out_stops_its_generation(slow_en
         r = httpx.post(url, json={**request, "max_tokens": 5}, timeout=60)
         assert r.status_code == 200 and slow_engine.forwards - left_at <= 6  # prefill + 4 decodes (+1 spare)
         assert r.json()["choices"][0]["text"] == reference(PROMPT, max_tokens=5, ignore_eos=True)[0].text
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+
+
+def test_over_a_real_socket_headers_without_their_body_answer_408_and_close(engine):
+    """A client sends the headers of a 100-byte body and nothing more: after body_timeout (1 s)
+    it gets a 408 naming the wait and the connection closes; the server goes on serving."""
+    with _uvicorn(create_app(engine, body_timeout=1.0)) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as stalled:
+            stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+            sent, answer = time.monotonic(), b""
+            while chunk := stalled.recv(65536):  # until the server closes; socket.timeout after 10 s
+                answer += chunk
+            took = time.monotonic() - sent
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 ") and 0.9 < took < 5, (answer, took)
+        error = json.loads(body)["error"]
+        assert "did not arrive within 1 s (0 of its 100 bytes came)" in error["message"]
+        assert error["code"] == "request_timeout"
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("method, path, status", [("get", "/v1/nothing", 404), ("get", "/v1/chat/completions", 405),
@@ -675,6 +753,13 @@ def test_a_body_over_the_limit_is_a_413_naming_the_limit(engine):
     ([{"role": "user", "content": 5}], "messages[0].content",
      "messages[0].content: Input should be a valid string or Input should be a valid list"),
     ([{"content": "hi"}], "messages[0].role", "messages[0].role: Field required"),
+    ([{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": {"a": 1}}]}],
+     "messages[0].content[1].text",
+     "messages[0].content[1].text: a text part's text is a string, not an object; send {"),
+    ([{"role": "user", "content": [{"type": "text", "text": ["hi"]}]}], "messages[0].content[0].text",
+     "not an array"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text",
+     "not null (or missing)"),
 ])
 def test_a_bad_message_is_a_400_naming_its_field(client, messages, param, message):
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})

@@ -16,9 +16,10 @@ import torch
 
 from verispec import cache_digest
 from verispec import tokenizer as tokenizer_module
+from verispec.chat_template import ChatTemplateError
 from verispec.gguf_io import GGUFFile, MissingKey
 from verispec.testing.fixture_writer import byte_level_vocab, write_gguf
-from verispec.tokenizer import ChatTemplateError, NoChatTemplate, StreamDecoder, Tokenizer, UnsupportedTokenizer
+from verispec.tokenizer import NoChatTemplate, StreamDecoder, Tokenizer, UnsupportedTokenizer
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
           " + '<|im_end|>\n' }}{% endfor %}"

@@ -70,7 +70,9 @@ def keyed_uniform(seed: int, pos: int) -> float:
 
 
 def _field_error(name: str, value, allowed: str) -> ValueError:
-    return InvalidArgument(f"SamplingParams.{name}={value!r}: {allowed}")
+    error = InvalidArgument(f"SamplingParams.{name}={value!r}: {allowed}")
+    error.param = name  # the field, spelled as OpenAI's request field (the server's error `param`)
+    return error
 
 
 def _float_in(name: str, lo: float, hi: float, *, lo_open=False, hi_open=False, hint=""):

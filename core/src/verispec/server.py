@@ -22,6 +22,8 @@ chat template) runs in a worker thread, never on the event loop. Shutting down (
 SIGTERM: see `server()`) ends every running or waiting generation at its next token
 (finish_reason "length"), so the server exits at once, its responses complete.
 Speculation is the server's policy (the --spec* flags of `verispec serve`), never a request's.
+The server has no authentication: `serve` on a host other than loopback warns that anyone who
+reaches the port can run the model.
 
 Request fields, as OpenAI's API: max_tokens (completions: 16 by default, as OpenAI; chat:
 until a stop or a full context; `max_completion_tokens` is its newer name; a value larger
@@ -42,11 +44,15 @@ engine's processed logprobs (verispec.sampling); a token's text is its own decod
 Errors: a request the engine or the sampler rejects (a prompt longer than the context, a
 sampling value out of range, no chat template, malformed JSON, a prompt, message or stop
 string holding a lone surrogate such as "\\ud800", which is not Unicode text, a message role
-other than system, developer, user, assistant, tool, a non-assistant message without content)
+other than system, developer, user, assistant, tool, a non-assistant message without content,
+a text content part whose `text` is not a string)
 answers HTTP 400 with OpenAI's error body {"error": {"message", "type", "param", "code"}}; the
-message says the fix and `param` names the field (e.g. "messages[1].content"). A body larger
-than `max_body_bytes` (8 MiB by default) answers 413, naming the limit. A bug answers 500 with
-the same body shape (type "server_error").
+message says the fix and `param` names the field (e.g. "messages[1].content", "temperature"). A
+body larger than `max_body_bytes` (8 MiB by default) answers 413, naming the limit; one still
+incomplete `body_timeout` seconds (30 by default) after its headers answers 408; both close the
+connection. A model's chat template that fails (a syntax error, a sandbox refusal, a render
+bound) answers 500 naming the template error (type "server_error"); its raise_exception refusing
+the messages answers 400. A bug answers 500 with the same body shape (type "server_error").
 
 Streaming is Server-Sent Events: one `data: {chunk}` per token the engine emits (its text
 may be "" while a split character or a possible stop string is held back), then a chunk
@@ -56,9 +62,11 @@ carrying finish_reason, then, with include_usage, a chunk carrying usage and `ve
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import math
 import re
+import sys
 import threading
 import time
 import uuid
@@ -94,6 +102,8 @@ ENGINE_THREAD_IDLE_S = 30.0
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 #: seconds a shutting-down server waits for responses to finish once their generations ended.
 SHUTDOWN_GRACE_S = 5.0
+#: seconds a request body may take to arrive whole (create_app's body_timeout), from its headers on.
+DEFAULT_BODY_TIMEOUT = 30.0
 
 
 class RequestRejected(VerispecError, ValueError):
@@ -201,8 +211,12 @@ class ChatMessage(BaseModel):
             raise RequestRejected("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported; "
                                   "this model reads text", f"messages[{index}].content")
         for j, part in enumerate(self.content):
-            _check_text(str(part.get("text", "")), f"messages[{index}].content[{j}].text")
-        return {"role": self.role, "content": "".join(str(part.get("text", "")) for part in self.content)}
+            field, text = f"messages[{index}].content[{j}].text", part.get("text")
+            if not isinstance(text, str):
+                raise RequestRejected(f"{field}: a text part's text is a string, not {_json_type(text)}; "
+                                      'send {"type": "text", "text": "..."}', field)
+            _check_text(part["text"], field)
+        return {"role": self.role, "content": "".join(part["text"] for part in self.content)}
 
 
 class ChatBody(_Body):
@@ -230,23 +244,27 @@ class ChatBody(_Body):
 # -- the app ---------------------------------------------------------------------------------
 
 def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
-               request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
     """The FastAPI app serving `engine` (call it with uvicorn, or fastapi.testclient.TestClient;
     `server()` makes a uvicorn server whose shutdown ends running generations at once).
 
     model_name: the id /v1/models lists and responses echo.
     request_timeout: seconds a generation may run before it ends with finish_reason "length".
     max_body_bytes: the largest request body read; a larger one answers 413 naming the limit.
+    body_timeout: seconds a request body may take to arrive whole; a slower one answers 408 and
+    its connection closes.
     """
     if not request_timeout > 0:
         raise ValueError(f"request_timeout={request_timeout}: give a positive number of seconds")
     if not max_body_bytes > 0:
         raise ValueError(f"max_body_bytes={max_body_bytes}: give a positive number of bytes")
+    if not body_timeout > 0:
+        raise ValueError(f"body_timeout={body_timeout}: give a positive number of seconds")
     app = FastAPI(title="verispec", description="OpenAI-compatible speculative decoding server")
     served = _Served(engine, model_name, request_timeout)
     app.state.verispec = served  # server() ends its generations when the server shuts down
-    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(_BodyRead, max_bytes=max_body_bytes, timeout=body_timeout)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError):
@@ -262,8 +280,9 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
     # RequestRejected, SamplingParams, the engine (max_tokens, empty prompt), ContextOverflow, ...
     @app.exception_handler(VerispecError)
     async def _rejected(request: Request, exc: VerispecError):
-        return _error(str(exc), getattr(exc, "param", None), getattr(exc, "code", None),
-                      status_code=getattr(exc, "http_status", 400))
+        status = getattr(exc, "http_status", 400)  # 500: the model file's fault (a chat template that fails)
+        return _error(str(exc), getattr(exc, "param", None), getattr(exc, "code", None), status_code=status,
+                      kind="server_error" if status >= 500 else "invalid_request_error")
 
     @app.exception_handler(Exception)  # a bug: OpenAI's body, status 500 (the exception is still logged)
     async def _internal(request: Request, exc: Exception):
@@ -304,12 +323,32 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
 
 
 def serve(engine: InferenceEngine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "verispec",
-          request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+          request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+          body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
     """Run the server with uvicorn until interrupted (Ctrl-C or SIGTERM: running generations end
     at their next token, their responses finish, and the server exits; uvicorn then re-raises
-    the signal, so Ctrl-C reaches the caller as KeyboardInterrupt)."""
-    app = create_app(engine, model_name=model_name, request_timeout=request_timeout, max_body_bytes=max_body_bytes)
+    the signal, so Ctrl-C reaches the caller as KeyboardInterrupt). A host other than loopback
+    gets a warning line on stderr first (exposure_warning)."""
+    app = create_app(engine, model_name=model_name, request_timeout=request_timeout,
+                     max_body_bytes=max_body_bytes, body_timeout=body_timeout)
+    warning = exposure_warning(host, port)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     server(app, host=host, port=port).run()
+
+
+def exposure_warning(host: str, port: int) -> str | None:
+    """The line `serve` prints when `host` is not a loopback address (127.0.0.0/8, ::1, localhost):
+    the server has no authentication, so whoever reaches the port runs the model. None on loopback."""
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name: only "localhost" is known to stay on this machine
+        loopback = host.lower() == "localhost"
+    if loopback:
+        return None
+    return (f"verispec: warning: serving on {host}:{port}, which other machines may reach, and this server "
+            "has no authentication: anyone who reaches it can run the model; serve on 127.0.0.1 (the "
+            "default), or put an authenticating proxy in front")
 
 
 def server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, **config: Any):
@@ -387,6 +426,12 @@ def _check_text(text: str, field: str) -> None:
     problem = text_problem(text)
     if problem:
         raise RequestRejected(f"{field}: {problem}; send Unicode text (valid UTF-8)", field, "invalid_text")
+
+
+def _json_type(value) -> str:
+    """JSON's name for a parsed value's type, with its article ("an object", "an array", ...)."""
+    names = {dict: "an object", list: "an array", bool: "a boolean", int: "a number", float: "a number"}
+    return "null (or missing)" if value is None else names.get(type(value), type(value).__name__)
 
 
 def prometheus_text(engine: InferenceEngine) -> str:
@@ -594,13 +639,15 @@ class _Served:
         yield "data: [DONE]\n\n"
 
 
-class _BodyLimit:
-    """ASGI middleware: reads an HTTP request's body (at most max_bytes) before the app sees it;
-    a larger one (by its Content-Length, or as it arrives) answers 413 in OpenAI's error shape
-    naming the limit, without reading the rest."""
+class _BodyRead:
+    """ASGI middleware: reads an HTTP request's body before the app sees it, at most max_bytes
+    within `timeout` seconds of its headers. A larger body (by its Content-Length, or as it
+    arrives) answers 413, one still incomplete at the timeout (a client that sent headers and
+    stalled) 408, both in OpenAI's error shape naming the limit, without reading the rest, and
+    the connection closes."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, timeout: float):
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -608,17 +655,24 @@ class _BodyLimit:
         length = dict(scope.get("headers") or ()).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
             return await self._too_large(scope, receive, send, f"is {int(length)} bytes")
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left while sending
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await self._too_large(scope, receive, send, "is larger")
-            if not message.get("more_body", False):
-                break
+        chunks, size, whole = [], 0, False
+        with anyio.move_on_after(self.timeout):
+            while size <= self.max_bytes:
+                message = await receive()
+                if message["type"] != "http.request":  # the client left while sending
+                    return
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                if not message.get("more_body", False):
+                    whole = True
+                    break
+        if size > self.max_bytes:
+            return await self._too_large(scope, receive, send, "is larger")
+        if not whole:
+            came = f"{size} of its {int(length)} bytes" if length.isdigit() else f"{size} bytes"
+            return await self._close_with(scope, receive, send, _error(
+                f"the request body did not arrive within {self.timeout:g} s ({came} came); send the whole "
+                "body with the headers", code="request_timeout", status_code=408))
         replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replayed():  # the body once, then the client's messages (its disconnect)
@@ -627,8 +681,12 @@ class _BodyLimit:
 
     async def _too_large(self, scope, receive, send, size: str) -> None:
         mib = self.max_bytes / 2**20
-        response = _error(f"the request body {size}; this server reads at most {self.max_bytes} bytes "
-                          f"({mib:g} MiB): send a shorter prompt", code="request_too_large", status_code=413)
+        await self._close_with(scope, receive, send, _error(
+            f"the request body {size}; this server reads at most {self.max_bytes} bytes ({mib:g} MiB): "
+            "send a shorter prompt", code="request_too_large", status_code=413))
+
+    @staticmethod
+    async def _close_with(scope, receive, send, response: Response) -> None:
         response.headers["connection"] = "close"  # the rest of the body is never read
         await response(scope, receive, send)
 

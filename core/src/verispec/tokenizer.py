@@ -18,28 +18,22 @@ special tokens ("<start_of_turn>", "<|im_start|>"); they are matched whole, as l
 with parse_special. `encode_chat` keeps the template's markup and the messages' text apart:
 only the markup yields control tokens, a message's "<|im_end|>" stays text.
 
-Chat templates render in jinja2's immutable sandbox with a time bound (RENDER_TIME_LIMIT_S),
-a size bound on the output (RENDER_MAX_CHARS, also on `*` and `**` before they compute); a
-template that fails raises ChatTemplateError.
+Chat templates render through verispec.chat_template (jinja2's immutable sandbox, bounded in
+time and size; a template that fails raises its ChatTemplateError).
 """
 from __future__ import annotations
 
 import json
 import os
-import re
-import secrets
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from verispec import cache_digest
+from verispec.chat_template import DEFAULT_CHAT_TEMPLATES, ChatTemplate
 from verispec.errors import VerispecError, pip_install
 from verispec.gguf_io import GGUFFile
 
 __all__ = [
-    "ChatTemplateError",
-    "DEFAULT_CHAT_TEMPLATES",
     "ForgedControlToken",
     "InvalidText",
     "NoChatTemplate",
@@ -58,39 +52,6 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 # (llama.cpp's end-of-generation set, ggml-org/llama.cpp:src/llama-vocab.cpp).
 _END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
                 "<|return|>", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
-
-# Gemma's turn format (Gemma 2/3 instruction-tuned models; the Gemma 3 GGUFs carry no
-# template): BOS, `<start_of_turn>{user|model}\n{text}<end_of_turn>\n`, the system text
-# prepended to the first user turn, turn content trimmed, as in Google's HF chat template.
-_GEMMA_TEMPLATE = (
-    "{{- bos_token -}}"
-    "{%- set ns = namespace(system='') -%}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}"
-    "{%- set ns.system = ns.system + message['content'] + '\n\n' -%}"
-    "{%- else -%}"
-    "{%- if message['role'] not in ('user', 'assistant', 'model') -%}"
-    "{{- raise_exception('Gemma knows the roles system, user and assistant, not ' + message['role']) -}}"
-    "{%- endif -%}"
-    "{%- set role = 'user' if message['role'] == 'user' else 'model' -%}"
-    "{{- '<start_of_turn>' + role + '\n' + (ns.system if role == 'user' else '')"
-    " + message['content'] | trim + '<end_of_turn>\n' -}}"
-    "{%- if role == 'user' -%}{%- set ns.system = '' -%}{%- endif -%}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"
-)
-
-#: chat templates used only when the GGUF has no `tokenizer.chat_template`, by architecture.
-DEFAULT_CHAT_TEMPLATES: Mapping[str, str] = {"gemma": _GEMMA_TEMPLATE, "gemma2": _GEMMA_TEMPLATE,
-                                             "gemma3": _GEMMA_TEMPLATE}
-
-
-#: seconds a chat template may render for.
-RENDER_TIME_LIMIT_S = 5.0
-#: characters a rendered chat (or one string or list a template builds with `*`) may hold.
-RENDER_MAX_CHARS = 1 << 24
-
 
 class TokenizerError(VerispecError):
     """A tokenizer cannot be built from, or used with, this file."""
@@ -139,22 +100,6 @@ class NoChatTemplate(TokenizerError):
             "send plain text (no --chat), or use a GGUF converted with its chat template")
 
 
-class ChatTemplateError(VerispecError):
-    """The chat template failed: a syntax error, a sandbox refusal, a render bound, an error while
-    rendering (`refused=False`: the file's fault, HTTP 500), or its `raise_exception` refused
-    these messages (`refused=True`: the request's fault, HTTP 400). `http_status` is that code."""
-
-    param = "messages"
-
-    def __init__(self, problem: str, *, refused: bool = False):
-        self.problem, self.refused = problem, refused
-        self.http_status = 400 if refused else 500
-        super().__init__(f"the chat template refused these messages: {problem}; change the messages"
-                         if refused else
-                         f"the model's chat template failed: {problem}; fix tokenizer.chat_template "
-                         "in the GGUF, or send plain text (no chat)")
-
-
 class ForgedControlToken(TokenizerError):
     """Message content holds control-token text that the chat template's transformation of
     content leaves no way to keep as text."""
@@ -165,10 +110,6 @@ class ForgedControlToken(TokenizerError):
         super().__init__(f"a message holds control token text ({', '.join(sorted(set(self.tokens)))}) and this "
                          "chat template transforms message content, so it cannot be kept as text; "
                          "remove it from the message")
-
-
-class _TemplateRefusal(Exception):
-    """raise_exception() called by a template."""
 
 
 class Tokenizer:
@@ -189,7 +130,7 @@ class Tokenizer:
         #: number of token ids the model's vocabulary has (the GGUF's token list).
         self.vocab_size = len(tokens)
         self._tokens = tokens
-        self._compiled: dict[str, Any] = {}
+        self._compiled: dict[str, ChatTemplate] = {}
         self._special: frozenset[int] | None = None
         self._as_text = None
 
@@ -247,67 +188,56 @@ class Tokenizer:
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **kwargs) -> str:
         """The prompt text for `messages` ([{"role", "content"}]) through the GGUF's chat template
-        (jinja2, sandboxed, HF's variables: messages, add_generation_prompt, bos_token,
-        eos_token, raise_exception, strftime_now, plus **kwargs such as tools), or the family
-        default in DEFAULT_CHAT_TEMPLATES when the file has none. To tokenize it, use
-        `encode_chat`, which keeps message text from becoming control tokens.
-        Raises NoChatTemplate, ChatTemplateError.
+        (verispec.chat_template: sandboxed, bounded, HF's variables, with bos_token and eos_token
+        from this vocabulary and **kwargs such as tools), or the family default in
+        DEFAULT_CHAT_TEMPLATES when the file has none. To tokenize it, use `encode_chat`, which
+        keeps message text from becoming control tokens. Raises NoChatTemplate, ChatTemplateError.
         """
-        source = self.chat_template or DEFAULT_CHAT_TEMPLATES.get(self.architecture)
-        if source is None:
-            raise NoChatTemplate(self.architecture)
-        if source not in self._compiled:
-            self._compiled[source] = _compile(source)
-        special = {name: self._tokens[i] if i is not None else ""
-                   for name, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id))}
-        return _render(self._compiled[source], messages=list(messages),
-                       add_generation_prompt=add_generation_prompt, **special, **kwargs)
+        return self._template().render(messages, add_generation_prompt, **self._special_tokens(), **kwargs)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **kwargs) -> list[int]:
         """Token ids of `render_chat(messages)` in which only the template's markup yields control
         tokens: a message content holding "<|im_end|>" is tokenized as that text.
 
-        The template is rendered a second time with each str content replaced by a unique
-        sentinel, which locates the contents in the real render (a template that trims content
-        is followed). When no control token falls inside a content the ids are those of the whole
-        render; otherwise the markup pieces are encoded with special tokens and the contents as
-        text. A template that transforms content beyond trimming is checked by its control
-        tokens instead: the render must hold exactly those of its markup. Raises NoChatTemplate,
-        ChatTemplateError, ForgedControlToken (such a template, and content holding control
-        token text).
+        The contents are located in the render by `ChatTemplate.render_marked`. When no control
+        token falls inside a content the ids are those of the whole render; otherwise the markup
+        pieces are encoded with special tokens and the contents as text. A template that
+        transforms content beyond trimming is checked by its control tokens instead: the render
+        must hold exactly those of its markup. Raises NoChatTemplate, ChatTemplateError,
+        ForgedControlToken (such a template, and content holding control token text).
         """
-        messages = list(messages)
-        rendered = self.render_chat(messages, add_generation_prompt, **kwargs)
-        encoding = self._encode_whole(rendered)
-        texts = [m.get("content") if isinstance(m.get("content"), str) else None for m in messages]
-        nonce = secrets.token_hex(8)
-        while any(nonce in t for t in texts if t) or nonce in rendered:
-            nonce = secrets.token_hex(8)
-        marked = [{**m, "content": f"{_PAD}\ue000{nonce}:{i}\ue001{_PAD}"} if texts[i] is not None else m
-                  for i, m in enumerate(messages)]
-        template = self.render_chat(marked, add_generation_prompt, **kwargs)
-        markup, contents = _split_at_sentinels(template, nonce, texts)
+        render = self._template().render_marked(messages, add_generation_prompt, **self._special_tokens(),
+                                                **kwargs)
+        encoding = self._encode_whole(render.text)
         special = self._special_ids()
-        if "".join(_interleave(markup, contents)) != rendered:  # a template transforming content
+        if not render.follows:  # a template transforming content
             whole = [i for i in encoding.ids if i in special]
-            if whole != [i for i in self._encode_whole("".join(markup)).ids if i in special]:
+            if whole != [i for i in self._encode_whole("".join(render.markup)).ids if i in special]:
                 raise ForgedControlToken([self._tokens[i] for i in whole])
             return encoding.ids
-        spans, at = [], 0
-        for piece, content in zip(markup, contents + [""]):
-            at += len(piece)
-            spans.append((at, at + len(content)))
-            at += len(content)
+        spans = render.content_spans()
         if not any(i in special and any(a < end and start < b for a, b in spans)
                    for i, (start, end) in zip(encoding.ids, encoding.offsets)):
             return encoding.ids
         text_backend = self._text_backend()
         ids: list[int] = []
-        for piece, content in zip(markup, contents + [""]):
+        for piece, content in zip(render.markup, render.contents + [""]):
             ids += self._encode_whole(piece).ids if piece else []
             ids += text_backend.encode(content, add_special_tokens=False).ids if content else []
         return ids
+
+    def _template(self) -> ChatTemplate:
+        source = self.chat_template or DEFAULT_CHAT_TEMPLATES.get(self.architecture)
+        if source is None:
+            raise NoChatTemplate(self.architecture)
+        if source not in self._compiled:
+            self._compiled[source] = ChatTemplate(source)
+        return self._compiled[source]
+
+    def _special_tokens(self) -> dict[str, str]:
+        return {name: self._tokens[i] if i is not None else ""
+                for name, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id))}
 
     def _encode_whole(self, text: str):
         try:
@@ -453,121 +383,3 @@ def _stop_ids(md: Mapping[str, Any], tokens: Sequence[str]) -> list[int]:
         if token in wanted and (types is None or int(types[i]) in (_CONTROL, _USER_DEFINED)):
             ids.append(i)
     return sorted({i for i in ids if i is not None})
-
-
-# --- chat templates ---------------------------------------------------------------------
-
-# whitespace around each sentinel: where a template trims content, it is gone
-_PAD = " \t\n"
-
-
-def _split_at_sentinels(rendered: str, nonce: str, texts: Sequence[str | None]) -> tuple[list[str], list[str]]:
-    """The markup pieces of a render whose contents are sentinels, and the text each sentinel
-    stands for (its message's content, trimmed on the side where the template trimmed)."""
-    pattern = re.compile(f"({re.escape(_PAD)})?\ue000{nonce}:(\\d+)\ue001({re.escape(_PAD)})?")
-    markup, contents, at = [], [], 0
-    for m in pattern.finditer(rendered):
-        markup.append(rendered[at:m.start()])
-        text = texts[int(m.group(2))] or ""
-        text = text if m.group(1) else text.lstrip()
-        contents.append(text if m.group(3) else text.rstrip())
-        at = m.end()
-    markup.append(rendered[at:])
-    return markup, contents
-
-
-def _interleave(markup: list[str], contents: list[str]):
-    for piece, content in zip(markup, contents + [""]):
-        yield piece
-        yield content
-
-
-def _compile(source: str):
-    import jinja2
-
-    try:
-        return _jinja_env().from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"syntax error at line {e.lineno}: {e.message}") from None
-    except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"{type(e).__name__}: {e}") from None
-
-
-def _render(template, **variables) -> str:
-    """The template's output, refused once it runs past RENDER_TIME_LIMIT_S or RENDER_MAX_CHARS
-    (checked between output chunks and at each call, attribute and operator the sandbox sees)."""
-    from jinja2.exceptions import SecurityError, TemplateError
-
-    env = template.environment
-    env.bound.deadline = time.monotonic() + RENDER_TIME_LIMIT_S  # per thread: the server renders in several
-    chunks, size = [], 0
-    try:
-        for chunk in template.generate(**variables):
-            size += len(chunk)
-            if size > RENDER_MAX_CHARS:
-                raise SecurityError(f"the output passed {RENDER_MAX_CHARS} characters")
-            env.check_time()
-            chunks.append(chunk)
-    except _TemplateRefusal as e:
-        raise ChatTemplateError(str(e), refused=True) from None
-    except SecurityError as e:
-        raise ChatTemplateError(f"the sandbox stopped it: {e}") from None
-    except TemplateError as e:
-        raise ChatTemplateError(f"{type(e).__name__}: {e}") from None
-    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as e:
-        raise ChatTemplateError(f"{type(e).__name__} while rendering: {e}") from None
-    return "".join(chunks)
-
-
-def _jinja_env():
-    """The environment HF renders chat templates in: sandboxed, trim_blocks, lstrip_blocks,
-    loop controls, a `tojson` that keeps non-ASCII and does not HTML-escape; bounded in time
-    and size (`_render`)."""
-    from datetime import datetime
-
-    from jinja2.exceptions import SecurityError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Bounded(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "**"})
-        bound = threading.local()
-
-        def check_time(self):
-            if time.monotonic() > getattr(self.bound, "deadline", float("inf")):
-                raise SecurityError(f"rendering ran past {RENDER_TIME_LIMIT_S:g} s")
-
-        def call_binop(self, context, operator, left, right):
-            self.check_time()
-            if operator == "*":
-                for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > RENDER_MAX_CHARS:
-                        raise SecurityError(f"{operator!r} would build a value longer than {RENDER_MAX_CHARS}")
-            if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 \
-                    and abs(left) > 1 and right * abs(left).bit_length() > RENDER_MAX_CHARS:
-                raise SecurityError(f"{left} ** {right} is too large a number")
-            return super().call_binop(context, operator, left, right)
-
-        def call(self, __context, __obj, *args, **kwargs):
-            self.check_time()
-            return super().call(__context, __obj, *args, **kwargs)
-
-        def getattr(self, obj, attribute):
-            self.check_time()
-            return super().getattr(obj, attribute)
-
-        def getitem(self, obj, argument):
-            self.check_time()
-            return super().getitem(obj, argument)
-
-    def raise_exception(message):
-        raise _TemplateRefusal(message)
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
