@@ -126,6 +126,11 @@ class GovernorStats:
                 f"wins={self.wins} losses={self.losses} parked={self.parked_tokens}")
 
 
+def _ms(ms: float) -> str:
+    """`500 ms`, `104 ms`, `0.21 ms`: whole milliseconds from 10 ms up, two significant digits below."""
+    return f"{ms:.0f} ms" if ms >= 10 else f"{ms:.2g} ms"
+
+
 class _Rate:
     """The last `maxlen` steps as (elapsed_s, num_emitted); their mean in ms per emitted token."""
 
@@ -282,11 +287,11 @@ class SpeculationCostGovernor:
             return False
         if not self._slow_draft_reported:
             self._slow_draft_reported = True
-            drafted = f"to draft {num_drafted} tokens" if num_drafted else "and drafted nothing"
+            drafted = f"to draft {num_drafted} token{'s' * (num_drafted > 1)}" if num_drafted else "and drafted nothing"
             self._on_slow_draft(
-                f"propose took {1e3 * draft_s:.0f} ms {drafted}, more than the "
-                f"{MAX_DRAFT_STEPS_PER_TOKEN * num_savable * plain_ms:.0f} ms of the {num_savable} plain decode "
-                f"step{'s' if num_savable > 1 else ''} it could save")
+                f"propose took {_ms(1e3 * draft_s)} {drafted}, more than the "
+                f"{_ms(MAX_DRAFT_STEPS_PER_TOKEN * num_savable * plain_ms)} of the {num_savable} plain decode "
+                f"step{'s' * (num_savable > 1)} it could save")
         return True
 
     def _judge_probe(self) -> None:
