@@ -63,7 +63,9 @@ class ExecutionStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
-    draft_s: float = 0.0  # seconds in Speculator.propose (with its DraftContext)
+    #: seconds in Speculator.propose (with its DraftContext); a timing, left out of == (two runs
+    #: that did the same steps are equal).
+    draft_s: float = attrs.field(default=0.0, eq=False)
 
     @property
     def acceptance_rate(self) -> float:
