@@ -2,10 +2,10 @@
 
 It sits beside the loop. Before each step the loop asks `should_speculate()`; it times the
 step (and a speculative step's drafting on its own) with `gov.clock` and reports it with
-`record_spec_step` or `record_plain_step`. The
-governor compares milliseconds per emitted token of speculative steps against plain steps
-(the model's own decode) and parks drafting while speculation loses. Units: elapsed times
-come in as seconds, rates go out as ms per emitted token, park lengths count emitted tokens.
+`record_spec_step` or `record_plain_step`. The governor compares milliseconds per emitted
+token of speculative steps against plain steps (the model's own decode) and parks drafting
+while speculation loses. Units: elapsed times come in as seconds, rates go out as ms per
+emitted token, park lengths count emitted tokens.
 
 States (`GovernorState`): bootstrap → probe → watch ⇄ refresh, probe/watch → parked → probe;
 `off` when built with enabled=False.
