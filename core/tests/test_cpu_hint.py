@@ -54,7 +54,8 @@ def test_gguf_weights_without_the_kernels_get_their_own_hint(monkeypatch):
     target = torch.nn.Sequential(block_linear_class(GGMLQuantizationType.Q8_0).from_gguf(
         [GGUFBlocks(GGMLQuantizationType.Q8_0, torch.from_numpy(raw), 64)]))
     engine = type("Engine", (), {"target": target})()
-    result = type("Result", (), {"decode_tokens_per_s": 0.5, "tokens": list(range(10)), "spec": ExecutionStats()})()
+    result = type("Result", (), {"decode_tokens_per_s": 0.5, "tokens": list(range(10)),
+                                 "spec": ExecutionStats()})()
     monkeypatch.setattr(cpu, "FLOOR_BYTES_PER_S", 1e30)  # weights that cost nothing: any decode is "slow"
     monkeypatch.setattr(ckernels, "library", lambda: None)
     assert "PyTorch path" in cli._slow_decode_hint(engine, result)
@@ -72,7 +73,8 @@ def test_a_decode_slow_only_for_its_drafting_names_the_speculator(monkeypatch):
     monkeypatch.setattr(cpu, "FLOOR_BYTES_PER_S", 1e7)  # 10 ms a token to stream them; SLOW_FACTOR x is 30 ms
 
     def hint(draft_ms_per_token):
-        result = type("Result", (), {"decode_tokens_per_s": 12.5, "tokens": list(range(64)), "speculator": "slowpoke",
+        result = type("Result", (), {"decode_tokens_per_s": 12.5, "tokens": list(range(64)),
+                                     "speculator": "slowpoke",
                                      "spec": ExecutionStats(draft_s=draft_ms_per_token * 63 / 1e3)})()
         return cli._slow_decode_hint(engine, result)
 

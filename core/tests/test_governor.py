@@ -48,7 +48,8 @@ class Loop:
         if speculate:
             elapsed_s, num_emitted, num_accepted, num_drafted = spec
             self.gov.clock.now += elapsed_s
-            self.gov.record_spec_step(self.gov.clock() - start, num_emitted, num_accepted, num_drafted, draft_s)
+            self.gov.record_spec_step(self.gov.clock() - start, num_emitted, num_accepted, num_drafted,
+                                      draft_s)
         else:
             self.gov.clock.now += self.plain_s
             self.gov.record_plain_step(self.gov.clock() - start, plain_emitted)
@@ -370,12 +371,12 @@ def test_drafting_that_costs_more_than_it_could_save_parks_at_once_and_is_report
     assert loop.step(spec, draft_s=draft_s)
     assert (gov.stats.losses, gov.stats.state) == (1, GovernorState.PARKED)  # not PROBE_STEPS later
     assert reasons == [{  # 1 + 1/8 or 4 + 1/8 plain steps of 15.625 ms
-        0: "propose took 18 ms and drafted nothing, more than the 16 ms of the 1 plain decode step it could save",
-        1: "propose took 18 ms to draft 1 token, more than the 16 ms of the 1 plain decode step it could save",
-        4: "propose took 64 ms to draft 4 tokens, more than the 62 ms of the 4 plain decode steps it could save",
-    }[num_drafted]]
+        0: "propose took 18 ms and drafted nothing, more than the 16 ms of the 1 plain decode step",
+        1: "propose took 18 ms to draft 1 token, more than the 16 ms of the 1 plain decode step",
+        4: "propose took 64 ms to draft 4 tokens, more than the 62 ms of the 4 plain decode steps",
+    }[num_drafted] + " it could save"]
     assert loop.plain_tokens_until_speculating() == PARK_TOKENS[0]  # rule 2's park
-    assert loop.step(spec, draft_s=draft_s)  # the re-probe: parked again at its first step, not reported again
+    assert loop.step(spec, draft_s=draft_s)  # the re-probe: parked at its first step, not reported again
     assert (gov.stats.losses, gov.stats.state, len(reasons)) == (2, GovernorState.PARKED, 1)
     assert loop.plain_tokens_until_speculating() == PARK_TOKENS[1]
 

@@ -157,8 +157,8 @@ class InferenceEngine:
 
             def on_slow_draft(reason: str) -> None:  # once per governor: a slow drafter is named once
                 log.warning("%s: %s; parked, decoding plainly until the governor re-probes it", named, reason)
-            self._governors[key] = (SpeculationCostGovernor(enabled=self.spec.adaptive, on_slow_draft=on_slow_draft),
-                                    DraftWindow(self.draft_window))
+            governor = SpeculationCostGovernor(enabled=self.spec.adaptive, on_slow_draft=on_slow_draft)
+            self._governors[key] = (governor, DraftWindow(self.draft_window))
         return self._governors[key]
 
     # -- requests ------------------------------------------------------------------------

@@ -166,7 +166,8 @@ class SpeculationCostGovernor:
                  on_slow_draft: Callable[[str], None] | None = None):
         self.clock = clock
         self.enabled = enabled
-        self._on_slow_draft = on_slow_draft or (lambda reason: log.warning("%s; parked, decoding plainly", reason))
+        self._on_slow_draft = on_slow_draft or (
+            lambda reason: log.warning("%s; parked, decoding plainly", reason))
         self._slow_draft_reported = False
         self._plain = _Rate(PLAIN_WINDOW_STEPS)
         self._spec = _Rate(WATCH_STEPS)  # cleared when a probe starts: holds the probe, then the watch
@@ -214,12 +215,13 @@ class SpeculationCostGovernor:
         if (elapsed_s < 0 or num_emitted < 1 or not 0 <= num_accepted <= num_drafted
                 or not 0 <= draft_s <= elapsed_s):
             raise InvalidStepRecord(
-                f"record_spec_step({elapsed_s=}, {num_emitted=}, {num_accepted=}, {num_drafted=}, {draft_s=}): "
-                "report seconds >= 0, at least one emitted token, 0 <= accepted <= drafted and "
+                f"record_spec_step({elapsed_s=}, {num_emitted=}, {num_accepted=}, {num_drafted=}, "
+                f"{draft_s=}): report seconds >= 0, at least one emitted token, 0 <= accepted <= drafted and "
                 "0 <= draft_s <= elapsed_s")
         self._last_step_plain = False
         self._spec.add(elapsed_s, num_emitted)
-        if self._state in (GovernorState.PROBE, GovernorState.WATCH) and self._draft_loses(draft_s, num_drafted):
+        speculating = self._state in (GovernorState.PROBE, GovernorState.WATCH)
+        if speculating and self._draft_loses(draft_s, num_drafted):
             self._lose()
         elif self._state is GovernorState.PROBE:
             self._zero_accept_run = self._zero_accept_run + 1 if num_accepted == 0 else 0
@@ -287,11 +289,12 @@ class SpeculationCostGovernor:
             return False
         if not self._slow_draft_reported:
             self._slow_draft_reported = True
-            drafted = f"to draft {num_drafted} token{'s' * (num_drafted > 1)}" if num_drafted else "and drafted nothing"
-            self._on_slow_draft(
-                f"propose took {_ms(1e3 * draft_s)} {drafted}, more than the "
-                f"{_ms(MAX_DRAFT_STEPS_PER_TOKEN * num_savable * plain_ms)} of the {num_savable} plain decode "
-                f"step{'s' * (num_savable > 1)} it could save")
+            limit_ms = MAX_DRAFT_STEPS_PER_TOKEN * num_savable * plain_ms
+            drafted = (f"to draft {num_drafted} token{'s' * (num_drafted > 1)}" if num_drafted
+                       else "and drafted nothing")
+            steps = f"{num_savable} plain decode step{'s' * (num_savable > 1)}"
+            self._on_slow_draft(f"propose took {_ms(1e3 * draft_s)} {drafted}, more than the {_ms(limit_ms)} "
+                                f"of the {steps} it could save")
         return True
 
     def _judge_probe(self) -> None:
