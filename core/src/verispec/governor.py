@@ -283,13 +283,12 @@ class SpeculationCostGovernor:
     def _draft_loses(self, draft_s: float, num_drafted: int) -> bool:
         """Rule 12: drafting alone cost more than the plain steps the step could save. Reports the
         first such step through on_slow_draft."""
-        plain_ms = self._plain.ms_per_token  # set: a probe follows the bootstrap (rule 9)
         num_savable = max(num_drafted, 1)
-        if 1e3 * draft_s <= MAX_DRAFT_STEPS_PER_TOKEN * num_savable * plain_ms:
+        limit_ms = MAX_DRAFT_STEPS_PER_TOKEN * num_savable * self._plain.ms_per_token  # set after the bootstrap
+        if 1e3 * draft_s <= limit_ms:
             return False
         if not self._slow_draft_reported:
             self._slow_draft_reported = True
-            limit_ms = MAX_DRAFT_STEPS_PER_TOKEN * num_savable * plain_ms
             drafted = (f"to draft {num_drafted} token{'s' * (num_drafted > 1)}" if num_drafted
                        else "and drafted nothing")
             steps = f"{num_savable} plain decode step{'s' * (num_savable > 1)}"
