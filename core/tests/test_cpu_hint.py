@@ -44,6 +44,7 @@ def test_gguf_weights_without_the_kernels_get_their_own_hint(monkeypatch):
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     from verispec import cli
+    from verispec.execution import ExecutionStats
     from verispec.kernels import ckernels
     from verispec.weights.block_linear import block_linear_class
     from verispec.weights.gguf_blocks import GGUFBlocks
@@ -53,9 +54,31 @@ def test_gguf_weights_without_the_kernels_get_their_own_hint(monkeypatch):
     target = torch.nn.Sequential(block_linear_class(GGMLQuantizationType.Q8_0).from_gguf(
         [GGUFBlocks(GGMLQuantizationType.Q8_0, torch.from_numpy(raw), 64)]))
     engine = type("Engine", (), {"target": target})()
-    result = type("Result", (), {"decode_tokens_per_s": 0.5, "tokens": list(range(10))})()
+    result = type("Result", (), {"decode_tokens_per_s": 0.5, "tokens": list(range(10)),
+                                 "spec": ExecutionStats()})()
     monkeypatch.setattr(cpu, "FLOOR_BYTES_PER_S", 1e30)  # weights that cost nothing: any decode is "slow"
     monkeypatch.setattr(ckernels, "library", lambda: None)
     assert "PyTorch path" in cli._slow_decode_hint(engine, result)
     monkeypatch.setattr(ckernels, "library", lambda: object())
     assert "another process" in cli._slow_decode_hint(engine, result)
+
+
+def test_a_decode_slow_only_for_its_drafting_names_the_speculator(monkeypatch):
+    """80 ms/token against a 30 ms hint threshold: with 65 ms of each token in propose the
+    plugin is named, with 20 ms the rest is still slow and the machine hint stands."""
+    from verispec import cli
+    from verispec.execution import ExecutionStats
+
+    engine = type("Engine", (), {"target": torch.nn.Linear(250, 100, bias=False)})()  # 100 kB of fp32
+    monkeypatch.setattr(cpu, "FLOOR_BYTES_PER_S", 1e7)  # 10 ms a token to stream them; SLOW_FACTOR x is 30 ms
+
+    def hint(draft_ms_per_token):
+        result = type("Result", (), {"decode_tokens_per_s": 12.5, "tokens": list(range(64)),
+                                     "speculator": "slowpoke",
+                                     "spec": ExecutionStats(draft_s=draft_ms_per_token * 63 / 1e3)})()
+        return cli._slow_decode_hint(engine, result)
+
+    named = hint(65.0)
+    assert named.startswith("hint: decode took 80 ms/token, 65 ms of it drafting in speculator 'slowpoke'")
+    assert "another process" not in named and "--no-spec" in named
+    assert "another process" in hint(20.0) and "another process" in hint(0.0)

@@ -248,3 +248,37 @@ def test_a_speculator_class_without_a_name_reports_its_registered_name(model_pat
     result, _ = run(engine, max_tokens=8)
     assert engine.speculator.name == "nameless-echo" and result.speculator == "nameless-echo"
     assert result.spec.num_draft_tokens > 0
+
+
+def test_a_slow_speculator_is_parked_at_its_first_call_and_named_once_the_text_plain(model_path, caplog):
+    """A plugin whose propose sleeps twice what a full window of plain decodes costs (the governor's
+    own baseline, so no load on the machine can make it look fast) is parked at its first call and
+    at the re-probe's first: two calls in 64 tokens, one warning naming it, the plain text."""
+    import time
+
+    engines, losses_at_calls = [], []
+
+    class SlowEcho(EchoSpeculator):
+        def propose(self, history, ctx):
+            governor = engines[0].governor()[0]
+            losses_at_calls.append(governor.stats.losses)
+            time.sleep(max(0.02, 2 * ctx.draft_window * governor.stats.plain_ms_per_token / 1e3))
+            return super().propose(history, ctx)
+
+    class SlowPlugin:
+        @hookimpl
+        def register_speculators(self, register):
+            register(SpeculatorSpec(
+                name="slow-echo", summary="1-gram echo with a slow propose (test)", priority=10,
+                factory=lambda t, **kw: SlowEcho(kw["spec"], max_draft_tokens=kw["max_draft_tokens"])))
+
+    registry = Registry.from_plugins({"toy": toy_plugin, "slow": SlowPlugin()})
+    engines.append(api.load(model_path, registry=registry, spec_type="slow-echo"))
+    with caplog.at_level("WARNING", logger="verispec"):
+        spec, _ = run(engines[0], max_tokens=64, ignore_eos=True)
+    assert losses_at_calls == [0, 1]
+    assert len(caplog.records) == 1
+    assert "speculator 'slow-echo'" in caplog.text and "propose took" in caplog.text
+    engines[0].update_speculation(SpecOptions(enabled=False))
+    plain, _ = run(engines[0], max_tokens=64, ignore_eos=True)
+    assert spec.tokens == plain.tokens and spec.text == plain.text and len(spec.tokens) == 64

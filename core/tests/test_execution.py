@@ -1,11 +1,13 @@
 """SpeculativeExecution rules beyond the conformance suite: stops, context clipping,
 no-draft steps, late arming, sampling under speculation, and the seams no shipped plugin uses."""
 import random
+import time
 
 import pytest
 import torch
 
 from verispec.execution import SpeculativeExecution, resolve_draft_window
+from verispec.governor import SpeculationCostGovernor
 from verispec.sampling import Sampler, SamplingParams
 from verispec.seams import DraftContext, UnsupportedTap
 from verispec.testing import MarkovTarget, ScriptedSpeculator, ToyTarget, oracle_speculator, run_greedy
@@ -14,10 +16,10 @@ PROMPT = [1, 5, 9, 2, 7, 3, 11, 4]
 
 
 def generate(target, speculator, *, max_tokens=32, params=SamplingParams(), stop_ids=(), draft_window=8,
-             governor=None, stop_when=None):
+             governor=None, stop_when=None, clock=time.perf_counter):
     """Run the loop like the engine does; returns (draws, execution)."""
     ex = SpeculativeExecution(target, target.new_sequence(), speculator, draft_window=draft_window,
-                              stop_token_ids=stop_ids, governor=governor)
+                              stop_token_ids=stop_ids, governor=governor, clock=clock)
     sampler = Sampler(params, PROMPT, target.vocab_size)
     draws = []
 
@@ -324,6 +326,44 @@ def test_a_misbehaving_propose_is_switched_off_and_the_output_stays_plain(toy, s
     assert why in ex.fault and ex.stats.num_spec_steps == good_steps
     assert len(caplog.records) == 1 and "'scripted'" in caplog.text and why in caplog.text
     assert ex.stats.num_plain_steps == 24 - 1 - good_steps - ex.stats.num_accepted_tokens - ex.stats.num_no_draft_steps
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_slow_propose_is_parked_at_its_first_step_and_costs_under_1_3x_plain(toy):
+    """A perfect drafter whose propose takes 12 plain steps, more than the 8 a full window could
+    save: on a fake clock where every forward costs one plain step, the governor parks it at its
+    first speculative step and at the first of the re-probe, so 64 tokens cost < 1.3x plain."""
+    plain_step_s, draft_s = 1 / 64, 12 / 64
+    clock = FakeClock()
+    forward = toy.forward
+    toy.forward = lambda batch: setattr(clock, "now", clock.now + plain_step_s) or forward(batch)
+    plain, _ = generate(toy, None, max_tokens=64, clock=clock)
+    plain_s = clock.now
+
+    reasons, losses_at_calls = [], []
+    governor = SpeculationCostGovernor(clock=clock, on_slow_draft=reasons.append)
+    governor.start_request(64 - 1)
+    speculator = oracle_speculator(PROMPT + [d.token for d in plain], vocab_size=32)
+    perfect = speculator.script
+
+    def slow(ctx):
+        losses_at_calls.append(governor.stats.losses)
+        clock.now += draft_s
+        return perfect(ctx)
+    speculator.script = slow
+    clock.now = 0.0
+    draws, ex = generate(toy, speculator, max_tokens=64, governor=governor, clock=clock)
+    assert [d.token for d in draws] == [d.token for d in plain]
+    assert losses_at_calls == [0, 1]  # one call before the first park, one in the re-probe
+    assert ex.stats.draft_s == 2 * draft_s and len(reasons) == 1 and "propose took 188 ms" in reasons[0]
+    assert clock.now < 1.3 * plain_s
 
 
 @pytest.mark.parametrize("method", ["new_state", "commit", "keep"])

@@ -8,6 +8,7 @@ import pytest
 
 from verispec.governor import (
     BOOTSTRAP_PLAIN_STEPS,
+    MAX_DRAFT_STEPS_PER_TOKEN,
     PARK_TOKENS,
     PROBE_STEPS,
     REFRESH_EVERY_STEPS,
@@ -39,14 +40,16 @@ class Loop:
     def __init__(self, gov: SpeculationCostGovernor, plain_s: float = PLAIN_S):
         self.gov, self.plain_s = gov, plain_s
 
-    def step(self, spec=FAST, plain_emitted: int = 1) -> bool:
-        """One step; `spec` is what a speculative step would report. Returns whether it speculated."""
+    def step(self, spec=FAST, plain_emitted: int = 1, draft_s: float = 0.0) -> bool:
+        """One step; `spec` is what a speculative step would report, `draft_s` the part of its
+        elapsed_s spent drafting. Returns whether it speculated."""
         speculate = self.gov.should_speculate()
         start = self.gov.clock()
         if speculate:
             elapsed_s, num_emitted, num_accepted, num_drafted = spec
             self.gov.clock.now += elapsed_s
-            self.gov.record_spec_step(self.gov.clock() - start, num_emitted, num_accepted, num_drafted)
+            self.gov.record_spec_step(self.gov.clock() - start, num_emitted, num_accepted, num_drafted,
+                                      draft_s)
         else:
             self.gov.clock.now += self.plain_s
             self.gov.record_plain_step(self.gov.clock() - start, plain_emitted)
@@ -345,6 +348,57 @@ def test_disabled_still_never_arms_a_request_that_cannot_decode_two_tokens():
     assert not gov.should_speculate()
 
 
+# rule 12 ----------------------------------------------------------------------------------
+
+def slow_drafting(num_drafted: int, num_extra_plain_steps: float) -> tuple[tuple, float]:
+    """A step that accepts everything it drafted, whose drafting alone took the num_drafted
+    plain steps (max(num_drafted, 1)) it could save plus `num_extra_plain_steps`; (spec, draft_s)."""
+    draft_s = (MAX_DRAFT_STEPS_PER_TOKEN * max(num_drafted, 1) + num_extra_plain_steps) * PLAIN_S
+    return (draft_s + PLAIN_S, num_drafted + 1, num_drafted, num_drafted), draft_s
+
+
+@pytest.mark.parametrize("num_drafted", [0, 1, 4])
+def test_drafting_that_costs_more_than_it_could_save_parks_at_once_and_is_reported_once(num_drafted):
+    reasons = []
+    gov = SpeculationCostGovernor(clock=FakeClock(), on_slow_draft=reasons.append)
+    gov.start_request(10_000)
+    loop = Loop(gov)
+    loop.run(BOOTSTRAP_PLAIN_STEPS + 1)
+    spec, draft_s = slow_drafting(num_drafted, 0)  # exactly what it could save: not a loss by itself
+    assert loop.step(spec, draft_s=draft_s)
+    assert gov.stats.state is GovernorState.PROBE and reasons == []
+    spec, draft_s = slow_drafting(num_drafted, 1 / 8)
+    assert loop.step(spec, draft_s=draft_s)
+    assert (gov.stats.losses, gov.stats.state) == (1, GovernorState.PARKED)  # not PROBE_STEPS later
+    assert reasons == [{  # 1 + 1/8 or 4 + 1/8 plain steps of 15.625 ms
+        0: "propose took 18 ms and drafted nothing, more than the 16 ms of the 1 plain decode step",
+        1: "propose took 18 ms to draft 1 token, more than the 16 ms of the 1 plain decode step",
+        4: "propose took 64 ms to draft 4 tokens, more than the 62 ms of the 4 plain decode steps",
+    }[num_drafted] + " it could save"]
+    assert loop.plain_tokens_until_speculating() == PARK_TOKENS[0]  # rule 2's park
+    assert loop.step(spec, draft_s=draft_s)  # the re-probe: parked at its first step, not reported again
+    assert (gov.stats.losses, gov.stats.state, len(reasons)) == (2, GovernorState.PARKED, 1)
+    assert loop.plain_tokens_until_speculating() == PARK_TOKENS[1]
+
+
+def test_slow_drafting_parks_a_watched_win():
+    gov, loop = bootstrapped()
+    loop.run(PROBE_STEPS, FAST)
+    assert gov.stats.state is GovernorState.WATCH
+    spec, draft_s = slow_drafting(4, 1 / 8)
+    loop.step(spec, draft_s=draft_s)  # one step: the watched average of 8 would still win
+    assert (gov.stats.wins, gov.stats.losses, gov.stats.state) == (1, 1, GovernorState.PARKED)
+
+
+def test_slow_drafting_never_parks_a_disabled_governor():
+    gov, loop = bootstrapped(enabled=False)
+    for _ in range(BOOTSTRAP_PLAIN_STEPS + 1):
+        gov.record_plain_step(PLAIN_S)
+    spec, draft_s = slow_drafting(4, 100)
+    assert [loop.step(spec, draft_s=draft_s) for _ in range(3)] == [True] * 3  # rule 10
+    assert gov.stats.losses == 0
+
+
 # the report --------------------------------------------------------------------------------
 
 def test_stats_line():
@@ -362,7 +416,8 @@ def test_stats_line():
     assert gov.stats_line() == "governor plain=15.3ms/tok spec=29.1ms/tok wins=0 losses=1 parked=20"
 
 
-@pytest.mark.parametrize("args", [(-1.0, 1, 0, 0), (0.01, 0, 0, 0), (0.01, 2, 3, 2), (0.01, 2, -1, 2)])
+@pytest.mark.parametrize("args", [(-1.0, 1, 0, 0), (0.01, 0, 0, 0), (0.01, 2, 3, 2), (0.01, 2, -1, 2),
+                                  (0.01, 1, 0, 0, -0.001), (0.01, 1, 0, 0, 0.02)])
 def test_a_bad_spec_step_record_is_refused(args):
     with pytest.raises(InvalidStepRecord, match="record_spec_step"):
         SpeculationCostGovernor(clock=FakeClock()).record_spec_step(*args)

@@ -277,14 +277,23 @@ def _stdin_prompt() -> str:
 
 
 def _slow_decode_hint(engine, result) -> str | None:
-    """cpu.slow_decode_hint for a finished generation (without it a loaded machine is silent)."""
+    """cpu.slow_decode_hint for a finished generation (without it a loaded machine is silent), judged
+    without the speculator's drafting: when drafting alone made the decode slow, it names the
+    speculator instead of blaming the machine."""
     import torch
 
     from verispec.cpu import slow_decode_hint, weight_bytes
 
     if result.decode_tokens_per_s <= 0 or len(result.tokens) < 8 or not isinstance(engine.target, torch.nn.Module):
         return None
-    hint = slow_decode_hint(1e3 / result.decode_tokens_per_s, weight_bytes(engine.target), torch.get_num_threads())
+    ms_per_token = 1e3 / result.decode_tokens_per_s
+    draft_ms_per_token = 1e3 * result.spec.draft_s / (len(result.tokens) - 1)  # decode_tokens_per_s's tokens
+    num_bytes, threads = weight_bytes(engine.target), torch.get_num_threads()
+    hint = slow_decode_hint(ms_per_token - draft_ms_per_token, num_bytes, threads)
+    if hint is None and draft_ms_per_token > 0 and slow_decode_hint(ms_per_token, num_bytes, threads):
+        return (f"hint: decode took {ms_per_token:.0f} ms/token, {draft_ms_per_token:.0f} ms of it drafting "
+                f"in speculator {result.speculator!r} (its propose): the plugin is slow, not the machine; "
+                "pass --no-spec or another --spec-type")
     if hint and _gguf_without_kernels(engine.target):  # the cause is ours, not another process
         return (f"hint: decode took {1e3 / result.decode_tokens_per_s:.0f} ms/token: the gguf weights run on the "
                 "PyTorch path, ~20x slower, because the C kernels are off (VERISPEC_C_KERNELS=0) or could not be "

@@ -125,12 +125,15 @@ class InferenceEngine:
         distribution, and it is switched off for this engine; requests go on plainly."""
         if self.speculator is None:  # another request's execution already reported it
             return
-        entry = self.registry.speculators.get(self.choice.name) if self.registry and self.choice else None
-        origin = f" from {entry.distribution} {entry.version}" if entry and entry.distribution else ""
-        log.warning("%s%s; switched off for this engine, decoding plainly", reason, origin)
+        log.warning("%s%s; switched off for this engine, decoding plainly", reason, self._plugin_origin())
         self.speculator = None
         self.fault = reason
         self.scheduler.set_speculation(None)
+
+    def _plugin_origin(self) -> str:
+        """` from <distribution> <version>` of the chosen speculator, or "" when the registry does not say."""
+        entry = self.registry.speculators.get(self.choice.name) if self.registry and self.choice else None
+        return f" from {entry.distribution} {entry.version}" if entry and entry.distribution else ""
 
     def _load_draft_head(self, path):
         if path is None:
@@ -149,8 +152,12 @@ class InferenceEngine:
         """One governor and draft-window model per (model, drafter, backend), shared by every request."""
         key = (id(self.target), self.speculator.name, self.spec.adaptive, self.draft_window)
         if key not in self._governors:
-            self._governors[key] = (SpeculationCostGovernor(enabled=self.spec.adaptive),
-                                    DraftWindow(self.draft_window))
+            named = f"speculator {self.speculator.name!r}{self._plugin_origin()}"
+
+            def on_slow_draft(reason: str) -> None:  # once per governor: a slow drafter is named once
+                log.warning("%s: %s; parked, decoding plainly until the governor re-probes it", named, reason)
+            governor = SpeculationCostGovernor(enabled=self.spec.adaptive, on_slow_draft=on_slow_draft)
+            self._governors[key] = (governor, DraftWindow(self.draft_window))
         return self._governors[key]
 
     # -- requests ------------------------------------------------------------------------

@@ -63,6 +63,9 @@ class ExecutionStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
+    #: seconds in Speculator.propose (with its DraftContext); a timing, left out of == (two runs
+    #: that did the same steps are equal).
+    draft_s: float = attrs.field(default=0.0, eq=False)
 
     @property
     def acceptance_rate(self) -> float:
@@ -227,13 +230,17 @@ class SpeculativeExecution:
         ctx = DraftContext(last_token=self.last_token, pos=self.seq_len, draft_window=k,
                            min_draft_prob=self.speculator.min_draft_prob, hidden_prev=self._hidden_prev,
                            stop_token_ids=self.stop_token_ids, seq=self.seq, trunk=self._view)
-        draft = self._checked_draft(self._plugin_call("propose", self.speculator.propose, self._state, ctx), k)
+        proposed = self._plugin_call("propose", self.speculator.propose, self._state, ctx)
+        draft_s = self.clock() - start  # the governor judges drafting on its own (its rule 12)
+        self.stats.draft_s += draft_s
+        draft = self._checked_draft(proposed, k)
         if draft:
-            return self._speculative_step(draft, sampler, on_token, start)
+            return self._speculative_step(draft, sampler, on_token, start, draft_s)
         self.stats.num_no_draft_steps += 1
         stop = self._decode_one(sampler, on_token)  # with hidden rows: a tap is a slice of rows computed anyway
         if self.governor is not None:
-            self.governor.record_spec_step(self.clock() - start, num_emitted=1, num_accepted=0, num_drafted=0)
+            self.governor.record_spec_step(self.clock() - start, num_emitted=1, num_accepted=0, num_drafted=0,
+                                           draft_s=draft_s)
         return stop
 
     def _window_size(self) -> int:
@@ -279,7 +286,8 @@ class SpeculativeExecution:
         self.last_token = token
         return stop
 
-    def _speculative_step(self, draft: list[int], sampler, on_token: OnToken, start: float) -> bool:
+    def _speculative_step(self, draft: list[int], sampler, on_token: OnToken, start: float,
+                          draft_s: float) -> bool:
         base = self.seq_len
         rows = [self.last_token, *draft]
         out = self.trunk.forward([self.segment(rows, logits="all", verify=True)])[0]
@@ -296,17 +304,18 @@ class SpeculativeExecution:
         self._plugin_call("keep", self.speculator.keep, self._state, num_kept)
         self._commit(rows[:num_kept], None if out.hidden is None else out.hidden[:num_kept], base)
         self.last_token = token
-        self._record_spec(len(draft), num_accepted, num_kept, start)
+        self._record_spec(len(draft), num_accepted, num_kept, start, draft_s)
         return stop
 
-    def _record_spec(self, num_drafted: int, num_accepted: int, num_emitted: int, start: float) -> None:
+    def _record_spec(self, num_drafted: int, num_accepted: int, num_emitted: int, start: float,
+                     draft_s: float) -> None:
         elapsed = self.clock() - start
         self.stats.num_spec_steps += 1
         self.stats.num_draft_tokens += num_drafted
         self.stats.num_accepted_tokens += num_accepted
         if self.governor is not None:
             self.governor.record_spec_step(elapsed, num_emitted=num_emitted, num_accepted=num_accepted,
-                                           num_drafted=num_drafted)
+                                           num_drafted=num_drafted, draft_s=draft_s)
         if self.window is not None:
             self.window.record(num_drafted, num_accepted, num_drafted + 1, elapsed)
 

@@ -1,10 +1,11 @@
 """SpeculationCostGovernor: speculation must never make decoding slower (docs/design.md §3).
 
 It sits beside the loop. Before each step the loop asks `should_speculate()`; it times the
-step with `gov.clock` and reports it with `record_spec_step` or `record_plain_step`. The
-governor compares milliseconds per emitted token of speculative steps against plain steps
-(the model's own decode) and parks drafting while speculation loses. Units: elapsed times
-come in as seconds, rates go out as ms per emitted token, park lengths count emitted tokens.
+step (and a speculative step's drafting on its own) with `gov.clock` and reports it with
+`record_spec_step` or `record_plain_step`. The governor compares milliseconds per emitted
+token of speculative steps against plain steps (the model's own decode) and parks drafting
+while speculation loses. Units: elapsed times come in as seconds, rates go out as ms per
+emitted token, park lengths count emitted tokens.
 
 States (`GovernorState`): bootstrap → probe → watch ⇄ refresh, probe/watch → parked → probe;
 `off` when built with enabled=False.
@@ -43,15 +44,25 @@ Rules (each has a test in tests/test_governor.py):
     other requests: `resume_request`) is not a new request: park and backoff stay as they
     are; its first plain step follows a transition and is not measured (rule 3), and with
     fewer than MIN_TOKENS_TO_ARM tokens left it is not armed (rule 8).
+12. A speculative step whose drafting alone (`draft_s`, the loop's timing of `propose`) took
+    more than MAX_DRAFT_STEPS_PER_TOKEN plain steps per token it could save loses at once, in a
+    probe or a watch (rule 2's park). It could save max(num_drafted, 1) plain steps: every draft
+    accepted, and a step that drafted nothing counts as one (rule 4's sample of one token), so a
+    lookup's microseconds never trip it. The first such loss in the governor's life calls
+    `on_slow_draft` with a one-line reason, once: a slow plugin is named once, not at every
+    re-probe.
 """
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 
 import attrs
+
+log = logging.getLogger("verispec")
 
 #: speculative steps in a first probe (rule 1).
 PROBE_STEPS = 8
@@ -75,6 +86,8 @@ PLAIN_WINDOW_STEPS = 8
 MIN_TOKENS_TO_ARM = 2
 #: losses a new request remembers of the run (rule 7).
 REMEMBERED_LOSSES = 1
+#: plain steps of drafting per token a speculative step could save, at most (rule 12).
+MAX_DRAFT_STEPS_PER_TOKEN = 1.0
 
 
 class GovernorState(enum.Enum):
@@ -113,6 +126,11 @@ class GovernorStats:
                 f"wins={self.wins} losses={self.losses} parked={self.parked_tokens}")
 
 
+def _ms(ms: float) -> str:
+    """`500 ms`, `104 ms`, `0.21 ms`: whole milliseconds from 10 ms up, two significant digits below."""
+    return f"{ms:.0f} ms" if ms >= 10 else f"{ms:.2g} ms"
+
+
 class _Rate:
     """The last `maxlen` steps as (elapsed_s, num_emitted); their mean in ms per emitted token."""
 
@@ -140,11 +158,17 @@ class SpeculationCostGovernor:
 
     clock: seconds, monotonic (`time.perf_counter`); the loop times its steps with it.
     enabled: False forces speculation for measurements (`--spec-adaptive off`).
+    on_slow_draft: called once with a one-line reason when drafting first loses alone (rule 12);
+      default: a logged warning (the engine passes one that names the speculator).
     """
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter, enabled: bool = True):
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, enabled: bool = True,
+                 on_slow_draft: Callable[[str], None] | None = None):
         self.clock = clock
         self.enabled = enabled
+        self._on_slow_draft = on_slow_draft or (
+            lambda reason: log.warning("%s; parked, decoding plainly", reason))
+        self._slow_draft_reported = False
         self._plain = _Rate(PLAIN_WINDOW_STEPS)
         self._spec = _Rate(WATCH_STEPS)  # cleared when a probe starts: holds the probe, then the watch
         self._state = GovernorState.BOOTSTRAP if enabled else GovernorState.OFF
@@ -180,19 +204,26 @@ class SpeculationCostGovernor:
         return self._armed and self._state in (GovernorState.PROBE, GovernorState.WATCH, GovernorState.OFF)
 
     def record_spec_step(self, elapsed_s: float, num_emitted: int, num_accepted: int,
-                         num_drafted: int) -> None:
-        """A speculative step took `elapsed_s` seconds and emitted `num_emitted` tokens.
+                         num_drafted: int, draft_s: float = 0.0) -> None:
+        """A speculative step took `elapsed_s` seconds, `draft_s` of them drafting, and emitted
+        `num_emitted` tokens.
 
         A step that drafted nothing is (elapsed_s, 1, 0, 0): a speculative sample of one token.
-        Raises InvalidStepRecord for elapsed_s < 0, num_emitted < 1 or not 0 <= accepted <= drafted.
+        Raises InvalidStepRecord for elapsed_s < 0, num_emitted < 1, not 0 <= accepted <= drafted
+        or not 0 <= draft_s <= elapsed_s.
         """
-        if elapsed_s < 0 or num_emitted < 1 or not 0 <= num_accepted <= num_drafted:
+        if (elapsed_s < 0 or num_emitted < 1 or not 0 <= num_accepted <= num_drafted
+                or not 0 <= draft_s <= elapsed_s):
             raise InvalidStepRecord(
-                f"record_spec_step({elapsed_s=}, {num_emitted=}, {num_accepted=}, {num_drafted=}): "
-                "report seconds >= 0, at least one emitted token and 0 <= accepted <= drafted")
+                f"record_spec_step({elapsed_s=}, {num_emitted=}, {num_accepted=}, {num_drafted=}, "
+                f"{draft_s=}): report seconds >= 0, at least one emitted token, 0 <= accepted <= drafted and "
+                "0 <= draft_s <= elapsed_s")
         self._last_step_plain = False
         self._spec.add(elapsed_s, num_emitted)
-        if self._state is GovernorState.PROBE:
+        speculating = self._state in (GovernorState.PROBE, GovernorState.WATCH)
+        if speculating and self._draft_loses(draft_s, num_drafted):
+            self._lose()
+        elif self._state is GovernorState.PROBE:
             self._zero_accept_run = self._zero_accept_run + 1 if num_accepted == 0 else 0
             self._probe_left -= 1
             if self._zero_accept_run >= MAX_ZERO_ACCEPT_STEPS:
@@ -248,6 +279,22 @@ class SpeculationCostGovernor:
         """Recent speculative steps cost strictly less per emitted token than plain ones (a tie loses)."""
         spec, plain = self._spec.ms_per_token, self._plain.ms_per_token
         return spec is not None and plain is not None and spec < plain
+
+    def _draft_loses(self, draft_s: float, num_drafted: int) -> bool:
+        """Rule 12: drafting alone cost more than the plain steps the step could save. Reports the
+        first such step through on_slow_draft."""
+        num_savable = max(num_drafted, 1)
+        limit_ms = MAX_DRAFT_STEPS_PER_TOKEN * num_savable * self._plain.ms_per_token  # set after the bootstrap
+        if 1e3 * draft_s <= limit_ms:
+            return False
+        if not self._slow_draft_reported:
+            self._slow_draft_reported = True
+            drafted = (f"to draft {num_drafted} token{'s' * (num_drafted > 1)}" if num_drafted
+                       else "and drafted nothing")
+            steps = f"{num_savable} plain decode step{'s' * (num_savable > 1)}"
+            self._on_slow_draft(f"propose took {_ms(1e3 * draft_s)} {drafted}, more than the {_ms(limit_ms)} "
+                                f"of the {steps} it could save")
+        return True
 
     def _judge_probe(self) -> None:
         if not self._spec_wins():
