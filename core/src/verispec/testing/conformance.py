@@ -42,6 +42,7 @@ import random
 import pytest
 import torch
 
+from verispec.execution import DEFAULT_DRAFT_WINDOW
 from verispec.governor import SpeculationCostGovernor
 from verispec.nn.state import CannotTruncate
 from verispec.requests import Generation, Request, Speculation
@@ -63,8 +64,8 @@ def _speculator_fault(reason: str) -> None:
     raise AssertionError(f"{reason}: a conformant speculator never faults")
 
 
-def run_greedy_requests(target, prompts, max_tokens, speculator=None, *, submit_at=None, max_running=None,
-                        stop_at=None, draft_window=8):
+def run_greedy_requests(target, prompts, max_tokens, speculator=None, *, submit_at=None,
+                        max_running=DEFAULT_MAX_RUNNING, stop_at=None, draft_window=DEFAULT_DRAFT_WINDOW):
     """Greedy-decode each prompt as one request of a `Scheduler` over `target`, the path the engine
     takes (prefill beside others' decodes, solo speculative steps, batched plain steps).
 
@@ -72,7 +73,8 @@ def run_greedy_requests(target, prompts, max_tokens, speculator=None, *, submit_
     `--spec-adaptive off` (every solo step of an armed request drafts) with the engine's draft
     window model over 1..draft_window. submit_at: per prompt, the engine steps run before it is
     submitted (default: all before the first). max_running: requests admitted at once (1: each
-    runs alone, one after another; default the engine's). stop_at: a stop token id (it is emitted).
+    runs alone, one after another; default the engine's). stop_at: a stop token id of every
+    request (it is emitted; its finish_reason is "stop").
     Finished sequences stay idle in the target, so each execution's `seq_len` stays readable.
 
     Returns [(tokens, the request's SpeculativeExecution)] in prompt order. Raises the error of a
@@ -81,10 +83,11 @@ def run_greedy_requests(target, prompts, max_tokens, speculator=None, *, submit_
     n = len(prompts)
     limits = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
     arrivals = [0] * n if submit_at is None else list(submit_at)
-    scheduler = Scheduler(target, max_running=max_running or DEFAULT_MAX_RUNNING, max_idle_sequences=n)
+    scheduler = Scheduler(target, max_running=max_running, max_idle_sequences=n)
     if speculator is not None:
-        scheduler.set_speculation(Speculation(speculator, draft_window, SpeculationCostGovernor(enabled=False),
-                                              DraftWindow(draft_window), _speculator_fault))
+        governor = SpeculationCostGovernor(enabled=False)
+        scheduler.set_speculation(Speculation(speculator, draft_window, governor, DraftWindow(draft_window),
+                                              _speculator_fault))
     requests = [Request(Generation(scheduler.step), list(prompt), tokenizer=_TokenIds(), max_tokens=limit,
                         sampling=SamplingParams(), stop=(), stop_ids=() if stop_at is None else (stop_at,),
                         max_context_length=target.max_context_length, vocab_size=target.vocab_size,
@@ -102,7 +105,8 @@ def run_greedy_requests(target, prompts, max_tokens, speculator=None, *, submit_
     return [(request.generation.result.tokens, request.execution) for request in requests]
 
 
-def run_greedy(target, prompt, max_tokens, speculator=None, *, stop_at=None, draft_window=8):
+def run_greedy(target, prompt, max_tokens, speculator=None, *, stop_at=None,
+               draft_window=DEFAULT_DRAFT_WINDOW):
     """Greedy-decode `max_tokens` tokens of one request alone in a new Scheduler over `target`
     (see `run_greedy_requests`); returns (tokens, its SpeculativeExecution)."""
     return run_greedy_requests(target, [prompt], max_tokens, speculator, stop_at=stop_at,
