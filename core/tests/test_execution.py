@@ -9,15 +9,22 @@ import torch
 from verispec.execution import SpeculativeExecution, resolve_draft_window
 from verispec.governor import SpeculationCostGovernor
 from verispec.sampling import Sampler, SamplingParams
-from verispec.seams import DraftContext, UnsupportedTap
+from verispec.seams import UnsupportedTap
 from verispec.testing import MarkovTarget, ScriptedSpeculator, ToyTarget, oracle_speculator, run_greedy
 
 PROMPT = [1, 5, 9, 2, 7, 3, 11, 4]
 
 
+def start(ex, prompt, sampler, on_token):
+    """Prefill and draw the first token as the scheduler does; returns True when on_token said stop."""
+    out = ex.trunk.forward([ex.segment(prompt)])[0]
+    ex.take_prefill(prompt, out)
+    return ex.emit_first(sampler, out.logits[-1], on_token)
+
+
 def generate(target, speculator, *, max_tokens=32, params=SamplingParams(), stop_ids=(), draft_window=8,
              governor=None, stop_when=None, clock=time.perf_counter):
-    """Run the loop like the engine does; returns (draws, execution)."""
+    """Run one execution's loop as a solo request of the scheduler does; returns (draws, execution)."""
     ex = SpeculativeExecution(target, target.new_sequence(), speculator, draft_window=draft_window,
                               stop_token_ids=stop_ids, governor=governor, clock=clock)
     sampler = Sampler(params, PROMPT, target.vocab_size)
@@ -28,7 +35,7 @@ def generate(target, speculator, *, max_tokens=32, params=SamplingParams(), stop
         return (len(draws) >= max_tokens or draw.token in stop_ids
                 or (stop_when is not None and stop_when(draws)))
 
-    stop = ex.start(PROMPT, sampler, on_token)
+    stop = start(ex, PROMPT, sampler, on_token)
     while not stop:
         stop = ex.step(sampler, on_token)
     return draws, ex
@@ -73,7 +80,7 @@ def test_a_window_never_starts_at_a_stop_token(toy):
     ex = SpeculativeExecution(toy, toy.new_sequence(), ScriptedSpeculator(script), stop_token_ids=(stop,))
     sampler = Sampler(SamplingParams(), PROMPT, 32)
     out = []
-    done = ex.start(PROMPT, sampler, lambda d: out.append(d.token) or len(out) >= 24)
+    done = start(ex, PROMPT, sampler, lambda d: out.append(d.token) or len(out) >= 24)
     while not done:
         done = ex.step(sampler, lambda d: out.append(d.token) or len(out) >= 24)
     assert out == plain[:24]
@@ -188,7 +195,7 @@ def _transition_counts(target, params, speculator_factory, num_tokens, seed0):
         ex = SpeculativeExecution(target, target.new_sequence(), speculator_factory())
         sampler = Sampler(p, [0], vocab)
         out = []
-        done = ex.start([0], sampler, lambda d: out.append(d.token) or len(out) >= per_seq)
+        done = start(ex, [0], sampler, lambda d: out.append(d.token) or len(out) >= per_seq)
         while not done:
             done = ex.step(sampler, lambda d: out.append(d.token) or len(out) >= per_seq)
         seq = [0] + out

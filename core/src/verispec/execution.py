@@ -173,26 +173,10 @@ class SpeculativeExecution:
 
     # -- sequence set-up ---------------------------------------------------------------
 
-    def prefill(self, tokens: Sequence[int], chunk_size: int = 512):
-        """Append prompt tokens after what the sequence holds; returns logits fp32 [V] of the last row."""
-        out = None
-        for start in range(0, len(tokens), chunk_size):
-            chunk = tokens[start:start + chunk_size]
-            out = self.trunk.forward([self.segment(chunk)])[0]
-            self.take_prefill(chunk, out)
-        return out.logits[-1]
-
     def take_prefill(self, tokens: Sequence[int], out) -> None:
         """This sequence's output (a SegmentOutput) of a forward of `segment(tokens)`, run by the
         caller beside other sequences: commit the prompt tokens to the speculator."""
         self._commit(tokens, out.hidden, self.seq_len - len(tokens))
-
-    def start(self, prompt: Sequence[int], sampler, on_token: OnToken) -> bool:
-        """Prefill the prompt and emit the first new token; returns True when it said stop.
-
-        After prefix reuse the caller has already called `seed_committed` with the reused tokens.
-        """
-        return self.emit_first(sampler, self.prefill(prompt), on_token)
 
     def emit_first(self, sampler, logits, on_token: OnToken) -> bool:
         """Draw the first new token from the prompt's last row (logits fp32 [V]); returns True when it said stop."""

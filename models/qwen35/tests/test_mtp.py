@@ -86,29 +86,12 @@ def test_mtp_speculation_gives_the_plain_stream(tiny_fixture, dtype):
     assert ex.stats.num_draft_tokens > 0 and ex.stats.num_spec_steps > 0
 
 
-def _interleaved(target, speculator, prompts, n):
-    """Executions of several sequences sharing one speculator, stepping in turn; their streams."""
-    from verispec.execution import SpeculativeExecution
-    from verispec.sampling import Sampler, SamplingParams
-
-    runs = []
-    for prompt in prompts:
-        ex = SpeculativeExecution(target, target.new_sequence(), speculator, draft_window=3)
-        sampler, out = Sampler(SamplingParams(), prompt, target.vocab_size), []
-        on_token = (lambda out: lambda d: out.append(d.token) or len(out) >= n)(out)
-        runs.append([ex, sampler, on_token, out, ex.start(prompt, sampler, on_token)])
-    while not all(r[4] for r in runs):
-        for r in runs:
-            if not r[4]:
-                r[4] = r[0].step(r[1], r[2])
-    return [r[3] for r in runs], [r[0].stats for r in runs]
-
-
 @pytest.mark.parametrize("kind", ["mtp", "ngram"])
-def test_one_speculator_serves_interleaved_sequences(tiny_fixture, kind):
-    """Per-sequence state on this trunk: two sequences sharing one speculator (the MTP head's KV is
-    per sequence) each give their plain stream and the draft/accept counts they get alone."""
-    from verispec.testing import run_greedy
+def test_one_speculator_serves_requests_in_turn(tiny_fixture, kind):
+    """Per-sequence state on this trunk: two requests of one scheduler sharing one speculator (the
+    MTP head's KV is per sequence), run alone in turn, each give their plain stream and the
+    draft/accept counts they get alone."""
+    from verispec.testing import run_greedy, run_greedy_requests
 
     if kind == "mtp":
         make = pytest.importorskip("verispec_mtp_nextn.speculator").MtpSpeculator
@@ -123,10 +106,10 @@ def test_one_speculator_serves_interleaved_sequences(tiny_fixture, kind):
 
     prompts = [[1, 5, 9, 2, 7, 3, 11, 4] * 2, [8, 6, 10, 12, 40, 77, 101, 3, 8, 6]]
     plains = [run_greedy(target, p, 32)[0] for p in prompts]
-    solos = [_interleaved(target, new(), [p], 32)[1][0] for p in prompts]
-    streams, stats = _interleaved(target, new(), prompts, 32)
-    assert streams == plains
-    assert stats == solos
+    solos = [run_greedy(target, p, 32, new(), draft_window=3)[1].stats for p in prompts]
+    runs = run_greedy_requests(target, prompts, 32, new(), max_running=1, draft_window=3)
+    assert [tokens for tokens, _ in runs] == plains
+    assert [ex.stats for _, ex in runs] == solos
 
 
 # -- a standalone MTP GGUF paired with a main file without one (docs/reference/qwen35.md §3.7, variant 3) --

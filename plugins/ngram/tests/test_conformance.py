@@ -1,9 +1,7 @@
 """The core conformance suites with the n-gram speculator (toy trunks)."""
 import pytest
 
-from verispec.execution import SpeculativeExecution
-from verispec.sampling import Sampler, SamplingParams
-from verispec.testing import SpeculatorConformance, ToyTarget, run_greedy
+from verispec.testing import SpeculatorConformance, ToyTarget, run_greedy, run_greedy_requests
 from verispec_ngram.speculator import NGramSpeculator
 
 PROMPTS = ([3, 1, 4, 1, 5, 9, 2, 6] * 4, [2, 7, 1, 8, 2, 8, 1, 8] * 4)
@@ -31,26 +29,15 @@ def test_ngram_accepts_on_a_repetitive_toy_stream():
     assert ex.stats.num_spec_steps < 96
 
 
-def test_one_speculator_drafts_for_interleaved_sequences_as_if_each_were_alone():
-    """Two sequences of one trunk share one NGramSpeculator and step in turn: each stream, and
-    each sequence's draft/accept counts, equal that sequence run alone (the drafter is
+def test_one_speculator_drafts_for_requests_in_turn_as_if_each_were_alone():
+    """Two requests of one scheduler share one NGramSpeculator and run alone in turn: each stream,
+    and each request's draft/accept counts, equal that request run alone (the drafter is
     deterministic given its own history, so any leak between states shows in the counts)."""
     target = ToyTarget(vocab_size=16, recurrent=False, seed=3)
     n = 96
     solo = [run_greedy(target, p, n, NGramSpeculator(max_draft_tokens=8)) for p in PROMPTS]
     assert all(ex.stats.num_accepted_tokens > 0 for _, ex in solo)  # there is drafting to compare
-    speculator = NGramSpeculator(max_draft_tokens=8)
-    runs = []
-    for prompt in PROMPTS:
-        ex = SpeculativeExecution(target, target.new_sequence(), speculator)
-        sampler, out = Sampler(SamplingParams(), prompt, target.vocab_size), []
-        on_token = (lambda out: lambda draw: out.append(draw.token) or len(out) >= n)(out)
-        runs.append({"ex": ex, "sampler": sampler, "on_token": on_token, "out": out,
-                     "stop": ex.start(prompt, sampler, on_token)})
-    while not all(r["stop"] for r in runs):
-        for r in runs:
-            if not r["stop"]:
-                r["stop"] = r["ex"].step(r["sampler"], r["on_token"])
-    for (plain, solo_ex), r in zip(solo, runs):
-        assert r["out"] == plain
-        assert r["ex"].stats == solo_ex.stats
+    runs = run_greedy_requests(target, PROMPTS, n, NGramSpeculator(max_draft_tokens=8), max_running=1)
+    for (plain, solo_ex), (tokens, ex) in zip(solo, runs):
+        assert tokens == plain
+        assert ex.stats == solo_ex.stats

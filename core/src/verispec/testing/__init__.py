@@ -13,6 +13,7 @@ _EXPORTS = {
     "TargetConformance": "verispec.testing.conformance",
     "SpeculatorConformance": "verispec.testing.conformance",
     "run_greedy": "verispec.testing.conformance",
+    "run_greedy_requests": "verispec.testing.conformance",
     "forward_one": "verispec.testing.conformance",
     "plain_logits": "verispec.testing.conformance",
     "ToyTarget": "verispec.testing.toy",

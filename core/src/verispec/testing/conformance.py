@@ -27,7 +27,13 @@ three sequences in one forward — prefill beside decode beside verify — each 
 solo run; (f) 200 random batched steps over three sequences with random accept counts do
 not drift; (g) an always-wrong and a perfect drafter both give the plain greedy stream;
 (h) random accept counts through the loop do not drift; (i) a stop inside an accepted
-window ends the step there.
+window ends the step there; (j) requests arriving beside a speculating one, and it after they
+leave, each give their solo plain stream.
+
+The loops run the engine's path: each greedy stream is a request of a `Scheduler` over the
+target (`run_greedy`, `run_greedy_requests`), speculating as under `--spec-adaptive off`.
+The speculator suite checks a drafter's stream, its window and stop tokens, one speculator
+serving requests in turn (each drafts what it drafts alone), and requests beside each other.
 """
 from __future__ import annotations
 
@@ -36,27 +42,75 @@ import random
 import pytest
 import torch
 
-from verispec.execution import SpeculativeExecution
+from verispec.execution import DEFAULT_DRAFT_WINDOW
+from verispec.governor import SpeculationCostGovernor
 from verispec.nn.state import CannotTruncate
-from verispec.sampling import Sampler, SamplingParams
+from verispec.requests import Generation, Request, Speculation
+from verispec.sampling import SamplingParams
+from verispec.scheduler import DEFAULT_MAX_RUNNING, Scheduler
 from verispec.seams import DraftContext, Segment, declared
 from verispec.testing.toy import ToyTarget, oracle_speculator
+from verispec.window import DraftWindow
 
 
-def run_greedy(target, prompt, max_tokens, speculator=None, *, stop_at=None, draft_window=8):
-    """Greedy-decode `max_tokens` tokens in a new sequence; returns (tokens, execution)."""
-    execution = SpeculativeExecution(target, target.new_sequence(), speculator, draft_window=draft_window)
-    sampler = Sampler(SamplingParams(), prompt, target.vocab_size)
-    out: list[int] = []
+class _TokenIds:
+    """The text of token ids for a request's stop state (the suites compare ids, never text)."""
 
-    def on_token(draw):
-        out.append(draw.token)
-        return len(out) >= max_tokens or draw.token == stop_at
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return "".join(f"<{i}>" for i in ids)
 
-    stop = execution.start(prompt, sampler, on_token)
-    while not stop:
-        stop = execution.step(sampler, on_token)
-    return out, execution
+
+def _speculator_fault(reason: str) -> None:
+    raise AssertionError(f"{reason}: a conformant speculator never faults")
+
+
+def run_greedy_requests(target, prompts, max_tokens, speculator=None, *, submit_at=None,
+                        max_running=DEFAULT_MAX_RUNNING, stop_at=None, draft_window=DEFAULT_DRAFT_WINDOW):
+    """Greedy-decode each prompt as one request of a `Scheduler` over `target`, the path the engine
+    takes (prefill beside others' decodes, solo speculative steps, batched plain steps).
+
+    max_tokens: an int, or one per prompt. speculator: shared by every request, speculating under
+    `--spec-adaptive off` (every solo step of an armed request drafts) with the engine's draft
+    window model over 1..draft_window. submit_at: per prompt, the engine steps run before it is
+    submitted (default: all before the first). max_running: requests admitted at once (1: each
+    runs alone, one after another; default the engine's). stop_at: a stop token id of every
+    request (it is emitted; its finish_reason is "stop").
+    Finished sequences stay idle in the target, so each execution's `seq_len` stays readable.
+
+    Returns [(tokens, the request's SpeculativeExecution)] in prompt order. Raises the error of a
+    failed engine step, and AssertionError when the speculator faults.
+    """
+    n = len(prompts)
+    limits = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
+    arrivals = [0] * n if submit_at is None else list(submit_at)
+    scheduler = Scheduler(target, max_running=max_running, max_idle_sequences=n)
+    if speculator is not None:
+        governor = SpeculationCostGovernor(enabled=False)
+        scheduler.set_speculation(Speculation(speculator, draft_window, governor, DraftWindow(draft_window),
+                                              _speculator_fault))
+    requests = [Request(Generation(scheduler.step), list(prompt), tokenizer=_TokenIds(), max_tokens=limit,
+                        sampling=SamplingParams(), stop=(), stop_ids=() if stop_at is None else (stop_at,),
+                        max_context_length=target.max_context_length, vocab_size=target.vocab_size,
+                        time_limit=None)
+                for prompt, limit in zip(prompts, limits)]
+    waiting = sorted(range(n), key=lambda i: arrivals[i])
+    step = 0
+    while waiting or scheduler.has_work:
+        while waiting and arrivals[waiting[0]] <= step:
+            scheduler.submit(requests[waiting.pop(0)])
+        scheduler.step()
+        step += 1
+    for request in requests:
+        request.generation.poll()  # raises the error of a step that failed it
+    return [(request.generation.result.tokens, request.execution) for request in requests]
+
+
+def run_greedy(target, prompt, max_tokens, speculator=None, *, stop_at=None,
+               draft_window=DEFAULT_DRAFT_WINDOW):
+    """Greedy-decode `max_tokens` tokens of one request alone in a new Scheduler over `target`
+    (see `run_greedy_requests`); returns (tokens, its SpeculativeExecution)."""
+    return run_greedy_requests(target, [prompt], max_tokens, speculator, stop_at=stop_at,
+                               draft_window=draft_window)[0]
 
 
 def forward_one(target, seq, tokens, *, logits="all", hidden=False, tap_layers=None, verify=False):
@@ -285,6 +339,22 @@ class TargetConformance:
         # the stop token is pending, exactly as after a plain run: the sequence holds everything before it
         assert ex.seq_len == len(self.prompt) + len(expected) - 1
 
+    def test_requests_beside_a_speculating_one_give_their_plain_streams(self, target, vocab_size):
+        """One scheduler: a request speculates alone, two more arrive (their prefills beside its
+        decodes), leave, and it resumes speculating; every stream is its solo plain stream."""
+        prompts = [self.prompt, self.prompt[::-1], self.prompt[1::2] * 2]
+        limits = [40, 8, 12]
+        plains = [run_greedy(target, p, n)[0] for p, n in zip(prompts, limits)]
+        speculator = oracle_speculator(self.prompt + plains[0], vocab_size=vocab_size, rng=random.Random(1))
+        arrivals = [0, 3, 4]  # step 0 prefills the first; steps 1 and 2 speculate
+        runs = run_greedy_requests(target, prompts, limits, speculator, submit_at=arrivals)
+        for i, ((got, _), plain) in enumerate(zip(runs, plains)):
+            first_diff = next((j for j, (a, b) in enumerate(zip(got, plain)) if a != b), None)
+            assert got == plain, f"request {i}: first divergence at output token {first_diff}"
+        stats = runs[0][1].stats
+        assert stats.num_plain_steps > 0  # it decoded in the batch
+        assert stats.num_spec_steps > arrivals[1] - 1  # and speculated again after it
+
 
 class SpeculatorConformance:
     """Runs a speculator on the toy trunk; provide `make_speculator` (a zero-arg factory)."""
@@ -322,23 +392,44 @@ class SpeculatorConformance:
                            min_draft_prob=speculator.min_draft_prob, stop_token_ids=frozenset({self.prompt[0]}))
         assert speculator.propose(state, ctx) == []
 
-    def test_one_speculator_serves_interleaved_sequences(self, toy_target, make_speculator):
-        """Per-sequence state: two executions sharing one speculator, stepping in turn, each
-        give their own plain stream."""
+    def test_one_speculator_serves_requests_in_turn(self, toy_target, make_speculator):
+        """Per-sequence state: two requests of one scheduler share one speculator and run alone in
+        turn; each gives its own plain stream, and drafts and has accepted what it does alone."""
         prompts = [self.prompt, self.prompt[5:] + self.prompt[:5]]
         plains = [run_greedy(toy_target, p, 32)[0] for p in prompts]
         solos = [run_greedy(toy_target, p, 32, make_speculator())[1].stats for p in prompts]
-        speculator = make_speculator()
-        runs = []
-        for prompt in prompts:
-            ex = SpeculativeExecution(toy_target, toy_target.new_sequence(), speculator)
-            sampler, out = Sampler(SamplingParams(), prompt, toy_target.vocab_size), []
-            on_token = (lambda out: lambda d: out.append(d.token) or len(out) >= 32)(out)
-            runs.append([ex, sampler, on_token, out, ex.start(prompt, sampler, on_token)])
-        while not all(r[4] for r in runs):
-            for r in runs:
-                if not r[4]:
-                    r[4] = r[0].step(r[1], r[2])
-        assert [r[3] for r in runs] == plains
-        # what each sequence drafted and had accepted is what it drafts alone: no state leaks across
-        assert [r[0].stats for r in runs] == solos
+        runs = run_greedy_requests(toy_target, prompts, 32, make_speculator(), max_running=1)
+        assert [tokens for tokens, _ in runs] == plains
+        # a state leaking across requests (or kept on the speculator itself) changes the drafts
+        assert [ex.stats for _, ex in runs] == solos
+
+    def test_requests_beside_each_other_give_their_plain_streams(self, toy_target, make_speculator):
+        """One speculator through a batched interlude: the first request speculates alone, two
+        more arrive (prefills beside its decodes, no drafting), the short one leaves, the first
+        finishes, and the last drafts alone over what it committed in the batch."""
+        prompts = [self.prompt, self.prompt[5:] + self.prompt[:5], self.prompt[3:12]]
+        limits = [48, 6, 64]
+        plains = [run_greedy(toy_target, p, n)[0] for p, n in zip(prompts, limits)]
+        runs = run_greedy_requests(toy_target, prompts, limits, make_speculator(), submit_at=[0, 3, 3])
+        assert [tokens for tokens, _ in runs] == plains
+        first, _, last = (ex.stats for _, ex in runs)
+        assert first.num_plain_steps > 0 and last.num_plain_steps > 0  # the batched steps happened
+        assert last.num_spec_steps + last.num_no_draft_steps > 0  # and the last was asked to draft alone
+
+    def test_a_request_drafts_the_same_whatever_runs_beside_it(self, toy_target, make_speculator):
+        """A request speculates alone, decodes in a batch beside two short ones, and speculates
+        again after they leave: its stream and its draft/accept counts do not depend on which
+        requests those were (its state sees only its own sequence; the toy is batch-invariant)."""
+        limits, arrivals = [64, 6, 10], [0, 3, 3]
+        plain = run_greedy(toy_target, self.prompt, limits[0])[0]
+        stats = []
+        for companions in ([self.prompt[5:20], self.prompt[7:30]], [self.prompt[9:40], self.prompt[2:9] * 2]):
+            runs = run_greedy_requests(toy_target, [self.prompt, *companions], limits, make_speculator(),
+                                       submit_at=arrivals)
+            assert runs[0][0] == plain
+            assert [tokens for tokens, _ in runs[1:]] == [run_greedy(toy_target, p, n)[0]
+                                                          for p, n in zip(companions, limits[1:])]
+            stats.append(runs[0][1].stats)
+        assert stats[0] == stats[1]
+        assert stats[0].num_plain_steps > 0  # it decoded in the batch
+        assert stats[0].num_spec_steps + stats[0].num_no_draft_steps > arrivals[1] - 1  # and drafted after it
