@@ -404,6 +404,9 @@ class Arch:
     read_elsewhere: tensors the config reads (e.g. rope_freqs), not the plan.
     default_dtype: the weight dtype when the caller chooses none (nn.gguf_mode.default_dtype
       turns "gguf" into int8 where the C kernels are not built).
+    check_kind: `gguf -> None`, raising the family's UnsupportedVariant for a file of this
+      architecture that is no trunk (e.g. a standalone MTP head); run before `check_numbers`,
+      whose block-count rule such a file would break with a misleading "damaged" message.
     """
 
     config: Callable[[GGUFFile], Any]
@@ -413,6 +416,7 @@ class Arch:
     family: str
     read_elsewhere: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
     default_dtype: str = "int8"
+    check_kind: Callable[[GGUFFile], None] | None = None
 
 
 def load_trunk(path: str | os.PathLike, archs: Mapping[str, Arch], *, dtype: str | None = None,
@@ -438,6 +442,8 @@ def load_trunk(path: str | os.PathLike, archs: Mapping[str, Arch], *, dtype: str
     if arch is None:
         raise UnsupportedArchitecture(path, gguf.architecture, tuple(archs))
     dtype = canonical_dtype(dtype or default_dtype(arch.default_dtype))
+    if arch.check_kind is not None:
+        arch.check_kind(gguf)
     check_numbers(gguf)
     config = arch.config(gguf)
     model = arch.model(config, dtype=dtype, **options)
