@@ -105,6 +105,12 @@ def tiny_trunks():
     return get
 
 
+@pytest.fixture(scope="session")
+def trunk_families():
+    """The names `tiny_trunks` takes (installed or not: it skips the absent ones)."""
+    return list(FAMILIES)
+
+
 @pytest.fixture(params=list(FAMILIES))
 def tiny_trunk(request, tiny_trunks):
     """Each family's `TinyTrunk` in turn (tests taking it run once per family)."""
