@@ -28,7 +28,7 @@ from verispec.testing.fixture_writer import byte_level_vocab
 #: address space per subprocess: a tiny model generates in well under this; a size read from a
 #: hostile header and allocated would not.
 MEMORY_LIMIT_BYTES = 4 << 30
-WORKER_TIMEOUT_S, CLI_TIMEOUT_S = 600, 60
+WORKER_TIMEOUT_S, CLI_TIMEOUT_S = 300, 60
 
 #: integer `{arch}.*` keys that size something (a tensor, a cache, a loop over layers or heads):
 #: huge values must be refused. context_length is not among them (positions are allocated as
@@ -76,7 +76,9 @@ def _limits():
 
 
 def _run(args, timeout):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "VERISPEC_DEBUG": ""}
+    # one malloc arena per thread kind: glibc's default (8 per core) reserves address space that a
+    # many-core host would count against the limit
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "VERISPEC_DEBUG": "", "MALLOC_ARENA_MAX": "2"}
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
                           preexec_fn=_limits, env=env)
 
@@ -125,14 +127,15 @@ def _weight_mutants(trunk):
     norm = trunk.tensors["output_norm.weight"].clone()
     norm[3] = float("nan")
     yield "NaN norm", {"output_norm.weight": norm}, "output_norm.weight"
-    name = next(n for n in trunk.tensors if n.startswith("blk.0.") and n.endswith("_output.weight")
-                or n == "blk.0.ssm_out.weight")
+    name = next(n for n in trunk.tensors
+                if (n.startswith("blk.0.") and n.endswith("_output.weight")) or n == "blk.0.ssm_out.weight")
     linear = trunk.tensors[name].clone()
     linear[0, :] = float("inf")
     yield "inf linear", {name: linear}, name
 
 
 def _family_mutants(trunk, family, directory: Path) -> dict:
+    """The mutants of one family's fixture, written under `directory` (see `family_mutants`)."""
     out = {}
     base = trunk.write(directory / f"{family}.gguf")
     data = Path(base).read_bytes()
@@ -203,7 +206,8 @@ def test_the_command_refuses_in_one_line_with_exit_1(family_mutants, family, kin
     if not candidates:
         pytest.skip(f"no {kind} mutant for {family} (family not installed)")
     name, mutant = candidates[len(candidates) // 2]
-    run = _run(["-m", "verispec.cli", "generate", "hello", "--model", mutant["path"], "--max-tokens", "2"],
+    run = _run(["-m", "verispec.cli", "generate", "hello", "--model", mutant["path"], "--max-tokens", "2",
+                "--threads", "1"],
                CLI_TIMEOUT_S)
     assert run.returncode == 1, f"{name}: exit {run.returncode}\n{run.stderr[-3000:]}"
     assert "Traceback" not in run.stderr
