@@ -588,4 +588,5 @@ def _span(indices: set[int]) -> str:
 
 
 def _short(values: list) -> str:
+    values = [v.item() if isinstance(v, np.generic) else v for v in values]  # 1, not np.uint32(1)
     return repr(values[0]) if len(values) == 1 else f"{values[:4]}{' ...' if len(values) > 4 else ''}"
