@@ -3,8 +3,9 @@ are refused as bad input, in bounded time and memory.
 
 The mutants: the file cut at every section boundary (header fields, each metadata entry, each
 tensor record, the data start, each tensor's data), huge and zero counts and sizes (block_count
-10^9, zero heads, ...), non-finite or out-of-range float keys, a token list shorter than the
-vocabulary, bos/eos ids outside it, and NaN / infinite weights. Each must be refused with an
+10^9, zero heads, ...), per-layer lists one entry short, KV sharing with no layer to share from,
+non-finite or out-of-range float keys, a token list shorter than the vocabulary, bos/eos ids
+outside it, and NaN / infinite weights. Each must be refused with an
 errors.VerispecError naming the problem (the key, the tensor, the cut), and `verispec generate`
 must exit 1 with that one line on stderr and no traceback: never a hang, an out-of-memory, or
 exit 70 ("a verispec bug").
@@ -115,6 +116,13 @@ def _metadata_mutants(trunk):
     for key, values in FLOAT_KEYS.items():
         for bad in values if f"{arch}.{key}" in metadata else ():
             yield f"{key}={bad}", {f"{arch}.{key}": bad}, key
+    num_layers = metadata[f"{arch}.block_count"]
+    for key, value in metadata.items():  # a per-layer list one short (M-RoPE's 4 sections are no such list)
+        if (key.startswith(f"{arch}.") and isinstance(value, (list, np.ndarray)) and len(value) == num_layers
+                and not key.endswith("rope.dimension_sections")):
+            yield f"{key.removeprefix(arch + '.')} short", {key: value[:-1]}, key.removeprefix(arch + ".")
+    if f"{arch}.attention.shared_kv_layers" in metadata:  # every layer reads K/V no layer computes
+        yield "shared_kv_layers=all", {f"{arch}.attention.shared_kv_layers": num_layers}, "shared_kv_layers"
     rows = trunk.tensors["token_embd.weight"].shape[0]
     tokens = metadata.get("tokenizer.ggml.tokens") or byte_level_vocab(rows)["tokenizer.ggml.tokens"]
     yield "short token list", {"tokenizer.ggml.tokens": tokens[:-7]}, "token list"
