@@ -343,13 +343,15 @@ def test_sizes_the_tensors_back_pass(tmp_path):
 
 @pytest.mark.parametrize("metadata, what", [
     ({"toyarch.block_count": 3}, "block_count is 3, but the file has tensors for blocks 0..1"),
-    ({"toyarch.attention.key_length": 10**9}, "key_length is 1000000000, larger than any tensor dimension in the file (12)"),
+    ({"toyarch.attention.key_length": 10**9},
+     "key_length is 1000000000, larger than any tensor dimension in the file (12)"),
     ({"toyarch.rope.dimension_count": 13}, "rope.dimension_count is 13, larger than any tensor dimension"),
     ({"toyarch.attention.head_count_kv": [1, 2**32 - 1]}, "head_count_kv is [1, 4294967295], larger than"),
     ({"toyarch.attention.key_length": 0}, "key_length is 0: a positive count is needed"),
     ({"toyarch.ssm.time_step_rank": 0}, "time_step_rank is 0: a positive count is needed"),
     ({"toyarch.attention.head_count": -3}, "head_count holds -3: counts are non-negative integers"),
-    ({"toyarch.attention.key_length": None, "toyarch.attention.head_count": 9}, "more heads than the 8 embedding_length"),
+    ({"toyarch.attention.key_length": None, "toyarch.attention.head_count": 9},
+     "more heads than the 8 embedding_length"),
     ({"toyarch.rope.freq_base": float("nan")}, "freq_base is nan: a finite value above 0 is needed"),
     ({"toyarch.rope.freq_base": 0.0}, "freq_base is 0.0: a finite value above 0"),
     ({"toyarch.attention.layer_norm_rms_epsilon": -0.5}, "epsilon is -0.5: a finite value of 0 or more"),
@@ -366,5 +368,6 @@ def test_a_non_finite_weight_is_named(tmp_path):
     bad[2, 3] = float("inf")
     gguf = _numbers_file(tmp_path, tensors={"blk.1.attn_q.weight": bad})
     check_numbers(gguf)  # the numbers are fine: only the values are damaged
-    with pytest.raises(DamagedFile, match=re.escape("tensor 'blk.1.attn_q.weight' holds 1 NaN or infinite values of 96")):
+    what = "tensor 'blk.1.attn_q.weight' holds 1 NaN or infinite values of 96"
+    with pytest.raises(DamagedFile, match=re.escape(what)):
         check_finite(gguf)
