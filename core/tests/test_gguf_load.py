@@ -1,16 +1,21 @@
 """verispec.gguf_load: a typed tensor table driving GGUF -> module state, on tiny fixture files
 (expansion per layer and expert, optional entries, alternatives, stacks, dtypes, errors, cache)."""
+import re
+
 import pytest
 import torch
 from torch import nn
 
 from verispec import weight_cache
+from verispec.errors import DamagedFile
 from verispec.gguf_io import BadTensorShape, GGUFFile, MissingTensor
 from verispec.gguf_load import (
     Stack,
     Tensor,
     TensorSource,
     UnmappedParameter,
+    check_finite,
+    check_numbers,
     expand_table,
     plan_weights,
 )
@@ -315,3 +320,54 @@ def test_a_cached_state_of_another_module_layout_is_never_read(tmp_path, monkeyp
     assert len(list(cache_dir("weights").glob("tiny-int8-*.pt"))) == 2
     assert torch.equal(fused.qkv.weight, Int8Linear.from_float(torch.cat(
         [_qkv_tensors()[f"{p}.weight"] for p in "qkv"])).weight)
+
+
+def _numbers_file(tmp_path, metadata=None, tensors=None):
+    """A two-block "toyarch" file: token_embd [V, D], blk.{0,1}.attn_q [Q, D], sizes that match;
+    `metadata` adds or overrides keys (None: leaves the key out)."""
+    base = {"toyarch.block_count": 2, "toyarch.embedding_length": D, "toyarch.attention.head_count": 3,
+            "toyarch.attention.key_length": 4, "toyarch.context_length": 64, "toyarch.attention.sliding_window": 16,
+            "toyarch.rope.freq_base": 10000.0, "toyarch.attention.layer_norm_rms_epsilon": 1e-6}
+    weights = {"token_embd.weight": torch.ones(V, D), "blk.0.attn_q.weight": torch.ones(Q, D),
+               "blk.1.attn_q.weight": torch.ones(Q, D)}
+    merged = {k: v for k, v in {**base, **(metadata or {})}.items() if v is not None}
+    path = write_gguf(tmp_path / "numbers.gguf", arch="toyarch", metadata=merged,
+                      tensors={**weights, **(tensors or {})}, vocab=None)
+    return GGUFFile.open(path)
+
+
+def test_sizes_the_tensors_back_pass(tmp_path):
+    check_numbers(_numbers_file(tmp_path))
+    check_finite(_numbers_file(tmp_path))
+
+
+@pytest.mark.parametrize("metadata, what", [
+    ({"toyarch.block_count": 3}, "block_count is 3, but the file has tensors for blocks 0..1"),
+    ({"toyarch.attention.key_length": 10**9},
+     "key_length is 1000000000, larger than any tensor dimension in the file (12)"),
+    ({"toyarch.rope.dimension_count": 13}, "rope.dimension_count is 13, larger than any tensor dimension"),
+    ({"toyarch.attention.head_count_kv": [1, 2**32 - 1]}, "head_count_kv is [1, 4294967295], larger than"),
+    ({"toyarch.attention.key_length": 0}, "key_length is 0: a positive count is needed"),
+    ({"toyarch.ssm.time_step_rank": 0}, "time_step_rank is 0: a positive count is needed"),
+    ({"toyarch.attention.head_count": -3}, "head_count holds -3: counts are non-negative integers"),
+    ({"toyarch.attention.key_length": None, "toyarch.attention.head_count": 9},
+     "more heads than the 8 embedding_length"),
+    ({"toyarch.rope.freq_base": float("nan")}, "freq_base is nan: a finite value above 0 is needed"),
+    ({"toyarch.rope.freq_base": 0.0}, "freq_base is 0.0: a finite value above 0"),
+    ({"toyarch.attention.layer_norm_rms_epsilon": -0.5}, "epsilon is -0.5: a finite value of 0 or more"),
+    ({"toyarch.attention.sliding_window": 65}, "sliding_window is 65, wider than the 64-token context_length"),
+])
+def test_sizes_and_floats_the_file_cannot_back_are_refused_in_one_line(tmp_path, metadata, what):
+    with pytest.raises(DamagedFile, match=re.escape(what)) as error:
+        check_numbers(_numbers_file(tmp_path, metadata))
+    assert "\n" not in str(error.value)
+
+
+def test_a_non_finite_weight_is_named(tmp_path):
+    bad = torch.ones(Q, D)
+    bad[2, 3] = float("inf")
+    gguf = _numbers_file(tmp_path, tensors={"blk.1.attn_q.weight": bad})
+    check_numbers(gguf)  # the numbers are fine: only the values are damaged
+    what = "tensor 'blk.1.attn_q.weight' holds 1 NaN or infinite values of 96"
+    with pytest.raises(DamagedFile, match=re.escape(what)):
+        check_finite(gguf)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from verispec.errors import InvalidArgument
+from verispec.sampling import InvalidLogits
 from verispec.seams import DraftContext, Segment, SpeculativeTarget, Speculator, UnsupportedTap, declared
 
 if TYPE_CHECKING:
@@ -304,7 +305,13 @@ class SpeculativeExecution:
             self.window.record(num_drafted, num_accepted, num_drafted + 1, elapsed)
 
     def _emit(self, sampler, logits_row, pos: int, on_token: OnToken) -> tuple[int, bool]:
-        draw = sampler.draw(logits_row, pos)
+        try:
+            draw = sampler.draw(logits_row, pos)
+        except InvalidLogits:
+            check_weights = declared(self.trunk, "check_weights")
+            if check_weights is not None:
+                check_weights()  # a damaged file is the user's to fix (DamagedFile naming the tensor)
+            raise
         sampler.accept(draw.token)
         self.stats.num_emitted_tokens += 1
         return draw.token, bool(on_token(draw))

@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 
-from verispec.errors import InvalidArgument
+from verispec.errors import InvalidArgument, VerispecError
 from verispec.kv_budget import KVBudget
 from verispec.prefix_cache import PrefixCache
 from verispec.requests import Request, SchedulerMetrics, Speculation
@@ -135,7 +135,10 @@ class Scheduler:
                 else:
                     self._batched_step()
             except Exception as exc:  # noqa: BLE001 -- the step's requests fail, the engine goes on
-                log.exception("an engine step failed; its %d request(s) fail with it", len(self._running))
+                if isinstance(exc, VerispecError):  # bad input (a damaged model file): each caller reports it
+                    log.info("an engine step failed: %s; its %d request(s) fail with it", exc, len(self._running))
+                else:
+                    log.exception("an engine step failed; its %d request(s) fail with it", len(self._running))
                 self._fail_running(exc)
             self._was_solo = solo is not None
 

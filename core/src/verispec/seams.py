@@ -105,6 +105,9 @@ TARGET_DECLARATIONS: dict[str, Any] = {
     "draft_head": None,
     # Text: the verispec.tokenizer.Tokenizer turning text into ids and back; None = the target takes ids only.
     "tokenizer": None,
+    # Damage: () -> None raising errors.DamagedFile when the model file holds non-finite weights; called only
+    # after a forward gave unusable logits (it may read the whole file); None = such logits stay a bug.
+    "check_weights": None,
 }
 
 

@@ -2,12 +2,14 @@
 
 `load(path, dtype=..., context_length=...)` is the TargetSpec loader. Steps:
 1. `GGUFFile.open` (verispec.gguf_io): metadata and the tensor table.
-2. `Gemma3Config` / `Gemma4Config.from_gguf_metadata` and a model on the meta device.
+2. `Gemma3Config` / `Gemma4Config.from_gguf` (+ gemma4's `rope_freqs` factors when present)
+   and a model on the meta device.
 3. Weights: one typed tensor table per family (`verispec.gguf_load.Tensor`: GGUF name ->
    HF-style parameter name) handed to `verispec.gguf_load.plan_weights`, which checks every
    tensor's presence and shape, dequantises each to fp32 (in the gguf mode, Q4 linears take the
    stored blocks instead), converts linears to the chosen weight dtype (weights.quant; norms and
-   scales stay fp32) and fills the module.
+   scales stay fp32) and fills the module. A file with tensors the plan does not read is
+   refused (errors.UnusedTensors).
    Dequantising Q4_K/Q5_0 and requantising takes seconds, so the converted state goes
    through `verispec.weight_cache` and the next load memory-maps it (the 270M: ~0.3 s).
 4. The tokenizer from the file's own metadata (verispec.tokenizer).
@@ -18,13 +20,13 @@ import os
 
 import attrs
 from verispec.gguf_io import GGUFFile
-from verispec.gguf_load import Stack, Tensor, plan_weights
-from verispec.weights.gguf_mode import default_dtype
-from verispec.weights.quant import canonical_dtype
+from verispec.gguf_load import Arch, Stack, Tensor, load_trunk
 from verispec.nn.kv_cache import MAX_VERIFY_ROWS
 
 from verispec_gemma4.modeling_gemma3 import Gemma3Config, Gemma3ForCausalLM
 from verispec_gemma4.modeling_gemma4 import Gemma4Config, Gemma4ForCausalLM
+
+__all__ = ["ARCHS", "DEFAULT_DTYPE", "GEMMA3_TENSORS", "GEMMA4_TENSORS", "ROPE_FREQS", "config_from_gguf", "load"]
 
 #: weight dtype when the caller does not choose one. "gguf": the file's own blocks (Q4_K, Q5_0,
 #: Q6_K, Q8_0 in the 270M) in the block kernel, nothing requantised, each Gemma 3 layer one C
@@ -84,17 +86,23 @@ GEMMA4_TENSORS = GEMMA3_TENSORS + (
 )
 
 
-class UnsupportedArchitecture(ValueError):
-    def __init__(self, path: str, architecture: str):
-        self.path, self.architecture = path, architecture
-        super().__init__(f"{path} is a {architecture!r} GGUF; verispec-gemma4 loads 'gemma3' and 'gemma4' files")
+#: proportional RoPE's per-pair divisors: read into the config, not the state dict.
+ROPE_FREQS = "rope_freqs.weight"
+
+ARCHS = {
+    "gemma3": Arch(lambda gguf: config_from_gguf(gguf), Gemma3ForCausalLM, GEMMA3_TENSORS, layout="gemma",
+                   family="gemma3", default_dtype=DEFAULT_DTYPE),
+    "gemma4": Arch(lambda gguf: config_from_gguf(gguf), Gemma4ForCausalLM, GEMMA4_TENSORS, layout="gemma",
+                   family="gemma4", read_elsewhere={ROPE_FREQS}, default_dtype=DEFAULT_DTYPE),
+}
 
 
 def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: int | None = None,
          max_rows_per_forward: int | None = None, max_verify_rows: int = MAX_VERIFY_ROWS,
          use_cache: bool = True, tokenizer: bool = True,
          progress: bool | None = None) -> Gemma3ForCausalLM | Gemma4ForCausalLM:
-    """Load a gemma3 or gemma4 GGUF as a `Gemma3ForCausalLM` / `Gemma4ForCausalLM` trunk.
+    """Load a gemma3 or gemma4 GGUF as a `Gemma3ForCausalLM` / `Gemma4ForCausalLM` trunk
+    (verispec.gguf_load.load_trunk).
 
     Returns the trunk in eval mode: linears in `dtype` (weights.quant), norms, scales and scalars
     fp32; `.tokenizer` set from the file's metadata when `tokenizer` is true.
@@ -104,46 +112,23 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
     Threads are the caller's (`verispec.api.load_target` sets them).
-    Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), UnsupportedArchitecture,
+    Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.UnsupportedArchitecture,
+    errors.DamagedFile, errors.UnusedTensors (a file holding tensors the math would not use, listed),
     weights.quant.UnknownWeightDtype.
     """
-    path = os.fspath(path)
-    dtype = canonical_dtype(dtype or default_dtype(DEFAULT_DTYPE))
-    gguf = GGUFFile.open(path)
-    arch = gguf.architecture
-    options = {"dtype": dtype, "context_length": context_length, "max_rows_per_forward": max_rows_per_forward,
-                   "max_verify_rows": max_verify_rows}
-    if arch == "gemma3":
-        config = Gemma3Config.from_gguf_metadata(gguf.metadata, vocab_size=_rows(gguf, "token_embd.weight"),
-                                                 tie_word_embeddings="output.weight" not in gguf)
-        model, table = Gemma3ForCausalLM(config, **options), GEMMA3_TENSORS
-    elif arch == "gemma4":
-        config = _gemma4_config(gguf)
-        model, table = Gemma4ForCausalLM(config, **options), GEMMA4_TENSORS
-    else:
-        raise UnsupportedArchitecture(path, arch)
-    plan = plan_weights(gguf, model, table, num_layers=config.num_hidden_layers,
-                        num_experts=getattr(config, "num_experts", 0))
-    plan.load(dtype=dtype, layout="gemma", use_cache=use_cache, progress=progress)
-    if tokenizer:
-        from verispec.tokenizer import Tokenizer
-
-        model.tokenizer = Tokenizer.from_gguf(gguf)
-    return model
+    return load_trunk(path, ARCHS, dtype=dtype, use_cache=use_cache, tokenizer=tokenizer, progress=progress,
+                      context_length=context_length, max_rows_per_forward=max_rows_per_forward,
+                      max_verify_rows=max_verify_rows)
 
 
-def _rows(gguf: GGUFFile, name: str) -> int:
-    return gguf.tensor_info(name).shape[0]
-
-
-def _gemma4_config(gguf: GGUFFile) -> Gemma4Config:
-    """Metadata plus what only the tensor table says (vocab sizes, rope_freqs, K=V, tying)."""
-    config = Gemma4Config.from_gguf_metadata(gguf.metadata, vocab_size=_rows(gguf, "token_embd.weight"))
-    full = [i for i, t in enumerate(config.layer_types) if t == "full_attention" and i < config.first_kv_shared_layer]
-    return attrs.evolve(
-        config,
-        full_rope_freq_factors=tuple(gguf.tensor("rope_freqs.weight").tolist()) if "rope_freqs.weight" in gguf else None,
-        vocab_size_per_layer_input=_rows(gguf, "per_layer_token_embd.weight") if "per_layer_token_embd.weight" in gguf else 0,
-        attention_k_eq_v=bool(full) and f"blk.{full[0]}.attn_v.weight" not in gguf,
-        tie_word_embeddings="output.weight" not in gguf,
-    )
+def config_from_gguf(gguf: GGUFFile) -> Gemma3Config | Gemma4Config:
+    """The config of an opened gemma3 / gemma4 GGUF, with gemma4's `rope_freqs` factors when the
+    file has them."""
+    shapes = {name: gguf.tensor_info(name).shape for name in gguf}
+    if gguf.architecture == "gemma3":
+        return Gemma3Config.from_gguf(gguf.metadata, shapes, source=gguf.path)
+    config = Gemma4Config.from_gguf(gguf.metadata, shapes, source=gguf.path)
+    if ROPE_FREQS in gguf:
+        gguf.expect_shape(ROPE_FREQS, (config.global_head_dim // 2,))
+        config = attrs.evolve(config, full_rope_freq_factors=tuple(gguf.tensor(ROPE_FREQS).tolist()))
+    return config

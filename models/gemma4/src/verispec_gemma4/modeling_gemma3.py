@@ -24,7 +24,8 @@ from typing import Any
 import attrs
 import torch
 from torch import nn
-from verispec.gguf_io import arch_value
+from verispec.errors import DamagedFile, UnsupportedArchitecture
+from verispec.gguf_io import MissingTensor, arch_value
 from verispec.nn.attention import attend_rows
 from verispec.nn.layers import DecoderLayerKernel, fused_kernel
 from verispec.nn.kv_cache import MAX_VERIFY_ROWS, PagedKVCache, RingKVCache
@@ -64,13 +65,21 @@ class Gemma3Config:
     tie_word_embeddings: bool = True
 
     @classmethod
-    def from_gguf_metadata(cls, md: Mapping[str, Any], *, vocab_size: int,
-                           tie_word_embeddings: bool = True) -> Gemma3Config:
-        """Config from GGUF metadata (`{arch}.` keys), with llama.cpp's gemma3 defaults for what
-        the file omits (docs/reference/gemma4.md §2.1). `vocab_size` comes from token_embd's rows,
-        `tie_word_embeddings` from whether the file has output.weight. Raises gguf_io.MissingKey
-        for a required key the file lacks."""
-        key = functools.partial(arch_value, md)
+    def from_gguf(cls, metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]], *,
+                  source: str = "the GGUF") -> Gemma3Config:
+        """Read `gemma3.*` keys, with llama.cpp's gemma3 defaults for what the file omits
+        (docs/reference/gemma4.md §2.1), and which tensors exist.
+
+        tensor_shapes: GGUF tensor name -> torch-order shape (V comes from token_embd; the LM head
+        is tied when there is no output.weight).
+        Raises errors.UnsupportedArchitecture, gguf_io.MissingKey, gguf_io.MissingTensor
+        (token_embd), errors.DamagedFile (a sliding-window pattern that fits no layer count)."""
+        arch = metadata.get("general.architecture")
+        if arch != "gemma3":
+            raise UnsupportedArchitecture(source, arch, ("gemma3",))
+        if "token_embd.weight" not in tensor_shapes:
+            raise MissingTensor("token_embd.weight", arch, source)
+        key = functools.partial(arch_value, metadata, source=source)
 
         num_layers = int(key("block_count"))
         hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
@@ -79,15 +88,13 @@ class Gemma3Config:
         pattern = key("attention.sliding_window_pattern", 6)
         if not window:
             layer_types = [FULL] * num_layers  # non-SWA derivatives
-        elif isinstance(pattern, (int, float)):
-            layer_types = [SLIDING if (i + 1) % int(pattern) else FULL for i in range(num_layers)]
-        else:  # newer converters: a bool per layer, true = sliding
-            layer_types = [SLIDING if bool(p) else FULL for p in pattern]
+        else:
+            layer_types = sliding_layer_types(pattern, num_layers, source=source)
         scaling = None
         if key("rope.scaling.type", None) == "linear":
             scaling = float(key("rope.scaling.factor"))
         return cls(
-            vocab_size=vocab_size,
+            vocab_size=int(tensor_shapes["token_embd.weight"][0]),
             hidden_size=hidden,
             intermediate_size=int(key("feed_forward_length")),
             num_hidden_layers=num_layers,
@@ -105,8 +112,24 @@ class Gemma3Config:
             final_logit_softcapping=key("final_logit_softcapping", None) or None,
             attn_logit_softcapping=key("attn_logit_softcapping", None) or None,
             max_position_embeddings=int(key("context_length", 32768)),
-            tie_word_embeddings=tie_word_embeddings,
+            tie_word_embeddings="output.weight" not in tensor_shapes,
         )
+
+
+def sliding_layer_types(pattern, num_layers: int, *, source: str = "the GGUF") -> list[str]:
+    """Per layer "sliding_attention" | "full_attention" from `attention.sliding_window_pattern`:
+    an int N (every N-th layer full, the others sliding) or, from newer converters, a bool per
+    layer (true = sliding). Raises errors.DamagedFile for N < 1 or a list not one per layer."""
+    if isinstance(pattern, (int, float)):
+        if int(pattern) < 1:
+            raise DamagedFile(source, f"attention.sliding_window_pattern is {pattern!r}: a period of 1 or more "
+                              "layers is needed")
+        return [SLIDING if (i + 1) % int(pattern) else FULL for i in range(num_layers)]
+    flags = list(pattern)
+    if len(flags) != num_layers:
+        raise DamagedFile(source, f"attention.sliding_window_pattern has {len(flags)} entries for "
+                          f"{num_layers} layers")
+    return [SLIDING if bool(p) else FULL for p in flags]
 
 
 class Gemma3Attention(nn.Module):

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from verispec.gguf_io import arch_value
+from verispec.errors import DamagedFile, UnsupportedArchitecture
+from verispec.gguf_io import MissingTensor, arch_value
 from verispec.nn.attention import attend_rows
 from verispec.nn.kv_cache import MAX_VERIFY_ROWS, PagedKVCache, RingKVCache
 from verispec.nn.mlp import GatedMLP
@@ -48,13 +49,32 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 _UNROTATED_FACTOR = 1e20
 
 
-def _per_layer(value, num_layers: int) -> tuple[int, ...]:
+def _per_layer(value, num_layers: int, key: str, source: str) -> tuple[int, ...]:
+    """A count stored once for all layers or as one entry per layer, per layer.
+    Raises errors.DamagedFile for a list that is not one per layer."""
     if isinstance(value, (Sequence, np.ndarray)) and not isinstance(value, str):
         values = tuple(int(v) for v in value)
         if len(values) != num_layers:
-            raise ValueError(f"per-layer value has {len(values)} entries for {num_layers} layers")
+            raise DamagedFile(source, f"{key} has {len(values)} entries for {num_layers} layers")
         return values
     return (int(value),) * num_layers
+
+
+def _layer_types(pattern, num_layers: int, source: str) -> list[str]:
+    """Per layer "sliding_attention" | "full_attention" from `attention.sliding_window_pattern`:
+    absent, llama.cpp's default (5 sliding then 1 full); an int N (every N-th layer full); a bool
+    per layer (true = sliding). Raises errors.DamagedFile for N < 1 or a list not one per layer."""
+    if pattern is None or isinstance(pattern, (int, float)):
+        period = 6 if pattern is None else int(pattern)
+        if period < 1:
+            raise DamagedFile(source, f"attention.sliding_window_pattern is {pattern!r}: a period of 1 or more "
+                              "layers is needed")
+        return [SLIDING if (i + 1) % period else FULL for i in range(num_layers)]
+    flags = list(pattern)
+    if len(flags) != num_layers:
+        raise DamagedFile(source, f"attention.sliding_window_pattern has {len(flags)} entries for "
+                          f"{num_layers} layers")
+    return [SLIDING if bool(p) else FULL for p in flags]
 
 
 @attrs.frozen
@@ -108,49 +128,59 @@ class Gemma4Config:
         return self.head_dim if self.layer_types[layer_idx] == SLIDING else self.global_head_dim
 
     @classmethod
-    def from_gguf_metadata(cls, md: Mapping[str, Any], *, vocab_size: int, rope_freqs=None,
-                           vocab_size_per_layer_input: int = 0, attention_k_eq_v: bool = False,
-                           tie_word_embeddings: bool = True) -> Gemma4Config:
-        """Config from `gemma4.*` keys (docs/reference/gemma4.md §2.3). What only the tensors tell the
-        loader passes in: vocab sizes, `rope_freqs`, whether attn_v exists, output.weight.
-        Raises gguf_io.MissingKey for a required key the file lacks."""
-        key = functools.partial(arch_value, md)
+    def from_gguf(cls, metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]], *,
+                  source: str = "the GGUF") -> Gemma4Config:
+        """Read `gemma4.*` keys (docs/reference/gemma4.md §2.3) and what only the tensor table says:
+        the vocab sizes (token_embd, per_layer_token_embd rows), K=V (a full layer without
+        attn_v), tying (no output.weight).
+
+        tensor_shapes: GGUF tensor name -> torch-order shape. `full_rope_freq_factors` is data,
+        not metadata: the loader fills it in from the `rope_freqs` tensor.
+        Raises errors.UnsupportedArchitecture, gguf_io.MissingKey, gguf_io.MissingTensor
+        (token_embd), errors.DamagedFile (per-layer lists that are not one per layer, KV-shared
+        layers with no earlier layer of their type to read)."""
+        arch = metadata.get("general.architecture")
+        if arch != "gemma4":
+            raise UnsupportedArchitecture(source, arch, ("gemma4",))
+        if "token_embd.weight" not in tensor_shapes:
+            raise MissingTensor("token_embd.weight", arch, source)
+        key = functools.partial(arch_value, metadata, source=source)
 
         num_layers = int(key("block_count"))
-        pattern = key("attention.sliding_window_pattern", None)
-        if pattern is None:  # llama.cpp's default: 5 sliding then 1 full
-            layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(num_layers)]
-        elif isinstance(pattern, (int, float)):
-            layer_types = [SLIDING if (i + 1) % int(pattern) else FULL for i in range(num_layers)]
-        else:
-            layer_types = [SLIDING if bool(p) else FULL for p in pattern]
+        layer_types = _layer_types(key("attention.sliding_window_pattern", None), num_layers, source)
+        num_shared = int(key("attention.shared_kv_layers", 0))
+        first_shared = num_layers - num_shared
+        if not 0 < first_shared <= num_layers or set(layer_types[first_shared:]) - set(layer_types[:first_shared]):
+            raise DamagedFile(source, f"attention.shared_kv_layers is {num_shared} of {num_layers} layers: a shared "
+                              "layer needs an earlier layer of its type that computes K/V")
+        full = [i for i, t in enumerate(layer_types[:first_shared]) if t == FULL]
         global_head_dim = int(key("attention.key_length"))
-        factors = None if rope_freqs is None else tuple(float(f) for f in rope_freqs)
+        per_layer_embd = tensor_shapes.get("per_layer_token_embd.weight")
         return cls(
-            vocab_size=vocab_size,
+            vocab_size=int(tensor_shapes["token_embd.weight"][0]),
             hidden_size=int(key("embedding_length")),
             num_hidden_layers=num_layers,
             num_attention_heads=int(key("attention.head_count")),
             layer_types=layer_types,
-            num_key_value_heads=_per_layer(key("attention.head_count_kv"), num_layers),
-            intermediate_size=_per_layer(key("feed_forward_length"), num_layers),
+            num_key_value_heads=_per_layer(key("attention.head_count_kv"), num_layers,
+                                           "attention.head_count_kv", source),
+            intermediate_size=_per_layer(key("feed_forward_length"), num_layers, "feed_forward_length", source),
             head_dim=int(key("attention.key_length_swa", global_head_dim)),
             global_head_dim=global_head_dim,
             sliding_window=int(key("attention.sliding_window", 512)),
-            num_kv_shared_layers=int(key("attention.shared_kv_layers", 0)),
+            num_kv_shared_layers=num_shared,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(key("rope.freq_base", 1_000_000.0)),
             rope_local_base_freq=float(key("rope.freq_base_swa", 10_000.0)),
-            full_rope_freq_factors=factors,
             hidden_size_per_layer_input=int(key("embedding_length_per_layer_input", 0)),
-            vocab_size_per_layer_input=vocab_size_per_layer_input,
-            attention_k_eq_v=attention_k_eq_v,
+            vocab_size_per_layer_input=int(per_layer_embd[0]) if per_layer_embd else 0,
+            attention_k_eq_v=bool(full) and f"blk.{full[0]}.attn_v.weight" not in tensor_shapes,
             num_experts=int(key("expert_count", 0)),
             top_k_experts=int(key("expert_used_count", 0)),
             moe_intermediate_size=int(key("expert_feed_forward_length", 0)),
             final_logit_softcapping=key("final_logit_softcapping", None) or None,
             max_position_embeddings=int(key("context_length", 131072)),
-            tie_word_embeddings=tie_word_embeddings,
+            tie_word_embeddings="output.weight" not in tensor_shapes,
         )
 
 

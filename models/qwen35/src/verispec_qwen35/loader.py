@@ -2,15 +2,15 @@
 
 `load(path, dtype=..., context_length=...)` is the TargetSpec loader. Steps:
 1. `GGUFFile.open` (verispec.gguf_io): metadata and the tensor table.
-2. `config_from_gguf`: sizes from `{arch}.*` keys (docs/reference/qwen35.md §2); the main stack is
-   block_count - nextn_predict_layers; layer types from `attention.recurrent_layers` when the
-   file has it, else the `full_attention_interval` rule.
+2. `Qwen35Config.from_gguf`: sizes from `{arch}.*` keys (docs/reference/qwen35.md §2); the main
+   stack is block_count - nextn_predict_layers; layer types from `attention.recurrent_layers`
+   when the file has it, else the `full_attention_interval` rule.
 3. Weights: one typed tensor table (`TENSORS`, GGUF name -> HF-style parameter name) through
-   `verispec.gguf_load.plan_weights`; the MTP block `blk.{L}` maps onto `mtp.*` with the same
+   `verispec.gguf_load.load_trunk`; the MTP block `blk.{L}` maps onto `mtp.*` with the same
    per-layer rows (`mtp_tensors`). Values are taken as the converter wrote them: norms already
    hold 1 + w (except ssm_norm), ssm_a holds -exp(A_log), value heads are re-tiled; the
    modeling file applies the matching math, so nothing is transformed here.
-   A file with tensors the plan does not read is refused (UnsupportedQwen35Variant).
+   A file with tensors the plan does not read is refused (errors.UnusedTensors).
 4. The MTP draft head (`draft_head.Qwen35MtpHead`) when the file holds an MTP block, or from a
    standalone MTP file paired with the main one (`load_mtp_file`, the `--draft-model` loader).
 5. The tokenizer from the file's own metadata.
@@ -20,16 +20,16 @@ from __future__ import annotations
 import os
 
 import attrs
-from verispec.gguf_io import GGUFFile, MissingTensor, arch_value
-from verispec.gguf_load import Stack, Tensor, plan_weights
-from verispec.weights.quant import canonical_dtype
+from verispec.errors import UnusedTensors
+from verispec.gguf_io import GGUFFile
+from verispec.gguf_load import Arch, Stack, Tensor, load_trunk, plan_weights
 
-from verispec_qwen35.modeling_qwen35 import (FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Config,
-                                             Qwen35ForCausalLM, UnsupportedQwen35Variant)
+from verispec_qwen35.modeling_qwen35 import (ARCHITECTURES, Qwen35Config, Qwen35ForCausalLM,
+                                             UnsupportedQwen35Variant, check_file_kind)
 
-__all__ = ["ARCHITECTURES", "DEFAULT_DTYPE", "TENSORS", "config_from_gguf", "load", "load_mtp_file", "mtp_tensors"]
+__all__ = ["ARCHS", "DEFAULT_DTYPE", "TENSORS", "config_from_gguf", "load", "load_mtp_file", "main_tensors",
+           "mtp_tensors"]
 
-ARCHITECTURES = ("qwen35", "qwen35moe")
 #: int8 weight-only: batch-invariant (a verify row is bitwise the one-row decode).
 DEFAULT_DTYPE = "int8"
 
@@ -99,44 +99,37 @@ def mtp_tensors(n: int) -> tuple[Tensor, ...]:
     )
 
 
+def main_tensors(config: Qwen35Config) -> tuple[Tensor, ...]:
+    """A main file's table: `TENSORS`, and the MTP block's rows when the file has one."""
+    return TENSORS + (mtp_tensors(config.num_hidden_layers) if config.num_mtp_layers else ())
+
+
+ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), Qwen35ForCausalLM, main_tensors, layout="qwen35",
+                   family=name, check_kind=lambda gguf: check_file_kind(gguf, source=gguf.path),
+                   default_dtype=DEFAULT_DTYPE)
+         for name in ARCHITECTURES}
+
+
 def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: int | None = None,
          max_rows_per_forward: int | None = None, use_cache: bool = True, tokenizer: bool = True,
          progress: bool | None = None, chunked_prefill_min_rows: int | None = None) -> Qwen35ForCausalLM:
-    """Load a qwen35 / qwen35moe GGUF as a `Qwen35ForCausalLM` trunk (with `.draft_head` when the
-    file holds an MTP block).
+    """Load a qwen35 / qwen35moe GGUF as a `Qwen35ForCausalLM` trunk (verispec.gguf_load.load_trunk),
+    with `.draft_head` when the file holds an MTP block.
 
     dtype: "int8" (default) | "bfloat16" | "float32" | "int4" (linears; everything else fp32).
     context_length: max positions (default: the file's context_length).
     chunked_prefill_min_rows: see Qwen35ForCausalLM (default None: the exact row loop only).
-    Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...),
-    UnsupportedQwen35Variant (wrong architecture, qwen3next layouts, a standalone MTP file,
-    tensors the math would not use), weights.quant.UnknownWeightDtype.
+    Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.UnsupportedArchitecture,
+    errors.DamagedFile, errors.UnusedTensors (a file holding tensors the math would not use, listed),
+    UnsupportedQwen35Variant (qwen3next layouts, a standalone MTP file), weights.quant.UnknownWeightDtype.
     """
-    path = os.fspath(path)
-    dtype = canonical_dtype(dtype or DEFAULT_DTYPE)
-    gguf = GGUFFile.open(path)
-    config = config_from_gguf(gguf)
-    model = Qwen35ForCausalLM(config, dtype=dtype, context_length=context_length,
-                              max_rows_per_forward=max_rows_per_forward,
-                              chunked_prefill_min_rows=chunked_prefill_min_rows)
-    table = TENSORS + (mtp_tensors(config.num_hidden_layers) if config.num_mtp_layers else ())
-    plan = plan_weights(gguf, model, table, num_layers=config.num_hidden_layers,
-                        num_experts=config.num_experts)
-    unused = plan.unused_tensors()
-    if unused:
-        raise UnsupportedQwen35Variant(path, f"tensors the {config.architecture} math does not use: "
-                                       f"{unused[:6]}",
-                                       "the file is another variant (qwen3next layout, dedicated MTP "
-                                       "embeddings, scale sidecars) and cannot be served here")
-    plan.load(dtype=dtype, layout="qwen35", use_cache=use_cache, progress=progress)
-    if config.num_mtp_layers:
+    model = load_trunk(path, ARCHS, dtype=dtype, use_cache=use_cache, tokenizer=tokenizer, progress=progress,
+                       context_length=context_length, max_rows_per_forward=max_rows_per_forward,
+                       chunked_prefill_min_rows=chunked_prefill_min_rows)
+    if model.config.num_mtp_layers:
         from verispec_qwen35.draft_head import Qwen35MtpHead
 
         model.draft_head = Qwen35MtpHead(model)
-    if tokenizer:
-        from verispec.tokenizer import Tokenizer
-
-        model.tokenizer = Tokenizer.from_gguf(gguf)
     return model
 
 
@@ -147,7 +140,8 @@ def load_mtp_file(path: str | os.PathLike, target, *, use_cache: bool = True):
     The block is loaded in the trunk's weight dtype; the head reads the trunk's embedding and LM
     head (the file's copies of token_embd / output are not read). Returns a `Qwen35MtpHead`.
     Raises UnsupportedQwen35Variant (not an MTP-only file, or `target` is not a qwen35 trunk, or
-    its config differs from the file's: the fields are named), gguf_io errors for a broken file.
+    its config differs from the file's: the fields are named), errors.UnusedTensors (tensors a head
+    does not read: dedicated MTP embeddings, scale sidecars), gguf_io errors for a broken file.
     """
     from torch import nn
     from verispec.weights.quant import swap_linears
@@ -175,8 +169,7 @@ def load_mtp_file(path: str | os.PathLike, target, *, use_cache: bool = True):
                         num_experts=config.num_experts)
     unused = plan.unused_tensors(read_elsewhere=_READ_FROM_TRUNK)
     if unused:
-        raise UnsupportedQwen35Variant(path, f"tensors an MTP head does not use: {unused[:6]}",
-                                       "the file is another variant (dedicated MTP embeddings, scale sidecars)")
+        raise UnusedTensors(path, f"{config.architecture} MTP head", unused)
     plan.load(dtype=target.dtype, layout="qwen35-mtp", use_cache=use_cache, progress=False)
     return Qwen35MtpHead(target, mtp=holder.mtp)
 
@@ -188,90 +181,6 @@ _READ_FROM_TRUNK = ("token_embd.weight", "output.weight", "output_norm.weight")
 
 
 def config_from_gguf(gguf: GGUFFile, *, standalone_mtp: bool = False) -> Qwen35Config:
-    """Read the `{arch}.*` keys of an opened qwen35 / qwen35moe GGUF (docs/reference/qwen35.md §2).
-
-    standalone_mtp: the file is the converter's separate MTP GGUF (§3.7, variant 3: the main
-    file's metadata, only `blk.{n_main}.*` plus embedding/norm/head tensors) rather than a main file.
-    Raises MissingKey, MissingTensor (token_embd), UnsupportedQwen35Variant."""
-    metadata, source = gguf.metadata, gguf.path
-    arch = metadata.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise UnsupportedQwen35Variant(source, f"general.architecture is {arch!r}",
-                                       f"this package loads {', '.join(ARCHITECTURES)}")
-
-    def key(suffix, default=...):
-        return arch_value(metadata, suffix, default, source=source)
-
-    if "token_embd.weight" not in gguf:
-        raise MissingTensor("token_embd.weight", arch, source)
-    has_main_stack = "blk.0.attn_norm.weight" in gguf
-    if not has_main_stack and not standalone_mtp:
-        raise UnsupportedQwen35Variant(source, "no main-stack tensors (blk.0.attn_norm.weight): "
-                                       "a standalone MTP file",
-                                       "load the main GGUF as --model and pass this file as --draft-model")
-    if has_main_stack and standalone_mtp:
-        raise UnsupportedQwen35Variant(source, "a main GGUF (it has blk.0.attn_norm.weight), not a standalone "
-                                       "MTP file", "pass the MTP-only file as --draft-model, or load this one "
-                                       "as --model: an MTP block inside it is found by itself")
-    if any(name.endswith((".ssm_ba.weight", ".ssm_in.weight")) for name in gguf):
-        raise UnsupportedQwen35Variant(source, "qwen3next GDN projections (ssm_ba / ssm_in)",
-                                       "this file has the qwen3next layout (grouped value heads), "
-                                       "not qwen35's")
-    num_mtp = int(key("nextn_predict_layers", 0))
-    if num_mtp > 1:
-        raise UnsupportedQwen35Variant(source, f"{num_mtp} MTP layers", "only one MTP block is supported")
-    if standalone_mtp and num_mtp != 1:
-        raise UnsupportedQwen35Variant(source, "a standalone file without nextn_predict_layers = 1",
-                                       "this is not an MTP GGUF; pass the converter's --mtp output")
-    num_layers = int(key("block_count")) - num_mtp
-    recurrent = key("attention.recurrent_layers", None)
-    if recurrent is not None:
-        layer_types = tuple(LINEAR_ATTENTION if r else FULL_ATTENTION for r in list(recurrent)[:num_layers])
-    else:
-        interval = int(key("full_attention_interval", 4))
-        layer_types = tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
-                            for i in range(num_layers))
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", hidden // heads))
-    if int(key("attention.value_length", head_dim)) != head_dim:
-        raise UnsupportedQwen35Variant(source, "attention key and value head sizes differ",
-                                       "only equal K/V head sizes are supported")
-    nv, inner = int(key("ssm.time_step_rank")), int(key("ssm.inner_size"))
-    nk = int(key("ssm.group_count"))
-    if nv % nk or inner % nv:
-        raise UnsupportedQwen35Variant(source, f"GDN heads: {nv} value heads, {nk} key heads, inner size "
-                                       f"{inner}",
-                                       "value heads must be a multiple of key heads and divide inner_size")
-    num_experts = int(key("expert_count", 0)) if arch == "qwen35moe" else 0
-    if arch == "qwen35moe" and not num_experts:
-        raise UnsupportedQwen35Variant(source, "qwen35moe without expert_count",
-                                       "the file's metadata is incomplete")
-    shexp = f"blk.{num_layers if standalone_mtp else num_layers - 1}.ffn_gate_inp_shexp.weight"
-    shexp_shape = tuple(gguf.tensor_info(shexp).shape) if num_experts and shexp in gguf else ()
-    return Qwen35Config(
-        architecture=arch,
-        vocab_size=int(gguf.tensor_info("token_embd.weight").shape[0]),
-        hidden_size=hidden,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        rotary_dim=int(key("rope.dimension_count", head_dim // 4)),
-        rope_theta=float(key("rope.freq_base", 10_000_000.0)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(key("context_length")),
-        layer_types=layer_types,
-        linear_conv_kernel_dim=int(key("ssm.conv_kernel")),
-        linear_key_head_dim=int(key("ssm.state_size")),
-        linear_value_head_dim=inner // nv,
-        linear_num_key_heads=nk,
-        linear_num_value_heads=nv,
-        intermediate_size=0 if num_experts else int(key("feed_forward_length")),
-        num_experts=num_experts,
-        num_experts_per_tok=int(key("expert_used_count")) if num_experts else 0,
-        moe_intermediate_size=int(key("expert_feed_forward_length")) if num_experts else 0,
-        shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length")) if num_experts else 0,
-        shared_expert_gate_shape=shexp_shape,
-        tie_word_embeddings="output.weight" not in gguf,
-        num_mtp_layers=num_mtp,
-    )
+    """The config of an opened qwen35 / qwen35moe GGUF (`Qwen35Config.from_gguf`)."""
+    return Qwen35Config.from_gguf(gguf.metadata, {name: gguf.tensor_info(name).shape for name in gguf},
+                                  source=gguf.path, standalone_mtp=standalone_mtp)

@@ -26,11 +26,16 @@ llama.cpp src/models/qwen35.cpp, qwen35moe.cpp, delta-net-base.cpp.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
-from verispec.errors import UnsupportedVariant
+from verispec.errors import DamagedFile, UnsupportedVariant
+from verispec.gguf_io import MissingTensor, arch_value
 from verispec.nn.attention import attend_rows
 from verispec.nn.elementwise import rowwise
 from verispec.nn.mlp import GatedMLP
@@ -40,8 +45,9 @@ from verispec.nn.kv_cache import PagedKVCache
 from verispec.nn.state import RecurrentState
 from verispec.nn.trunk import Rows, TrunkModule
 
-__all__ = ["Qwen35Config", "Qwen35ForCausalLM", "UnsupportedQwen35Variant"]
+__all__ = ["ARCHITECTURES", "Qwen35Config", "Qwen35ForCausalLM", "UnsupportedQwen35Variant", "check_file_kind"]
 
+ARCHITECTURES = ("qwen35", "qwen35moe")
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 
 
@@ -51,7 +57,7 @@ class UnsupportedQwen35Variant(UnsupportedVariant):
 
 @attrs.frozen
 class Qwen35Config:
-    """The whole math of one trunk (HF field names); read from GGUF metadata by `loader`."""
+    """The whole math of one trunk (HF field names); read from GGUF metadata by `from_gguf`."""
 
     architecture: str  # "qwen35" | "qwen35moe"
     vocab_size: int
@@ -84,6 +90,117 @@ class Qwen35Config:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @classmethod
+    def from_gguf(cls, metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]], *,
+                  source: str = "the GGUF", standalone_mtp: bool = False) -> Qwen35Config:
+        """Read the `{arch}.*` keys of a qwen35 / qwen35moe GGUF (docs/reference/qwen35.md §2) and which
+        tensors exist. The main stack is block_count - nextn_predict_layers; layer types come from
+        `attention.recurrent_layers` when the file has it, else the `full_attention_interval` rule.
+
+        tensor_shapes: GGUF tensor name -> torch-order shape (V from token_embd, tying, the
+        shared-expert gate's stored shape).
+        standalone_mtp: the file is the converter's separate MTP GGUF (§3.7, variant 3: the main
+        file's metadata, only `blk.{n_main}.*` plus embedding/norm/head tensors), not a main file.
+        Raises MissingKey, MissingTensor (token_embd), UnsupportedQwen35Variant, errors.DamagedFile."""
+        arch = metadata.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise UnsupportedQwen35Variant(source, f"general.architecture is {arch!r}",
+                                           f"this package loads {', '.join(ARCHITECTURES)}")
+        if "token_embd.weight" not in tensor_shapes:
+            raise MissingTensor("token_embd.weight", arch, source)
+        check_file_kind(tensor_shapes, source=source, standalone_mtp=standalone_mtp)
+        key = functools.partial(arch_value, metadata, source=source)
+
+        num_mtp = int(key("nextn_predict_layers", 0))
+        if num_mtp > 1:
+            raise UnsupportedQwen35Variant(source, f"{num_mtp} MTP layers", "only one MTP block is supported")
+        if standalone_mtp and num_mtp != 1:
+            raise UnsupportedQwen35Variant(source, "a standalone file without nextn_predict_layers = 1",
+                                           "this is not an MTP GGUF; pass the converter's --mtp output")
+        num_layers = int(key("block_count")) - num_mtp
+        layer_types = _layer_types(key, num_layers, source)
+        hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+        head_dim = int(key("attention.key_length", hidden // heads))
+        if int(key("attention.value_length", head_dim)) != head_dim:
+            raise UnsupportedQwen35Variant(source, "attention key and value head sizes differ",
+                                           "only equal K/V head sizes are supported")
+        nv, inner, nk = int(key("ssm.time_step_rank")), int(key("ssm.inner_size")), int(key("ssm.group_count"))
+        if min(nv, inner, nk) < 1:
+            raise DamagedFile(source, f"GDN heads: {nv} value heads, {nk} key heads, inner size {inner}: "
+                              "positive counts are needed")
+        if nv % nk or inner % nv:
+            raise UnsupportedQwen35Variant(source, f"GDN heads: {nv} value heads, {nk} key heads, inner size "
+                                           f"{inner}",
+                                           "value heads must be a multiple of key heads and divide inner_size")
+        num_experts = int(key("expert_count", 0)) if arch == "qwen35moe" else 0
+        if arch == "qwen35moe" and not num_experts:
+            raise UnsupportedQwen35Variant(source, "qwen35moe without expert_count",
+                                           "the file's metadata is incomplete")
+        shexp = f"blk.{num_layers if standalone_mtp else num_layers - 1}.ffn_gate_inp_shexp.weight"
+        return cls(
+            architecture=arch,
+            vocab_size=int(tensor_shapes["token_embd.weight"][0]),
+            hidden_size=hidden,
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(key("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            rotary_dim=int(key("rope.dimension_count", head_dim // 4)),
+            rope_theta=float(key("rope.freq_base", 10_000_000.0)),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            max_position_embeddings=int(key("context_length")),
+            layer_types=layer_types,
+            linear_conv_kernel_dim=int(key("ssm.conv_kernel")),
+            linear_key_head_dim=int(key("ssm.state_size")),
+            linear_value_head_dim=inner // nv,
+            linear_num_key_heads=nk,
+            linear_num_value_heads=nv,
+            intermediate_size=0 if num_experts else int(key("feed_forward_length")),
+            num_experts=num_experts,
+            num_experts_per_tok=int(key("expert_used_count")) if num_experts else 0,
+            moe_intermediate_size=int(key("expert_feed_forward_length")) if num_experts else 0,
+            shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length")) if num_experts else 0,
+            shared_expert_gate_shape=tuple(tensor_shapes[shexp]) if num_experts and shexp in tensor_shapes else (),
+            tie_word_embeddings="output.weight" not in tensor_shapes,
+            num_mtp_layers=num_mtp,
+        )
+
+
+def check_file_kind(tensor_names: Iterable[str], *, source: str = "the GGUF", standalone_mtp: bool = False) -> None:
+    """Refuse a qwen35-family file of another kind than asked for, by its tensor names: a
+    standalone MTP file (no main stack) as a trunk, a main file as a standalone MTP file, the
+    qwen3next layout (ssm_ba / ssm_in projections). Raises UnsupportedQwen35Variant."""
+    names = set(tensor_names)
+    has_main_stack = "blk.0.attn_norm.weight" in names
+    if not has_main_stack and not standalone_mtp:
+        raise UnsupportedQwen35Variant(source, "no main-stack tensors (blk.0.attn_norm.weight): "
+                                       "a standalone MTP file",
+                                       "load the main GGUF as --model and pass this file as --draft-model")
+    if has_main_stack and standalone_mtp:
+        raise UnsupportedQwen35Variant(source, "a main GGUF (it has blk.0.attn_norm.weight), not a standalone "
+                                       "MTP file", "pass the MTP-only file as --draft-model, or load this one "
+                                       "as --model: an MTP block inside it is found by itself")
+    if any(name.endswith((".ssm_ba.weight", ".ssm_in.weight")) for name in names):
+        raise UnsupportedQwen35Variant(source, "qwen3next GDN projections (ssm_ba / ssm_in)",
+                                       "this file has the qwen3next layout (grouped value heads), "
+                                       "not qwen35's")
+
+
+def _layer_types(key: Callable[..., Any], num_layers: int, source: str) -> tuple[str, ...]:
+    """Per main layer LINEAR_ATTENTION | FULL_ATTENTION: `attention.recurrent_layers` (a flag per
+    layer, MTP layers after them) when present, else full iff (i + 1) % full_attention_interval == 0.
+    Raises errors.DamagedFile for too few flags or an interval below 1."""
+    recurrent = key("attention.recurrent_layers", None)
+    if recurrent is not None:
+        flags = list(recurrent)[:num_layers]
+        if len(flags) != num_layers:
+            raise DamagedFile(source, f"attention.recurrent_layers has {len(flags)} entries for {num_layers} layers")
+        return tuple(LINEAR_ATTENTION if r else FULL_ATTENTION for r in flags)
+    interval = int(key("full_attention_interval", 4))
+    if interval < 1:
+        raise DamagedFile(source, f"full_attention_interval is {interval}: an interval of 1 or more layers is needed")
+    return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers))
 
 
 # -- GatedDeltaNet -------------------------------------------------------------------------

@@ -1,0 +1,225 @@
+"""Hostile model files: mutants of every installed trunk family's tiny fixture (tests/conftest.py)
+are refused as bad input, in bounded time and memory.
+
+The mutants: the file cut at every section boundary (header fields, each metadata entry, each
+tensor record, the data start, each tensor's data), huge and zero counts and sizes (block_count
+10^9, zero heads, ...), per-layer lists one entry short, KV sharing with no layer to share from,
+non-finite or out-of-range float keys, a token list shorter than the vocabulary, bos/eos ids
+outside it, and NaN / infinite weights. Each must be refused with an
+errors.VerispecError naming the problem (the key, the tensor, the cut), and `verispec generate`
+must exit 1 with that one line on stderr and no traceback: never a hang, an out-of-memory, or
+exit 70 ("a verispec bug").
+
+Every mutant goes through the python API (`verispec.api.load`, then a 2-token generate, as the
+CLI does) inside one worker subprocess under RLIMIT_AS and a timeout; a handful, one of each
+kind, also go through the `verispec` command itself for the exit status and the one line.
+"""
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from verispec.testing.fixture_writer import byte_level_vocab
+
+#: address space per subprocess: a tiny model generates in well under this; a size read from a
+#: hostile header and allocated would not.
+MEMORY_LIMIT_BYTES = 4 << 30
+WORKER_TIMEOUT_S, CLI_TIMEOUT_S = 300, 60
+
+#: integer `{arch}.*` keys that size something (a tensor, a cache, a loop over layers or heads):
+#: huge values must be refused. context_length is not among them (positions are allocated as
+#: they are written, so a long context is no damage).
+SIZE_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+             "attention.head_count_kv", "attention.key_length", "attention.value_length",
+             "attention.key_length_swa", "attention.value_length_swa", "attention.sliding_window",
+             "rope.dimension_count", "ssm.inner_size", "ssm.state_size", "ssm.conv_kernel",
+             "ssm.time_step_rank", "ssm.group_count", "embedding_length_per_layer_input")
+#: sizes a model divides by or needs at least one of: zero must be refused.
+NONZERO_KEYS = ("block_count", "embedding_length", "attention.head_count", "attention.key_length",
+                "ssm.inner_size", "ssm.state_size", "ssm.conv_kernel", "ssm.time_step_rank", "ssm.group_count")
+#: float keys and the values no model can compute with.
+FLOAT_KEYS = {"rope.freq_base": (float("nan"), 0.0, -1.0), "rope.freq_base_swa": (float("nan"),),
+              "attention.layer_norm_rms_epsilon": (float("nan"), -1.0),
+              "attention.layer_norm_epsilon": (float("nan"), float("inf")),
+              "final_logit_softcapping": (float("nan"),)}
+HUGE = (10**9, 2**32 - 1)
+
+WORKER = r"""
+import json, sys, traceback
+import torch
+torch.set_num_threads(1)
+from verispec.api import load
+from verispec.errors import VerispecError
+from verispec.registry import Registry
+
+registry = Registry.discover()
+for mutant in json.load(open(sys.argv[1])):
+    print(json.dumps({"name": mutant["name"], "started": True}), flush=True)
+    try:
+        engine = load(mutant["path"], registry=registry, threads=1, kv_cache_gb=0)
+        "".join(event.text for event in engine.generate("hello", max_tokens=2))
+        outcome = {"outcome": "served"}
+    except VerispecError as e:
+        outcome = {"outcome": "refused", "type": type(e).__name__, "message": str(e)}
+    except BaseException as e:
+        outcome = {"outcome": "bug", "type": type(e).__name__, "message": traceback.format_exc()}
+    print(json.dumps({"name": mutant["name"], **outcome}), flush=True)
+"""
+
+
+def _limits():
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
+
+
+def _run(args, timeout):
+    # one malloc arena per thread kind: glibc's default (8 per core) reserves address space that a
+    # many-core host would count against the limit
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "VERISPEC_DEBUG": "", "MALLOC_ARENA_MAX": "2"}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=_limits, env=env)
+
+
+def _records(stdout: str) -> list[dict]:
+    """The worker's JSON lines (anything else a library printed is skipped)."""
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def _section_boundaries(path) -> list[int]:
+    """Byte offsets where a GGUF section or entry starts: the header fields, every metadata
+    entry and tensor record, the data start, every tensor's data; and the last byte."""
+    reader = gguf.GGUFReader(path)
+    cuts = {0, 4, 8, 16, 24, os.path.getsize(path) - 1}
+    cuts |= {field.offset for field in reader.fields.values()}
+    cuts |= {tensor.field.offset for tensor in reader.tensors}
+    cuts |= {int(tensor.data_offset) for tensor in reader.tensors}
+    return sorted(cuts)
+
+
+def _metadata_mutants(trunk):
+    """(name, metadata override, text the refusal must hold) for the family's fixture."""
+    arch, metadata = trunk.arch, trunk.metadata
+    for key in SIZE_KEYS:
+        value = metadata.get(f"{arch}.{key}")
+        for huge in HUGE if value is not None else ():
+            bad = np.full(len(value), huge, dtype=np.uint32) if isinstance(value, (list, np.ndarray)) else huge
+            yield f"{key}={huge}", {f"{arch}.{key}": bad}, key
+    for key in NONZERO_KEYS:
+        value = metadata.get(f"{arch}.{key}")
+        if value is not None:
+            bad = np.zeros(len(value), dtype=np.uint32) if isinstance(value, (list, np.ndarray)) else 0
+            yield f"{key}=0", {f"{arch}.{key}": bad}, key
+    for key, values in FLOAT_KEYS.items():
+        for bad in values if f"{arch}.{key}" in metadata else ():
+            yield f"{key}={bad}", {f"{arch}.{key}": bad}, key
+    num_layers = metadata[f"{arch}.block_count"]
+    for key, value in metadata.items():  # a per-layer list one short (M-RoPE's 4 sections are no such list)
+        if (key.startswith(f"{arch}.") and isinstance(value, (list, np.ndarray)) and len(value) == num_layers
+                and not key.endswith("rope.dimension_sections")):
+            yield f"{key.removeprefix(arch + '.')} short", {key: value[:-1]}, key.removeprefix(arch + ".")
+    if f"{arch}.attention.shared_kv_layers" in metadata:  # every layer reads K/V no layer computes
+        yield "shared_kv_layers=all", {f"{arch}.attention.shared_kv_layers": num_layers}, "shared_kv_layers"
+    rows = trunk.tensors["token_embd.weight"].shape[0]
+    tokens = metadata.get("tokenizer.ggml.tokens") or byte_level_vocab(rows)["tokenizer.ggml.tokens"]
+    yield "short token list", {"tokenizer.ggml.tokens": tokens[:-7]}, "token list"
+    yield "eos outside", {"tokenizer.ggml.eos_token_id": rows}, "eos_token_id"
+    yield "bos outside", {"tokenizer.ggml.bos_token_id": rows + 10**6}, "bos_token_id"
+
+
+def _weight_mutants(trunk):
+    """(name, tensor override, the tensor the refusal must name): a NaN norm, an infinite linear."""
+    norm = trunk.tensors["output_norm.weight"].clone()
+    norm[3] = float("nan")
+    yield "NaN norm", {"output_norm.weight": norm}, "output_norm.weight"
+    name = next(n for n in trunk.tensors
+                if (n.startswith("blk.0.") and n.endswith("_output.weight")) or n == "blk.0.ssm_out.weight")
+    linear = trunk.tensors[name].clone()
+    linear[0, :] = float("inf")
+    yield "inf linear", {name: linear}, name
+
+
+def _family_mutants(trunk, family, directory: Path) -> dict:
+    """The mutants of one family's fixture, written under `directory` (see `family_mutants`)."""
+    out = {}
+    base = trunk.write(directory / f"{family}.gguf")
+    data = Path(base).read_bytes()
+    for cut in _section_boundaries(base):
+        path = directory / f"{family}-cut{cut}.gguf"
+        path.write_bytes(data[:cut])
+        out[f"{family} cut at {cut}"] = {"path": str(path), "expect": ("truncated", "not a GGUF file"),
+                                         "kind": "cut"}
+    for i, (name, metadata, expect) in enumerate(_metadata_mutants(trunk)):
+        path = trunk.write(directory / f"{family}-m{i}.gguf", metadata=metadata)
+        out[f"{family} {name}"] = {"path": path, "expect": (expect,), "kind": name.split("=")[0]}
+    for i, (name, tensors, expect) in enumerate(_weight_mutants(trunk)):
+        path = trunk.write(directory / f"{family}-w{i}.gguf", tensors=tensors)
+        out[f"{family} {name}"] = {"path": path, "expect": (expect,), "kind": name}
+    return out
+
+
+@pytest.fixture(scope="module")
+def family_mutants(tiny_trunks, trunk_families, tmp_path_factory):
+    """name -> {"path", "expect" (texts, one of which the refusal holds), "kind"}, every family."""
+    out = {}
+    directory = tmp_path_factory.mktemp("hostile")
+    for family in trunk_families:
+        try:
+            trunk = tiny_trunks(family)
+        except pytest.skip.Exception:
+            continue
+        out |= _family_mutants(trunk, family, directory)
+    if not out:
+        pytest.skip("no trunk family is installed")
+    return out
+
+
+def test_every_mutant_is_refused_through_the_api(family_mutants, tmp_path):
+    manifest = tmp_path / "mutants.json"
+    manifest.write_text(json.dumps([{"name": name, "path": m["path"]} for name, m in family_mutants.items()]))
+    try:
+        run = _run(["-c", WORKER, str(manifest)], WORKER_TIMEOUT_S)
+        records = _records(run.stdout)
+    except subprocess.TimeoutExpired as e:
+        records = _records(e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or "")
+        pytest.fail(f"the worker ran past {WORKER_TIMEOUT_S} s, at {records[-1]['name'] if records else 'start'}")
+    results = {r["name"]: r for r in records if "outcome" in r}
+    started = [r["name"] for r in records if "started" in r]
+    assert run.returncode == 0, (f"the worker died (rc {run.returncode}: out of memory under RLIMIT_AS?) at "
+                                 f"{started[-1] if started else 'start'}: {run.stderr[-2000:]}")
+    problems = []
+    for name, mutant in family_mutants.items():
+        result = results[name]
+        if result["outcome"] != "refused":
+            problems.append(f"{name}: {result['outcome']} {result.get('type', '')} {result.get('message', '')}")
+        elif "\n" in result["message"] or not any(text in result["message"] for text in mutant["expect"]):
+            problems.append(f"{name}: refused with {result['type']} but not naming {mutant['expect']}: "
+                            f"{result['message']}")
+    assert not problems, f"{len(problems)} of {len(family_mutants)} mutants:\n" + "\n".join(problems)
+
+
+#: one mutant of each kind through the command, spread over the families.
+CLI_CASES = [("llama", "cut"), ("nemotron_h", "block_count"), ("qwen35", "attention.head_count"),
+             ("gemma3", "short token list"), ("gemma4", "NaN norm"), ("llama", "eos outside"),
+             ("qwen35", "inf linear")]
+
+
+@pytest.mark.parametrize("family, kind", CLI_CASES)
+def test_the_command_refuses_in_one_line_with_exit_1(family_mutants, family, kind):
+    candidates = [(name, m) for name, m in family_mutants.items() if name.startswith(f"{family} ")
+                  and m["kind"] == kind]
+    if not candidates:
+        pytest.skip(f"no {kind} mutant for {family} (family not installed)")
+    name, mutant = candidates[len(candidates) // 2]
+    run = _run(["-m", "verispec.cli", "generate", "hello", "--model", mutant["path"], "--max-tokens", "2",
+                "--threads", "1"],
+               CLI_TIMEOUT_S)
+    assert run.returncode == 1, f"{name}: exit {run.returncode}\n{run.stderr[-3000:]}"
+    assert "Traceback" not in run.stderr
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("verispec: error: "), f"{name}: {run.stderr}"
+    assert any(text in lines[0] for text in mutant["expect"]), f"{name}: {lines[0]}"
+
