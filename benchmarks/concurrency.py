@@ -94,20 +94,20 @@ def bench_model(model: str, new: int, threads: int | None, repeats: int) -> list
 
 def step_ratios(engine, rounds: int) -> dict[int, float]:
     """{N: fastest ms of one batched forward of N one-row decodes}, rounds interleaved."""
-    target = engine.target
+    trunk = engine.trunk
     lengths = [150, 90, 260, 120, 200, 60, 300, 170]
     fastest: dict[int, float] = {}
     for _ in range(rounds):
         for n in (1, 4, 8):
-            seqs = [target.new_sequence() for _ in range(n)]
+            seqs = [trunk.new_sequence() for _ in range(n)]
             for seq, length in zip(seqs, lengths):
-                target.forward([Segment(seq, list(range(10, 10 + length)), logits="last")])
+                trunk.forward([Segment(seq, list(range(10, 10 + length)), logits="last")])
             for _ in range(10):
                 started = time.perf_counter()
-                target.forward([Segment(seq, [100], logits="last") for seq in seqs])
+                trunk.forward([Segment(seq, [100], logits="last") for seq in seqs])
                 fastest[n] = min(fastest.get(n, float("inf")), (time.perf_counter() - started) * 1e3)
             for seq in seqs:
-                target.release(seq)
+                trunk.release(seq)
     return fastest
 
 

@@ -25,7 +25,7 @@ import sys
 import time
 
 import torch
-from verispec.api import load_target, resolve_model_path
+from verispec.api import load_registered_trunk, resolve_model_path
 from verispec.nn.layers import DecoderLayerKernel
 from verispec.weights.quant import Float32Linear
 from verispec.registry import Registry
@@ -35,12 +35,12 @@ COMPONENTS = ("step", "head", "other linears", "attention", "fused layers", "res
 
 
 class Timers:
-    """Wraps the target's LM head, linear classes and `attend_rows` with accumulating timers."""
+    """Wraps the trunk's LM head, linear classes and `attend_rows` with accumulating timers."""
 
-    def __init__(self, target, clock):
-        self.target, self.clock = target, clock
+    def __init__(self, trunk, clock):
+        self.trunk, self.clock = trunk, clock
         self.ms = dict.fromkeys(("head", "linears", "attention", "fused"), 0.0)
-        self._linears = {type(m): type(m).forward for m in target.modules() if isinstance(m, Float32Linear)}
+        self._linears = {type(m): type(m).forward for m in trunk.modules() if isinstance(m, Float32Linear)}
         self._families = [m for name, m in sys.modules.items()
                           if name.startswith("verispec_") and hasattr(m, "attend_rows")]
 
@@ -62,7 +62,7 @@ class Timers:
         self._attend = self._families[0].attend_rows
         for module in self._families:
             module.attend_rows = self._timed(self._attend, "attention")
-        self.target._lm_head = self._timed(type(self.target)._lm_head.__get__(self.target), "head")
+        self.trunk._lm_head = self._timed(type(self.trunk)._lm_head.__get__(self.trunk), "head")
         self._fused = DecoderLayerKernel.__call__
         DecoderLayerKernel.__call__ = self._timed(self._fused, "fused")
         return self
@@ -72,31 +72,31 @@ class Timers:
             cls.forward = forward
         for module in self._families:
             module.attend_rows = self._attend
-        del self.target._lm_head
+        del self.trunk._lm_head
         DecoderLayerKernel.__call__ = self._fused
 
 
-def decode_steps(target, steps: int, clock, timers: Timers | None = None) -> list[float]:
+def decode_steps(trunk, steps: int, clock, timers: Timers | None = None) -> list[float]:
     """ms of each of `steps` one-row decodes after a 128-token prefill (token ids are arbitrary);
     `timers` count the decodes only."""
-    seq = target.new_sequence()
-    target.forward([Segment(seq, torch.arange(10, 138), logits="last")])
+    seq = trunk.new_sequence()
+    trunk.forward([Segment(seq, torch.arange(10, 138), logits="last")])
     if timers is not None:
         timers.reset()
     times = []
     for _ in range(steps):
         started = clock()
-        target.forward([Segment(seq, torch.tensor([100]), logits="last")])
+        trunk.forward([Segment(seq, torch.tensor([100]), logits="last")])
         times.append((clock() - started) * 1e3)
-    target.release(seq)
+    trunk.release(seq)
     return times
 
 
-def profile(target, steps: int, clock) -> dict[str, float]:
+def profile(trunk, steps: int, clock) -> dict[str, float]:
     """One round: {component: ms per token}."""
-    step = statistics.median(decode_steps(target, steps, clock))
-    with Timers(target, clock) as timers:
-        decode_steps(target, steps, clock, timers)
+    step = statistics.median(decode_steps(trunk, steps, clock))
+    with Timers(trunk, clock) as timers:
+        decode_steps(trunk, steps, clock, timers)
     head = timers.ms["head"] / steps
     other = timers.ms["linears"] / steps - head  # the head's own linear call is counted in both
     attention, fused = timers.ms["attention"] / steps, timers.ms["fused"] / steps
@@ -104,24 +104,24 @@ def profile(target, steps: int, clock) -> dict[str, float]:
             "rest": step - head - other - attention - fused}
 
 
-def verify_costs(target, widths: list[int], clock, rounds: int) -> dict[int, float]:
+def verify_costs(trunk, widths: list[int], clock, rounds: int) -> dict[int, float]:
     """Median ms of a k-row verify forward per k in widths (1 included), the widths taking turns."""
-    seq = target.new_sequence()
-    target.forward([Segment(seq, torch.arange(10, 210), logits="last")])
+    seq = trunk.new_sequence()
+    trunk.forward([Segment(seq, torch.arange(10, 210), logits="last")])
     ms = {k: [] for k in [1, *widths]}
     for _ in range(rounds):
         for k in ms:
             started = clock()
-            target.forward([Segment(seq, torch.arange(300, 300 + k), logits="all", verify=True)])
+            trunk.forward([Segment(seq, torch.arange(300, 300 + k), logits="all", verify=True)])
             ms[k].append((clock() - started) * 1e3)
-            target.keep(seq, 0)  # every row rejected: back to the 200-token prompt
-    target.release(seq)
+            trunk.keep(seq, 0)  # every row rejected: back to the 200-token prompt
+    trunk.release(seq)
     return {k: statistics.median(v) for k, v in ms.items()}
 
 
-def set_fused(target, fused: bool) -> None:
+def set_fused(trunk, fused: bool) -> None:
     """Run the family's layers as one C call each (nn.layers) or op by op, where it has both."""
-    for layer in target.model.layers:
+    for layer in trunk.model.layers:
         if hasattr(layer, "fused"):
             layer.fused = fused
 
@@ -140,22 +140,22 @@ def main(argv=None) -> None:
         print("| model | threads | 1 row, ms | " + " | ".join(f"{k} rows" for k in args.verify) + " |")
         print("|---" * (len(args.verify) + 3) + "|")
         for model in args.model or [None]:
-            target = load_target(resolve_model_path(model, registry), registry, threads=args.threads)
-            verify_costs(target, args.verify, clock, 2)  # warm-up
-            ms = verify_costs(target, args.verify, clock, 5 * args.rounds)
+            trunk = load_registered_trunk(resolve_model_path(model, registry), registry, threads=args.threads)
+            verify_costs(trunk, args.verify, clock, 2)  # warm-up
+            ms = verify_costs(trunk, args.verify, clock, 5 * args.rounds)
             print(f"| {model or 'default'} | {args.threads} | {ms[1]:.2f} | "
                   + " | ".join(f"{ms[k] / ms[1]:.2f}x" for k in args.verify) + " |", flush=True)
         return
     print("| model | threads | layers | " + " | ".join(COMPONENTS) + " | tok/s |")
     print("|---" * (len(COMPONENTS) + 4) + "|")
     for model in args.model or [None]:
-        target = load_target(resolve_model_path(model, registry), registry, threads=args.threads)
-        decode_steps(target, 3, clock)  # warm-up
+        trunk = load_registered_trunk(resolve_model_path(model, registry), registry, threads=args.threads)
+        decode_steps(trunk, 3, clock)  # warm-up
         rounds = {False: [], True: []}
         for _ in range(args.rounds):  # the two ways take turns, so a passing load hits both
             for fused in rounds:
-                set_fused(target, fused)
-                rounds[fused].append(profile(target, args.steps, clock))
+                set_fused(trunk, fused)
+                rounds[fused].append(profile(trunk, args.steps, clock))
         for fused, results in rounds.items():
             med = {c: statistics.median(r[c] for r in results) for c in COMPONENTS}
             # "-": a call this way does not make (what is left is the timers' noise)

@@ -63,7 +63,7 @@ def build(jobs: int = 2) -> Path:
     subprocess.run(["cmake", "-S", str(source), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
                     "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                     "-DLLAMA_BUILD_SERVER=OFF"], check=True)
-    subprocess.run(["cmake", "--build", str(out), "--target", "llama-bench", "llama-perplexity", "-j", str(jobs)],
+    subprocess.run(["cmake", "--build", str(out), "--trunk", "llama-bench", "llama-perplexity", "-j", str(jobs)],
                    check=True)  # llama-perplexity: models/qwen35/tests/test_llama_cpp_crosscheck.py
     binary = bench_binary()
     if binary is None:
@@ -117,7 +117,7 @@ def ours(model: str, threads: int, dtype: str | None) -> dict[str, float]:
     bos = engine.encode("")[:1] or [1]
     _generate(engine, bos + [100] * 8, 8)  # warm-up
     decode = max(_generate(engine, bos, 128).decode_tokens_per_s for _ in range(2))
-    ids = torch.randint(100, engine.target.vocab_size - 100, (512,), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(100, engine.trunk.vocab_size - 100, (512,), generator=torch.Generator().manual_seed(0))
     prefill = max(_generate(engine, ids.tolist(), 1).prefill_tokens_per_s for _ in range(2))
     return {"verispec_tg128": decode, "verispec_pp512": prefill}
 

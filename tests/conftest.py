@@ -23,7 +23,7 @@ class TinyTrunk:
     arch: str
     metadata: dict
     tensors: dict  # GGUF name -> torch.Tensor (torch order)
-    load: object  # the family's TargetSpec loader, `load(path, dtype=..., use_cache=..., tokenizer=...)`
+    load: object  # the family's TrunkSpec loader, `load(path, dtype=..., use_cache=..., tokenizer=...)`
 
     def write(self, path, *, metadata=None, tensors=None, drop=()) -> str:
         """Write the fixture at `path`; `metadata` / `tensors` add or override, `drop` removes tensors."""

@@ -24,7 +24,7 @@ def engine(request):
     from verispec.engine import SpecOptions
 
     engine = verispec.load("gemma3-270m", dtype=request.param, spec=SpecOptions(enabled=False), prefill_chunk=16)
-    assert engine.target.spec_batch_invariant  # both weight modes promise it
+    assert engine.trunk.spec_batch_invariant  # both weight modes promise it
     return engine
 
 
@@ -59,12 +59,12 @@ def _staggered(engine, every):
 def test_each_stream_is_bitwise_its_solo_stream(engine, solo, every):
     """every=0: all three arrive together; 3: each arrives 3 steps after the one before, its
     16-row prefill chunks sharing forwards with the others' one-row decodes."""
-    forwards, forward = [], engine.target.forward
-    engine.target.forward = lambda batch: (forwards.append(len(batch)), forward(batch))[1]
+    forwards, forward = [], engine.trunk.forward
+    engine.trunk.forward = lambda batch: (forwards.append(len(batch)), forward(batch))[1]
     try:
         assert _staggered(engine, every) == solo
     finally:
-        del engine.target.forward
+        del engine.trunk.forward
     assert max(forwards) == 3
 
 

@@ -34,13 +34,13 @@ def test_every_matrix_is_the_files_bitwise(checkpoint):
 
 
 def test_verify_rows_are_bitwise_one_row_decodes(checkpoint):
-    from verispec.api import load_target
+    from verispec.api import load_registered_trunk
     from verispec.registry import Registry
     from verispec.testing.gguf_weights import assert_verify_rows_are_one_row_decodes
 
-    target = load_target(checkpoint[1], Registry.discover(), dtype="gguf")
-    assert target.spec_batch_invariant
-    assert_verify_rows_are_one_row_decodes(target, target.tokenizer.encode(PROMPT), prefix=12)
+    trunk = load_registered_trunk(checkpoint[1], Registry.discover(), dtype="gguf")
+    assert trunk.spec_batch_invariant
+    assert_verify_rows_are_one_row_decodes(trunk, trunk.tokenizer.encode(PROMPT), prefix=12)
 
 
 def test_generate_with_the_gguf_weight_mode(checkpoint):

@@ -31,8 +31,8 @@ class RepeatPlugin:
     @hookimpl
     def register_speculators(self, register):
         register(SpeculatorSpec(name="repeat", summary="repeats the last token (test)", priority=10,
-                                factory=lambda target, **kw: ScriptedSpeculator(
-                                    lambda ctx: [ctx.last_token] * ctx.draft_window,
+                                factory=lambda trunk, **kw: ScriptedSpeculator(
+                                    lambda ctx: [ctx.last_token] * ctx.draft_length,
                                     max_draft_tokens=kw["max_draft_tokens"], spec=kw["spec"])))
 
 

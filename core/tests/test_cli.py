@@ -42,7 +42,7 @@ def test_plugins_json_lists_good_plugins_and_reports_the_broken_one_without_torc
     assert speculator["version"] == "0.1.0" and speculator["plugin"] == "toy"
     assert speculator["requires_draft_head"] is True and speculator["can_arm_after_prefix_reuse"] is False
     assert speculator["needs_hidden_state"] is True and speculator["default_min_draft_prob"] == 0.35
-    assert toy["target", "toy"]["architectures"] == ["toy"]
+    assert toy["trunk", "toy"]["architectures"] == ["toy"]
     assert toy["draft_file", "toy-block"]["architectures"] == ["toy-block-drafter"]
     broken = [row for row in rows if row["kind"] == "error"]
     assert len(broken) == 1 and "needs libbroken 2.0" in broken[0]["error"]

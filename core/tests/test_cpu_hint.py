@@ -32,7 +32,7 @@ def test_api_threads_auto_sets_the_idle_cores(monkeypatch, tmp_path):
     idle = 2 if before == 1 else 1  # differs from the current count, so the assertion can fail
     monkeypatch.setattr(cpu, "default_threads", lambda: idle)
     try:
-        api.load_target(str(path), Registry.from_plugins({"toy": toy_plugin}), threads="auto")
+        api.load_registered_trunk(str(path), Registry.from_plugins({"toy": toy_plugin}), threads="auto")
         assert torch.get_num_threads() == idle
     finally:
         torch.set_num_threads(before)
@@ -51,9 +51,9 @@ def test_gguf_weights_without_the_kernels_get_their_own_hint(monkeypatch):
 
     block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
     raw = np.zeros((16, 64 // block_size * type_size), dtype=np.uint8)
-    target = torch.nn.Sequential(block_linear_class(GGMLQuantizationType.Q8_0).from_gguf(
+    trunk = torch.nn.Sequential(block_linear_class(GGMLQuantizationType.Q8_0).from_gguf(
         [GGUFBlocks(GGMLQuantizationType.Q8_0, torch.from_numpy(raw), 64)]))
-    engine = type("Engine", (), {"target": target})()
+    engine = type("Engine", (), {"trunk": trunk})()
     result = type("Result", (), {"decode_tokens_per_s": 0.5, "tokens": list(range(10)),
                                  "spec": ExecutionStats()})()
     monkeypatch.setattr(cpu, "FLOOR_BYTES_PER_S", 1e30)  # weights that cost nothing: any decode is "slow"
@@ -69,7 +69,7 @@ def test_a_decode_slow_only_for_its_drafting_names_the_speculator(monkeypatch):
     from verispec import cli
     from verispec.execution import ExecutionStats
 
-    engine = type("Engine", (), {"target": torch.nn.Linear(250, 100, bias=False)})()  # 100 kB of fp32
+    engine = type("Engine", (), {"trunk": torch.nn.Linear(250, 100, bias=False)})()  # 100 kB of fp32
     monkeypatch.setattr(cpu, "FLOOR_BYTES_PER_S", 1e7)  # 10 ms a token to stream them; SLOW_FACTOR x is 30 ms
 
     def hint(draft_ms_per_token):

@@ -1,5 +1,5 @@
 """InferenceEngine and the Python API end to end, on the toy plugin's GGUF (real load path:
-registry → TargetSpec loader → tokenizer from GGUF → engine), with toy speculators."""
+registry → TrunkSpec loader → tokenizer from GGUF → engine), with toy speculators."""
 import pytest
 
 from verispec import api
@@ -89,7 +89,7 @@ def test_prompt_longer_than_the_context_is_refused(model_path, registry):
         engine.generate("x" * 40)
     message = str(raised.value)  # fewer new tokens would not help: not suggested
     assert "--max-tokens" not in message
-    assert f"larger --context-length, up to {engine.target.trained_context_length}" in message
+    assert f"larger --context-length, up to {engine.trunk.trained_context_length}" in message
 
 
 def test_generation_stops_at_a_full_context(model_path, registry):
@@ -126,12 +126,12 @@ def test_explicit_type_that_cannot_serve_is_an_error(model_path, registry):
 
 
 def test_a_refusing_trunk_decodes_plainly_under_auto_and_errors_for_an_explicit_type(model_path, registry, caplog):
-    target = api.load_target(model_path, registry)
-    target.speculation_refusal = "verify rows differ from decode rows"
+    trunk = api.load_registered_trunk(model_path, registry)
+    trunk.speculation_refusal = "verify rows differ from decode rows"
     with pytest.raises(SpeculationUnavailable, match="the trunk refuses speculation: verify rows differ"):
-        InferenceEngine(target, registry=registry, spec=SpecOptions(spec_type="echo"))
+        InferenceEngine(trunk, registry=registry, spec=SpecOptions(spec_type="echo"))
     with caplog.at_level("WARNING", logger="verispec"):
-        engine = InferenceEngine(target, registry=registry, spec=SpecOptions(spec_type="auto"))
+        engine = InferenceEngine(trunk, registry=registry, spec=SpecOptions(spec_type="auto"))
     assert engine.speculator is None
     assert [r.getMessage() for r in caplog.records] == ["speculation off: verify rows differ from decode rows"]
 
@@ -164,7 +164,7 @@ def test_drafter_bound_to_another_trunk_is_refused(model_path, registry, tmp_pat
 
 def test_spec_options_validate_ranges():
     with pytest.raises(ValueError, match="--spec-draft 0"):
-        SpecOptions(draft_window=0)
+        SpecOptions(max_draft_tokens=0)
     with pytest.raises(ValueError, match="--spec-pmin 1.5"):
         SpecOptions(min_draft_prob=1.5)
 
@@ -215,16 +215,16 @@ def test_a_time_limit_or_a_cancel_ends_the_generation_at_a_token_with_length(mod
     cut = generation.result
     assert cut.finish_reason == "length" and 7 <= len(cut.tokens) < 60  # a verify window may finish
     assert cut.tokens == run(plain, max_tokens=len(cut.tokens), ignore_eos=True)[0].tokens
-    forward = engine.target.forward
+    forward = engine.trunk.forward
 
     def slow_forward(*args, **kwargs):
         time.sleep(0.01)
         return forward(*args, **kwargs)
-    engine.target.forward = slow_forward
+    engine.trunk.forward = slow_forward
     limited, _ = run(engine, max_tokens=100, ignore_eos=True, time_limit=0.05)
     assert limited.finish_reason == "length" and 1 <= len(limited.tokens) < 100
     assert limited.tokens == run(plain, max_tokens=len(limited.tokens), ignore_eos=True)[0].tokens
-    del engine.target.forward
+    del engine.trunk.forward
     assert run(engine, max_tokens=20, ignore_eos=True)[0].tokens == run(plain, max_tokens=20, ignore_eos=True)[0].tokens
     with pytest.raises(ValueError, match="time_limit=0"):
         engine.generate(PROMPT, time_limit=0)
@@ -262,7 +262,7 @@ def test_a_slow_speculator_is_parked_at_its_first_call_and_named_once_the_text_p
         def propose(self, history, ctx):
             governor = engines[0].governor()[0]
             losses_at_calls.append(governor.stats.losses)
-            time.sleep(max(0.02, 2 * ctx.draft_window * governor.stats.plain_ms_per_token / 1e3))
+            time.sleep(max(0.02, 2 * ctx.draft_length * governor.stats.plain_ms_per_token / 1e3))
             return super().propose(history, ctx)
 
     class SlowPlugin:

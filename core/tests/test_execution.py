@@ -6,11 +6,11 @@ import time
 import pytest
 import torch
 
-from verispec.execution import SpeculativeExecution, resolve_draft_window
+from verispec.execution import SpeculativeExecution, resolve_max_draft_tokens
 from verispec.governor import SpeculationCostGovernor
 from verispec.sampling import Sampler, SamplingParams
 from verispec.seams import UnsupportedTap
-from verispec.testing import MarkovTarget, ScriptedSpeculator, ToyTarget, oracle_speculator, run_greedy
+from verispec.testing import MarkovTrunk, ScriptedSpeculator, ToyTrunk, oracle_speculator, run_greedy
 
 PROMPT = [1, 5, 9, 2, 7, 3, 11, 4]
 
@@ -22,12 +22,12 @@ def start(ex, prompt, sampler, on_token):
     return ex.emit_first(sampler, out.logits[-1], on_token)
 
 
-def generate(target, speculator, *, max_tokens=32, params=SamplingParams(), stop_ids=(), draft_window=8,
+def generate(trunk, speculator, *, max_tokens=32, params=SamplingParams(), stop_ids=(),
              governor=None, stop_when=None, clock=time.perf_counter):
     """Run one execution's loop as a solo request of the scheduler does; returns (draws, execution)."""
-    ex = SpeculativeExecution(target, target.new_sequence(), speculator, draft_window=draft_window,
+    ex = SpeculativeExecution(trunk, trunk.new_sequence(), speculator,
                               stop_token_ids=stop_ids, governor=governor, clock=clock)
-    sampler = Sampler(params, PROMPT, target.vocab_size)
+    sampler = Sampler(params, PROMPT, trunk.vocab_size)
     draws = []
 
     def on_token(draw):
@@ -43,11 +43,11 @@ def generate(target, speculator, *, max_tokens=32, params=SamplingParams(), stop
 
 @pytest.fixture
 def toy():
-    return ToyTarget(vocab_size=32, recurrent=True)
+    return ToyTrunk(vocab_size=32, recurrent=True)
 
 
-def plain_stream(target, n=48):
-    return run_greedy(target, PROMPT, n)[0]
+def plain_stream(trunk, n=48):
+    return run_greedy(trunk, PROMPT, n)[0]
 
 
 def test_max_tokens_inside_an_accepted_window(toy):
@@ -74,7 +74,7 @@ def test_a_window_never_starts_at_a_stop_token(toy):
 
     def script(ctx):
         seen.append(ctx.last_token)
-        return list((PROMPT + plain)[ctx.pos + 1:ctx.pos + 1 + ctx.draft_window])
+        return list((PROMPT + plain)[ctx.pos + 1:ctx.pos + 1 + ctx.draft_length])
 
     # stop ids are passed, but on_token ignores them (like --ignore-eos with a stop id in the vocabulary)
     ex = SpeculativeExecution(toy, toy.new_sequence(), ScriptedSpeculator(script), stop_token_ids=(stop,))
@@ -87,19 +87,19 @@ def test_a_window_never_starts_at_a_stop_token(toy):
     assert stop not in seen
 
 
-def test_draft_window_is_clipped_to_the_context():
+def test_draft_length_is_clipped_to_the_context():
     for spare in (0, 1, 2, 3):
-        target = ToyTarget(vocab_size=32, recurrent=True, max_context_length=len(PROMPT) + 8 + spare)
-        plain = run_greedy(target, PROMPT, 8 + spare)[0]
+        trunk = ToyTrunk(vocab_size=32, recurrent=True, max_context_length=len(PROMPT) + 8 + spare)
+        plain = run_greedy(trunk, PROMPT, 8 + spare)[0]
         rows = []
-        orig = target.forward
-        target.forward = lambda batch: rows.extend(target.seq_len(s.seq) + s.tokens.numel() for s in batch) or orig(batch)
-        draws, ex = generate(target, oracle_speculator(PROMPT + plain, vocab_size=32),
-                             stop_when=lambda d: len(PROMPT) + len(d) >= target.max_context_length)
+        orig = trunk.forward
+        trunk.forward = lambda batch: rows.extend(trunk.seq_len(s.seq) + s.tokens.numel() for s in batch) or orig(batch)
+        draws, ex = generate(trunk, oracle_speculator(PROMPT + plain, vocab_size=32),
+                             stop_when=lambda d: len(PROMPT) + len(d) >= trunk.max_context_length)
         assert [d.token for d in draws] == plain[:len(draws)]
-        assert ex.seq_len <= target.max_context_length
-        assert max(rows) <= target.max_context_length  # no verify writes past the context
-        assert len(PROMPT) + len(draws) == target.max_context_length  # and decoding ran up to it
+        assert ex.seq_len <= trunk.max_context_length
+        assert max(rows) <= trunk.max_context_length  # no verify writes past the context
+        assert len(PROMPT) + len(draws) == trunk.max_context_length  # and decoding ran up to it
 
 
 def test_empty_proposals_still_hand_the_drafter_fresh_hidden_rows(toy):
@@ -138,14 +138,14 @@ def test_seed_committed_respects_can_arm_after_prefix_reuse(toy):
     assert speculator.last_state.committed == PROMPT
 
 
-def test_resolve_draft_window_narrows_only_the_default():
+def test_resolve_max_draft_tokens_narrows_only_the_default():
     class Prefers3:
-        spec_preferred_draft_window = 3
-    assert resolve_draft_window(None, Prefers3()) == 3
-    assert resolve_draft_window(12, Prefers3()) == 12
-    assert resolve_draft_window(None, object()) == 8
+        spec_preferred_max_draft_tokens = 3
+    assert resolve_max_draft_tokens(None, Prefers3()) == 3
+    assert resolve_max_draft_tokens(12, Prefers3()) == 12
+    assert resolve_max_draft_tokens(None, object()) == 8
     with pytest.raises(ValueError, match="1..64"):
-        resolve_draft_window(65, object())
+        resolve_max_draft_tokens(65, object())
 
 
 def test_parked_governor_means_plain_steps(toy):
@@ -185,14 +185,14 @@ def _markov_table(vocab=6, seed=0):
     return torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(seed)) * 1.5
 
 
-def _transition_counts(target, params, speculator_factory, num_tokens, seed0):
-    vocab = target.vocab_size
+def _transition_counts(trunk, params, speculator_factory, num_tokens, seed0):
+    vocab = trunk.vocab_size
     counts = torch.zeros(vocab, vocab, dtype=torch.long)
     streams = []
     per_seq = 2000
     for s in range(num_tokens // per_seq):
         p = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed0 + s)
-        ex = SpeculativeExecution(target, target.new_sequence(), speculator_factory())
+        ex = SpeculativeExecution(trunk, trunk.new_sequence(), speculator_factory())
         sampler = Sampler(p, [0], vocab)
         out = []
         done = start(ex, [0], sampler, lambda d: out.append(d.token) or len(out) >= per_seq)
@@ -202,7 +202,7 @@ def _transition_counts(target, params, speculator_factory, num_tokens, seed0):
         for a, b in zip(seq, seq[1:]):
             counts[a, b] += 1
         streams.append(out)
-        target.release(ex.seq)
+        trunk.release(ex.seq)
     return counts, streams
 
 
@@ -229,16 +229,16 @@ def test_speculative_sampling_is_distribution_exact(params):
     from scipy.stats import chi2_contingency, chisquare
 
     table = _markov_table()
-    target = MarkovTarget(table)
+    trunk = MarkovTrunk(table)
     greedy_next = table.argmax(1).tolist()
 
     def drafter():  # proposes the greedy chain: often right at T=0.3, often wrong at T=1
-        return ScriptedSpeculator(lambda ctx: _chain(greedy_next, ctx.last_token, ctx.draft_window), max_draft_tokens=4)
+        return ScriptedSpeculator(lambda ctx: _chain(greedy_next, ctx.last_token, ctx.draft_length), max_draft_tokens=4)
 
     n = 100_000
-    plain_counts, plain_streams = _transition_counts(target, params, lambda: None, n, seed0=1000)
-    other_counts, _ = _transition_counts(target, params, drafter, n, seed0=5000)
-    _, spec_streams = _transition_counts(target, params, drafter, 10_000, seed0=1000)
+    plain_counts, plain_streams = _transition_counts(trunk, params, lambda: None, n, seed0=1000)
+    other_counts, _ = _transition_counts(trunk, params, drafter, n, seed0=5000)
+    _, spec_streams = _transition_counts(trunk, params, drafter, 10_000, seed0=1000)
     assert spec_streams == plain_streams[:len(spec_streams)]  # same seed => same stream, token for token
     for a in range(table.shape[0]):
         probs = _filtered_probs(table[a], params)
@@ -312,7 +312,7 @@ def _raises(ctx):
     (lambda ctx: [True], "True"),
     (lambda ctx: [1, 10 ** 9], "1000000000, not a token id in [0, 32)"),
     (lambda ctx: [-1], "-1"),
-    (lambda ctx: list(range(ctx.draft_window + 1)), "ids for a window of"),
+    (lambda ctx: list(range(ctx.draft_length + 1)), "ids for a window of"),
 ])
 def test_a_misbehaving_propose_is_switched_off_and_the_output_stays_plain(toy, script, why, caplog):
     plain = plain_stream(toy)

@@ -103,12 +103,12 @@ def test_expansion_per_layer_and_expert():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"source": "blk.{i}.x", "target": "x"}, "{i}"),
-    ({"source": "blk.0.x", "target": "layers.{i}.x"}, "{i}"),
-    ({"source": Stack("blk.{i}.a", "b"), "target": "layers.{i}.x"}, "{i}"),
-    ({"source": "x", "target": "experts.{e}.x"}, "per_expert"),
-    ({"source": "x", "target": "experts.x", "per_expert": True}, "per_expert"),
-    ({"source": "blk.{j}.x", "target": "x"}, "only the fields"),
+    ({"source": "blk.{i}.x", "state_name": "x"}, "{i}"),
+    ({"source": "blk.0.x", "state_name": "layers.{i}.x"}, "{i}"),
+    ({"source": Stack("blk.{i}.a", "b"), "state_name": "layers.{i}.x"}, "{i}"),
+    ({"source": "x", "state_name": "experts.{e}.x"}, "per_expert"),
+    ({"source": "x", "state_name": "experts.x", "per_expert": True}, "per_expert"),
+    ({"source": "blk.{j}.x", "state_name": "x"}, "only the fields"),
 ])
 def test_malformed_entries_are_refused_when_the_table_is_written(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -224,9 +224,9 @@ def test_split_parts_are_shape_checked(tmp_path):
 def test_table_bugs_are_refused_by_name(tmp_path):
     gguf = _file(tmp_path, _tensors(scale=False))
     with pytest.raises(UnmappedParameter, match="layers.0.q_bias"):
-        plan_weights(gguf, Tiny(), [t for t in TABLE if t.target != "layers.{i}.q_bias"], num_layers=L,
+        plan_weights(gguf, Tiny(), [t for t in TABLE if t.state_name != "layers.{i}.q_bias"], num_layers=L,
                      num_experts=E)
-    optional_linear = [Tensor(t.source, t.target, optional=True) if t.target == "layers.{i}.q.weight" else t
+    optional_linear = [Tensor(t.source, t.state_name, optional=True) if t.state_name == "layers.{i}.q.weight" else t
                        for t in TABLE]
     no_q = _file(tmp_path, {k: v for k, v in _tensors().items() if "attn_q.weight" not in k}, "no_q.gguf")
     with pytest.raises(ValueError, match="no default"):

@@ -11,7 +11,7 @@ from verispec.errors import InvalidArgument
 from verispec.nn.kv_cache import PagedKVCache, RingKVCache
 from verispec.nn.state import RecurrentState, SequenceState
 from verispec.registry import Registry
-from verispec.testing import ToyTarget, forward_one, toy_plugin
+from verispec.testing import ToyTrunk, forward_one, toy_plugin
 from verispec.testing.toy import write_toy_gguf
 
 PROMPTS = ["the cat sat on the mat. the cat sat on the mat. the cat", "a dog ran. a dog ran. a",
@@ -75,7 +75,7 @@ def test_a_ring_and_a_recurrent_state_hold_their_fixed_size_at_any_length():
 
 
 def test_a_trunk_reports_what_a_sequence_of_it_allocates():
-    toy = ToyTarget(recurrent=True, max_context_length=512)
+    toy = ToyTrunk(recurrent=True, max_context_length=512)
     n = 200  # key_block 64: a 192-row prefill, then single rows: 4 blocks
     seq = toy.new_sequence()
     forward_one(toy, seq, [i % 30 for i in range(192)])
@@ -101,9 +101,9 @@ def model_path(request, tmp_path_factory):
                           seed=3)
 
 
-def engine_with(model_path, registry, budget, *, target=None, **kw):
-    target = target or api.load_target(model_path, registry)
-    return InferenceEngine(target, registry=registry, spec=SpecOptions(enabled=False), kv_budget_bytes=budget, **kw)
+def engine_with(model_path, registry, budget, *, trunk=None, **kw):
+    trunk = trunk or api.load_registered_trunk(model_path, registry)
+    return InferenceEngine(trunk, registry=registry, spec=SpecOptions(enabled=False), kv_budget_bytes=budget, **kw)
 
 
 def solo(model_path, registry, prompt, **kw):
@@ -114,11 +114,11 @@ def solo(model_path, registry, prompt, **kw):
 
 
 def reservation(engine, prompt, max_tokens):
-    return engine.scheduler.kv_budget.reservation(len(engine.encode(prompt)), max_tokens, engine.target.max_context_length)
+    return engine.scheduler.kv_budget.reservation(len(engine.encode(prompt)), max_tokens, engine.trunk.max_context_length)
 
 
 def held(engine, seqs):
-    return sum(engine.target.sequence_held_nbytes(seq) for seq in seqs)
+    return sum(engine.trunk.sequence_held_nbytes(seq) for seq in seqs)
 
 
 REQUESTS = [dict(prompt=PROMPTS[0], max_tokens=20, ignore_eos=True),
@@ -202,7 +202,7 @@ def test_an_idle_sequence_the_prompt_continues_is_taken_over_not_evicted(model_p
     list(probe.generate(**first))
     history = probe.scheduler.prefix_cache.tokens(probe.scheduler.prefix_cache.sequences()[0])  # the prompt and the answer, as the sequence holds them
     turn = history + [40, 41, 42]
-    need = probe.scheduler.kv_budget.reservation(len(turn), 8, probe.target.max_context_length)
+    need = probe.scheduler.kv_budget.reservation(len(turn), 8, probe.trunk.max_context_length)
     engine = engine_with(model_path, registry, need)  # no room for the idle sequence beside a new one
     list(engine.generate(**first))
     generation = engine.generate(turn, max_tokens=8, ignore_eos=True)
@@ -215,19 +215,19 @@ def test_an_idle_sequence_the_prompt_continues_is_taken_over_not_evicted(model_p
 class Unbudgeted:
     """A trunk without `sequence_nbytes` (a third-party one): everything else delegated."""
 
-    def __init__(self, target):
-        self._target = target
+    def __init__(self, trunk):
+        self._trunk = trunk
 
     def __getattr__(self, name):
         if name in ("sequence_nbytes", "sequence_held_nbytes"):
             raise AttributeError(name)
-        return getattr(self._target, name)
+        return getattr(self._trunk, name)
 
 
 def test_a_trunk_without_sequence_nbytes_is_not_budgeted(model_path, registry):
     with pytest.raises(InvalidArgument, match="KV budget of 1 bytes"):
         engine_with(model_path, registry, 1)
-    engine = engine_with(model_path, registry, 1, target=Unbudgeted(api.load_target(model_path, registry)))
+    engine = engine_with(model_path, registry, 1, trunk=Unbudgeted(api.load_registered_trunk(model_path, registry)))
     generations = [engine.generate(**kw) for kw in REQUESTS]
     engine.step()
     assert engine.scheduler.num_running == 3 and engine.scheduler.kv_budget.reserved_bytes == 0

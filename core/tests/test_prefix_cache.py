@@ -11,14 +11,14 @@ from verispec.nn.kv_cache import PagedKVCache, RingKVCache
 from verispec.nn.state import CannotTruncate, SequenceState
 from verispec.registry import Registry
 from verispec.seams import Segment
-from verispec.testing import ToyTarget, forward_one, plain_logits, toy_plugin
+from verispec.testing import ToyTrunk, forward_one, plain_logits, toy_plugin
 from verispec.testing.toy import write_toy_gguf
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]
 
 
 def test_a_fork_holds_the_prefix_and_leaves_the_source_unchanged():
-    toy = ToyTarget(recurrent=False)
+    toy = ToyTrunk(recurrent=False)
     source = toy.new_sequence()
     forward_one(toy, source, PROMPT)
     fork = toy.fork(source, 5)
@@ -29,7 +29,7 @@ def test_a_fork_holds_the_prefix_and_leaves_the_source_unchanged():
 
 
 def test_a_recurrent_sequence_forks_only_whole():
-    toy = ToyTarget(recurrent=True)
+    toy = ToyTrunk(recurrent=True)
     source = toy.new_sequence()
     forward_one(toy, source, PROMPT)
     with pytest.raises(CannotTruncate, match="recurrent state"):
@@ -155,7 +155,7 @@ def test_only_speculators_that_declare_it_arm_after_prefix_reuse(model_path):
                 register(SpeculatorSpec(
                     name="repeat", summary="repeats the pending token (test)", priority=10,
                     can_arm_after_prefix_reuse=can_arm,
-                    factory=lambda target, **kw: ScriptedSpeculator(lambda ctx: [ctx.last_token] * 2,
+                    factory=lambda trunk, **kw: ScriptedSpeculator(lambda ctx: [ctx.last_token] * 2,
                                                                     max_draft_tokens=kw["max_draft_tokens"],
                                                                     spec=kw["spec"])))
         return Registry.from_plugins({"toy": toy_plugin, "repeat": Repeat()})

@@ -17,7 +17,7 @@ from verispec.install_hints import DEFAULT_CHECKPOINT_INSTALL, checkout_root
 from verispec.registry import NoDefaultCheckpoint, Registry, UnknownArchitecture, UnknownCheckpoint, format_plugin_table
 from verispec.seams import DraftHeadKind
 from verispec.speculator_choice import SpeculationUnavailable, choose_speculator
-from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TargetSpec
+from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TrunkSpec
 
 
 class Toy:
@@ -36,8 +36,8 @@ class Toy:
         self._each(register, SpeculatorSpec)
 
     @hookimpl
-    def register_targets(self, register):
-        self._each(register, TargetSpec)
+    def register_trunks(self, register):
+        self._each(register, TrunkSpec)
 
     @hookimpl
     def register_draft_files(self, register):
@@ -56,15 +56,15 @@ def plugin(**hooks):
 class Built:
     """What a toy factory returns: the arguments it was built with."""
 
-    def __init__(self, name, target, **kwargs):
-        self.name, self.target, self.kwargs = name, target, kwargs
+    def __init__(self, name, trunk, **kwargs):
+        self.name, self.trunk, self.kwargs = name, trunk, kwargs
 
 
 def serves(name):
-    return lambda target, **kwargs: Built(name, target, **kwargs)
+    return lambda trunk, **kwargs: Built(name, trunk, **kwargs)
 
 
-def never(target, **kwargs):
+def never(trunk, **kwargs):
     return None
 
 
@@ -72,8 +72,8 @@ def spec(name, factory=None, **kw):
     return SpeculatorSpec(name=name, summary=f"toy {name}", factory=factory or serves(name), **kw)
 
 
-def target_spec(name, *archs):
-    return TargetSpec(name=name, summary=f"toy {name}", architectures=archs, loader="toy_models:load")
+def trunk_spec(name, *archs):
+    return TrunkSpec(name=name, summary=f"toy {name}", architectures=archs, loader="toy_models:load")
 
 
 def checkpoint_spec(alias, **kw):
@@ -82,7 +82,7 @@ def checkpoint_spec(alias, **kw):
 
 
 class Trunk:
-    """A toy target: only declarations matter to the registry."""
+    """A toy trunk: only declarations matter to the registry."""
 
     def __init__(self, **declarations):
         self.__dict__.update(declarations)
@@ -111,7 +111,7 @@ def test_auto_picks_highest_priority_that_serves_and_explains_declines(registry)
     trunk = Trunk()
     choice = choose_speculator(registry, "auto", trunk, max_draft_tokens=8, min_draft_prob=None)
     assert choice.name == "lookup" and choice.speculator.name == "lookup"
-    assert choice.speculator.target is trunk
+    assert choice.speculator.trunk is trunk
     assert choice.declines == {
         "refuser": "refuser cannot serve this trunk",
         "headed": choice.declines["headed"],
@@ -204,8 +204,8 @@ def test_unprofitable_trunk_declines_auto_only(registry):
 def test_decline_check_runs_before_the_factory():
     built = []
     registry = Registry.from_plugins({"toys": Toy(
-        spec("picky", lambda target, **kw: built.append(target), priority=5,
-             decline=lambda target: "needs the final-normed tap"),
+        spec("picky", lambda trunk, **kw: built.append(trunk), priority=5,
+             decline=lambda trunk: "needs the final-normed tap"),
         spec("easy"),
     )})
     choice = choose_speculator(registry, "auto", Trunk(), max_draft_tokens=8)
@@ -214,7 +214,7 @@ def test_decline_check_runs_before_the_factory():
 
 
 def test_factory_that_raises_declines_and_auto_falls_through():
-    def broken(target, **kwargs):
+    def broken(trunk, **kwargs):
         raise RuntimeError("kernel missing")
 
     registry = Registry.from_plugins({"toys": Toy(
@@ -252,7 +252,7 @@ def test_name_clash_keeps_the_first_and_drops_the_second_plugin_whole():
 
 @pytest.mark.parametrize("toy, message", [
     (Toy(spec("auto")), "'auto' is a --spec-type word"),
-    (Toy(target_spec("g3", "gemma3"), target_spec("g3b", "gemma3", "x")),
+    (Toy(trunk_spec("g3", "gemma3"), trunk_spec("g3b", "gemma3", "x")),
      "architecture gemma3 is already loaded"),
     (Toy(checkpoint_spec("a", is_default=True), checkpoint_spec("b", is_default=True)),
      "the default is already 'a'"),
@@ -261,7 +261,7 @@ def test_clashing_registrations_are_errors(toy, message):
     registry = Registry.from_plugins({"bad": toy, "good": Toy(spec("fine"))})
     [error] = registry.errors
     assert error.plugin == "bad" and message in error.error
-    assert list(registry.speculators) == ["fine"] and not registry.targets and not registry.checkpoints
+    assert list(registry.speculators) == ["fine"] and not registry.trunks and not registry.checkpoints
 
 
 def test_broken_plugins_are_isolated():
@@ -271,25 +271,25 @@ def test_broken_plugins_are_isolated():
 
     def swallows(register):
         try:
-            register(target_spec("t", "x"))
+            register(trunk_spec("t", "x"))
         except TypeError:
             pass
 
     registry = Registry.from_plugins({
         "raises": plugin(register_speculators=raises),
-        "wrong-type": plugin(register_speculators=lambda register: register(target_spec("t", "x"))),
+        "wrong-type": plugin(register_speculators=lambda register: register(trunk_spec("t", "x"))),
         "swallows": plugin(register_speculators=swallows),
-        "bad-signature": plugin(register_targets=lambda register, extra: None),
+        "bad-signature": plugin(register_trunks=lambda register, extra: None),
         "typo": plugin(register_speculator=lambda register: None),
-        "good": Toy(spec("fine"), target_spec("model", "arch")),
+        "good": Toy(spec("fine"), trunk_spec("model", "arch")),
     })
     errors = {e.plugin: e.error for e in registry.errors}
     assert errors["raises"] == "register_speculators raised RuntimeError: boom in hook"
-    assert "register() takes a SpeculatorSpec, got TargetSpec" in errors["wrong-type"]
+    assert "register() takes a SpeculatorSpec, got TrunkSpec" in errors["wrong-type"]
     assert "register() takes a SpeculatorSpec" in errors["swallows"]
     assert errors["bad-signature"].startswith("rejected by pluggy") and "extra" in errors["bad-signature"]
     assert "unknown hook(s) register_speculator" in errors["typo"]
-    assert list(registry.speculators) == ["fine"] and list(registry.targets) == ["model"]
+    assert list(registry.speculators) == ["fine"] and list(registry.trunks) == ["model"]
 
 
 def test_one_object_under_two_plugin_names_is_an_error():
@@ -314,11 +314,11 @@ def test_hooks_of_later_plugins_still_run_after_a_raising_one():
 
 def test_architecture_lookups():
     drafter = DraftFileSpec(name="dflash", summary="toy", architectures=["dflash"], loader="toy:load")
-    registry = Registry.from_plugins({"m": Toy(target_spec("gemma", "gemma3", "gemma4"), drafter)})
-    assert registry.targets_for_architecture("gemma4").name == "gemma"
+    registry = Registry.from_plugins({"m": Toy(trunk_spec("gemma", "gemma3", "gemma4"), drafter)})
+    assert registry.trunk_for_architecture("gemma4").name == "gemma"
     assert registry.draft_file_for_architecture("dflash") is drafter
     with pytest.raises(UnknownArchitecture) as info:
-        registry.targets_for_architecture("qwen35")
+        registry.trunk_for_architecture("qwen35")
     assert info.value.arch == "qwen35" and info.value.known == ("gemma3", "gemma4")
     assert "installed: gemma3, gemma4" in str(info.value)
     assert "install a model package that loads it" in str(info.value)
@@ -345,7 +345,7 @@ def test_checkpoint_lookups():
 
 def test_plugin_rows_and_table():
     registry = Registry.from_plugins({
-        "m": Toy(spec("lookup", priority=3), target_spec("gemma", "gemma3"),
+        "m": Toy(spec("lookup", priority=3), trunk_spec("gemma", "gemma3"),
                  checkpoint_spec("tiny", is_default=True)),
         "broken": plugin(register_speculators=lambda register: 1 / 0),
     })
@@ -356,7 +356,7 @@ def test_plugin_rows_and_table():
         "distribution": None, "version": None, "plugin": "m", "kind": "speculator", "name": "lookup",
         "summary": "toy lookup", "requires_draft_head": False, "can_arm_after_prefix_reuse": True,
         "needs_hidden_state": False, "default_min_draft_prob": 0.0, "priority": 3}
-    assert by_kind["target"]["architectures"] == ["gemma3"]
+    assert by_kind["trunk"]["architectures"] == ["gemma3"]
     assert (by_kind["checkpoint"]["pip_install"], by_kind["checkpoint"]["is_default"],
             by_kind["checkpoint"]["size_bytes"]) == ("tiny-gguf", True, 1234)
     assert by_kind["error"]["plugin"] == "broken" and "ZeroDivisionError" in by_kind["error"]["error"]
@@ -373,7 +373,7 @@ def write_dist(root, dist, version, entry_points, modules, group="verispec"):
     info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-    lines = "".join(f"{name} = {target}\n" for name, target in entry_points.items())
+    lines = "".join(f"{name} = {trunk}\n" for name, trunk in entry_points.items())
     (info / "entry_points.txt").write_text(f"[{group}]\n{lines}")
     for module, source in modules.items():
         (root / f"{module}.py").write_text(textwrap.dedent(source))

@@ -47,12 +47,12 @@ def solo(model_path, registry, prompt, **kw):
 
 def record_forwards(engine):
     """Wrap the trunk's forward: returns a list that gets (num_running, [segments]) per call."""
-    calls, forward = [], engine.target.forward
+    calls, forward = [], engine.trunk.forward
 
     def recording(batch):
         calls.append((engine.scheduler.num_running, list(batch)))
         return forward(batch)
-    engine.target.forward = recording
+    engine.trunk.forward = recording
     return calls
 
 
@@ -163,7 +163,7 @@ def test_speculation_survives_an_interlude_without_rearming(model_path, registry
     assert first.result.spec.num_spec_steps > spec_steps_before  # speculating again after the interlude
     assert any(any(s.verify for s in batch) for _, batch in calls[interlude:])
     assert batched_steps > 0
-    held = engine.target.seq_len(request.seq)  # kept idle for prefix reuse
+    held = engine.trunk.seq_len(request.seq)  # kept idle for prefix reuse
     assert request.execution._state == (engine.encode(PROMPTS[0]) + first.result.tokens)[:held]
     assert first.result.tokens == solo(model_path, registry, PROMPTS[0], max_tokens=60, ignore_eos=True).tokens
 
@@ -192,8 +192,8 @@ def test_one_governor_is_shared_by_all_requests(model_path, registry):
 
 def test_a_cancelled_request_leaves_at_once_and_its_sequence_is_released(model_path, registry):
     engine = api.load(model_path, registry=registry, spec=SpecOptions(enabled=False))
-    released, release = [], engine.target.release
-    engine.target.release = lambda seq: (released.append(seq), release(seq))
+    released, release = [], engine.trunk.release
+    engine.trunk.release = lambda seq: (released.append(seq), release(seq))
     kept = engine.generate(PROMPTS[0], max_tokens=20, ignore_eos=True)
     gone = engine.generate(PROMPTS[1], max_tokens=20, ignore_eos=True)
     engine.step()
@@ -213,15 +213,15 @@ def test_a_cancelled_request_leaves_at_once_and_its_sequence_is_released(model_p
 
 def test_a_failing_step_fails_its_requests_and_the_engine_serves_the_next(model_path, registry):
     engine = api.load(model_path, registry=registry, spec=SpecOptions(enabled=False))
-    forward = engine.target.forward
+    forward = engine.trunk.forward
 
     def broken(batch):
         raise IndexError("a bug")
-    engine.target.forward = broken
+    engine.trunk.forward = broken
     generation = engine.generate(PROMPTS[0], max_tokens=4)
     with pytest.raises(IndexError, match="a bug"):
         list(generation)
-    engine.target.forward = forward
+    engine.trunk.forward = forward
     assert engine.scheduler.num_running == 0
     (result,) = drain(engine, [engine.generate(PROMPTS[0], max_tokens=4, ignore_eos=True)])
     assert result.tokens == solo(model_path, registry, PROMPTS[0], max_tokens=4, ignore_eos=True).tokens

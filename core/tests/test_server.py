@@ -230,7 +230,7 @@ def test_a_prompt_longer_than_the_context_is_a_400_naming_the_fix(client, path, 
                                            (4 * CONTEXT, f"larger --context-length, up to {4 * CONTEXT}")])
 def test_the_context_400_suggests_a_larger_context_only_where_the_model_has_one(client, engine, monkeypatch,
                                                                                 trained, hint):
-    monkeypatch.setattr(engine.target, "trained_context_length", trained, raising=False)
+    monkeypatch.setattr(engine.trunk, "trained_context_length", trained, raising=False)
     message = client.post("/v1/completions", json={"prompt": "x" * 200}).json()["error"]["message"]
     assert hint in message
     assert ("--context-length" in message) == (trained != CONTEXT)
@@ -438,13 +438,13 @@ def test_a_speculator_that_raises_mid_stream_never_breaks_a_request(model_path, 
         calls.append(ctx.pos)
         if len(calls) > 2:
             raise RuntimeError("drafter bug")
-        return [ctx.last_token] * ctx.draft_window
+        return [ctx.last_token] * ctx.draft_length
 
     class Faulty:
         @hookimpl
         def register_speculators(self, register):
             register(SpeculatorSpec(name="faulty", summary="raises (test)", priority=99,
-                                    factory=lambda target, **kw: ScriptedSpeculator(script, spec=kw["spec"])))
+                                    factory=lambda trunk, **kw: ScriptedSpeculator(script, spec=kw["spec"])))
 
     faulty_registry = Registry.from_plugins({"toy": toy_plugin, "faulty": Faulty()})
     engine = api.load(model_path, registry=faulty_registry, context_length=CONTEXT, spec_type="faulty",
@@ -536,14 +536,14 @@ def test_the_completions_default_max_tokens_fits_a_nearly_full_context(client, e
 def slow_engine(model_path, registry):
     """An engine whose every forward takes 20 ms more: `engine.forwards` counts them."""
     engine = api.load(model_path, registry=registry, context_length=CONTEXT, spec=SpecOptions(enabled=False))
-    forward = engine.target.forward
+    forward = engine.trunk.forward
     engine.forwards = 0
 
     def slow_forward(*args, **kwargs):
         engine.forwards += 1
         time.sleep(0.02)
         return forward(*args, **kwargs)
-    engine.target.forward = slow_forward
+    engine.trunk.forward = slow_forward
     return engine
 
 
@@ -609,7 +609,7 @@ def test_an_internal_error_is_a_500_with_an_openai_error_body(model_path, regist
 
     def broken_forward(*args, **kwargs):
         raise IndexError("a bug")
-    engine.target.forward = broken_forward
+    engine.trunk.forward = broken_forward
     r = TestClient(create_app(engine), raise_server_exceptions=False).post(
         "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 500
@@ -789,9 +789,9 @@ def test_malformed_json_and_wrong_types_say_what_and_where(client):
 
 def _slow_toy_serve(port: int, seconds_per_forward: float) -> list[str]:
     """argv running `verispec serve` on the toy model whose every forward takes longer."""
-    code = ("import sys, time; from verispec.cli import main; from verispec.testing.toy import ToyTarget\n"
-            "forward = ToyTarget.forward\n"
-            f"ToyTarget.forward = lambda self, batch: (time.sleep({seconds_per_forward}), forward(self, batch))[1]\n"
+    code = ("import sys, time; from verispec.cli import main; from verispec.testing.toy import ToyTrunk\n"
+            "forward = ToyTrunk.forward\n"
+            f"ToyTrunk.forward = lambda self, batch: (time.sleep({seconds_per_forward}), forward(self, batch))[1]\n"
             "sys.exit(main(sys.argv[1:]))")
     return [sys.executable, "-c", code]
 

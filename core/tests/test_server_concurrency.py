@@ -58,13 +58,13 @@ def _run_in_thread(make_server):
 def served(model_path, registry):
     """(base_url, engine, batch sizes seen): uvicorn serving a slowed engine in a thread."""
     engine = api.load(model_path, registry=registry, context_length=CONTEXT, spec=SpecOptions(enabled=False))
-    forward, batch_sizes = engine.target.forward, []
+    forward, batch_sizes = engine.trunk.forward, []
 
     def slow_forward(batch):
         batch_sizes.append(len(batch))
         time.sleep(0.005)
         return forward(batch)
-    engine.target.forward = slow_forward
+    engine.trunk.forward = slow_forward
     server, thread, port = _run_in_thread(
         lambda port: uvicorn.Server(uvicorn.Config(create_app(engine, model_name="toy"), host="127.0.0.1", port=port,
                                                    log_level="error")))
@@ -203,8 +203,8 @@ def test_a_server_shutting_down_ends_running_streams_at_once(model_path, registr
     from verispec.server import server as make_server
 
     engine = api.load(model_path, registry=registry, context_length=CONTEXT, spec=SpecOptions(enabled=False))
-    forward = engine.target.forward
-    engine.target.forward = lambda batch: (time.sleep(0.1), forward(batch))[1]
+    forward = engine.trunk.forward
+    engine.trunk.forward = lambda batch: (time.sleep(0.1), forward(batch))[1]
     server, thread, port = _run_in_thread(
         lambda port: make_server(create_app(engine, model_name="toy"), host="127.0.0.1", port=port, log_level="error"))
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from verispec import cache_digest
-from verispec.testing.toy import CONV_WIDTH, LIBRARY, ToyTarget, reference_short_conv, short_conv
+from verispec.testing.toy import CONV_WIDTH, LIBRARY, ToyTrunk, reference_short_conv, short_conv
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def _logits(seed=2):
     """The toy trunk's logits for every row of one prompt (its recurrent layer runs the conv)."""
     from verispec.seams import Segment
 
-    model = ToyTarget(vocab_size=40, dim=16, seed=seed)
+    model = ToyTrunk(vocab_size=40, dim=16, seed=seed)
     seq = model.new_sequence()
     return model.forward([Segment(seq, [3, 1, 4, 1, 5, 9, 2, 6], logits="all")])[0].logits
 

@@ -5,18 +5,18 @@ import pytest
 import torch
 
 from verispec.nn.state import CannotTruncate, RecurrentState, SequenceState
-from verispec.seams import ContextOverflow, Segment, SpeculativeTarget, TrunkView
-from verispec.testing import ToyTarget, forward_one, plain_logits
+from verispec.seams import ContextOverflow, Segment, Trunk, TrunkView
+from verispec.testing import ToyTrunk, forward_one, plain_logits
 
 
 def test_the_toys_implement_the_seam():
-    toy = ToyTarget()
-    assert isinstance(toy, SpeculativeTarget)
+    toy = ToyTrunk()
+    assert isinstance(toy, Trunk)
     assert isinstance(toy.view(), TrunkView)
 
 
 def test_a_forward_that_would_pass_the_context_changes_nothing():
-    toy = ToyTarget(max_context_length=8)
+    toy = ToyTrunk(max_context_length=8)
     a, b = toy.new_sequence(), toy.new_sequence()
     forward_one(toy, a, [1, 2, 3])
     with pytest.raises(ContextOverflow, match="need 9 positions but the context holds 8"):
@@ -25,7 +25,7 @@ def test_a_forward_that_would_pass_the_context_changes_nothing():
 
 
 def test_bad_batches_are_refused_with_the_reason():
-    toy = ToyTarget()
+    toy = ToyTrunk()
     seq = toy.new_sequence()
     with pytest.raises(ValueError, match="once per forward"):
         toy.forward([Segment(seq, [1]), Segment(seq, [2])])
@@ -42,7 +42,7 @@ def test_bad_batches_are_refused_with_the_reason():
 
 def test_long_segments_split_and_short_ones_share_chunks():
     """Rows packed across chunk boundaries (max 16 rows) give the bits of one-row decodes."""
-    toy = ToyTarget(max_rows_per_forward=16)
+    toy = ToyTrunk(max_rows_per_forward=16)
     prompts = [list(range(1, 24)), [5, 6, 7], list(range(9, 20))]
     seqs = [toy.new_sequence() for _ in prompts]
     before = toy.num_forwards
@@ -54,7 +54,7 @@ def test_long_segments_split_and_short_ones_share_chunks():
 
 
 def test_recurrent_state_cannot_be_truncated_but_attention_can():
-    recurrent, attention = ToyTarget(recurrent=True), ToyTarget(recurrent=False)
+    recurrent, attention = ToyTrunk(recurrent=True), ToyTrunk(recurrent=False)
     for toy in (recurrent, attention):
         seq = toy.new_sequence()
         forward_one(toy, seq, [1, 2, 3])
@@ -94,7 +94,7 @@ def test_recurrent_keep_selects_the_state_after_the_kept_row():
 
 
 def test_view_reads_embedding_and_lm_head_without_changing_the_trunk():
-    toy = ToyTarget()
+    toy = ToyTrunk()
     view = toy.view()
     seq = toy.new_sequence()
     out = forward_one(toy, seq, [3], hidden=True)
@@ -124,7 +124,7 @@ def test_a_refused_keep_changes_no_layer():
 
 
 def test_view_kv_reads_committed_rows_only_and_never_the_trunks_buffers():
-    toy = ToyTarget(recurrent=True)
+    toy = ToyTrunk(recurrent=True)
     seq = toy.new_sequence()
     forward_one(toy, seq, [1, 2, 3, 4])
     forward_one(toy, seq, [5, 6, 7], verify=True)
@@ -164,7 +164,7 @@ def test_a_context_length_beyond_the_trained_positions_is_refused():
     (8, r"\(the context already is the model's whole trained length\)"),
 ])
 def test_context_overflow_suggests_a_larger_context_only_below_the_trained_length(trained, advice):
-    toy = ToyTarget(max_context_length=8)
+    toy = ToyTrunk(max_context_length=8)
     toy.trained_context_length = trained
     seq = toy.new_sequence()
     with pytest.raises(ContextOverflow, match=advice) as raised:

@@ -33,7 +33,7 @@ def resolve_model_path(model: str | None, registry: Registry) -> str:
     return str(assemble(registry.checkpoint(model)))
 
 
-def load_target(path: str, registry: Registry, *, dtype: str | None = None, threads: int | str | None = None,
+def load_registered_trunk(path: str, registry: Registry, *, dtype: str | None = None, threads: int | str | None = None,
                 context_length: int | None = None):
     """Load a trunk with the model package registered for the file's general.architecture.
 
@@ -51,7 +51,7 @@ def load_target(path: str, registry: Registry, *, dtype: str | None = None, thre
         import torch
 
         torch.set_num_threads(threads)
-    spec = registry.targets_for_architecture(read_architecture(path))
+    spec = registry.trunk_for_architecture(read_architecture(path))
     return resolve(spec.loader)(path, dtype=dtype, context_length=context_length)
 
 
@@ -99,7 +99,7 @@ def load(model: str | None = None, *, dtype: str | None = None, threads: int | s
     """Load `model` and return an InferenceEngine.
 
     model: GGUF path, checkpoint alias (e.g. "gemma3-270m"), or None for the default.
-    spec: a SpecOptions, or pass its fields as keywords (spec_type="ngram", draft_window=8, ...).
+    spec: a SpecOptions, or pass its fields as keywords (spec_type="ngram", max_draft_tokens=8, ...).
     prefill_chunk, max_running: the engine's rows per step and concurrent requests (None = its defaults).
     kv_cache_gb: GiB of KV/state memory for running and idle sequences (verispec.kv_budget); a
       request that does not fit waits. None = half of the memory available once the model is
@@ -114,11 +114,11 @@ def load(model: str | None = None, *, dtype: str | None = None, threads: int | s
     budget = kv_budget_bytes(kv_cache_gb) if kv_cache_gb is not None else None  # refused before the model loads
     registry = registry or Registry.discover()
     spec = spec or SpecOptions(**spec_options)
-    target = load_target(resolve_model_path(model, registry), registry, dtype=dtype, threads=threads,
+    trunk = load_registered_trunk(resolve_model_path(model, registry), registry, dtype=dtype, threads=threads,
                          context_length=context_length)
     engine_options = {k: v for k, v in (("prefill_chunk", prefill_chunk), ("max_running", max_running))
                       if v is not None}
     if kv_cache_gb is None:
         budget = kv_budget_bytes(None)  # half of what the loaded model left available
-    return InferenceEngine(target, registry=registry, spec=spec, kv_budget_bytes=budget,
+    return InferenceEngine(trunk, registry=registry, spec=spec, kv_budget_bytes=budget,
                            **engine_options)

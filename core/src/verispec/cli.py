@@ -191,7 +191,7 @@ def _check_removed_flags(argv: list[str]) -> None:
 def spec_options(args):
     from verispec.engine import SpecOptions
 
-    return SpecOptions(enabled=args.spec, spec_type=args.spec_type, draft_window=args.spec_draft,
+    return SpecOptions(enabled=args.spec, spec_type=args.spec_type, max_draft_tokens=args.spec_draft,
                        min_draft_prob=args.spec_pmin, draft_model=args.draft_model,
                        adaptive=args.spec_adaptive == "on")
 
@@ -225,12 +225,12 @@ def cmd_plugins(args) -> int:
 def cmd_generate(args) -> int:
     sampling = sampling_params(args)
     engine = load_engine(args)
-    context = engine.target.max_context_length
+    context = engine.trunk.max_context_length
     if args.max_tokens > context:  # as the server's 400: not hours of decoding into a full context
         from verispec.errors import InvalidArgument, larger_context_advice
         from verispec.seams import declared
 
-        advice = larger_context_advice(context, declared(engine.target, "trained_context_length"))
+        advice = larger_context_advice(context, declared(engine.trunk, "trained_context_length"))
         raise InvalidArgument(f"--max-tokens {args.max_tokens} is more than the {context}-token context can hold; "
                               f"lower it{advice}")
     prompt = _stdin_prompt() if args.prompt == "-" else args.prompt
@@ -284,28 +284,28 @@ def _slow_decode_hint(engine, result) -> str | None:
 
     from verispec.cpu import slow_decode_hint, weight_bytes
 
-    if result.decode_tokens_per_s <= 0 or len(result.tokens) < 8 or not isinstance(engine.target, torch.nn.Module):
+    if result.decode_tokens_per_s <= 0 or len(result.tokens) < 8 or not isinstance(engine.trunk, torch.nn.Module):
         return None
     ms_per_token = 1e3 / result.decode_tokens_per_s
     draft_ms_per_token = 1e3 * result.spec.draft_s / (len(result.tokens) - 1)  # decode_tokens_per_s's tokens
-    num_bytes, threads = weight_bytes(engine.target), torch.get_num_threads()
+    num_bytes, threads = weight_bytes(engine.trunk), torch.get_num_threads()
     hint = slow_decode_hint(ms_per_token - draft_ms_per_token, num_bytes, threads)
     if hint is None and draft_ms_per_token > 0 and slow_decode_hint(ms_per_token, num_bytes, threads):
         return (f"hint: decode took {ms_per_token:.0f} ms/token, {draft_ms_per_token:.0f} ms of it drafting "
                 f"in speculator {result.speculator!r} (its propose): the plugin is slow, not the machine; "
                 "pass --no-spec or another --spec-type")
-    if hint and _gguf_without_kernels(engine.target):  # the cause is ours, not another process
+    if hint and _gguf_without_kernels(engine.trunk):  # the cause is ours, not another process
         return (f"hint: decode took {1e3 / result.decode_tokens_per_s:.0f} ms/token: the gguf weights run on the "
                 "PyTorch path, ~20x slower, because the C kernels are off (VERISPEC_C_KERNELS=0) or could not be "
                 "built (the warning above says why): install a C compiler, or pass --dtype int8")
     return hint
 
 
-def _gguf_without_kernels(target) -> bool:
+def _gguf_without_kernels(trunk) -> bool:
     from verispec.kernels import ckernels
     from verispec.weights.block_linear import BlockLinear
 
-    return ckernels.library() is None and any(isinstance(m, BlockLinear) for m in target.modules())
+    return ckernels.library() is None and any(isinstance(m, BlockLinear) for m in trunk.modules())
 
 
 def cmd_bench(args) -> int:

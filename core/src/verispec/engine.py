@@ -15,14 +15,14 @@ from collections.abc import Sequence
 import attrs
 
 from verispec.errors import InvalidArgument
-from verispec.execution import resolve_draft_window
+from verispec.execution import resolve_max_draft_tokens
 from verispec.governor import SpeculationCostGovernor
 from verispec.sampling import SamplingParams
 from verispec.requests import Generation, GenerationResult, Request, Speculation, TokenEvent
 from verispec.scheduler import DEFAULT_MAX_IDLE_SEQUENCES, DEFAULT_MAX_RUNNING, Scheduler
 from verispec.seams import ContextOverflow, declared
 from verispec.speculator_choice import SpeculationUnavailable, choose_speculator
-from verispec.window import DraftWindow
+from verispec.draft_length import DraftLengthPolicy
 
 __all__ = ["InferenceEngine", "SpecOptions", "Generation", "GenerationResult", "TokenEvent"]
 
@@ -39,7 +39,7 @@ class SpecOptions:
     #: auto | draft-head | block | <registered name>, e.g. ngram.
     spec_type: str = "auto"
     #: explicit --spec-draft (1..64); None = default 8 narrowed by the trunk's preference.
-    draft_window: int | None = attrs.field(default=None)
+    max_draft_tokens: int | None = attrs.field(default=None)
     #: explicit --spec-pmin in the algorithm's units (0..1); None = the algorithm's default.
     min_draft_prob: float | None = attrs.field(default=None)
     #: --draft-model: a drafter GGUF; its general.architecture decides what it is.
@@ -47,7 +47,7 @@ class SpecOptions:
     #: --spec-adaptive: False forces drafting (for measurements).
     adaptive: bool = True
 
-    @draft_window.validator
+    @max_draft_tokens.validator
     def _check_window(self, attribute, value):
         if value is not None and not 1 <= value <= 64:
             raise InvalidArgument(f"--spec-draft {value}: choose 1..64")
@@ -59,7 +59,7 @@ class SpecOptions:
 
 
 class InferenceEngine:
-    """Serves one trunk to any number of requests. `declared(target, "tokenizer")` turns text into ids and back.
+    """Serves one trunk to any number of requests. `declared(trunk, "tokenizer")` turns text into ids and back.
 
     prefill_chunk: rows one engine step forwards at most (prefill chunks beside decodes).
     max_running: requests decoding at once (later ones queue). max_idle_sequences: finished
@@ -67,15 +67,15 @@ class InferenceEngine:
     sequences (verispec.kv_budget; None = no budget).
     """
 
-    def __init__(self, target, *, registry=None, spec: SpecOptions = SpecOptions(), prefill_chunk: int = 512,
+    def __init__(self, trunk, *, registry=None, spec: SpecOptions = SpecOptions(), prefill_chunk: int = 512,
                  max_running: int = DEFAULT_MAX_RUNNING, max_idle_sequences: int = DEFAULT_MAX_IDLE_SEQUENCES,
                  kv_budget_bytes: int | None = None):
-        self.target = target
-        self.tokenizer = declared(target, "tokenizer")
+        self.trunk = trunk
+        self.tokenizer = declared(trunk, "tokenizer")
         self.registry = registry
-        self.scheduler = Scheduler(target, max_rows_per_step=prefill_chunk, max_running=max_running,
+        self.scheduler = Scheduler(trunk, max_rows_per_step=prefill_chunk, max_running=max_running,
                                    max_idle_sequences=max_idle_sequences, kv_budget_bytes=kv_budget_bytes)
-        self._governors: dict[tuple, tuple[SpeculationCostGovernor, DraftWindow]] = {}
+        self._governors: dict[tuple, tuple[SpeculationCostGovernor, DraftLengthPolicy]] = {}
         self.speculator = None
         self.choice = None
         self.update_speculation(spec)
@@ -93,12 +93,12 @@ class InferenceEngine:
                 self.scheduler.set_speculation(None)
                 self.speculator.close()
             self.spec, self.speculator, self.choice, self.fault = spec, None, None, None
-            self.draft_window = resolve_draft_window(spec.draft_window, self.target)
+            self.max_draft_tokens = resolve_max_draft_tokens(spec.max_draft_tokens, self.trunk)
             self._choose(spec)
             self.scheduler.set_speculation(self._speculation())
 
     def _choose(self, spec: SpecOptions) -> None:
-        refusal = declared(self.target, "speculation_refusal")
+        refusal = declared(self.trunk, "speculation_refusal")
         if not spec.enabled or self.registry is None:
             return
         if refusal is not None:
@@ -109,7 +109,7 @@ class InferenceEngine:
             return
         draft_head = self._load_draft_head(spec.draft_model)
         self.choice = choose_speculator(
-            self.registry, spec.spec_type, self.target, draft_head=draft_head, max_draft_tokens=self.draft_window,
+            self.registry, spec.spec_type, self.trunk, draft_head=draft_head, max_draft_tokens=self.max_draft_tokens,
             min_draft_prob=spec.min_draft_prob)
         self.speculator = self.choice.speculator
         log.info("speculation: %s", self.choice.reason)
@@ -118,7 +118,7 @@ class InferenceEngine:
         if self.speculator is None:
             return None
         governor, window = self.governor()
-        return Speculation(self.speculator, self.draft_window, governor, window, self._plugin_fault)
+        return Speculation(self.speculator, governor, window, self._plugin_fault)
 
     def _plugin_fault(self, reason: str) -> None:
         """A speculator faulted mid-request (execution module docstring): one warning naming its
@@ -137,27 +137,27 @@ class InferenceEngine:
 
     def _load_draft_head(self, path):
         if path is None:
-            return declared(self.target, "draft_head")
+            return declared(self.trunk, "draft_head")
         from verispec.gguf_io import read_architecture
         from verispec.specs import resolve
 
         spec = self.registry.draft_file_for_architecture(read_architecture(path))
-        return resolve(spec.loader)(path, self.target)
+        return resolve(spec.loader)(path, self.trunk)
 
     def reset_cache(self) -> None:
         """Forget cached prefixes: the next request prefills from an empty sequence."""
         self.scheduler.reset_cache()
 
-    def governor(self) -> tuple[SpeculationCostGovernor, DraftWindow]:
+    def governor(self) -> tuple[SpeculationCostGovernor, DraftLengthPolicy]:
         """One governor and draft-window model per (model, drafter, backend), shared by every request."""
-        key = (id(self.target), self.speculator.name, self.spec.adaptive, self.draft_window)
+        key = (id(self.trunk), self.speculator.name, self.spec.adaptive, self.max_draft_tokens)
         if key not in self._governors:
             named = f"speculator {self.speculator.name!r}{self._plugin_origin()}"
 
             def on_slow_draft(reason: str) -> None:  # once per governor: a slow drafter is named once
                 log.warning("%s: %s; parked, decoding plainly until the governor re-probes it", named, reason)
             governor = SpeculationCostGovernor(enabled=self.spec.adaptive, on_slow_draft=on_slow_draft)
-            self._governors[key] = (governor, DraftWindow(self.draft_window))
+            self._governors[key] = (governor, DraftLengthPolicy(self.max_draft_tokens))
         return self._governors[key]
 
     # -- requests ------------------------------------------------------------------------
@@ -194,17 +194,17 @@ class InferenceEngine:
         ids = self.encode(prompt, chat=chat)
         if not ids:
             raise InvalidArgument("empty prompt: give at least one token")
-        if len(ids) >= self.target.max_context_length:
-            raise ContextOverflow(len(ids) + 1, self.target.max_context_length,
-                                  declared(self.target, "trained_context_length"), prompt=True)
+        if len(ids) >= self.trunk.max_context_length:
+            raise ContextOverflow(len(ids) + 1, self.trunk.max_context_length,
+                                  declared(self.trunk, "trained_context_length"), prompt=True)
         if time_limit is not None and not time_limit > 0:
             raise InvalidArgument(f"time_limit={time_limit}: give a positive number of seconds, or None")
-        self.scheduler.kv_budget.reservation(len(ids), max_tokens, self.target.max_context_length)  # never fits: raise now
+        self.scheduler.kv_budget.reservation(len(ids), max_tokens, self.trunk.max_context_length)  # never fits: raise now
         generation = Generation(self.step)
         self.scheduler.submit(Request(
             generation, ids, tokenizer=self.tokenizer, max_tokens=max_tokens, sampling=sampling, stop=tuple(stop),
             stop_ids=() if ignore_eos else tuple(self.tokenizer.stop_ids),
-            max_context_length=self.target.max_context_length, vocab_size=self.target.vocab_size,
+            max_context_length=self.trunk.max_context_length, vocab_size=self.trunk.vocab_size,
             time_limit=time_limit))
         return generation
 

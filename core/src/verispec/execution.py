@@ -28,7 +28,7 @@ import attrs
 
 from verispec.errors import InvalidArgument
 from verispec.sampling import InvalidLogits
-from verispec.seams import DraftContext, Segment, SpeculativeTarget, Speculator, UnsupportedTap, declared
+from verispec.seams import DraftContext, Segment, Trunk, Speculator, UnsupportedTap, declared
 
 if TYPE_CHECKING:
     from verispec.sampling import Draw
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("verispec")
 
 #: the --spec-draft default (docs/design.md §5).
-DEFAULT_DRAFT_WINDOW = 8
+DEFAULT_MAX_DRAFT_TOKENS = 8
 MAX_DRAFT_WINDOW = 64
 
 #: on_token(draw) -> True to stop generation at draw.token (it is still emitted).
@@ -44,14 +44,14 @@ MAX_DRAFT_WINDOW = 64
 OnToken = Callable[["Draw"], bool]  # noqa: F821 (Draw is imported for type checking only)
 
 
-def resolve_draft_window(explicit: int | None, target: object) -> int:
+def resolve_max_draft_tokens(explicit: int | None, trunk: object) -> int:
     """The K ceiling: an explicit --spec-draft wins; else the default narrowed by the trunk's preference."""
     if explicit is not None:
         if not 1 <= explicit <= MAX_DRAFT_WINDOW:
             raise InvalidArgument(f"--spec-draft {explicit}: choose 1..{MAX_DRAFT_WINDOW}")
         return explicit
-    preferred = declared(target, "spec_preferred_draft_window")
-    return min(DEFAULT_DRAFT_WINDOW, preferred) if preferred else DEFAULT_DRAFT_WINDOW
+    preferred = declared(trunk, "spec_preferred_max_draft_tokens")
+    return min(DEFAULT_MAX_DRAFT_TOKENS, preferred) if preferred else DEFAULT_MAX_DRAFT_TOKENS
 
 
 @attrs.define
@@ -70,7 +70,13 @@ class ExecutionStats:
 
     @property
     def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
+
+
+def acceptance_rate(num_accepted: int, num_drafted: int) -> float:
+    """Accepted draft tokens / drafted tokens (0.0 before any draft): the one definition, used by
+    ExecutionStats and the server's gauge."""
+    return num_accepted / num_drafted if num_drafted else 0.0
 
 
 class SpeculativeExecution:
@@ -78,7 +84,7 @@ class SpeculativeExecution:
 
     sampler: `.draw(logits fp32 [V], pos) -> Draw` and `.accept(token)` (verispec.sampling.Sampler).
     governor: optional SpeculationCostGovernor (`should_speculate`, `record_*`); None = always armed.
-    window: optional DraftWindow choosing K per step within [1, draft_window].
+    window: optional DraftLengthPolicy choosing K per step within [1, its max_draft_tokens].
     on_plugin_fault: called once with a one-line reason when the speculator faults (module
       docstring); default: a logged warning naming the speculator.
     arm_late: arm a speculator that allows it (hidden-free, `can_arm_after_prefix_reuse`) later:
@@ -87,13 +93,12 @@ class SpeculativeExecution:
       speculators are armed at once (they need the prefill's hidden rows, or every token).
     """
 
-    def __init__(self, trunk: SpeculativeTarget, seq: int, speculator: Speculator | None, *,
-                 draft_window: int = DEFAULT_DRAFT_WINDOW, stop_token_ids: Sequence[int] = (), governor=None,
+    def __init__(self, trunk: Trunk, seq: int, speculator: Speculator | None, *,
+                 stop_token_ids: Sequence[int] = (), governor=None,
                  window=None, clock: Callable[[], float] = time.perf_counter,
                  on_plugin_fault: Callable[[str], None] | None = None, arm_late: bool = False):
         self.trunk, self.seq = trunk, seq
         self.speculator = speculator
-        self.draft_window = draft_window
         self.stop_token_ids = frozenset(stop_token_ids)
         self.governor = governor
         self.window = window
@@ -212,7 +217,7 @@ class SpeculativeExecution:
         if k == 0:
             return self._plain_step(sampler, on_token)
         start = self.clock()
-        ctx = DraftContext(last_token=self.last_token, pos=self.seq_len, draft_window=k,
+        ctx = DraftContext(last_token=self.last_token, pos=self.seq_len, draft_length=k,
                            min_draft_prob=self.speculator.min_draft_prob, hidden_prev=self._hidden_prev,
                            stop_token_ids=self.stop_token_ids, seq=self.seq, trunk=self._view)
         proposed = self._plugin_call("propose", self.speculator.propose, self._state, ctx)
@@ -235,7 +240,7 @@ class SpeculativeExecution:
         if self.governor is not None and not self.governor.should_speculate():
             return 0
         room = self.trunk.max_context_length - self.seq_len - 1  # verify writes K+1 rows
-        k = min(self.draft_window, self.speculator.max_draft_tokens, room)
+        k = min(self.speculator.max_draft_tokens, room)  # the speculator's cap: --spec-draft, or its own
         if self.window is not None:
             k = min(k, self.window.next())
         return max(k, 0)

@@ -38,8 +38,8 @@ Table entries, all typed (no syntax inside names beyond the `str.format` fields)
            "model.layers.{i}.self_attn.qkv_proj.weight")  # one fused linear; unequal parts: the
                                                     # owning module's part_rows = {"qkv_proj": (...)}
 
-"{i}" expands per layer (it must appear in the target and every source name, or in none);
-"{e}" in the target expands per expert (exactly when `per_expert`). Entries whose target the
+"{i}" expands per layer (it must appear in the state name and every source name, or in none);
+"{e}" in the state name expands per expert (exactly when `per_expert`). Entries whose state name the
 module does not have (a tied LM head, a KV-shared layer's k_proj) are never looked up.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ class UnmappedParameter(LookupError):
     def __init__(self, name: str, module: str, architecture: str | None):
         self.name, self.module, self.architecture = name, module, architecture
         super().__init__(f"{module} has state entry {name!r}, but the {architecture!r} tensor table has no "
-                         "Tensor(...) entry whose target is it; add one to the family's table")
+                         "Tensor(...) entry whose state_name is it; add one to the family's table")
 
 
 @attrs.frozen(init=False)
@@ -104,20 +104,20 @@ def _check_source(_, attribute, value) -> None:
 
 @attrs.frozen
 class Tensor:
-    """One row of a family's tensor table: where the state entry `target` comes from.
+    """One row of a family's tensor table: where the state entry `state_name` comes from.
 
     source: a GGUF tensor name, or a `Stack` of names concatenated along rows.
-    target: our state-dict name (HF-style), e.g. "model.layers.{i}.self_attn.q_proj.weight".
+    state_name: our state-dict name (HF-style), e.g. "model.layers.{i}.self_attn.q_proj.weight".
     alternatives: further sources tried in order when `source` is not in the file; the first
       one whose every part is present wins.
     optional: when no source is present, keep the module's default value (e.g. a scale of 1).
-    per_expert: every GGUF part is a 3-D [E, rows, cols] tensor and `target` (which holds "{e}")
+    per_expert: every GGUF part is a 3-D [E, rows, cols] tensor and `state_name` (which holds "{e}")
       takes expert e's slice [rows, cols].
     Raises TypeError / ValueError on a malformed entry (placeholders that do not line up).
     """
 
     source: str | Stack = attrs.field(validator=_check_source)
-    target: str = attrs.field(validator=attrs.validators.instance_of(str))
+    state_name: str = attrs.field(validator=attrs.validators.instance_of(str))
     alternatives: tuple[str | Stack, ...] = attrs.field(
         default=(), kw_only=True, converter=tuple, validator=attrs.validators.deep_iterable(_check_source))
     optional: bool = attrs.field(default=False, kw_only=True)
@@ -126,18 +126,18 @@ class Tensor:
     def __attrs_post_init__(self):
         for name in (n for s in self.sources for n in _parts(s)):
             if ("{i}" in name) != self.per_layer:
-                raise ValueError(f"Tensor({name!r} -> {self.target!r}): '{{i}}' must be in the target and "
+                raise ValueError(f"Tensor({name!r} -> {self.state_name!r}): '{{i}}' must be in the state name and "
                                  "every GGUF name, or in none")
             _check_format(name, i=0)
-        if ("{e}" in self.target) != self.per_expert:
-            raise ValueError(f"Tensor(-> {self.target!r}): the target holds '{{e}}' exactly when "
+        if ("{e}" in self.state_name) != self.per_expert:
+            raise ValueError(f"Tensor(-> {self.state_name!r}): the state name holds '{{e}}' exactly when "
                              "per_expert=True")
-        _check_format(self.target, i=0, e=0)
+        _check_format(self.state_name, i=0, e=0)
 
     @property
     def per_layer(self) -> bool:
         """One state entry per layer ("{i}" in the names)."""
-        return "{i}" in self.target
+        return "{i}" in self.state_name
 
     @property
     def sources(self) -> tuple[str | Stack, ...]:
@@ -149,7 +149,7 @@ def _check_format(name: str, **fields) -> None:
     try:
         name.format(**fields)
     except (KeyError, IndexError, ValueError):
-        raise ValueError(f"{name!r}: only the fields {{i}} (layer) and {{e}} (expert, targets only) "
+        raise ValueError(f"{name!r}: only the fields {{i}} (layer) and {{e}} (expert, state names only) "
                          "may appear in a tensor table name") from None
 
 
@@ -175,10 +175,10 @@ def expand_table(table: Iterable[Tensor], num_layers: int, num_experts: int = 0)
         for i in range(num_layers) if entry.per_layer else (None,):
             alternatives = tuple(tuple(name.format(i=i) for name in _parts(s)) for s in entry.sources)
             for e in range(num_experts) if entry.per_expert else (None,):
-                target = entry.target.format(i=i, e=e)
-                if target in out:
-                    raise ValueError(f"two tensor table entries fill {target!r}")
-                out[target] = TensorSource(alternatives, entry.optional, e)
+                state_name = entry.state_name.format(i=i, e=e)
+                if state_name in out:
+                    raise ValueError(f"two tensor table entries fill {state_name!r}")
+                out[state_name] = TensorSource(alternatives, entry.optional, e)
     return out
 
 

@@ -15,8 +15,8 @@ def register_speculators(register):
 
 
 @hookspec
-def register_targets(register):
-    """Call `register(TargetSpec(...))` for each model family the plugin loads."""
+def register_trunks(register):
+    """Call `register(TrunkSpec(...))` for each model family the plugin loads."""
 
 
 @hookspec

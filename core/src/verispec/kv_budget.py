@@ -1,6 +1,6 @@
 """KVBudget: the KV/state memory running and idle sequences may occupy together.
 
-A request reserves the bytes its sequence may grow to (`target.sequence_nbytes` of prompt +
+A request reserves the bytes its sequence may grow to (`trunk.sequence_nbytes` of prompt +
 max_tokens + the widest verify) while it runs; running reservations plus the bytes idle
 (prefix-cache) sequences hold stay within the budget. The scheduler admits the head of its
 queue (FIFO) only once its reservation fits, idle sequences released first, least recently used
@@ -24,13 +24,13 @@ class KVBudget:
     prompt token, max_tokens 1).
     """
 
-    def __init__(self, target, budget_bytes: int | None, prefix_cache):
+    def __init__(self, trunk, budget_bytes: int | None, prefix_cache):
         if budget_bytes is not None and budget_bytes < 1:
             raise InvalidArgument(f"kv_budget_bytes={budget_bytes}: choose >= 1, or None for no budget")
-        self.target, self.budget_bytes, self.prefix_cache = target, budget_bytes, prefix_cache
+        self.trunk, self.budget_bytes, self.prefix_cache = trunk, budget_bytes, prefix_cache
         # the trunk's memory declarations (seams), read once: None = not budgeted / estimated
-        self._sequence_nbytes = declared(target, "sequence_nbytes")
-        self._held_nbytes = declared(target, "sequence_held_nbytes")
+        self._sequence_nbytes = declared(trunk, "sequence_nbytes")
+        self._held_nbytes = declared(trunk, "sequence_held_nbytes")
         self._reservations: dict[object, int] = {}  # running request -> bytes reserved for its sequence
         smallest = self.smallest_reservation() if budget_bytes is not None else None
         if smallest is not None and smallest > budget_bytes:
@@ -82,7 +82,7 @@ class KVBudget:
         """What a one-token prompt with max_tokens 1 reserves, or None when nothing is budgeted."""
         if self._sequence_nbytes is None:
             return None
-        return self._sequence_nbytes(min(2 + MAX_VERIFY_ROWS, self.target.max_context_length))
+        return self._sequence_nbytes(min(2 + MAX_VERIFY_ROWS, self.trunk.max_context_length))
 
     def _max_budgeted_positions(self, max_context_length: int) -> int:
         """The most positions one sequence may reach within the whole budget (0 if none): a
@@ -119,7 +119,7 @@ class KVBudget:
             return self._held_nbytes(seq)
         if self._sequence_nbytes is None:
             return 0
-        return self._sequence_nbytes(min(self.target.seq_len(seq) + MAX_VERIFY_ROWS, self.target.max_context_length))
+        return self._sequence_nbytes(min(self.trunk.seq_len(seq) + MAX_VERIFY_ROWS, self.trunk.max_context_length))
 
     def make_room(self, need: int, keep: int | None = None) -> int:
         """Release idle sequences, least recently used first and `keep` (not counted) last, until

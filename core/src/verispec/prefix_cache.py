@@ -3,7 +3,7 @@
 A finished request's sequence is kept idle (at most `max_idle_sequences`, least recently used
 released first). A new request starts from the longest prefix it shares with an idle or a
 running sequence and prefills only the rest: it takes over an idle sequence it continues whole
-(the next chat turn), and otherwise gets a copy of the prefix (`target.fork`), the source left
+(the next chat turn), and otherwise gets a copy of the prefix (`trunk.fork`), the source left
 as it was. A trunk whose state cannot be cut back (recurrent) reuses only a whole sequence.
 Copies are whole tensors, not shared blocks: paged KV would share them without copying.
 
@@ -19,14 +19,14 @@ from verispec.nn.state import CannotTruncate
 
 
 class PrefixCache:
-    """The idle sequences of `target` (seams.SpeculativeTarget) and the tokens each holds.
+    """The idle sequences of `trunk` (seams.Trunk) and the tokens each holds.
 
     max_idle_sequences: sequences kept at most (0 = no prefix cache: every finished sequence is
     released).
     """
 
-    def __init__(self, target, max_idle_sequences: int):
-        self.target = target
+    def __init__(self, trunk, max_idle_sequences: int):
+        self.trunk = trunk
         self.max_idle_sequences = max_idle_sequences
         self._idle: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # seq -> tokens held
 
@@ -55,14 +55,14 @@ class PrefixCache:
             if n > common:
                 best, common = seq, n
         if best is None:
-            return self.target.new_sequence(), 0
+            return self.trunk.new_sequence(), 0
         if len(self._idle.get(best, ())) == common:
             del self._idle[best]
             return best, common
         try:
-            return self.target.fork(best, common), common
+            return self.trunk.fork(best, common), common
         except CannotTruncate:  # e.g. recurrent state: only a whole sequence can be continued
-            return self.target.new_sequence(), 0
+            return self.trunk.new_sequence(), 0
 
     def continued(self, ids: list[int]) -> int | None:
         """The idle sequence with the longest history that `ids` continues whole (`reuse` takes it
@@ -77,21 +77,21 @@ class PrefixCache:
         """Keep a finished sequence idle with the tokens it holds (released at once when the cache
         holds nothing); the least recently used beyond `max_idle_sequences` are released."""
         if self.max_idle_sequences == 0:
-            self.target.release(seq)
+            self.trunk.release(seq)
             return
         self._idle[seq] = tokens
         while len(self._idle) > self.max_idle_sequences:
-            self.target.release(self._idle.popitem(last=False)[0])
+            self.trunk.release(self._idle.popitem(last=False)[0])
 
     def release(self, seq: int) -> None:
         """Release one idle sequence."""
         del self._idle[seq]
-        self.target.release(seq)
+        self.trunk.release(seq)
 
     def clear(self) -> None:
         """Release every idle sequence."""
         while self._idle:
-            self.target.release(self._idle.popitem(last=False)[0])
+            self.trunk.release(self._idle.popitem(last=False)[0])
 
     def _candidates(self, running: Iterable[tuple[int, list[int]]]) -> Iterator[tuple[int, list[int]]]:
         yield from self._idle.items()

@@ -1,7 +1,7 @@
 """The registry: the only place that knows which algorithms and models are installed.
 
 Fed by the entry-point group "verispec" (docs/design.md §4). Each entry point names a light hook
-module; its hooks call `register(spec)` with a `SpeculatorSpec`, `TargetSpec`,
+module; its hooks call `register(spec)` with a `SpeculatorSpec`, `TrunkSpec`,
 `DraftFileSpec` or `CheckpointSpec`. Plugins load one at a time and each is all or nothing:
 one whose import fails, whose hook raises, which registers a wrong type or a name already
 taken is kept out whole, recorded as a `PluginError`, and the others keep working.
@@ -23,14 +23,14 @@ import pluggy
 from verispec import hookspecs
 from verispec.errors import VerispecError
 from verispec.install_hints import DEFAULT_CHECKPOINT_INSTALL, install_hint, repository_distributions
-from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TargetSpec
+from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TrunkSpec
 
 logger = logging.getLogger(__name__)
 
 #: hook -> (kind, the spec type its `register` takes), in the order hooks are called.
 HOOKS: dict[str, tuple[str, type]] = {
     "register_speculators": ("speculator", SpeculatorSpec),
-    "register_targets": ("target", TargetSpec),
+    "register_trunks": ("trunk", TrunkSpec),
     "register_draft_files": ("draft_file", DraftFileSpec),
     "register_checkpoints": ("checkpoint", CheckpointSpec),
 }
@@ -43,7 +43,7 @@ SPEC_TYPE_GROUPS: tuple[str, ...] = ("auto", "draft-head", "block")
 _DECLARATIONS: dict[str, tuple[str, ...]] = {
     "speculator": ("requires_draft_head", "can_arm_after_prefix_reuse", "needs_hidden_state",
                    "default_min_draft_prob", "priority"),
-    "target": ("architectures",),
+    "trunk": ("architectures",),
     "draft_file": ("architectures",),
     "checkpoint": ("pip_install", "is_default", "size_bytes"),
 }
@@ -54,7 +54,7 @@ _ROW_KEYS = ("distribution", "version", "plugin", "kind", "name", "summary")
 class Entry:
     """One registered spec and where it came from."""
 
-    #: "speculator" | "target" | "draft_file" | "checkpoint".
+    #: "speculator" | "trunk" | "draft_file" | "checkpoint".
     kind: str
     spec: Any
     #: the entry-point name the plugin was registered under.
@@ -85,7 +85,7 @@ class PluginError:
 class UnknownArchitecture(VerispecError, LookupError):
     """No installed package loads GGUF files of this `general.architecture`."""
 
-    def __init__(self, arch: str, known, *, kind: str = "target"):
+    def __init__(self, arch: str, known, *, kind: str = "trunk"):
         self.arch, self.known, self.kind = arch, tuple(known), kind
         if kind == "draft_file":
             what, fix = "drafter files", ("pass a drafter file one of these loads, or install a drafter package "
@@ -152,8 +152,8 @@ class Registry:
         return self._entries["speculator"]
 
     @property
-    def targets(self) -> Mapping[str, Entry]:
-        return self._entries["target"]
+    def trunks(self) -> Mapping[str, Entry]:
+        return self._entries["trunk"]
 
     @property
     def draft_files(self) -> Mapping[str, Entry]:
@@ -167,9 +167,9 @@ class Registry:
     def errors(self) -> list[PluginError]:
         return list(self._errors)
 
-    def targets_for_architecture(self, arch: str) -> TargetSpec:
-        """The TargetSpec that loads GGUF `general.architecture` == arch; raises UnknownArchitecture."""
-        return self._for_architecture("target", arch)
+    def trunk_for_architecture(self, arch: str) -> TrunkSpec:
+        """The TrunkSpec that loads GGUF `general.architecture` == arch; raises UnknownArchitecture."""
+        return self._for_architecture("trunk", arch)
 
     def draft_file_for_architecture(self, arch: str) -> DraftFileSpec:
         """The DraftFileSpec that loads drafter files of `arch`; raises UnknownArchitecture."""

@@ -58,9 +58,8 @@ class Speculation:
     draft window shared by every request (docs/design.md §3: per (model, drafter, backend))."""
 
     speculator: object  # seams.Speculator
-    draft_window: int
     governor: object  # SpeculationCostGovernor
-    window: object  # DraftWindow
+    window: object  # DraftLengthPolicy
     #: called once with a one-line reason when the speculator faults.
     on_plugin_fault: Callable[[str], None]
 
@@ -152,15 +151,15 @@ class Request:
         self.num_prefilled = 0  # prompt tokens the sequence holds (the reused ones included)
         self.submitted_at = self.admitted_at = self.first_token_at = self.finished_at = 0.0
 
-    def start_execution(self, target, speculation: Speculation | None) -> None:
+    def start_execution(self, trunk, speculation: Speculation | None) -> None:
         """Its SpeculativeExecution over its sequence, under `speculation` (None = plain decode);
         a speculator that follows the sequence from admission is seeded with the reused prefix."""
         self.speculation = speculation
         if speculation is None:
-            self.execution = SpeculativeExecution(target, self.seq, None, stop_token_ids=self.stop_ids)
+            self.execution = SpeculativeExecution(trunk, self.seq, None, stop_token_ids=self.stop_ids)
             return
         self.execution = SpeculativeExecution(
-            target, self.seq, speculation.speculator, draft_window=speculation.draft_window,
+            trunk, self.seq, speculation.speculator,
             stop_token_ids=self.stop_ids, governor=speculation.governor, window=speculation.window,
             on_plugin_fault=speculation.on_plugin_fault, arm_late=True)
         if self.reused and not self.execution.arm_pending:

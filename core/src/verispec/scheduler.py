@@ -6,7 +6,7 @@ at once). Each step is one of:
 - solo: exactly one request runs and its prompt is in. Its `SpeculativeExecution.step` runs:
   the only place speculation happens (a draft, one verify, keep), timed by the shared
   governor. A request speculates only while it is alone in the engine.
-- batched: one `target.forward(batch)` over every running request's next rows — a one-row
+- batched: one `trunk.forward(batch)` over every running request's next rows — a one-row
   decode of each decoding request beside prefill chunks of newcomers, the chunks sharing a
   budget of `max_rows_per_step` rows. Never speculates; the executions still commit every
   token to their speculator state, so a request that was speculating resumes after a
@@ -54,7 +54,7 @@ DEFAULT_MAX_IDLE_SEQUENCES = 4
 
 
 class Scheduler:
-    """Continuous batching over `target` (seams.SpeculativeTarget); see the module docstring.
+    """Continuous batching over `trunk` (seams.Trunk); see the module docstring.
 
     max_rows_per_step: rows one batched forward carries at most (>= 1).
     max_running: requests admitted at once (>= 1). max_idle_sequences: finished sequences kept
@@ -64,15 +64,15 @@ class Scheduler:
     that cannot hold one sequence.
     """
 
-    def __init__(self, target, *, max_rows_per_step: int = DEFAULT_MAX_ROWS_PER_STEP,
+    def __init__(self, trunk, *, max_rows_per_step: int = DEFAULT_MAX_ROWS_PER_STEP,
                  max_running: int = DEFAULT_MAX_RUNNING, max_idle_sequences: int = DEFAULT_MAX_IDLE_SEQUENCES,
                  kv_budget_bytes: int | None = None):
         if max_rows_per_step < 1 or max_running < 1 or max_idle_sequences < 0:
             raise InvalidArgument(f"max_rows_per_step={max_rows_per_step}, max_running={max_running}, "
                                   f"max_idle_sequences={max_idle_sequences}: choose >= 1, >= 1 and >= 0")
-        self.target = target
-        self.prefix_cache = PrefixCache(target, max_idle_sequences)
-        self.kv_budget = KVBudget(target, kv_budget_bytes, self.prefix_cache)
+        self.trunk = trunk
+        self.prefix_cache = PrefixCache(trunk, max_idle_sequences)
+        self.kv_budget = KVBudget(trunk, kv_budget_bytes, self.prefix_cache)
         self.max_rows_per_step, self.max_running = max_rows_per_step, max_running
         self.speculation: Speculation | None = None
         self.metrics = SchedulerMetrics()
@@ -168,7 +168,7 @@ class Scheduler:
                     log.exception("admitting a request failed")
                 self.kv_budget.free(request)
                 if request.seq is not None:
-                    self.target.release(request.seq)
+                    self.trunk.release(request.seq)
                 request.generation._deliver([exc])
                 continue
             if not admitted:  # the KV budget is full: it stays at the head of the queue (FIFO)
@@ -192,7 +192,7 @@ class Scheduler:
         request.admitted_at = time.perf_counter()
         if request.time_limit is not None:
             request.state.deadline = request.admitted_at + request.time_limit
-        request.start_execution(self.target, self.speculation)
+        request.start_execution(self.trunk, self.speculation)
         if request.reused:
             self.metrics.num_prefix_cache_hits += 1
             self.metrics.num_reused_prefix_tokens += request.reused
@@ -205,14 +205,14 @@ class Scheduler:
     def _running_sequences(self):
         """(sequence, the tokens it holds) of every running request, for prefix reuse."""
         for request in self._running:
-            yield request.seq, request.held_tokens(self.target.seq_len(request.seq))
+            yield request.seq, request.held_tokens(self.trunk.seq_len(request.seq))
 
     def _solo_step(self, request: Request) -> None:
         """The request is alone: its execution steps itself, speculating when the governor lets it."""
         if not self._was_solo or self._governed is not request:
             self._start_governing(request)
         if request.execution.arm_pending:  # late arming: the speculator sees what the sequence holds
-            request.execution.seed_committed(request.held_tokens(self.target.seq_len(request.seq)))
+            request.execution.seed_committed(request.held_tokens(self.trunk.seq_len(request.seq)))
         stop = request.execution.step(request.sampler, request.on_token)
         self._after_tokens(request, stop)
 
@@ -246,7 +246,7 @@ class Scheduler:
             chunk = request.ids[request.num_prefilled:request.num_prefilled + n]
             batch.append(request.execution.segment(chunk))
             owners.append((request, chunk))
-        outputs = self.target.forward(batch)
+        outputs = self.trunk.forward(batch)
         for (request, chunk), out in zip(owners, outputs):
             if chunk is None:
                 stop = request.execution.take_decode(out, request.sampler, request.on_token)
@@ -291,9 +291,9 @@ class Scheduler:
 
     def _park_sequence(self, request: Request, release: bool) -> None:
         if release:
-            self.target.release(request.seq)
+            self.trunk.release(request.seq)
             return
-        self.prefix_cache.park(request.seq, request.held_tokens(self.target.seq_len(request.seq)))
+        self.prefix_cache.park(request.seq, request.held_tokens(self.trunk.seq_len(request.seq)))
         self._make_room(0)  # within its reservation, unless it holds a verify's recurrent rows (nn.state)
 
     def _fail_running(self, exc: Exception) -> None:
@@ -302,7 +302,7 @@ class Scheduler:
         for request in list(self._running):
             self._running.remove(request)
             self.kv_budget.free(request)
-            self.target.release(request.seq)
+            self.trunk.release(request.seq)
             if self._governed is request:
                 self._governed = None
             request.generation._deliver([exc])

@@ -3,7 +3,7 @@
 Shape letters: n rows of one sequence in a forward, V vocabulary, D hidden size, F feature
 width of a hidden tap (`TrunkView.tap_feature_size`), K draft window.
 
-- `SpeculativeTarget`: the trunk (the model being served): `forward` over `Segment`s of
+- `Trunk`: the trunk (the model being served): `forward` over `Segment`s of
   several sequences, `keep` after a verify, sequences that come and go.
 - `TrunkView`: the read-only face of a trunk that a draft head binds to.
 - `DraftHead` (+ `DraftHeadKind`): a thin adapter over drafter weights bound to one trunk.
@@ -85,14 +85,14 @@ class SegmentOutput:
     hidden: "torch.Tensor | None" = None
 
 
-# Declarations a target may override; read them through `declared()`, nowhere else.
-TARGET_DECLARATIONS: dict[str, Any] = {
+# Declarations a trunk may override; read them through `declared()`, nowhere else.
+TRUNK_DECLARATIONS: dict[str, Any] = {
     # Correctness verdict: non-None makes every layer decline speculation and decode plainly.
     "speculation_refusal": None,
     # Speed verdict: False makes `auto` decline (an explicit --spec-type still runs).
     "speculation_profitable": True,
     # Narrows the *default* draft window only, never an explicit --spec-draft.
-    "spec_preferred_draft_window": None,
+    "spec_preferred_max_draft_tokens": None,
     # True: a row computed inside an n-row forward (any mix of sequences) is bitwise the row computed alone.
     "spec_batch_invariant": False,
     # Memory: (num_positions) -> bytes one sequence may occupy; None = the scheduler's KV budget skips this trunk.
@@ -103,7 +103,7 @@ TARGET_DECLARATIONS: dict[str, Any] = {
     "trained_context_length": None,
     # Drafting: the DraftHead the model file carries (e.g. MTP weights); None = none, or load one with --spec-draft-model.
     "draft_head": None,
-    # Text: the verispec.tokenizer.Tokenizer turning text into ids and back; None = the target takes ids only.
+    # Text: the verispec.tokenizer.Tokenizer turning text into ids and back; None = the trunk takes ids only.
     "tokenizer": None,
     # Damage: () -> None raising errors.DamagedFile when the model file holds non-finite weights; called only
     # after a forward gave unusable logits (it may read the whole file); None = such logits stay a bug.
@@ -111,17 +111,17 @@ TARGET_DECLARATIONS: dict[str, Any] = {
 }
 
 
-def declared(target: object, name: str) -> Any:
-    """Read a declaration from any target, falling back to the documented default."""
-    return getattr(target, name, TARGET_DECLARATIONS[name])
+def declared(trunk: object, name: str) -> Any:
+    """Read a declaration from any trunk, falling back to the documented default."""
+    return getattr(trunk, name, TRUNK_DECLARATIONS[name])
 
 
 @runtime_checkable
-class SpeculativeTarget(Protocol):
+class Trunk(Protocol):
     """The trunk seam: one batch-shaped forward over flat rows of several sequences; the
     trunk owns every sequence's state and undoes a rejected tail itself (`keep`).
 
-    Declarations (`TARGET_DECLARATIONS`) are optional attributes read with `declared()`.
+    Declarations (`TRUNK_DECLARATIONS`) are optional attributes read with `declared()`.
     """
 
     max_context_length: int  # tokens per sequence
@@ -231,7 +231,7 @@ class DraftContext:
     #: absolute position last_token will be written at (== trunk.seq_len(seq)).
     pos: int
     #: most drafts this step may verify (K), already narrowed by the window rule.
-    draft_window: int
+    draft_length: int
     #: the gate: algorithm-specific, see Speculator.min_draft_prob.
     min_draft_prob: float
     #: trunk tap [F] of the row at pos-1 (the last committed row), when needs_hidden_state.
@@ -275,7 +275,7 @@ class Speculator:
         return None
 
     def propose(self, state: Any, ctx: DraftContext) -> list[int]:
-        """Draft ids for positions ctx.pos+1 .. (at most ctx.draft_window); may be empty."""
+        """Draft ids for positions ctx.pos+1 .. (at most ctx.draft_length); may be empty."""
         raise NotImplementedError
 
     def commit(self, state: Any, tokens: Sequence[int], hidden_rows: "torch.Tensor | None", start_pos: int) -> None:

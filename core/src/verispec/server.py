@@ -83,6 +83,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.engine import Generation, InferenceEngine, TokenEvent
 from verispec.errors import VerispecError, larger_context_advice
+from verispec.execution import acceptance_rate
 from verispec.sampling import SamplingParams
 from verispec.seams import ContextOverflow, declared
 from verispec.tokenizer import TokenizerError, text_problem
@@ -438,7 +439,7 @@ def prometheus_text(engine: InferenceEngine) -> str:
     """The engine's counters in Prometheus' text exposition format (version 0.0.4)."""
     scheduler = engine.scheduler
     m = scheduler.metrics
-    acceptance = m.num_accepted_tokens / m.num_draft_tokens if m.num_draft_tokens else 0.0
+    acceptance = acceptance_rate(m.num_accepted_tokens, m.num_draft_tokens)
     rows = [
         ("requests_running", "gauge", "Requests in the running batch.", scheduler.num_running),
         ("requests_waiting", "gauge", "Requests queued for admission.", scheduler.num_waiting),
@@ -522,7 +523,7 @@ class _Served:
         self.closing = False
 
     def check_token_ids(self, ids: list[int]) -> None:
-        vocab_size = self.engine.target.vocab_size
+        vocab_size = self.engine.trunk.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise RequestRejected(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab_size}); "
@@ -536,7 +537,7 @@ class _Served:
             if used:
                 raise RequestRejected(f"{field} is not supported by this server; leave it out", field)
         stops, sampling = body.stops(), body.sampling(logprobs)
-        context = self.engine.target.max_context_length
+        context = self.engine.trunk.max_context_length
         try:
             ids = await anyio.to_thread.run_sync(self.engine.encode, prompt)
             max_tokens = body.limit(context)
@@ -555,7 +556,7 @@ class _Served:
             generation = self.engine.generate(ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
                                               ignore_eos=body.ignore_eos, time_limit=self.request_timeout)
         except ContextOverflow as e:
-            advice = larger_context_advice(e.max_context_length, declared(self.engine.target, "trained_context_length"))
+            advice = larger_context_advice(e.max_context_length, declared(self.engine.trunk, "trained_context_length"))
             raise RequestRejected(
                 f"the prompt needs {e.required_len} positions (its tokens and one new token) but the context "
                 f"holds {e.max_context_length}; shorten the prompt{advice}", param, "context_length_exceeded") from e

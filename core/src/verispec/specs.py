@@ -49,7 +49,7 @@ def resolve(ref: Any):
 class SpeculatorSpec:
     """A drafting algorithm and the one place its declarations live.
 
-    `factory(target, *, spec, max_draft_tokens, min_draft_prob, draft_head)` returns a
+    `factory(trunk, *, spec, max_draft_tokens, min_draft_prob, draft_head)` returns a
     `Speculator` built over this spec (`Speculator.__init__(spec, ...)`), or None when it
     cannot serve that trunk (say why via `decline`)."""
 
@@ -67,15 +67,15 @@ class SpeculatorSpec:
                                                 validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
     #: ranks algorithms for --spec-type auto (higher wins among those that can serve).
     priority: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
-    #: "module:attr" of `decline(target) -> str | None`, a cheap check run before the factory.
+    #: "module:attr" of `decline(trunk) -> str | None`, a cheap check run before the factory.
     decline: Any = attrs.field(default=None, validator=attrs.validators.optional(_check_ref))
 
 
 @attrs.frozen
-class TargetSpec:
+class TrunkSpec:
     """A model family: loads GGUF files whose `general.architecture` is one of `architectures`.
-    `loader(path, *, dtype, context_length)` returns a SpeculativeTarget; the thread count is
-    the caller's (`verispec.api.load_target` sets it before calling the loader)."""
+    `loader(path, *, dtype, context_length)` returns a Trunk; the thread count is
+    the caller's (`verispec.api.load_registered_trunk` sets it before calling the loader)."""
 
     name: str = attrs.field(validator=_check_name)
     summary: str = attrs.field(validator=attrs.validators.instance_of(str))
@@ -87,7 +87,7 @@ class TargetSpec:
 @attrs.frozen
 class DraftFileSpec:
     """A drafter file format: GGUF `general.architecture` values it loads (e.g. `dflash`).
-    `loader(path, target)` returns a DraftHead bound to that trunk, or raises naming the mismatch."""
+    `loader(path, trunk)` returns a DraftHead bound to that trunk, or raises naming the mismatch."""
 
     name: str = attrs.field(validator=_check_name)
     summary: str = attrs.field(validator=attrs.validators.instance_of(str))

@@ -48,9 +48,9 @@ class SpeculationUnavailable(VerispecError, RuntimeError):
                          "--spec-type, or --spec-type auto to decode plainly when nothing can serve")
 
 
-def choose_speculator(registry: Registry, spec_type: str, target: Any, *, draft_head: Any = None,
+def choose_speculator(registry: Registry, spec_type: str, trunk: Any, *, draft_head: Any = None,
                       max_draft_tokens: int, min_draft_prob: float | None = None) -> Choice:
-    """Build the speculator `spec_type` selects for `target` among those `registry` holds.
+    """Build the speculator `spec_type` selects for `trunk` among those `registry` holds.
 
     spec_type: "auto" (highest priority that can serve), "draft-head" (any that requires a
     draft head), "block" (those, with a BLOCK head) or a registered name.
@@ -60,10 +60,10 @@ def choose_speculator(registry: Registry, spec_type: str, target: Any, *, draft_
     """
     declines: dict[str, str] = {}
     for entry in _candidates(registry, spec_type):
-        reason = _precheck(entry.spec, spec_type, target, draft_head)
+        reason = _precheck(entry.spec, spec_type, trunk, draft_head)
         speculator = None
         if reason is None:
-            speculator, reason = _build(entry.spec, target, draft_head, max_draft_tokens, min_draft_prob)
+            speculator, reason = _build(entry.spec, trunk, draft_head, max_draft_tokens, min_draft_prob)
         if speculator is not None:
             return Choice(speculator, entry.name, _picked(entry.spec, spec_type, declines), declines)
         declines[entry.name] = reason
@@ -93,12 +93,12 @@ def _candidates(registry: Registry, spec_type: str) -> list[Entry]:
         "pip install the distribution that provides it")})
 
 
-def _precheck(spec: SpeculatorSpec, spec_type: str, target: Any, draft_head: Any) -> str | None:
+def _precheck(spec: SpeculatorSpec, spec_type: str, trunk: Any, draft_head: Any) -> str | None:
     """Why `spec` cannot serve, from declarations alone (nothing imported), or None."""
-    refusal = declared(target, "speculation_refusal")
+    refusal = declared(trunk, "speculation_refusal")
     if refusal is not None:
         return f"the trunk refuses speculation: {refusal}"
-    if spec_type == "auto" and not declared(target, "speculation_profitable"):
+    if spec_type == "auto" and not declared(trunk, "speculation_profitable"):
         return "the trunk declares speculation unprofitable (an explicit --spec-type still runs)"
     head_kind = getattr(draft_head, "draft_head_kind", DraftHeadKind.NONE)
     if spec_type == "block" and head_kind is not DraftHeadKind.BLOCK:  # before the generic no-head line
@@ -111,15 +111,15 @@ def _precheck(spec: SpeculatorSpec, spec_type: str, target: Any, draft_head: Any
     return None
 
 
-def _build(spec: SpeculatorSpec, target, draft_head, max_draft_tokens, min_draft_prob):
+def _build(spec: SpeculatorSpec, trunk, draft_head, max_draft_tokens, min_draft_prob):
     """(speculator, None), or (None, why not): the spec's decline check, then its factory."""
     try:
         if spec.decline is not None:
-            reason = resolve(spec.decline)(target)
+            reason = resolve(spec.decline)(trunk)
             if reason:
                 return None, reason
         speculator = resolve(spec.factory)(
-            target, spec=spec, max_draft_tokens=max_draft_tokens, draft_head=draft_head,
+            trunk, spec=spec, max_draft_tokens=max_draft_tokens, draft_head=draft_head,
             min_draft_prob=spec.default_min_draft_prob if min_draft_prob is None else min_draft_prob)
     except Exception as exc:  # a broken plugin declines; it never takes the engine down
         logger.warning("speculator %r failed to build: %s", spec.name, _text(exc),

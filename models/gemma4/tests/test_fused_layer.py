@@ -19,7 +19,7 @@ TYPES = {"attn_q": "Q4_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
+def trunk(tmp_path_factory):
     hf = make_hf_gemma3(**SIZES)
     names = gemma3_gguf_tensors(hf)
     types = {n: TYPES[n.split(".")[2]] for n in names if n.startswith("blk.") and n.split(".")[2] in TYPES}
@@ -27,15 +27,15 @@ def target(tmp_path_factory):
     return load(path, dtype="gguf", use_cache=False, tokenizer=False, max_rows_per_forward=16, max_verify_rows=16)
 
 
-def test_the_fused_layer_is_the_op_by_op_layer_bitwise(target):
-    assert_fused_layers_are_op_by_op(target, token_ids(60).tolist(), prefill=40)  # 16-row chunks past the window
+def test_the_fused_layer_is_the_op_by_op_layer_bitwise(trunk):
+    assert_fused_layers_are_op_by_op(trunk, token_ids(60).tolist(), prefill=40)  # 16-row chunks past the window
 
 
 @pytest.mark.real_checkpoint
 def test_the_real_270m_fused_is_op_by_op_bitwise():
-    from verispec.api import load_target
+    from verispec.api import load_registered_trunk
     from verispec.registry import Registry
 
-    trunk = load_target(real_checkpoint("gemma3-270m"), Registry.discover(), dtype="gguf")
+    trunk = load_registered_trunk(real_checkpoint("gemma3-270m"), Registry.discover(), dtype="gguf")
     assert_fused_layers_are_op_by_op(trunk, trunk.tokenizer.encode(" ".join(["The tide came in over the stones."] * 12)),
                                      prefill=70)

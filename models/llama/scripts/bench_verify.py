@@ -9,7 +9,7 @@ a full rejection) for each k, so every call starts from the same `--ctx` positio
 Reports min and median ms over `--reps` back-to-back calls, after waiting (up to 10 s) for
 the machine to be quiet (other processes' CPU use below 0.2 cores), as shared machines are
 noisy. Speed claims come from `verispec bench`; this is the per-row cost behind the default
-draft-window ceiling (LlamaForCausalLM.spec_preferred_draft_window).
+draft-window ceiling (LlamaForCausalLM.spec_preferred_max_draft_tokens).
 """
 import argparse
 import statistics

@@ -83,7 +83,7 @@ class RealCheckpointChecks:
     def test_registered_and_found_by_alias(self, gguf_path, int8_model):
         registry = Registry.discover()
         assert registry.checkpoint(self.alias) == registered_checkpoint(self.alias)
-        assert registry.targets_for_architecture(self.architecture).name == "llama"
+        assert registry.trunk_for_architecture(self.architecture).name == "llama"
         assert int8_model.config.architecture == self.architecture
 
     def test_chat_rendering_and_ids_match_transformers(self, hf, prompt):
@@ -120,7 +120,7 @@ class RealCheckpointChecks:
         ids, n = prompt[1], self.num_stream_tokens
         plain, _ = run_greedy(int8_model, ids, n)
         speculator = ngram.create(int8_model, max_draft_tokens=4, min_draft_prob=None)
-        got, execution = run_greedy(int8_model, ids, n, speculator, draft_window=4)
+        got, execution = run_greedy(int8_model, ids, n, speculator, max_draft_tokens=4)
         first_diff = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), None)
         assert got == plain, f"first divergence at output token {first_diff}"
         assert execution.stats.num_accepted_tokens > 0

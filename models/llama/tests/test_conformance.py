@@ -1,4 +1,4 @@
-"""verispec's TargetConformance suite on tiny llama and qwen2 fixtures, in every weight dtype.
+"""verispec's TrunkConformance suite on tiny llama and qwen2 fixtures, in every weight dtype.
 
 int8, int4 and gguf declare `spec_batch_invariant`, so the suite demands bitwise-equal rows there;
 bf16 (oneDNN blocking that depends on the CPU) and float32 (MKL gemm) do not, and are held to
@@ -7,8 +7,8 @@ the suite's atol instead.
 import pytest
 import torch
 from verispec.weights.quant import WEIGHT_DTYPES
-from verispec.seams import Segment, SpeculativeTarget, declared
-from verispec.testing import TargetConformance, forward_one, plain_logits
+from verispec.seams import Segment, Trunk, declared
+from verispec.testing import TrunkConformance, forward_one, plain_logits
 from verispec_llama.loader import load
 
 pytest.importorskip("transformers")  # the fixtures are written from transformers models
@@ -27,28 +27,28 @@ def loaded(request, tiny_fixture):
 NOT_INVARIANT_ATOL = {"float32": 1e-4, "bfloat16": 0.25}
 
 
-def _assert_rows_equal(target, actual, expected, what=""):
-    """Bitwise when the target declares batch invariance, else within its dtype's drift."""
+def _assert_rows_equal(trunk, actual, expected, what=""):
+    """Bitwise when the trunk declares batch invariance, else within its dtype's drift."""
     assert actual.shape == expected.shape, what
-    if declared(target, "spec_batch_invariant"):
+    if declared(trunk, "spec_batch_invariant"):
         assert torch.equal(actual, expected), f"{what} max |diff| {(actual - expected).abs().max().item():.3g}"
     else:
-        torch.testing.assert_close(actual, expected, atol=NOT_INVARIANT_ATOL[target.dtype], rtol=0,
+        torch.testing.assert_close(actual, expected, atol=NOT_INVARIANT_ATOL[trunk.dtype], rtol=0,
                                    msg=lambda m: f"{what} {m}")
 
 
-class TestLlamaConformance(TargetConformance):
+class TestLlamaConformance(TrunkConformance):
     @pytest.fixture
-    def target(self, loaded):
+    def trunk(self, loaded):
         return loaded
 
 
 def test_declarations_are_truthful(loaded):
-    assert isinstance(loaded, SpeculativeTarget)
+    assert isinstance(loaded, Trunk)
     assert declared(loaded, "spec_batch_invariant") == (loaded.dtype in ("int8", "int4", "gguf"))
     assert declared(loaded, "speculation_refusal") is None
     assert declared(loaded, "speculation_profitable") is True
-    assert 1 <= declared(loaded, "spec_preferred_draft_window") <= 8
+    assert 1 <= declared(loaded, "spec_preferred_max_draft_tokens") <= 8
     assert loaded.view().tap_feature_size(None) == loaded.config.hidden_size == loaded.hidden_size
     assert loaded.tokenizer.vocab_size == loaded.vocab_size
 

@@ -25,7 +25,7 @@ CONFIGS = {  # linear widths multiples of 32 (a block)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
-def target(request, tmp_path_factory, monkeypatch_module):
+def trunk(request, tmp_path_factory, monkeypatch_module):
     import tiny_llama
 
     monkeypatch_module.setitem(tiny_llama.TINY_CONFIGS, request.param, CONFIGS[request.param])
@@ -43,43 +43,43 @@ def monkeypatch_module():
         yield mp
 
 
-def test_the_fused_layer_is_the_op_by_op_layer_bitwise(target):
-    ids = torch.randint(0, target.vocab_size, (90,), generator=torch.Generator().manual_seed(1)).tolist()
-    assert_fused_layers_are_op_by_op(target, ids, prefill=70)  # 64 + 6 rows: two chunks
+def test_the_fused_layer_is_the_op_by_op_layer_bitwise(trunk):
+    ids = torch.randint(0, trunk.vocab_size, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert_fused_layers_are_op_by_op(trunk, ids, prefill=70)  # 64 + 6 rows: two chunks
 
 
-def test_two_sequences_in_one_forward_are_each_alone(target):
+def test_two_sequences_in_one_forward_are_each_alone(trunk):
     """A batched decode of two sequences through the fused layers gives each sequence's own bits."""
     from verispec.seams import Segment
 
     ids = [5, 17, 3, 44, 9, 12, 30]
-    seqs = [target.new_sequence() for _ in range(2)]
+    seqs = [trunk.new_sequence() for _ in range(2)]
     for s, start in zip(seqs, (0, 2)):
-        forward_one(target, s, ids[start:start + 4], logits="last")
-    both = target.forward([Segment(seqs[0], [ids[4]]), Segment(seqs[1], [ids[6]])])
+        forward_one(trunk, s, ids[start:start + 4], logits="last")
+    both = trunk.forward([Segment(seqs[0], [ids[4]]), Segment(seqs[1], [ids[6]])])
     alone = []
     for s, start, tok in zip(seqs, (0, 2), (ids[4], ids[6])):
-        target.truncate(s, 4)
-        alone.append(forward_one(target, s, [tok]).logits)
+        trunk.truncate(s, 4)
+        alone.append(forward_one(trunk, s, [tok]).logits)
     for out, ref in zip(both, alone):
         assert torch.equal(out.logits, ref)
     for s in seqs:
-        target.release(s)
+        trunk.release(s)
 
 
 
-def test_a_replaced_weight_rebuilds_the_fused_kernel(target):
+def test_a_replaced_weight_rebuilds_the_fused_kernel(trunk):
     """The cached kernel points at packed tensors: replacing one, or a linear module, makes the
     next forward build a new kernel over the new weights, never read the old ones."""
     import copy
 
-    layer = target.model.layers[0]
+    layer = trunk.model.layers[0]
     attn, o_proj = layer.self_attn, layer.self_attn.o_proj
 
     def logits():
-        seq = target.new_sequence()
-        out = forward_one(target, seq, [5, 17, 3, 44], logits="last").logits
-        target.release(seq)
+        seq = trunk.new_sequence()
+        out = forward_one(trunk, seq, [5, 17, 3, 44], logits="last").logits
+        trunk.release(seq)
         return out
 
     before = logits()

@@ -190,7 +190,7 @@ def test_hidden_taps_are_the_residuals_entering_layers(tiny_fixture):
 
 def test_hooks_register_without_importing_torch():
     code = ("import sys; from verispec_llama import hooks; specs = []; "
-            "hooks.register_targets(specs.append); hooks.register_checkpoints(specs.append); "
+            "hooks.register_trunks(specs.append); hooks.register_checkpoints(specs.append); "
             "assert 'torch' not in sys.modules, 'torch imported'; print(len(specs))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "3"

@@ -1,4 +1,4 @@
-"""verispec's TargetConformance suite on the tiny dense and MoE trunks, fp32 and int8.
+"""verispec's TrunkConformance suite on the tiny dense and MoE trunks, fp32 and int8.
 
 int8 declares `spec_batch_invariant` (every linear is int8pack_mm, the Mamba-2 step, router and
 attention run per row), so the suite demands bitwise-equal rows there; fp32 (MKL gemm) is held
@@ -7,8 +7,8 @@ recurrent state selected with no re-forward), sequences in one forward, and 200 
 steps.
 """
 import pytest
-from verispec.seams import SpeculativeTarget, declared
-from verispec.testing import TargetConformance
+from verispec.seams import Trunk, declared
+from verispec.testing import TrunkConformance
 from verispec_nemotron.loader import load
 
 pytest.importorskip("transformers")  # the fixtures are written from transformers models
@@ -22,13 +22,13 @@ def loaded(request, tiny_fixture):
     return load(path, dtype=dtype, use_cache=False, tokenizer=False)
 
 
-class TestNemotronConformance(TargetConformance):
+class TestNemotronConformance(TrunkConformance):
     @pytest.fixture
-    def target(self, loaded):
+    def trunk(self, loaded):
         return loaded
 
 
 def test_declarations_are_truthful(loaded):
-    assert isinstance(loaded, SpeculativeTarget)
+    assert isinstance(loaded, Trunk)
     assert declared(loaded, "speculation_refusal") is None  # the measured verdict (README.md)
     assert declared(loaded, "spec_batch_invariant") == (loaded.dtype == "int8")

@@ -123,7 +123,7 @@ def test_context_length_option_and_the_tokenizer(tiny_fixture):
 
 def test_hooks_register_without_importing_torch():
     code = ("import sys; from verispec_nemotron import hooks; specs = []; "
-            "hooks.register_targets(specs.append); "
+            "hooks.register_trunks(specs.append); "
             "assert 'torch' not in sys.modules, 'torch imported'; print(specs[0].architectures)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "('nemotron_h', 'nemotron_h_moe')"

@@ -37,12 +37,12 @@ def path(tiny_fixture):
 
 def test_registry_auto_declines_and_an_explicit_type_raises(path, refusing):
     registry = Registry.discover()
-    target = load(path, use_cache=False, tokenizer=False)
-    choice = choose_speculator(registry, "auto", target, max_draft_tokens=8)
+    trunk = load(path, use_cache=False, tokenizer=False)
+    choice = choose_speculator(registry, "auto", trunk, max_draft_tokens=8)
     assert choice.speculator is None and choice.declines
     assert all(REASON in why for why in choice.declines.values())
     with pytest.raises(SpeculationUnavailable, match="3e-2"):
-        choose_speculator(registry, "ngram", target, max_draft_tokens=8)
+        choose_speculator(registry, "ngram", trunk, max_draft_tokens=8)
 
 
 def test_engine_auto_logs_the_reason_once_and_decodes_plainly(path, refusing, caplog):

@@ -1,4 +1,4 @@
-"""verispec's TargetConformance suite on tiny qwen35 / qwen35moe fixtures, fp32 and int8, and
+"""verispec's TrunkConformance suite on tiny qwen35 / qwen35moe fixtures, fp32 and int8, and
 the recurrent state itself after `keep`.
 
 int8 declares `spec_batch_invariant` (every linear is int8pack_mm, every other op is per row),
@@ -7,8 +7,8 @@ so the suite demands bitwise-equal rows there; fp32 (MKL gemm) is held to the su
 import pytest
 import torch
 from verispec.nn.state import CannotTruncate, RecurrentState
-from verispec.seams import SpeculativeTarget, declared
-from verispec.testing import TargetConformance, forward_one
+from verispec.seams import Trunk, declared
+from verispec.testing import TrunkConformance, forward_one
 from verispec_qwen35.loader import load
 
 pytest.importorskip("transformers")  # the fixtures are written from transformers models
@@ -23,25 +23,25 @@ def loaded(request, tiny_fixture):
     return load(path, dtype=dtype)
 
 
-class TestQwen35Conformance(TargetConformance):
+class TestQwen35Conformance(TrunkConformance):
     prompt = [1, 5, 9, 2, 7, 3, 11, 4, 8, 6, 10, 12, 40, 77, 101, 3]
 
     @pytest.fixture
-    def target(self, loaded):
+    def trunk(self, loaded):
         return loaded
 
 
 def test_declarations_are_truthful(loaded):
-    assert isinstance(loaded, SpeculativeTarget)
+    assert isinstance(loaded, Trunk)
     assert declared(loaded, "spec_batch_invariant") == (loaded.dtype == "int8")
     assert declared(loaded, "speculation_refusal") is None
-    assert 1 <= declared(loaded, "spec_preferred_draft_window") <= 8
+    assert 1 <= declared(loaded, "spec_preferred_max_draft_tokens") <= 8
     assert loaded.view().tap_feature_size(None) == loaded.hidden_size
     assert loaded.draft_head is None  # these fixtures carry no MTP block
 
 
-def _recurrent_values(target, seq) -> list[dict[str, torch.Tensor]]:
-    return [dict(s.values) for s in target._state(seq).layers if isinstance(s, RecurrentState)]
+def _recurrent_values(trunk, seq) -> list[dict[str, torch.Tensor]]:
+    return [dict(s.values) for s in trunk._state(seq).layers if isinstance(s, RecurrentState)]
 
 
 def test_state_after_keep_equals_a_plain_runs_state(loaded):
@@ -91,15 +91,15 @@ def test_keep_inside_a_verify_split_across_forward_chunks(tiny_fixture):
     """A verify longer than the forward chunk arrives at the state in pieces; keep(a) still picks
     row a's state (bitwise: int8) for a on either side of the chunk boundary."""
     _, _, path = tiny_fixture("dense_conf")
-    target = load(path, dtype="int8", max_rows_per_forward=5)
+    trunk = load(path, dtype="int8", max_rows_per_forward=5)
     prompt, rows = [3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8]
     for kept in (0, 3, 5, 6, 12):
-        seq, plain = target.new_sequence(), target.new_sequence()
-        forward_one(target, seq, prompt, logits="none")
-        forward_one(target, seq, rows, logits="none", verify=True)
-        target.keep(seq, kept)
-        forward_one(target, plain, prompt + rows[:kept], logits="none")
-        for a, b in zip(_recurrent_values(target, seq), _recurrent_values(target, plain)):
+        seq, plain = trunk.new_sequence(), trunk.new_sequence()
+        forward_one(trunk, seq, prompt, logits="none")
+        forward_one(trunk, seq, rows, logits="none", verify=True)
+        trunk.keep(seq, kept)
+        forward_one(trunk, plain, prompt + rows[:kept], logits="none")
+        for a, b in zip(_recurrent_values(trunk, seq), _recurrent_values(trunk, plain)):
             assert all(torch.equal(a[name], b[name]) for name in ("conv", "ssm")), f"kept {kept}"
-        nxt = [forward_one(target, s, [7]).logits for s in (seq, plain)]
+        nxt = [forward_one(trunk, s, [7]).logits for s in (seq, plain)]
         assert torch.equal(nxt[0], nxt[1])

@@ -38,16 +38,16 @@ def _perplexity_binary() -> Path:
 
 
 def _ours(path: str) -> float:
-    target = load(path, dtype="float32", use_cache=False)
-    ids = target.tokenizer.encode(TEXT)
+    trunk = load(path, dtype="float32", use_cache=False)
+    ids = trunk.tokenizer.encode(TEXT)
     nll, count = 0.0, 0
     for start in range(0, len(ids) // N_CTX * N_CTX, N_CTX):
         chunk = ids[start:start + N_CTX]
-        if target.tokenizer.add_bos:  # llama-perplexity: BOS replaces each chunk's first token
-            chunk[0] = target.tokenizer.bos_id
-        seq = target.new_sequence()
-        logits = target.forward([Segment(seq, torch.tensor(chunk), logits="all")])[0].logits.double()
-        target.release(seq)
+        if trunk.tokenizer.add_bos:  # llama-perplexity: BOS replaces each chunk's first token
+            chunk[0] = trunk.tokenizer.bos_id
+        seq = trunk.new_sequence()
+        logits = trunk.forward([Segment(seq, torch.tensor(chunk), logits="all")])[0].logits.double()
+        trunk.release(seq)
         logprobs = torch.log_softmax(logits, dim=-1)
         for k in range(N_CTX // 2, N_CTX - 1):  # the second half, as llama-perplexity scores
             nll -= float(logprobs[k, chunk[k + 1]])

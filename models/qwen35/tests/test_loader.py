@@ -87,5 +87,5 @@ def test_registered_for_both_architectures():
     from verispec_qwen35 import hooks
 
     registry = Registry.from_plugins({"qwen35": hooks})
-    specs = {arch for entry in registry.targets.values() for arch in entry.spec.architectures}
+    specs = {arch for entry in registry.trunks.values() for arch in entry.spec.architectures}
     assert specs == {"qwen35", "qwen35moe"}

@@ -77,11 +77,11 @@ def test_mtp_speculation_gives_the_plain_stream(tiny_fixture, dtype):
     from verispec.testing import run_greedy
 
     _, _, path = tiny_fixture("moe_fused_mtp")
-    target = load(path, dtype=dtype)
+    trunk = load(path, dtype=dtype)
     prompt = [1, 5, 9, 2, 7, 3, 11, 4, 8, 6, 10, 12]
-    plain = run_greedy(target, prompt, 48)[0]
-    speculator = speculator_mod.MtpSpeculator(target.draft_head, max_draft_tokens=4, min_draft_prob=0.0)
-    got, ex = run_greedy(target, prompt, 48, speculator, draft_window=4)
+    plain = run_greedy(trunk, prompt, 48)[0]
+    speculator = speculator_mod.MtpSpeculator(trunk.draft_head, max_draft_tokens=4, min_draft_prob=0.0)
+    got, ex = run_greedy(trunk, prompt, 48, speculator, max_draft_tokens=4)
     assert got == plain
     assert ex.stats.num_draft_tokens > 0 and ex.stats.num_spec_steps > 0
 
@@ -98,16 +98,16 @@ def test_one_speculator_serves_requests_in_turn(tiny_fixture, kind):
     else:
         make = pytest.importorskip("verispec_ngram.speculator").NGramSpeculator
     _, _, path = tiny_fixture("dense_mtp")
-    target = load(path, dtype="int8")
+    trunk = load(path, dtype="int8")
 
     def new():
-        return make(target.draft_head, max_draft_tokens=3, min_draft_prob=0.0) if kind == "mtp" \
+        return make(trunk.draft_head, max_draft_tokens=3, min_draft_prob=0.0) if kind == "mtp" \
             else make(max_draft_tokens=3)
 
     prompts = [[1, 5, 9, 2, 7, 3, 11, 4] * 2, [8, 6, 10, 12, 40, 77, 101, 3, 8, 6]]
-    plains = [run_greedy(target, p, 32)[0] for p in prompts]
-    solos = [run_greedy(target, p, 32, new(), draft_window=3)[1].stats for p in prompts]
-    runs = run_greedy_requests(target, prompts, 32, new(), max_running=1, draft_window=3)
+    plains = [run_greedy(trunk, p, 32)[0] for p in prompts]
+    solos = [run_greedy(trunk, p, 32, new(), max_draft_tokens=3)[1].stats for p in prompts]
+    runs = run_greedy_requests(trunk, prompts, 32, new(), max_running=1, max_draft_tokens=3)
     assert [tokens for tokens, _ in runs] == plains
     assert [ex.stats for _, ex in runs] == solos
 

@@ -77,14 +77,14 @@ def test_trained_head_accepts_most_drafts_with_the_plain_stream(tiny_fixture, tm
     assert _acceptance(trained, prompts[:3], window=2)[1]  # chained drafts: still exact
 
 
-def _acceptance(target, prompts, *, window):
+def _acceptance(trunk, prompts, *, window):
     """(accepted / drafted over the prompts, every stream equal to plain greedy)."""
     accepted = drafted = 0
     exact = True
     for prompt in prompts:
-        plain = run_greedy(target, prompt, NUM_GENERATED - 8)[0]
-        speculator = speculator_mod.MtpSpeculator(target.draft_head, max_draft_tokens=window)
-        got, ex = run_greedy(target, prompt, NUM_GENERATED - 8, speculator, draft_window=window)
+        plain = run_greedy(trunk, prompt, NUM_GENERATED - 8)[0]
+        speculator = speculator_mod.MtpSpeculator(trunk.draft_head, max_draft_tokens=window)
+        got, ex = run_greedy(trunk, prompt, NUM_GENERATED - 8, speculator, max_draft_tokens=window)
         exact &= got == plain
         accepted, drafted = accepted + ex.stats.num_accepted_tokens, drafted + ex.stats.num_draft_tokens
     return accepted / max(drafted, 1), exact

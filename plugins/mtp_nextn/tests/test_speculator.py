@@ -9,7 +9,7 @@ import torch
 from verispec.registry import Registry
 from verispec.seams import DraftContext, DraftHeadKind
 from verispec.speculator_choice import SpeculationUnavailable, choose_speculator
-from verispec.testing import SpeculatorConformance, ToyTarget, run_greedy
+from verispec.testing import SpeculatorConformance, ToyTrunk, run_greedy
 from verispec_mtp_nextn import hooks
 from verispec_mtp_nextn.speculator import MtpSpeculator, top1_gate_prob
 
@@ -46,21 +46,21 @@ class ToyNextHead:
 
 class TestMtpConformance(SpeculatorConformance):
     @pytest.fixture
-    def make_speculator(self, toy_target):
-        return lambda: MtpSpeculator(ToyNextHead(toy_target.view()), max_draft_tokens=4, min_draft_prob=0.0)
+    def make_speculator(self, toy_trunk):
+        return lambda: MtpSpeculator(ToyNextHead(toy_trunk.view()), max_draft_tokens=4, min_draft_prob=0.0)
 
 
-def _ctx(target, speculator, window, *, last_token=3, stop=frozenset(), pmin=None):
-    return DraftContext(last_token=last_token, pos=5, draft_window=window,
+def _ctx(trunk, speculator, window, *, last_token=3, stop=frozenset(), pmin=None):
+    return DraftContext(last_token=last_token, pos=5, draft_length=window,
                         min_draft_prob=speculator.min_draft_prob if pmin is None else pmin,
-                        hidden_prev=torch.zeros(target.hidden_size), stop_token_ids=stop)
+                        hidden_prev=torch.zeros(trunk.hidden_size), stop_token_ids=stop)
 
 
 def test_chains_the_head_at_consecutive_positions():
-    target = ToyTarget(vocab_size=16)
-    head = ToyNextHead(target.view())
+    trunk = ToyTrunk(vocab_size=16)
+    head = ToyNextHead(trunk.view())
     speculator = MtpSpeculator(head, max_draft_tokens=8, min_draft_prob=0.0)
-    draft = speculator.propose(speculator.new_state(), _ctx(target, speculator, 3))
+    draft = speculator.propose(speculator.new_state(), _ctx(trunk, speculator, 3))
     assert len(draft) == 3
     assert head.calls == [(3, 5), (draft[0], 6), (draft[1], 7)]  # each step reads the previous draft
 
@@ -69,29 +69,29 @@ def test_gate_is_top1_probability_over_the_top_10_logits():
     logits = torch.tensor([5.0, 1.0, 0.5, 3.0] + [-1.0] * 20)
     top = torch.tensor([5.0, 3.0, 1.0, 0.5] + [-1.0] * 6)
     assert top1_gate_prob(logits) == pytest.approx(float(torch.softmax(top, 0)[0]))
-    target = ToyTarget(vocab_size=16)
-    speculator = MtpSpeculator(ToyNextHead(target.view(), sharpness=0.0), max_draft_tokens=8)  # flat: p = 0.1
+    trunk = ToyTrunk(vocab_size=16)
+    speculator = MtpSpeculator(ToyNextHead(trunk.view(), sharpness=0.0), max_draft_tokens=8)  # flat: p = 0.1
     assert speculator.min_draft_prob == hooks.SPEC.default_min_draft_prob == 0.15
-    assert speculator.propose(speculator.new_state(), _ctx(target, speculator, 4)) == []
-    assert len(speculator.propose(speculator.new_state(), _ctx(target, speculator, 4, pmin=0.05))) == 4
+    assert speculator.propose(speculator.new_state(), _ctx(trunk, speculator, 4)) == []
+    assert len(speculator.propose(speculator.new_state(), _ctx(trunk, speculator, 4, pmin=0.05))) == 4
 
 
 def test_stops_after_a_drafted_stop_token_and_never_at_a_pending_one():
-    target = ToyTarget(vocab_size=16)
-    speculator = MtpSpeculator(ToyNextHead(target.view()), max_draft_tokens=8, min_draft_prob=0.0)
-    free = speculator.propose(speculator.new_state(), _ctx(target, speculator, 4))
-    ctx = _ctx(target, speculator, 4, stop=frozenset({free[1]}))
+    trunk = ToyTrunk(vocab_size=16)
+    speculator = MtpSpeculator(ToyNextHead(trunk.view()), max_draft_tokens=8, min_draft_prob=0.0)
+    free = speculator.propose(speculator.new_state(), _ctx(trunk, speculator, 4))
+    ctx = _ctx(trunk, speculator, 4, stop=frozenset({free[1]}))
     stopped = speculator.propose(speculator.new_state(), ctx)
     assert stopped == free[:free.index(free[1]) + 1]
-    assert speculator.propose(speculator.new_state(), _ctx(target, speculator, 4, stop=frozenset({3}))) == []
+    assert speculator.propose(speculator.new_state(), _ctx(trunk, speculator, 4, stop=frozenset({3}))) == []
 
 
 def test_commit_and_keep_reach_the_heads_per_sequence_state():
-    target = ToyTarget(vocab_size=16)
-    head = ToyNextHead(target.view())
+    trunk = ToyTrunk(vocab_size=16)
+    head = ToyNextHead(trunk.view())
     prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
-    plain = run_greedy(target, prompt, 24)[0]
-    got, ex = run_greedy(target, prompt, 24, MtpSpeculator(head, max_draft_tokens=4, min_draft_prob=0.0))
+    plain = run_greedy(trunk, prompt, 24)[0]
+    got, ex = run_greedy(trunk, prompt, 24, MtpSpeculator(head, max_draft_tokens=4, min_draft_prob=0.0))
     assert got == plain and ex.stats.num_draft_tokens > 0
     state = ex._state
     assert state["seen"] == ex.seq_len and len(state["kept"]) == ex.stats.num_spec_steps
@@ -99,12 +99,12 @@ def test_commit_and_keep_reach_the_heads_per_sequence_state():
 
 def test_registry_declines_without_a_draft_head_and_builds_with_one():
     registry = Registry.from_plugins({"mtp": hooks})
-    target = ToyTarget(vocab_size=16)
+    trunk = ToyTrunk(vocab_size=16)
     with pytest.raises(SpeculationUnavailable, match="no draft head"):
-        choose_speculator(registry, "mtp", target, draft_head=None, max_draft_tokens=4)
+        choose_speculator(registry, "mtp", trunk, draft_head=None, max_draft_tokens=4)
     with pytest.raises(SpeculationUnavailable, match="no draft head"):
-        choose_speculator(registry, "draft-head", target, draft_head=None, max_draft_tokens=4)
-    choice = choose_speculator(registry, "draft-head", target, draft_head=ToyNextHead(target.view()),
+        choose_speculator(registry, "draft-head", trunk, draft_head=None, max_draft_tokens=4)
+    choice = choose_speculator(registry, "draft-head", trunk, draft_head=ToyNextHead(trunk.view()),
                                         max_draft_tokens=4)
     assert isinstance(choice.speculator, MtpSpeculator) and choice.name == "mtp"
     assert choice.speculator.min_draft_prob == 0.15 and choice.speculator.spec.requires_draft_head

@@ -23,14 +23,14 @@ VOCAB = 32_000
 def random_ish(n: int, rng: random.Random, seq: list[int]) -> list[int]:
     """Extend seq by n ids: fresh random runs interleaved with copies of earlier spans."""
     out = seq
-    target = len(seq) + n
-    while len(out) < target:
+    trunk = len(seq) + n
+    while len(out) < trunk:
         if len(out) > 64 and rng.random() < 0.5:
             start = rng.randrange(len(out) - 32)
             out.extend(out[start:start + rng.randint(4, 32)])
         else:
             out.extend(rng.randrange(VOCAB) for _ in range(rng.randint(4, 32)))
-    del out[target:]
+    del out[trunk:]
     return out
 
 
@@ -43,7 +43,7 @@ def bench(length: int, steps: int, repeats: int = 10) -> tuple[float, float]:
         speculator.commit(state, history[start:min(start + 4096, length)], None, start)
     best, num_drafted, pos = float("inf"), 0, length
     for _ in range(repeats):
-        contexts = [DraftContext(last_token=history[p], pos=p, draft_window=8, min_draft_prob=0.0)
+        contexts = [DraftContext(last_token=history[p], pos=p, draft_length=8, min_draft_prob=0.0)
                     for p in range(pos, pos + steps)]
         num_drafted = 0
         t0 = time.perf_counter()

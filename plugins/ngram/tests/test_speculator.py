@@ -20,7 +20,7 @@ A, B, C, D, X, EOS = 1, 2, 3, 4, 9, 99
 
 
 def ctx(last, pos, *, window=8, pmin=0.0, stops=()):
-    return DraftContext(last_token=last, pos=pos, draft_window=window, min_draft_prob=pmin,
+    return DraftContext(last_token=last, pos=pos, draft_length=window, min_draft_prob=pmin,
                         stop_token_ids=frozenset(stops))
 
 
@@ -315,7 +315,7 @@ def test_registry_builds_it_over_the_registered_spec():
 
 
 def test_factory_serves_the_spec_it_is_given():
-    # The registry calls factory(target, spec=<the registered spec>, ...): name and pmin default follow it.
+    # The registry calls factory(trunk, spec=<the registered spec>, ...): name and pmin default follow it.
     other = SpeculatorSpec(name="ngram-strict", summary="n-gram, strict gate",
                            factory="verispec_ngram.speculator:create", default_min_draft_prob=1.0)
     speculator = create(None, spec=other, max_draft_tokens=4, min_draft_prob=None)

@@ -1,6 +1,6 @@
 """The trunk seam's plumbing, written once: sequences, batching, chunking, logits and taps.
 
-`SequenceTrunk` implements `seams.SpeculativeTarget` for any trunk whose state is a list of
+`SequenceTrunk` implements `seams.Trunk` for any trunk whose state is a list of
 per-layer state objects (`nn.state`): `new_sequence` / `release` / `seq_len`, `keep`,
 `truncate`, `fork`, the batch-shaped `forward` and the read-only `view`. A family writes the math:
 

@@ -1,7 +1,7 @@
 """Test kit for verispec and its plugins (also a pytest plugin, entry point `pytest11`).
 
-- `TargetConformance`, `SpeculatorConformance`: suites to subclass (see `conformance`).
-- `ToyTarget`, `MarkovTarget`, `ScriptedSpeculator`, `oracle_speculator`: toy trunks and drafters.
+- `TrunkConformance`, `SpeculatorConformance`: suites to subclass (see `conformance`).
+- `ToyTrunk`, `MarkovTrunk`, `ScriptedSpeculator`, `oracle_speculator`: toy trunks and drafters.
 - `fixture_writer`: writes tiny GGUF fixtures with llama.cpp's key and tensor names.
 - `real_checkpoint`, `built_once` (and the `one_thread` fixture): shared test scaffolding (see `plugin`).
 
@@ -10,14 +10,14 @@ Imports are lazy so that loading the pytest plugin does not import torch.
 import importlib
 
 _EXPORTS = {
-    "TargetConformance": "verispec.testing.conformance",
+    "TrunkConformance": "verispec.testing.conformance",
     "SpeculatorConformance": "verispec.testing.conformance",
     "run_greedy": "verispec.testing.conformance",
     "run_greedy_requests": "verispec.testing.conformance",
     "forward_one": "verispec.testing.conformance",
     "plain_logits": "verispec.testing.conformance",
-    "ToyTarget": "verispec.testing.toy",
-    "MarkovTarget": "verispec.testing.toy",
+    "ToyTrunk": "verispec.testing.toy",
+    "MarkovTrunk": "verispec.testing.toy",
     "ScriptedSpeculator": "verispec.testing.toy",
     "oracle_speculator": "verispec.testing.toy",
     "real_checkpoint": "verispec.testing.plugin",

@@ -1,25 +1,25 @@
-"""Conformance suites a target or speculator runs against itself.
+"""Conformance suites a trunk or speculator runs against itself.
 
-A model package subclasses `TargetConformance` and provides one fixture, `target`, that
+A model package subclasses `TrunkConformance` and provides one fixture, `trunk`, that
 returns its trunk (the suite makes its own sequences). Optionally override `prompt` (valid
 token ids; longer than a sliding window, so keeping rows crosses it) and `atol` (used only
-when the target does not declare `spec_batch_invariant`):
+when the trunk does not declare `spec_batch_invariant`):
 
-    from verispec.testing import TargetConformance
+    from verispec.testing import TrunkConformance
 
-    class TestMyTrunk(TargetConformance):
+    class TestMyTrunk(TrunkConformance):
         @pytest.fixture(scope="class")
         @classmethod
-        def target(cls):
+        def trunk(cls):
             return load_my_tiny_model()
 
 A speculator plugin subclasses `SpeculatorConformance` and provides `make_speculator`, a
 fixture returning a zero-argument factory; the suite runs it on the toy trunk.
 
-The target must hold `required_context_length()` positions per sequence (219 with the
+The trunk must hold `required_context_length()` positions per sequence (219 with the
 default prompt and num_drift_steps; the suite fails at once, saying so, when it holds fewer).
 
-Target cases: (a) an n-row verify equals n one-row decodes; (b) a prefill's last row equals
+Trunk cases: (a) an n-row verify equals n one-row decodes; (b) a prefill's last row equals
 its rows' logits; (c) `keep` at every row count 0..K, K = 1..16, leaves the next logits
 equal to a plain run; (d) truncation is exact (or refused with CannotTruncate), and so is a
 fork, which never disturbs its source (a fork at the full length always works); (e) two and
@@ -31,7 +31,7 @@ window ends the step there; (j) requests arriving beside a speculating one, and 
 leave, each give their solo plain stream.
 
 The loops run the engine's path: each greedy stream is a request of a `Scheduler` over the
-target (`run_greedy`, `run_greedy_requests`), speculating as under `--spec-adaptive off`.
+trunk (`run_greedy`, `run_greedy_requests`), speculating as under `--spec-adaptive off`.
 The speculator suite checks a drafter's stream, its window and stop tokens, one speculator
 serving requests in turn (each drafts what it drafts alone), and requests beside each other.
 """
@@ -42,15 +42,15 @@ import random
 import pytest
 import torch
 
-from verispec.execution import DEFAULT_DRAFT_WINDOW
+from verispec.execution import DEFAULT_MAX_DRAFT_TOKENS
 from verispec.governor import SpeculationCostGovernor
 from verispec.nn.state import CannotTruncate
 from verispec.requests import Generation, Request, Speculation
 from verispec.sampling import SamplingParams
 from verispec.scheduler import DEFAULT_MAX_RUNNING, Scheduler
 from verispec.seams import DraftContext, Segment, declared
-from verispec.testing.toy import ToyTarget, oracle_speculator
-from verispec.window import DraftWindow
+from verispec.testing.toy import ToyTrunk, oracle_speculator
+from verispec.draft_length import DraftLengthPolicy
 
 
 class _TokenIds:
@@ -64,18 +64,18 @@ def _speculator_fault(reason: str) -> None:
     raise AssertionError(f"{reason}: a conformant speculator never faults")
 
 
-def run_greedy_requests(target, prompts, max_tokens, speculator=None, *, submit_at=None,
-                        max_running=DEFAULT_MAX_RUNNING, stop_at=None, draft_window=DEFAULT_DRAFT_WINDOW):
-    """Greedy-decode each prompt as one request of a `Scheduler` over `target`, the path the engine
+def run_greedy_requests(trunk, prompts, max_tokens, speculator=None, *, submit_at=None,
+                        max_running=DEFAULT_MAX_RUNNING, stop_at=None, max_draft_tokens=DEFAULT_MAX_DRAFT_TOKENS):
+    """Greedy-decode each prompt as one request of a `Scheduler` over `trunk`, the path the engine
     takes (prefill beside others' decodes, solo speculative steps, batched plain steps).
 
     max_tokens: an int, or one per prompt. speculator: shared by every request, speculating under
     `--spec-adaptive off` (every solo step of an armed request drafts) with the engine's draft
-    window model over 1..draft_window. submit_at: per prompt, the engine steps run before it is
+    window model over 1..max_draft_tokens. submit_at: per prompt, the engine steps run before it is
     submitted (default: all before the first). max_running: requests admitted at once (1: each
     runs alone, one after another; default the engine's). stop_at: a stop token id of every
     request (it is emitted; its finish_reason is "stop").
-    Finished sequences stay idle in the target, so each execution's `seq_len` stays readable.
+    Finished sequences stay idle in the trunk, so each execution's `seq_len` stays readable.
 
     Returns [(tokens, the request's SpeculativeExecution)] in prompt order. Raises the error of a
     failed engine step, and AssertionError when the speculator faults.
@@ -83,14 +83,14 @@ def run_greedy_requests(target, prompts, max_tokens, speculator=None, *, submit_
     n = len(prompts)
     limits = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
     arrivals = [0] * n if submit_at is None else list(submit_at)
-    scheduler = Scheduler(target, max_running=max_running, max_idle_sequences=n)
+    scheduler = Scheduler(trunk, max_running=max_running, max_idle_sequences=n)
     if speculator is not None:
         governor = SpeculationCostGovernor(enabled=False)
-        scheduler.set_speculation(Speculation(speculator, draft_window, governor, DraftWindow(draft_window),
+        scheduler.set_speculation(Speculation(speculator, governor, DraftLengthPolicy(max_draft_tokens),
                                               _speculator_fault))
     requests = [Request(Generation(scheduler.step), list(prompt), tokenizer=_TokenIds(), max_tokens=limit,
                         sampling=SamplingParams(), stop=(), stop_ids=() if stop_at is None else (stop_at,),
-                        max_context_length=target.max_context_length, vocab_size=target.vocab_size,
+                        max_context_length=trunk.max_context_length, vocab_size=trunk.vocab_size,
                         time_limit=None)
                 for prompt, limit in zip(prompts, limits)]
     waiting = sorted(range(n), key=lambda i: arrivals[i])
@@ -105,40 +105,40 @@ def run_greedy_requests(target, prompts, max_tokens, speculator=None, *, submit_
     return [(request.generation.result.tokens, request.execution) for request in requests]
 
 
-def run_greedy(target, prompt, max_tokens, speculator=None, *, stop_at=None,
-               draft_window=DEFAULT_DRAFT_WINDOW):
-    """Greedy-decode `max_tokens` tokens of one request alone in a new Scheduler over `target`
+def run_greedy(trunk, prompt, max_tokens, speculator=None, *, stop_at=None,
+               max_draft_tokens=DEFAULT_MAX_DRAFT_TOKENS):
+    """Greedy-decode `max_tokens` tokens of one request alone in a new Scheduler over `trunk`
     (see `run_greedy_requests`); returns (tokens, its SpeculativeExecution)."""
-    return run_greedy_requests(target, [prompt], max_tokens, speculator, stop_at=stop_at,
-                               draft_window=draft_window)[0]
+    return run_greedy_requests(trunk, [prompt], max_tokens, speculator, stop_at=stop_at,
+                               max_draft_tokens=max_draft_tokens)[0]
 
 
-def forward_one(target, seq, tokens, *, logits="all", hidden=False, tap_layers=None, verify=False):
-    """One segment through `target.forward`; returns its SegmentOutput."""
-    return target.forward([Segment(seq, list(tokens), logits=logits, hidden=hidden, tap_layers=tap_layers,
+def forward_one(trunk, seq, tokens, *, logits="all", hidden=False, tap_layers=None, verify=False):
+    """One segment through `trunk.forward`; returns its SegmentOutput."""
+    return trunk.forward([Segment(seq, list(tokens), logits=logits, hidden=hidden, tap_layers=tap_layers,
                                    verify=verify)])[0]
 
 
-def plain_logits(target, tokens):
+def plain_logits(trunk, tokens):
     """Logits fp32 [n, V] of each row, fed one token per forward into a new sequence."""
-    seq = target.new_sequence()
-    rows = torch.cat([forward_one(target, seq, [t]).logits for t in tokens])
-    target.release(seq)
+    seq = trunk.new_sequence()
+    rows = torch.cat([forward_one(trunk, seq, [t]).logits for t in tokens])
+    trunk.release(seq)
     return rows
 
 
-def _assert_rows_equal(target, actual, expected, atol, what=""):
-    if declared(target, "spec_batch_invariant"):
+def _assert_rows_equal(trunk, actual, expected, atol, what=""):
+    if declared(trunk, "spec_batch_invariant"):
         assert torch.equal(actual, expected), (
             f"{what} max |diff| {(actual - expected).abs().max().item():.3g} (declared batch-invariant)")
     else:
         torch.testing.assert_close(actual, expected, atol=atol, rtol=0, msg=lambda m: f"{what} {m}")
 
 
-class TargetConformance:
+class TrunkConformance:
     prompt = [1, 5, 9, 2, 7, 3, 11, 4, 8, 6, 10, 12]
     atol = 1e-4
-    max_window = 8
+    max_draft_tokens = 8
     #: verify widths K for the keep case (rows 0..K kept for every K in 1..max_keep_rows).
     max_keep_rows = 16
     num_drift_steps = 200
@@ -151,104 +151,104 @@ class TargetConformance:
         return longest + cls.num_drift_steps + 7
 
     @pytest.fixture(autouse=True)
-    def _context_is_long_enough(self, target):
+    def _context_is_long_enough(self, trunk):
         need = self.required_context_length()
-        if target.max_context_length < need:
-            pytest.fail(f"TargetConformance needs a target with max_context_length >= {need} (the longest "
-                        f"prompt + num_drift_steps + 7); this one holds {target.max_context_length}: load it "
+        if trunk.max_context_length < need:
+            pytest.fail(f"TrunkConformance needs a trunk with max_context_length >= {need} (the longest "
+                        f"prompt + num_drift_steps + 7); this one holds {trunk.max_context_length}: load it "
                         "with a longer context, or lower num_drift_steps / shorten prompt in the subclass")
 
     @pytest.fixture
-    def vocab_size(self, target):
-        return target.vocab_size
+    def vocab_size(self, trunk):
+        return trunk.vocab_size
 
-    def _greedy_continuation(self, target, n):
-        return run_greedy(target, self.prompt, n)[0]
+    def _greedy_continuation(self, trunk, n):
+        return run_greedy(trunk, self.prompt, n)[0]
 
-    def test_verify_rows_equal_one_row_decodes(self, target):
-        extra = self._greedy_continuation(target, self.max_window + 1)
-        expected = plain_logits(target, self.prompt + extra)[len(self.prompt):]
-        for k in range(2, self.max_window + 2):
-            seq = target.new_sequence()
-            forward_one(target, seq, self.prompt, logits="last")
-            got = forward_one(target, seq, extra[:k], verify=True).logits
-            _assert_rows_equal(target, got, expected[:k], self.atol, f"{k}-row verify:")
-            target.release(seq)
+    def test_verify_rows_equal_one_row_decodes(self, trunk):
+        extra = self._greedy_continuation(trunk, self.max_draft_tokens + 1)
+        expected = plain_logits(trunk, self.prompt + extra)[len(self.prompt):]
+        for k in range(2, self.max_draft_tokens + 2):
+            seq = trunk.new_sequence()
+            forward_one(trunk, seq, self.prompt, logits="last")
+            got = forward_one(trunk, seq, extra[:k], verify=True).logits
+            _assert_rows_equal(trunk, got, expected[:k], self.atol, f"{k}-row verify:")
+            trunk.release(seq)
 
-    def test_prefill_last_row_and_taps(self, target):
-        seq = target.new_sequence()
-        last = forward_one(target, seq, self.prompt, logits="last").logits
-        every = forward_one(target, target.new_sequence(), self.prompt, logits="all", hidden=True)
-        _assert_rows_equal(target, last[0], every.logits[-1], self.atol)
-        assert every.logits.dtype == torch.float32 and every.logits.shape == (len(self.prompt), target.vocab_size)
-        assert every.hidden.shape == (len(self.prompt), target.view().tap_feature_size(None))
-        assert target.seq_len(seq) == len(self.prompt)
+    def test_prefill_last_row_and_taps(self, trunk):
+        seq = trunk.new_sequence()
+        last = forward_one(trunk, seq, self.prompt, logits="last").logits
+        every = forward_one(trunk, trunk.new_sequence(), self.prompt, logits="all", hidden=True)
+        _assert_rows_equal(trunk, last[0], every.logits[-1], self.atol)
+        assert every.logits.dtype == torch.float32 and every.logits.shape == (len(self.prompt), trunk.vocab_size)
+        assert every.hidden.shape == (len(self.prompt), trunk.view().tap_feature_size(None))
+        assert trunk.seq_len(seq) == len(self.prompt)
 
-    def test_keep_at_every_row_count(self, target):
+    def test_keep_at_every_row_count(self, trunk):
         """For every verify width K and every kept count a in 0..K: the next row equals a plain run's."""
-        plain = self._greedy_continuation(target, self.max_keep_rows + 1)
-        reference = plain_logits(target, self.prompt + plain)  # row i: logits after token i
+        plain = self._greedy_continuation(trunk, self.max_keep_rows + 1)
+        reference = plain_logits(trunk, self.prompt + plain)  # row i: logits after token i
         p = len(self.prompt)
         for k in range(1, self.max_keep_rows + 1):
             for a in range(k + 1):
-                rows = plain[:a] + [(t + 1) % target.vocab_size for t in plain[a:k]]  # rows past a are wrong
-                seq = target.new_sequence()
-                forward_one(target, seq, self.prompt, logits="none")
-                forward_one(target, seq, rows, logits="none", verify=True)
-                target.keep(seq, a)
-                assert target.seq_len(seq) == p + a
-                after = forward_one(target, seq, [plain[a]]).logits[0]
-                _assert_rows_equal(target, after, reference[p + a], self.atol, f"K={k}, kept {a}:")
-                target.release(seq)
+                rows = plain[:a] + [(t + 1) % trunk.vocab_size for t in plain[a:k]]  # rows past a are wrong
+                seq = trunk.new_sequence()
+                forward_one(trunk, seq, self.prompt, logits="none")
+                forward_one(trunk, seq, rows, logits="none", verify=True)
+                trunk.keep(seq, a)
+                assert trunk.seq_len(seq) == p + a
+                after = forward_one(trunk, seq, [plain[a]]).logits[0]
+                _assert_rows_equal(trunk, after, reference[p + a], self.atol, f"K={k}, kept {a}:")
+                trunk.release(seq)
 
-    def test_keep_needs_a_verify(self, target):
-        seq = target.new_sequence()
-        forward_one(target, seq, self.prompt)
+    def test_keep_needs_a_verify(self, trunk):
+        seq = trunk.new_sequence()
+        forward_one(trunk, seq, self.prompt)
         with pytest.raises(ValueError, match="verify"):
-            target.keep(seq, 1)
+            trunk.keep(seq, 1)
 
-    def test_truncate_is_exact_or_refused(self, target):
-        tail = self._greedy_continuation(target, 6)
-        seq = target.new_sequence()
-        forward_one(target, seq, self.prompt, logits="none")
-        first = forward_one(target, seq, tail).logits
+    def test_truncate_is_exact_or_refused(self, trunk):
+        tail = self._greedy_continuation(trunk, 6)
+        seq = trunk.new_sequence()
+        forward_one(trunk, seq, self.prompt, logits="none")
+        first = forward_one(trunk, seq, tail).logits
         try:
-            target.truncate(seq, len(self.prompt))
+            trunk.truncate(seq, len(self.prompt))
         except CannotTruncate:
-            assert target.seq_len(seq) == len(self.prompt) + len(tail)  # refused: nothing changed
+            assert trunk.seq_len(seq) == len(self.prompt) + len(tail)  # refused: nothing changed
         else:
-            assert target.seq_len(seq) == len(self.prompt)
-            assert torch.equal(forward_one(target, seq, tail).logits, first)
-        target.truncate(seq, 0)  # always possible: empties the sequence
-        assert target.seq_len(seq) == 0
-        forward_one(target, seq, self.prompt, logits="none")
-        assert torch.equal(forward_one(target, seq, tail).logits, first)
+            assert trunk.seq_len(seq) == len(self.prompt)
+            assert torch.equal(forward_one(trunk, seq, tail).logits, first)
+        trunk.truncate(seq, 0)  # always possible: empties the sequence
+        assert trunk.seq_len(seq) == 0
+        forward_one(trunk, seq, self.prompt, logits="none")
+        assert torch.equal(forward_one(trunk, seq, tail).logits, first)
 
-    def test_fork_is_exact_or_refused_and_leaves_the_source(self, target):
-        tail = self._greedy_continuation(target, 6)
-        source = target.new_sequence()
-        forward_one(target, source, self.prompt, logits="none")
-        expected = forward_one(target, source, tail).logits  # the tail's rows after the prompt
+    def test_fork_is_exact_or_refused_and_leaves_the_source(self, trunk):
+        tail = self._greedy_continuation(trunk, 6)
+        source = trunk.new_sequence()
+        forward_one(trunk, source, self.prompt, logits="none")
+        expected = forward_one(trunk, source, tail).logits  # the tail's rows after the prompt
         try:
-            prefix = target.fork(source, len(self.prompt))
+            prefix = trunk.fork(source, len(self.prompt))
         except CannotTruncate:
             pass  # the state kinds cannot be cut back there (recurrent state)
         else:
-            assert target.seq_len(prefix) == len(self.prompt)
-            assert torch.equal(forward_one(target, prefix, tail).logits, expected)
-            target.release(prefix)
-        whole = target.fork(source, target.seq_len(source))
-        from_fork = forward_one(target, whole, tail[:3]).logits
-        from_source = forward_one(target, source, tail[:3]).logits  # after the fork wrote its own rows
+            assert trunk.seq_len(prefix) == len(self.prompt)
+            assert torch.equal(forward_one(trunk, prefix, tail).logits, expected)
+            trunk.release(prefix)
+        whole = trunk.fork(source, trunk.seq_len(source))
+        from_fork = forward_one(trunk, whole, tail[:3]).logits
+        from_source = forward_one(trunk, source, tail[:3]).logits  # after the fork wrote its own rows
         assert torch.equal(from_fork, from_source)
-        fresh = target.new_sequence()
-        forward_one(target, fresh, self.prompt + tail, logits="none")
-        _assert_rows_equal(target, from_source, forward_one(target, fresh, tail[:3]).logits, self.atol,
+        fresh = trunk.new_sequence()
+        forward_one(trunk, fresh, self.prompt + tail, logits="none")
+        _assert_rows_equal(trunk, from_source, forward_one(trunk, fresh, tail[:3]).logits, self.atol,
                            "the source after a fork:")
         for seq in (source, whole, fresh):
-            target.release(seq)
+            trunk.release(seq)
 
-    def test_sequences_in_one_forward_equal_their_solo_runs(self, target):
+    def test_sequences_in_one_forward_equal_their_solo_runs(self, trunk):
         """Prefill of one sequence beside decodes and verifies of others, two and three at a time."""
         prompts = [self.prompt, self.prompt[::-1] + self.prompt[:3], self.prompt[2:] * 2]
         steps = [  # per step, per sequence: (rows to append, verify?) or None (not in this forward)
@@ -258,32 +258,32 @@ class TargetConformance:
             [(prompts[1][:6], True), ([7], False), ([2], False)],
         ]
         keeps = {(1, 0): 2, (2, 2): 3, (3, 0): 6}  # (step, sequence) -> rows kept after that verify
-        together = [target.new_sequence() for _ in prompts]
-        alone = [target.new_sequence() for _ in prompts]
+        together = [trunk.new_sequence() for _ in prompts]
+        alone = [trunk.new_sequence() for _ in prompts]
         for step, plan in enumerate(steps):
             batch = [Segment(together[i], rows, logits="all", verify=verify)
                      for i, entry in enumerate(plan) if entry is not None for rows, verify in [entry]]
-            outputs = target.forward(batch)
+            outputs = trunk.forward(batch)
             for seg, out in zip(batch, outputs):
                 i = together.index(seg.seq)
-                solo = forward_one(target, alone[i], seg.tokens, verify=seg.verify).logits
-                _assert_rows_equal(target, out.logits, solo, self.atol, f"step {step}, sequence {i}:")
+                solo = forward_one(trunk, alone[i], seg.tokens, verify=seg.verify).logits
+                _assert_rows_equal(trunk, out.logits, solo, self.atol, f"step {step}, sequence {i}:")
             for (when, i), kept in keeps.items():
                 if when == step:
-                    target.keep(together[i], kept)
-                    target.keep(alone[i], kept)
-        assert [target.seq_len(s) for s in together] == [target.seq_len(s) for s in alone]
+                    trunk.keep(together[i], kept)
+                    trunk.keep(alone[i], kept)
+        assert [trunk.seq_len(s) for s in together] == [trunk.seq_len(s) for s in alone]
 
-    def test_random_batched_steps_do_not_drift(self, target):
+    def test_random_batched_steps_do_not_drift(self, trunk):
         """Three sequences verify random drafts together, keep random counts; each stream stays
         its plain greedy stream."""
         rng = random.Random(0)
         n = self.num_drift_steps
         prompts = [self.prompt, self.prompt[::-1], self.prompt[1::2] * 2]
-        plains = [run_greedy(target, p, n + 8)[0] for p in prompts]
-        seqs = [target.new_sequence() for _ in prompts]
+        plains = [run_greedy(trunk, p, n + 8)[0] for p in prompts]
+        seqs = [trunk.new_sequence() for _ in prompts]
         emitted: list[list[int]] = [[] for _ in prompts]
-        firsts = target.forward([Segment(s, p) for s, p in zip(seqs, prompts)])
+        firsts = trunk.forward([Segment(s, p) for s, p in zip(seqs, prompts)])
         for out, stream in zip(firsts, emitted):
             stream.append(int(out.logits[-1].argmax()))
         for _ in range(n):
@@ -294,9 +294,9 @@ class TargetConformance:
             for i in live:
                 want = plains[i][len(emitted[i]):len(emitted[i]) + rng.randint(0, 6)]
                 right = rng.randint(0, len(want))
-                draft = want[:right] + [(t + 1) % target.vocab_size for t in want[right:]]
+                draft = want[:right] + [(t + 1) % trunk.vocab_size for t in want[right:]]
                 batch.append(Segment(seqs[i], [emitted[i][-1], *draft], logits="all", verify=True))
-            for i, seg, out in zip(live, batch, target.forward(batch)):
+            for i, seg, out in zip(live, batch, trunk.forward(batch)):
                 kept = 0
                 for row in range(seg.tokens.numel()):
                     token = int(out.logits[row].argmax())
@@ -304,50 +304,50 @@ class TargetConformance:
                     kept += 1
                     if row + 1 >= seg.tokens.numel() or token != int(seg.tokens[row + 1]):
                         break
-                target.keep(seqs[i], kept)
+                trunk.keep(seqs[i], kept)
         for i, (got, plain) in enumerate(zip(emitted, plains)):
             first_diff = next((j for j, (a, b) in enumerate(zip(got, plain)) if a != b), None)
             assert got[:n] == plain[:len(got[:n])], f"sequence {i}: first divergence at output token {first_diff}"
 
-    def test_perfect_and_wrong_drafters_give_the_plain_stream(self, target, vocab_size):
+    def test_perfect_and_wrong_drafters_give_the_plain_stream(self, trunk, vocab_size):
         n = 24
-        plain = run_greedy(target, self.prompt, n)[0]
+        plain = run_greedy(trunk, self.prompt, n)[0]
         reference = self.prompt + plain
-        perfect, ex = run_greedy(target, self.prompt, n, oracle_speculator(reference, vocab_size=vocab_size))
+        perfect, ex = run_greedy(trunk, self.prompt, n, oracle_speculator(reference, vocab_size=vocab_size))
         assert perfect == plain
         assert ex.stats.acceptance_rate == 1.0 and ex.stats.num_spec_steps < n // 2
-        wrong, ex = run_greedy(target, self.prompt, n, oracle_speculator(reference, correct=0, vocab_size=vocab_size))
+        wrong, ex = run_greedy(trunk, self.prompt, n, oracle_speculator(reference, correct=0, vocab_size=vocab_size))
         assert wrong == plain
         assert ex.stats.num_accepted_tokens == 0 and ex.stats.num_draft_tokens > 0
 
-    def test_random_accept_counts_do_not_drift(self, target, vocab_size):
+    def test_random_accept_counts_do_not_drift(self, trunk, vocab_size):
         n = self.num_drift_steps
-        plain = run_greedy(target, self.prompt, n)[0]
+        plain = run_greedy(trunk, self.prompt, n)[0]
         speculator = oracle_speculator(self.prompt + plain, vocab_size=vocab_size, rng=random.Random(0))
-        got, ex = run_greedy(target, self.prompt, n, speculator)
+        got, ex = run_greedy(trunk, self.prompt, n, speculator)
         first_diff = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), None)
         assert got == plain, f"first divergence at output token {first_diff}"
         assert 0 < ex.stats.num_accepted_tokens < ex.stats.num_draft_tokens
 
-    def test_stop_inside_accepted_window(self, target, vocab_size):
-        plain = run_greedy(target, self.prompt, 16)[0]
+    def test_stop_inside_accepted_window(self, trunk, vocab_size):
+        plain = run_greedy(trunk, self.prompt, 16)[0]
         stop_index = 5
         speculator = oracle_speculator(self.prompt + plain, vocab_size=vocab_size)
-        got, ex = run_greedy(target, self.prompt, 16, speculator, stop_at=plain[stop_index])
+        got, ex = run_greedy(trunk, self.prompt, 16, speculator, stop_at=plain[stop_index])
         expected = plain[:plain.index(plain[stop_index]) + 1]
         assert got == expected
         # the stop token is pending, exactly as after a plain run: the sequence holds everything before it
         assert ex.seq_len == len(self.prompt) + len(expected) - 1
 
-    def test_requests_beside_a_speculating_one_give_their_plain_streams(self, target, vocab_size):
+    def test_requests_beside_a_speculating_one_give_their_plain_streams(self, trunk, vocab_size):
         """One scheduler: a request speculates alone, two more arrive (their prefills beside its
         decodes), leave, and it resumes speculating; every stream is its solo plain stream."""
         prompts = [self.prompt, self.prompt[::-1], self.prompt[1::2] * 2]
         limits = [40, 8, 12]
-        plains = [run_greedy(target, p, n)[0] for p, n in zip(prompts, limits)]
+        plains = [run_greedy(trunk, p, n)[0] for p, n in zip(prompts, limits)]
         speculator = oracle_speculator(self.prompt + plains[0], vocab_size=vocab_size, rng=random.Random(1))
         arrivals = [0, 3, 4]  # step 0 prefills the first; steps 1 and 2 speculate
-        runs = run_greedy_requests(target, prompts, limits, speculator, submit_at=arrivals)
+        runs = run_greedy_requests(trunk, prompts, limits, speculator, submit_at=arrivals)
         for i, ((got, _), plain) in enumerate(zip(runs, plains)):
             first_diff = next((j for j, (a, b) in enumerate(zip(got, plain)) if a != b), None)
             assert got == plain, f"request {i}: first divergence at output token {first_diff}"
@@ -363,12 +363,12 @@ class SpeculatorConformance:
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4] * 3
 
     @pytest.fixture
-    def toy_target(self):
-        return ToyTarget(vocab_size=16, recurrent=True)
+    def toy_trunk(self):
+        return ToyTrunk(vocab_size=16, recurrent=True)
 
-    def test_stream_equals_plain_greedy(self, toy_target, make_speculator):
-        plain = run_greedy(toy_target, self.prompt, 64)[0]
-        got, _ = run_greedy(toy_target, self.prompt, 64, make_speculator())
+    def test_stream_equals_plain_greedy(self, toy_trunk, make_speculator):
+        plain = run_greedy(toy_trunk, self.prompt, 64)[0]
+        got, _ = run_greedy(toy_trunk, self.prompt, 64, make_speculator())
         assert got == plain
 
     def _seeded(self, speculator):
@@ -381,53 +381,53 @@ class SpeculatorConformance:
         state = self._seeded(speculator)
         for window in (1, 2, 5):
             draft = speculator.propose(state, DraftContext(last_token=self.prompt[0], pos=len(self.prompt),
-                                                           draft_window=window,
+                                                           draft_length=window,
                                                            min_draft_prob=speculator.min_draft_prob))
             assert len(draft) <= window and all(isinstance(t, int) for t in draft)
 
     def test_silent_at_a_stop_token(self, make_speculator):
         speculator = make_speculator()
         state = self._seeded(speculator)
-        ctx = DraftContext(last_token=self.prompt[0], pos=len(self.prompt), draft_window=4,
+        ctx = DraftContext(last_token=self.prompt[0], pos=len(self.prompt), draft_length=4,
                            min_draft_prob=speculator.min_draft_prob, stop_token_ids=frozenset({self.prompt[0]}))
         assert speculator.propose(state, ctx) == []
 
-    def test_one_speculator_serves_requests_in_turn(self, toy_target, make_speculator):
+    def test_one_speculator_serves_requests_in_turn(self, toy_trunk, make_speculator):
         """Per-sequence state: two requests of one scheduler share one speculator and run alone in
         turn; each gives its own plain stream, and drafts and has accepted what it does alone."""
         prompts = [self.prompt, self.prompt[5:] + self.prompt[:5]]
-        plains = [run_greedy(toy_target, p, 32)[0] for p in prompts]
-        solos = [run_greedy(toy_target, p, 32, make_speculator())[1].stats for p in prompts]
-        runs = run_greedy_requests(toy_target, prompts, 32, make_speculator(), max_running=1)
+        plains = [run_greedy(toy_trunk, p, 32)[0] for p in prompts]
+        solos = [run_greedy(toy_trunk, p, 32, make_speculator())[1].stats for p in prompts]
+        runs = run_greedy_requests(toy_trunk, prompts, 32, make_speculator(), max_running=1)
         assert [tokens for tokens, _ in runs] == plains
         # a state leaking across requests (or kept on the speculator itself) changes the drafts
         assert [ex.stats for _, ex in runs] == solos
 
-    def test_requests_beside_each_other_give_their_plain_streams(self, toy_target, make_speculator):
+    def test_requests_beside_each_other_give_their_plain_streams(self, toy_trunk, make_speculator):
         """One speculator through a batched interlude: the first request speculates alone, two
         more arrive (prefills beside its decodes, no drafting), the short one leaves, the first
         finishes, and the last drafts alone over what it committed in the batch."""
         prompts = [self.prompt, self.prompt[5:] + self.prompt[:5], self.prompt[3:12]]
         limits = [48, 6, 64]
-        plains = [run_greedy(toy_target, p, n)[0] for p, n in zip(prompts, limits)]
-        runs = run_greedy_requests(toy_target, prompts, limits, make_speculator(), submit_at=[0, 3, 3])
+        plains = [run_greedy(toy_trunk, p, n)[0] for p, n in zip(prompts, limits)]
+        runs = run_greedy_requests(toy_trunk, prompts, limits, make_speculator(), submit_at=[0, 3, 3])
         assert [tokens for tokens, _ in runs] == plains
         first, _, last = (ex.stats for _, ex in runs)
         assert first.num_plain_steps > 0 and last.num_plain_steps > 0  # the batched steps happened
         assert last.num_spec_steps + last.num_no_draft_steps > 0  # and the last was asked to draft alone
 
-    def test_a_request_drafts_the_same_whatever_runs_beside_it(self, toy_target, make_speculator):
+    def test_a_request_drafts_the_same_whatever_runs_beside_it(self, toy_trunk, make_speculator):
         """A request speculates alone, decodes in a batch beside two short ones, and speculates
         again after they leave: its stream and its draft/accept counts do not depend on which
         requests those were (its state sees only its own sequence; the toy is batch-invariant)."""
         limits, arrivals = [64, 6, 10], [0, 3, 3]
-        plain = run_greedy(toy_target, self.prompt, limits[0])[0]
+        plain = run_greedy(toy_trunk, self.prompt, limits[0])[0]
         stats = []
         for companions in ([self.prompt[5:20], self.prompt[7:30]], [self.prompt[9:40], self.prompt[2:9] * 2]):
-            runs = run_greedy_requests(toy_target, [self.prompt, *companions], limits, make_speculator(),
+            runs = run_greedy_requests(toy_trunk, [self.prompt, *companions], limits, make_speculator(),
                                        submit_at=arrivals)
             assert runs[0][0] == plain
-            assert [tokens for tokens, _ in runs[1:]] == [run_greedy(toy_target, p, n)[0]
+            assert [tokens for tokens, _ in runs[1:]] == [run_greedy(toy_trunk, p, n)[0]
                                                           for p, n in zip(companions, limits[1:])]
             stats.append(runs[0][1].stats)
         assert stats[0] == stats[1]

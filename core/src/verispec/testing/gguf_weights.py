@@ -37,25 +37,25 @@ def assert_file_block_tensors_exact(path: str | os.PathLike) -> dict[str, int]:
     return checked
 
 
-def assert_verify_rows_are_one_row_decodes(target, tokens: Sequence[int], prefix: int, max_rows: int = 9) -> None:
+def assert_verify_rows_are_one_row_decodes(trunk, tokens: Sequence[int], prefix: int, max_rows: int = 9) -> None:
     """After `prefix` tokens, a k-row verify of the next k tokens (k = 2..max_rows) gives logits
     bitwise equal to one-row decodes of the same tokens: the batch invariance a `gguf`-mode
     trunk declares, on a real file's block linears of several types."""
     from verispec.testing import forward_one
 
     assert len(tokens) >= prefix + max_rows, "too few tokens for the prefix and the widest verify"
-    seq = target.new_sequence()
-    forward_one(target, seq, tokens[:prefix], logits="last")
-    alone = torch.cat([forward_one(target, seq, tokens[i:i + 1]).logits for i in range(prefix, prefix + max_rows)])
-    target.truncate(seq, prefix)
+    seq = trunk.new_sequence()
+    forward_one(trunk, seq, tokens[:prefix], logits="last")
+    alone = torch.cat([forward_one(trunk, seq, tokens[i:i + 1]).logits for i in range(prefix, prefix + max_rows)])
+    trunk.truncate(seq, prefix)
     for k in range(2, max_rows + 1):
-        rows = forward_one(target, seq, tokens[prefix:prefix + k], verify=True).logits
+        rows = forward_one(trunk, seq, tokens[prefix:prefix + k], verify=True).logits
         assert torch.equal(rows, alone[:k]), f"k={k}: max |diff| {(rows - alone[:k]).abs().max():.3g}"
-        target.keep(seq, 0)
-    target.release(seq)
+        trunk.keep(seq, 0)
+    trunk.release(seq)
 
 
-def assert_fused_layers_are_op_by_op(target, tokens: Sequence[int], prefill: int) -> None:
+def assert_fused_layers_are_op_by_op(trunk, tokens: Sequence[int], prefill: int) -> None:
     """A family whose layers can run as one C call each (`fused`, nn.layers) gives the op-by-op
     forward's logits bitwise: a `prefill`-token prefill (chunked when longer than the chunk),
     three one-row decodes and a 7-row verify, fused then op by op; the fused kernel must have run
@@ -72,25 +72,25 @@ def assert_fused_layers_are_op_by_op(target, tokens: Sequence[int], prefill: int
         return original(self, *args)
 
     def run(fused: bool) -> list[torch.Tensor]:
-        for layer in target.model.layers:
+        for layer in trunk.model.layers:
             layer.fused = fused
-        seq = target.new_sequence()
-        out = [forward_one(target, seq, tokens[:prefill], logits="all").logits]
-        out += [forward_one(target, seq, tokens[prefill + i:prefill + i + 1]).logits for i in range(3)]
-        out.append(forward_one(target, seq, tokens[prefill + 3:prefill + 10], verify=True).logits)
-        target.release(seq)
+        seq = trunk.new_sequence()
+        out = [forward_one(trunk, seq, tokens[:prefill], logits="all").logits]
+        out += [forward_one(trunk, seq, tokens[prefill + i:prefill + i + 1]).logits for i in range(3)]
+        out.append(forward_one(trunk, seq, tokens[prefill + 3:prefill + 10], verify=True).logits)
+        trunk.release(seq)
         return out
 
     DecoderLayerKernel.__call__ = counted
     try:
         fused = run(True)
-        assert len(calls) >= 5 * len(target.model.layers), "the fused layers did not run"
+        assert len(calls) >= 5 * len(trunk.model.layers), "the fused layers did not run"
         count = len(calls)
         plain = run(False)
         assert len(calls) == count, "switched off, the fused layers still ran"
     finally:
         DecoderLayerKernel.__call__ = original
-        for layer in target.model.layers:
+        for layer in trunk.model.layers:
             layer.fused = True
     for i, (a, b) in enumerate(zip(fused, plain)):
         assert torch.equal(a, b), f"forward {i}: max |diff| {(a - b).abs().max():.3g}"

@@ -24,11 +24,11 @@ def pytest_configure(config):
 
 
 @pytest.fixture
-def toy_target():
-    """A fresh `verispec.testing.ToyTarget` (vocab 16, one recurrent layer)."""
-    from verispec.testing.toy import ToyTarget
+def toy_trunk():
+    """A fresh `verispec.testing.ToyTrunk` (vocab 16, one recurrent layer)."""
+    from verispec.testing.toy import ToyTrunk
 
-    return ToyTarget(vocab_size=16, recurrent=True)
+    return ToyTrunk(vocab_size=16, recurrent=True)
 
 
 @pytest.fixture(scope="module")

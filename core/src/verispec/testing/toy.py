@@ -1,6 +1,6 @@
 """Tiny trunks and scripted drafters for conformance tests (fp32, CPU, deterministic).
 
-`ToyTarget` is a two-layer model on the real seam (`nn.trunk.SequenceTrunk`): a recurrent
+`ToyTrunk` is a two-layer model on the real seam (`nn.trunk.SequenceTrunk`): a recurrent
 layer — a depthwise short convolution then a delta-rule matrix state, the shape of
 GatedDeltaNet / Mamba-2 state at toy size — and one attention layer over a `PagedKVCache`.
 Its recurrent state (`nn.state.RecurrentState`: conv tail [2, D], matrix [D, D]) is recorded
@@ -66,7 +66,7 @@ def reference_short_conv(padded: torch.Tensor, weight: torch.Tensor) -> torch.Te
     return out
 
 
-class ToyTarget(SequenceTrunk):
+class ToyTrunk(SequenceTrunk):
     """Layer 0: recurrent (delta rule over a short conv), or identity when recurrent=False;
     layer 1: one-head causal attention. Taps: residuals entering layer 0 (the embedding) and
     layer 1; the final row is the output of layer 1 (no final norm)."""
@@ -142,7 +142,7 @@ class ToyTarget(SequenceTrunk):
         return h + torch.softmax(scores, dim=0) @ v[0]
 
 
-class MarkovTarget(SequenceTrunk):
+class MarkovTrunk(SequenceTrunk):
     """Logits depend only on the row's token: logits = table[token] (fp32 [V, V]).
 
     Cheap enough for 100k-draw distribution tests; batch-invariant (pure indexing). Its
@@ -200,7 +200,7 @@ class ScriptedSpeculator(Speculator):
 
     def propose(self, state, ctx):
         self.last_state = state
-        return list(self.script(ctx))[:ctx.draft_window]
+        return list(self.script(ctx))[:ctx.draft_length]
 
     def commit(self, state, tokens, hidden_rows, start_pos):
         if start_pos != len(state.committed):
@@ -224,7 +224,7 @@ class EchoSpeculator(Speculator):
         seq = history + [ctx.last_token]
         for i in range(len(seq) - 2, -1, -1):
             if seq[i] == ctx.last_token:
-                return seq[i + 1:i + 1 + ctx.draft_window]
+                return seq[i + 1:i + 1 + ctx.draft_length]
         return []
 
     def commit(self, history, tokens, hidden_rows, start_pos):
@@ -240,7 +240,7 @@ def oracle_speculator(reference: Sequence[int], *, correct: int | None = None, v
     rng: a random.Random choosing how many drafts are right each step (random accept counts).
     """
     def script(ctx):
-        want = list(reference[ctx.pos + 1:ctx.pos + 1 + ctx.draft_window])
+        want = list(reference[ctx.pos + 1:ctx.pos + 1 + ctx.draft_length])
         if not want:
             return [0]
         n_right = len(want) if correct is None and rng is None else (
@@ -270,15 +270,15 @@ def write_toy_gguf(path, *, vocab_size: int = 300, dim: int = 16, recurrent: boo
                       vocab=byte_level_vocab(vocab_size, chat_template=chat_template))
 
 
-def load_toy_gguf(path, *, dtype=None, context_length=None) -> ToyTarget:
-    """TargetSpec loader for `write_toy_gguf` files."""
+def load_toy_gguf(path, *, dtype=None, context_length=None) -> ToyTrunk:
+    """TrunkSpec loader for `write_toy_gguf` files."""
     from verispec.gguf_io import GGUFFile
     from verispec.tokenizer import Tokenizer
 
     gguf = GGUFFile.open(path)
-    target = ToyTarget(gguf.require("toy.vocab_size"), gguf.require("toy.embedding_length"),
+    trunk = ToyTrunk(gguf.require("toy.vocab_size"), gguf.require("toy.embedding_length"),
                        recurrent=bool(gguf.require("toy.recurrent")), seed=gguf.require("toy.seed"),
                        max_context_length=context_length or gguf.require("toy.context_length"))
-    target.trained_context_length = gguf.require("toy.context_length")  # as a real loader reads it
-    target.tokenizer = Tokenizer.from_gguf(gguf, use_cache=False)
-    return target
+    trunk.trained_context_length = gguf.require("toy.context_length")  # as a real loader reads it
+    trunk.tokenizer = Tokenizer.from_gguf(gguf, use_cache=False)
+    return trunk

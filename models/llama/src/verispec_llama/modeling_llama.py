@@ -250,7 +250,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(TrunkModule):
-    """The llama/qwen2 trunk: a `SpeculativeTarget` (the seam is verispec.nn.trunk.SequenceTrunk).
+    """The llama/qwen2 trunk: a `Trunk` (the seam is verispec.nn.trunk.SequenceTrunk).
 
     dtype: weight dtype ("int8" | "bfloat16" | "float32", see verispec.weights.quant).
     max_rows_per_forward: longer inputs run in chunks this long (exact for batch-invariant
@@ -263,11 +263,11 @@ class LlamaForCausalLM(TrunkModule):
     None when tied; biases are model.layers.{i}.self_attn.{qkv,o}_bias.
     """
 
-    # The K ceiling; DraftWindow picks each step's K below it from measured row costs. A
+    # The K ceiling; DraftLengthPolicy picks each step's K below it from measured row costs. A
     # (K+1)-row verify relative to one row (README.md "Verify cost", SmolLM2 / Qwen2.5-Coder):
     # int8 5 rows 1.36x / 1.39x, 9 rows 1.84x / 2.64x; bf16 <= 1.1x up to 9 rows; fp32 1.9x /
     # 2.6x at 9. At full acceptance 9 rows emit the most tokens per row-time in every dtype.
-    spec_preferred_draft_window = 8
+    spec_preferred_max_draft_tokens = 8
 
     def __init__(self, config: LlamaConfig, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
                  context_length: int | None = None, device="meta"):

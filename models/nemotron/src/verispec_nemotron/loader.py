@@ -1,6 +1,6 @@
 """GGUF -> config -> module for nemotron_h and nemotron_h_moe files: I/O only, no math beyond dequantise.
 
-`load(path, dtype=..., context_length=...)` is the TargetSpec loader. Steps:
+`load(path, dtype=..., context_length=...)` is the TrunkSpec loader. Steps:
 1. `GGUFFile.open` (verispec.gguf_io): metadata and the tensor table.
 2. `NemotronHConfig.from_gguf`: sizes and the block pattern (per-layer head_count_kv /
    feed_forward_length, a router tensor marking MoE blocks), then a model on the meta device.

@@ -451,7 +451,7 @@ class NemotronHModel(nn.Module):
 
 
 class NemotronHForCausalLM(TrunkModule):
-    """The Nemotron-H trunk: a `SpeculativeTarget` (the seam is verispec.nn.trunk.SequenceTrunk).
+    """The Nemotron-H trunk: a `Trunk` (the seam is verispec.nn.trunk.SequenceTrunk).
 
     dtype: weight dtype ("int8" | "bfloat16" | "float32" | "int4", see verispec.weights.quant); the
       router, norms, conv and SSM parameters stay fp32.

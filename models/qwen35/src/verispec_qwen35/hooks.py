@@ -1,13 +1,13 @@
 """Entry point of verispec-qwen35: the Qwen 3.5 / 3.6 hybrid trunk (no torch here)."""
 from verispec.hookspecs import hookimpl
-from verispec.specs import DraftFileSpec, TargetSpec
+from verispec.specs import DraftFileSpec, TrunkSpec
 
 ARCHITECTURES = ("qwen35", "qwen35moe")
 
 
 @hookimpl
-def register_targets(register):
-    register(TargetSpec(
+def register_trunks(register):
+    register(TrunkSpec(
         name="qwen35",
         summary="Qwen 3.5 / 3.6 dense and MoE trunks (GatedDeltaNet + gated attention; MTP draft head)",
         architectures=ARCHITECTURES,

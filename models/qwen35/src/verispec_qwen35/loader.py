@@ -1,6 +1,6 @@
 """GGUF -> config -> module for qwen35 / qwen35moe files: I/O only, no math beyond dequantise.
 
-`load(path, dtype=..., context_length=...)` is the TargetSpec loader. Steps:
+`load(path, dtype=..., context_length=...)` is the TrunkSpec loader. Steps:
 1. `GGUFFile.open` (verispec.gguf_io): metadata and the tensor table.
 2. `Qwen35Config.from_gguf`: sizes from `{arch}.*` keys (docs/reference/qwen35.md §2); the main
    stack is block_count - nextn_predict_layers; layer types from `attention.recurrent_layers`
@@ -87,7 +87,7 @@ def mtp_tensors(n: int) -> tuple[Tensor, ...]:
         return Stack(*(p.format(i=n) for p in source.parts))
 
     def one(t: Tensor) -> Tensor:
-        return Tensor(at(t.source), t.target.replace(_L, "mtp.layer."),
+        return Tensor(at(t.source), t.state_name.replace(_L, "mtp.layer."),
                       alternatives=tuple(at(a) for a in t.alternatives), per_expert=t.per_expert)
     b = f"blk.{n}.nextn."
     return (
@@ -133,13 +133,13 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     return model
 
 
-def load_mtp_file(path: str | os.PathLike, target, *, use_cache: bool = True):
-    """A standalone MTP GGUF (docs/reference/qwen35.md §3.7, variant 3) as the draft head of `target`,
+def load_mtp_file(path: str | os.PathLike, trunk, *, use_cache: bool = True):
+    """A standalone MTP GGUF (docs/reference/qwen35.md §3.7, variant 3) as the draft head of `trunk`,
     the `DraftFileSpec` loader behind `--draft-model` for qwen35 / qwen35moe files.
 
     The block is loaded in the trunk's weight dtype; the head reads the trunk's embedding and LM
     head (the file's copies of token_embd / output are not read). Returns a `Qwen35MtpHead`.
-    Raises UnsupportedQwen35Variant (not an MTP-only file, or `target` is not a qwen35 trunk, or
+    Raises UnsupportedQwen35Variant (not an MTP-only file, or `trunk` is not a qwen35 trunk, or
     its config differs from the file's: the fields are named), errors.UnusedTensors (tensors a head
     does not read: dedicated MTP embeddings, scale sidecars), gguf_io errors for a broken file.
     """
@@ -152,10 +152,10 @@ def load_mtp_file(path: str | os.PathLike, target, *, use_cache: bool = True):
     path = os.fspath(path)
     gguf = GGUFFile.open(path)
     config = config_from_gguf(gguf, standalone_mtp=True)
-    if not isinstance(target, Qwen35ForCausalLM):
-        raise UnsupportedQwen35Variant(path, f"a qwen35 MTP head, but the model is {type(target).__name__}",
+    if not isinstance(trunk, Qwen35ForCausalLM):
+        raise UnsupportedQwen35Variant(path, f"a qwen35 MTP head, but the model is {type(trunk).__name__}",
                                        "load the main GGUF this MTP file was converted with")
-    main = attrs.asdict(target.config)
+    main = attrs.asdict(trunk.config)
     differ = [name for name, value in attrs.asdict(config).items()
               if name not in _PER_FILE_FIELDS and main[name] != value]
     if differ:
@@ -164,14 +164,14 @@ def load_mtp_file(path: str | os.PathLike, target, *, use_cache: bool = True):
                                        "pass the MTP file converted with the same checkpoint as --model")
     holder = nn.Module()  # state names "mtp.*", as in a main file's table
     holder.mtp = Qwen35Mtp(config, device="meta")
-    swap_linears(holder, target.dtype)
+    swap_linears(holder, trunk.dtype)
     plan = plan_weights(gguf, holder, mtp_tensors(config.num_hidden_layers), num_layers=config.num_hidden_layers,
                         num_experts=config.num_experts)
     unused = plan.unused_tensors(read_elsewhere=_READ_FROM_TRUNK)
     if unused:
         raise UnusedTensors(path, f"{config.architecture} MTP head", unused)
-    plan.load(dtype=target.dtype, layout="qwen35-mtp", use_cache=use_cache, progress=False)
-    return Qwen35MtpHead(target, mtp=holder.mtp)
+    plan.load(dtype=trunk.dtype, layout="qwen35-mtp", use_cache=use_cache, progress=False)
+    return Qwen35MtpHead(trunk, mtp=holder.mtp)
 
 
 #: config fields a standalone MTP file may state differently from its main file.

@@ -443,7 +443,7 @@ class Qwen35Model(nn.Module):
 
 
 class Qwen35ForCausalLM(TrunkModule):
-    """The Qwen 3.5 / 3.6 trunk: a `SpeculativeTarget` over GDN recurrent state and attention KV.
+    """The Qwen 3.5 / 3.6 trunk: a `Trunk` over GDN recurrent state and attention KV.
 
     dtype: weight dtype of the linears ("int8" | "bfloat16" | "float32" | "int4", weights.quant);
     norms, conv kernel, decay parameters and all state stay fp32.
@@ -458,7 +458,7 @@ class Qwen35ForCausalLM(TrunkModule):
     # The K ceiling, from the verify cost measured on the tiny benchmark fixture (README
     # "Verify cost"): the per-row recurrence makes a k-row verify cost grow ~linearly in its
     # GDN share, so wide windows only pay at high acceptance; MTP acceptance falls with depth.
-    spec_preferred_draft_window = 4
+    spec_preferred_max_draft_tokens = 4
 
     def __init__(self, config: Qwen35Config, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
                  context_length: int | None = None, chunked_prefill_min_rows: int | None = None,

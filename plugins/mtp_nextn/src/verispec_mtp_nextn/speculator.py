@@ -59,7 +59,7 @@ class MtpSpeculator(Speculator):
     def propose(self, state: Any, ctx: DraftContext) -> list[int]:
         if ctx.hidden_prev is None or ctx.last_token in ctx.stop_token_ids:
             return []
-        window = min(ctx.draft_window, self.max_draft_tokens)
+        window = min(ctx.draft_length, self.max_draft_tokens)
         draft: list[int] = []
         token, hidden, pos = ctx.last_token, ctx.hidden_prev, ctx.pos
         while len(draft) < window:
@@ -79,7 +79,7 @@ class MtpSpeculator(Speculator):
         self.head.keep(state, num_rows)
 
 
-def create(target, *, spec, max_draft_tokens, min_draft_prob, draft_head):
+def create(trunk, *, spec, max_draft_tokens, min_draft_prob, draft_head):
     """SpeculatorSpec factory: None (declined) unless the trunk offers a PER_TOKEN head."""
     if draft_head is None or draft_head.draft_head_kind is not DraftHeadKind.PER_TOKEN:
         return None

@@ -6,7 +6,7 @@ the most recent j < L with S[j-n+1 .. j] == S[L-n+1 .. L]; the first n that has 
 The draft copies what followed that occurrence, S[j+1], S[j+2], ..., reading past S's end
 from the draft itself (an LZ77-style overlapping copy with period L - j), so a repeat
 that runs into the pending token keeps repeating. It stops at min(max_draft_tokens,
-ctx.draft_window) tokens, or right after a stop token (the stop token is included).
+ctx.draft_length) tokens, or right after a stop token (the stop token is included).
 
 Worked example, orders 1..4, pmin 0, window 3:
 
@@ -116,7 +116,7 @@ class NGramSpeculator(Speculator):
             state.append(int(t))
 
     def propose(self, state: NGramState, ctx: DraftContext) -> list[int]:
-        """Draft ids for positions ctx.pos+1 .., at most min(max_draft_tokens, ctx.draft_window).
+        """Draft ids for positions ctx.pos+1 .., at most min(max_draft_tokens, ctx.draft_length).
 
         The rule is in the module docstring; the gate is ctx.min_draft_prob (the loop fills it
         from --spec-pmin). Empty when nothing matches or a guard refuses (see `_refusal`).
@@ -129,7 +129,7 @@ class NGramSpeculator(Speculator):
         j = self._find(state, last, self.required_order(ctx.min_draft_prob))
         if j is None:
             return []
-        num_draft = min(self.max_draft_tokens, ctx.draft_window)
+        num_draft = min(self.max_draft_tokens, ctx.draft_length)
         return self._copy_after(state, j, last, num_draft, ctx.stop_token_ids)
 
     def _refusal(self, state: NGramState, ctx: DraftContext) -> str | None:
@@ -140,8 +140,8 @@ class NGramSpeculator(Speculator):
             return f"ctx.pos={ctx.pos} but {len(state.tokens)} tokens seen; propose nothing"
         if ctx.last_token in ctx.stop_token_ids:
             return f"last token {ctx.last_token} is a stop token; propose nothing"
-        if min(self.max_draft_tokens, ctx.draft_window) <= 0:
-            return f"window {ctx.draft_window}, max_draft_tokens {self.max_draft_tokens}: propose nothing"
+        if min(self.max_draft_tokens, ctx.draft_length) <= 0:
+            return f"window {ctx.draft_length}, max_draft_tokens {self.max_draft_tokens}: propose nothing"
         return None
 
     def _find(self, state: NGramState, last: int, required: int) -> int | None:
@@ -170,7 +170,7 @@ class NGramSpeculator(Speculator):
             print(f"verispec-ngram: {message}", file=sys.stderr)
 
 
-def create(target, *, spec: SpeculatorSpec = SPEC, max_draft_tokens: int, min_draft_prob: float | None,
+def create(trunk, *, spec: SpeculatorSpec = SPEC, max_draft_tokens: int, min_draft_prob: float | None,
            draft_head=None) -> NGramSpeculator:
     """SpeculatorSpec factory: the n-gram drafter needs nothing from the trunk, so it serves every one."""
     return NGramSpeculator(spec, max_draft_tokens=max_draft_tokens, min_draft_prob=min_draft_prob)

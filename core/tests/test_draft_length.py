@@ -1,14 +1,14 @@
-"""DraftWindow: the per-step draft length rule of its module docstring."""
+"""DraftLengthPolicy: the per-step draft length rule of its module docstring."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from verispec.window import (
+from verispec.draft_length import (
     PRIOR_ACCEPT_RATE,
-    DraftWindow,
-    InvalidWindowRecord,
+    DraftLengthPolicy,
+    InvalidDraftLengthRecord,
     expected_tokens,
 )
 
@@ -17,7 +17,7 @@ PLAIN_ROW_S = 0.0285  # one int8 row of Gemma 270M on this CPU (docs/reference/b
 INT8_COST = {2: 0.99, 4: 1.22, 8: 2.28, 16: 4.39, 32: 8.56}
 
 
-def run(window: DraftWindow, num_steps: int, accept, step_cost) -> list[int]:
+def run(window: DraftLengthPolicy, num_steps: int, accept, step_cost) -> list[int]:
     """Drive the window as the loop does; accept(K) -> accepted drafts, step_cost(n) -> x plain row."""
     window.set_plain_row_s(PLAIN_ROW_S)
     ks = []
@@ -42,9 +42,9 @@ def int8_rows(n: int) -> float:
     return cost_lo + (INT8_COST[hi] - cost_lo) * (n - lo) / (hi - lo)
 
 
-def oracle_best_k(alpha: float, max_window: int, cost) -> int:
+def oracle_best_k(alpha: float, max_draft_tokens: int, cost) -> int:
     """Brute force: the K maximising (sum of alpha^i, i = 0..K) / cost(K + 1), smaller K on ties."""
-    values = [(sum(alpha ** i for i in range(k + 1)) / cost(k + 1), -k) for k in range(1, max_window + 1)]
+    values = [(sum(alpha ** i for i in range(k + 1)) / cost(k + 1), -k) for k in range(1, max_draft_tokens + 1)]
     return -max(values)[1]
 
 
@@ -64,7 +64,7 @@ def test_expected_tokens_at_the_ends():
 # α ------------------------------------------------------------------------------------------
 
 def test_acceptance_starts_at_the_prior():
-    assert DraftWindow(8).acceptance_rate == PRIOR_ACCEPT_RATE
+    assert DraftLengthPolicy(8).alpha == PRIOR_ACCEPT_RATE
 
 
 @pytest.mark.parametrize(("num_drafted", "num_accepted", "alpha"), [
@@ -74,38 +74,38 @@ def test_acceptance_starts_at_the_prior():
     (1, 1, 1.0),
 ])
 def test_acceptance_counts_judged_drafts_only(num_drafted, num_accepted, alpha):
-    window = DraftWindow(8)
+    window = DraftLengthPolicy(8)
     for _ in range(100):  # the prior decays away
         window.record(num_drafted, num_accepted, num_drafted + 1, 0.03)
-    assert window.acceptance_rate == pytest.approx(alpha, abs=1e-6)
+    assert window.alpha == pytest.approx(alpha, abs=1e-6)
 
 
 def test_a_step_that_drafted_nothing_is_no_acceptance_evidence():
-    window = DraftWindow(8)
+    window = DraftLengthPolicy(8)
     window.record(0, 0, 1, 0.03)
-    assert window.acceptance_rate == PRIOR_ACCEPT_RATE
+    assert window.alpha == PRIOR_ACCEPT_RATE
 
 
 def test_reset_forgets_acceptance_and_keeps_costs():
-    window = DraftWindow(8)
+    window = DraftLengthPolicy(8)
     window.set_plain_row_s(0.02)
     window.record(4, 0, 5, 0.04)
     window.reset()
-    assert window.acceptance_rate == PRIOR_ACCEPT_RATE
+    assert window.alpha == PRIOR_ACCEPT_RATE
     assert window.row_cost(5) == pytest.approx(2.0)
 
 
 # cost(n) ------------------------------------------------------------------------------------
 
 def test_cost_is_the_prior_line_until_measured():
-    window = DraftWindow(8, prior_row_cost=0.25)
+    window = DraftLengthPolicy(8, prior_row_cost=0.25)
     assert [window.row_cost(n) for n in (1, 2, 5)] == [1.0, 1.25, 2.0]
     window.record(3, 1, 4, 0.05)  # no plain row time yet: a step time alone is no ratio
     assert window.row_cost(5) == 2.0
 
 
 def test_cost_interpolates_between_measured_rows_and_extrapolates_with_the_prior():
-    window = DraftWindow(16, prior_row_cost=0.1)
+    window = DraftLengthPolicy(16, prior_row_cost=0.1)
     window.set_plain_row_s(0.02)
     window.record(2, 0, 3, 0.03)  # 1.5x at 3 rows
     window.record(8, 0, 9, 0.06)  # 3.0x at 9 rows
@@ -116,7 +116,7 @@ def test_cost_interpolates_between_measured_rows_and_extrapolates_with_the_prior
 
 
 def test_cost_is_a_running_mean_per_row_count():
-    window = DraftWindow(8)
+    window = DraftLengthPolicy(8)
     window.set_plain_row_s(0.01)
     window.record(3, 1, 4, 0.02)
     window.record(3, 1, 4, 0.06)
@@ -126,13 +126,13 @@ def test_cost_is_a_running_mean_per_row_count():
 # next() -------------------------------------------------------------------------------------
 
 def test_high_acceptance_and_cheap_rows_grow_to_the_ceiling():
-    ks = run(DraftWindow(8), 20, accept=lambda k: k, step_cost=free_rows)
+    ks = run(DraftLengthPolicy(8), 20, accept=lambda k: k, step_cost=free_rows)
     assert ks[-1] == 8
     assert ks == sorted(ks)  # it only grows
 
 
 def test_low_acceptance_shrinks_to_one():
-    window = DraftWindow(8)
+    window = DraftLengthPolicy(8)
     run(window, 20, accept=lambda k: k, step_cost=int8_rows)
     ks = run(window, 20, accept=lambda k: 0, step_cost=int8_rows)
     assert ks[0] > 1 and ks[-1] == 1
@@ -140,7 +140,7 @@ def test_low_acceptance_shrinks_to_one():
 
 def test_free_rows_keep_a_long_window_even_at_low_acceptance():
     # a rejected row that costs nothing loses nothing: any chance of a pass is worth drafting
-    window = DraftWindow(8)
+    window = DraftLengthPolicy(8)
     run(window, 8, accept=lambda k: k, step_cost=free_rows)
     assert run(window, 20, accept=lambda k: 0, step_cost=free_rows)[-1] == 8
 
@@ -148,41 +148,41 @@ def test_free_rows_keep_a_long_window_even_at_low_acceptance():
 def test_expensive_rows_give_a_smaller_window_at_the_same_acceptance():
     def accept(k):  # 3 of every 4 judged drafts pass: α = 0.75
         return min(k, 3)
-    cheap, costly = DraftWindow(16), DraftWindow(16)
+    cheap, costly = DraftLengthPolicy(16), DraftLengthPolicy(16)
     k_cheap = run(cheap, 60, accept, step_cost=free_rows)[-1]
     k_costly = run(costly, 60, accept, step_cost=lambda n: 1.0 + 0.5 * (n - 1))[-1]
     assert k_costly < k_cheap
 
 
 def test_on_the_measured_int8_curve_the_window_learns_the_knee():
-    window = DraftWindow(16)
+    window = DraftLengthPolicy(16)
     ks = run(window, 40, accept=lambda k: k, step_cost=int8_rows)  # perfect drafts: explores up to 16
     assert ks[-1] == 16
     for _ in range(100):  # then 9 of every 10 judged drafts pass: α = 0.9
         window.record(10, 9, 11, int8_rows(11) * PLAIN_ROW_S)
-    assert window.acceptance_rate == pytest.approx(0.9, abs=1e-6)
+    assert window.alpha == pytest.approx(0.9, abs=1e-6)
     # what the true curve would choose: 3 drafts, 4 rows (the prior line alone would say 12)
     assert window.next() == oracle_best_k(0.9, 16, int8_rows) == 3
-    assert oracle_best_k(0.9, 16, DraftWindow(16).row_cost) == 12
+    assert oracle_best_k(0.9, 16, DraftLengthPolicy(16).row_cost) == 12
 
 
 @pytest.mark.parametrize("num_accepted", [0, 1, 2, 4, 9, 12])
 def test_the_window_is_the_argmax_on_its_own_estimates(num_accepted):
-    window = DraftWindow(12, prior_row_cost=0.06)
+    window = DraftLengthPolicy(12, prior_row_cost=0.06)
     window.set_plain_row_s(0.02)
     for rows, cost in ((3, 1.1), (6, 1.6), (10, 3.0)):
         window.record(0, 0, rows, cost * 0.02)
     for _ in range(200):  # a of 12 drafts pass: α = a / (a + 1), or 1 when all 12 pass
         window.record(12, num_accepted, 13, 4.0 * 0.02)
     alpha = 1.0 if num_accepted == 12 else num_accepted / (num_accepted + 1)
-    assert window.acceptance_rate == pytest.approx(alpha, abs=1e-9)
-    assert window.next() == oracle_best_k(window.acceptance_rate, 12, window.row_cost)
+    assert window.alpha == pytest.approx(alpha, abs=1e-9)
+    assert window.next() == oracle_best_k(window.alpha, 12, window.row_cost)
 
 
 def test_always_within_one_and_max_window_and_deterministic():
     def drive(seed: int) -> list[int]:
         rng = random.Random(seed)
-        window = DraftWindow(6, prior_row_cost=rng.choice([0.0, 0.06, 1.0]))
+        window = DraftLengthPolicy(6, prior_row_cost=rng.choice([0.0, 0.06, 1.0]))
         ks = []
         for _ in range(300):
             if rng.random() < 0.2:
@@ -200,16 +200,16 @@ def test_always_within_one_and_max_window_and_deterministic():
 
 
 def test_a_window_of_one_is_always_one():
-    assert run(DraftWindow(1), 10, accept=lambda k: k, step_cost=free_rows) == [1] * 10
+    assert run(DraftLengthPolicy(1), 10, accept=lambda k: k, step_cost=free_rows) == [1] * 10
 
 
-@pytest.mark.parametrize(("max_window", "prior_row_cost"), [(0, 0.06), (8, -0.1)])
-def test_bad_construction_is_refused(max_window, prior_row_cost):
-    with pytest.raises(InvalidWindowRecord, match="DraftWindow"):
-        DraftWindow(max_window, prior_row_cost)
+@pytest.mark.parametrize(("max_draft_tokens", "prior_row_cost"), [(0, 0.06), (8, -0.1)])
+def test_bad_construction_is_refused(max_draft_tokens, prior_row_cost):
+    with pytest.raises(InvalidDraftLengthRecord, match="DraftLengthPolicy"):
+        DraftLengthPolicy(max_draft_tokens, prior_row_cost)
 
 
 @pytest.mark.parametrize("args", [(2, 3, 3, 0.01), (2, -1, 3, 0.01), (2, 1, 0, 0.01), (2, 1, 3, -0.01)])
 def test_bad_records_are_refused(args):
-    with pytest.raises(InvalidWindowRecord, match="record"):
-        DraftWindow(8).record(*args)
+    with pytest.raises(InvalidDraftLengthRecord, match="record"):
+        DraftLengthPolicy(8).record(*args)

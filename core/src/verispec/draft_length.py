@@ -1,9 +1,9 @@
-"""DraftWindow: how many drafts K the next speculative step verifies, within [1, max_window].
+"""DraftLengthPolicy: how many drafts K the next speculative step verifies, within [1, max_draft_tokens].
 
-The governor decides *whether* to speculate; the window decides *how far*. It picks the K
+The governor decides *whether* to speculate; the draft-length policy decides *how far*. It picks the K
 that maximises expected emitted tokens per unit of step time:
 
-    K* = argmax over 1 <= K <= max_window of  E(K) / cost(K + 1)     (ties: the smaller K)
+    K* = argmax over 1 <= K <= max_draft_tokens of  E(K) / cost(K + 1)     (ties: the smaller K)
 
 E(K) — expected tokens emitted by a step that verifies K drafts, when each draft is accepted
 with probability α independently of the others (Leviathan et al. 2023, arXiv 2211.17192,
@@ -14,19 +14,19 @@ eq. 1), counting the correction or bonus token:
 K drafts judged a + 1 drafts when a < K (a passes, then one rejection; the drafts after it were
 never judged) and K drafts when a = K. So α = Σ passes / Σ judged: the maximum-likelihood
 estimate of a geometric run truncated at K (a/K would be biased low). Both sums decay by
-ACCEPT_DECAY per step, so the window follows the text, and start from a prior of
+ACCEPT_DECAY per step, so the policy follows the text, and start from a prior of
 PRIOR_JUDGED drafts at PRIOR_ACCEPT_RATE.
 
 cost(n) — a speculative step with n = K + 1 verify rows, in units of one plain decode row
 (`set_plain_row_s`). It is not a line: on this CPU (docs/reference/baselines.md §5) an int8 verify
 costs 0.99x at 2 rows, 1.22x at 4, 2.28x at 8, 4.39x at 16 — memory-bound up to ~4 rows, then
 compute-bound (a roofline knee) — while fp32 is concave (1.77x at 2, 2.56x at 16). No single
-per-row cost fits both, so the window keeps what it measured, per row count:
+per-row cost fits both, so the policy keeps what it measured, per row count:
   - n measured: the running mean (COST_EMA_WEIGHT) of its step seconds / plain row seconds;
   - n between two measured counts: linear interpolation (n = 1 costs 1 by definition);
   - n beyond the largest measured count m: cost(m) + prior_row_cost · (n − m). This is
     optimistic on purpose (the memory-bound slope: int8 1 → 4 rows is 0.07/row), so a longer
-    window is tried once when acceptance makes it worth it, and is then measured.
+    length is tried once when acceptance makes it worth it, and is then measured.
 Until a plain row time is known every cost is the prior line 1 + prior_row_cost · (n − 1).
 The measured step time includes drafting and rollback, so E/cost is tokens per second.
 """
@@ -41,8 +41,8 @@ PRIOR_JUDGED = 2.0
 COST_EMA_WEIGHT = 0.25
 
 
-class InvalidWindowRecord(ValueError):
-    """A window argument or step report that cannot be used (see the message for which)."""
+class InvalidDraftLengthRecord(ValueError):
+    """A policy argument or step report that cannot be used (see the message for which)."""
 
 
 def expected_tokens(alpha: float, num_drafts: int) -> float:
@@ -54,20 +54,20 @@ def _ema(old: float | None, new: float) -> float:
     return new if old is None else old + COST_EMA_WEIGHT * (new - old)
 
 
-class DraftWindow:
-    """Per-step draft length K in [1, max_window] from acceptance and measured verify cost.
+class DraftLengthPolicy:
+    """Per-step draft length K in [1, max_draft_tokens] from acceptance and measured verify cost.
 
-    max_window: the K ceiling (--spec-draft, narrowed by the trunk), >= 1.
+    max_draft_tokens: the K ceiling (--spec-draft, narrowed by the trunk), >= 1.
     prior_row_cost: cost of one more verify row relative to one plain row, assumed where
         nothing is measured (default 0.06: the memory-bound int8 slope on this CPU).
-    Raises InvalidWindowRecord for max_window < 1 or prior_row_cost < 0.
+    Raises InvalidDraftLengthRecord for max_draft_tokens < 1 or prior_row_cost < 0.
     """
 
-    def __init__(self, max_window: int, prior_row_cost: float = 0.06):
-        if max_window < 1 or prior_row_cost < 0:
-            raise InvalidWindowRecord(f"DraftWindow({max_window=}, {prior_row_cost=}): "
-                                      "give max_window >= 1 and prior_row_cost >= 0")
-        self.max_window = max_window
+    def __init__(self, max_draft_tokens: int, prior_row_cost: float = 0.06):
+        if max_draft_tokens < 1 or prior_row_cost < 0:
+            raise InvalidDraftLengthRecord(f"DraftLengthPolicy({max_draft_tokens=}, {prior_row_cost=}): "
+                                      "give max_draft_tokens >= 1 and prior_row_cost >= 0")
+        self.max_draft_tokens = max_draft_tokens
         self.prior_row_cost = prior_row_cost
         self._plain_row_s: float | None = None
         self._step_s: dict[int, float] = {}  # verify rows n -> running mean of step seconds
@@ -80,7 +80,7 @@ class DraftWindow:
         self._judged = PRIOR_JUDGED
 
     @property
-    def acceptance_rate(self) -> float:
+    def alpha(self) -> float:
         """α, the estimated probability that one draft is accepted."""
         return self._passed / self._judged
 
@@ -93,10 +93,10 @@ class DraftWindow:
         """A speculative step verified `num_rows` rows (num_drafted + 1), accepted `num_accepted`
         drafts and took `elapsed_s` seconds (draft + verify + rollback).
 
-        Raises InvalidWindowRecord unless 0 <= num_accepted <= num_drafted, num_rows >= 1, elapsed_s >= 0.
+        Raises InvalidDraftLengthRecord unless 0 <= num_accepted <= num_drafted, num_rows >= 1, elapsed_s >= 0.
         """
         if not 0 <= num_accepted <= num_drafted or num_rows < 1 or elapsed_s < 0:
-            raise InvalidWindowRecord(f"record({num_drafted=}, {num_accepted=}, {num_rows=}, {elapsed_s=}): "
+            raise InvalidDraftLengthRecord(f"record({num_drafted=}, {num_accepted=}, {num_rows=}, {elapsed_s=}): "
                                       "report 0 <= accepted <= drafted, rows >= 1 and seconds >= 0")
         if num_drafted > 0:
             judged = num_accepted + (num_accepted < num_drafted)
@@ -121,9 +121,9 @@ class DraftWindow:
 
     def next(self) -> int:
         """K for the next speculative step: argmax of E(K) / cost(K + 1), the smaller K on ties."""
-        alpha = self.acceptance_rate
+        alpha = self.alpha
         best_k, best = 1, expected_tokens(alpha, 1) / self.row_cost(2)
-        for k in range(2, self.max_window + 1):
+        for k in range(2, self.max_draft_tokens + 1):
             value = expected_tokens(alpha, k) / self.row_cost(k + 1)
             if value > best:
                 best_k, best = k, value
