@@ -400,7 +400,7 @@ def test_verispec_serve_answers_on_localhost(tmp_path, model_path):
     ("127.0.0.1", False), ("127.0.0.2", False), ("::1", False), ("[::1]", False), ("localhost", False),
     ("0.0.0.0", True), ("::", True), ("192.168.1.20", True), ("example.com", True)])
 def test_serving_beyond_loopback_warns_of_no_authentication(engine, monkeypatch, capsys, host, warned):
-    from verispec import server as server_module
+    from verispec.server import app as server_module
 
     bound = []
     monkeypatch.setattr(server_module, "server", lambda app, host, port: type(
@@ -419,7 +419,8 @@ def test_verispec_serve_without_fastapi_names_the_extra(monkeypatch, capsys):
     from verispec import cli
 
     monkeypatch.setitem(sys.modules, "fastapi", None)  # import fastapi -> ImportError
-    monkeypatch.delitem(sys.modules, "verispec.server")
+    for name in [m for m in sys.modules if m == "verispec.server" or m.startswith("verispec.server.")]:
+        monkeypatch.delitem(sys.modules, name)
     assert cli.main(["serve"]) == 2
     assert "pip install 'fastapi>=0.110' 'uvicorn>=0.29'" in capsys.readouterr().err
 

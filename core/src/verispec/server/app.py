@@ -1,0 +1,381 @@
+"""The FastAPI app: routes, the body-read middleware, /metrics, and `serve` / `server` that run it
+under uvicorn."""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import sys
+import time
+import weakref
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from verispec.engine import Generation, InferenceEngine, TokenEvent
+from verispec.errors import VerispecError, larger_context_advice
+from verispec.execution import acceptance_rate
+from verispec.seams import ContextOverflow, declared
+from verispec.server.engine_thread import EngineThread
+from verispec.server.protocol import (ASSISTANT, ChatBody, CompletionBody, DEFAULT_BODY_TIMEOUT,
+                                      DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT, RequestBody,
+                                      RequestRejected, SHUTDOWN_GRACE_S, check_text, error_response,
+                                      validation_problem)
+from verispec.server.responses import EventStream, ResponseShape, sse, usage_body
+from verispec.tokenizer import TokenizerError
+
+
+def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
+               request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
+    """The FastAPI app serving `engine` (call it with uvicorn, or fastapi.testclient.TestClient;
+    `server()` makes a uvicorn server whose shutdown ends running generations at once).
+
+    model_name: the id /v1/models lists and responses echo.
+    request_timeout: seconds a generation may run before it ends with finish_reason "length".
+    max_body_bytes: the largest request body read; a larger one answers 413 naming the limit.
+    body_timeout: seconds a request body may take to arrive whole; a slower one answers 408 and
+    its connection closes.
+    """
+    if not request_timeout > 0:
+        raise ValueError(f"request_timeout={request_timeout}: give a positive number of seconds")
+    if not max_body_bytes > 0:
+        raise ValueError(f"max_body_bytes={max_body_bytes}: give a positive number of bytes")
+    if not body_timeout > 0:
+        raise ValueError(f"body_timeout={body_timeout}: give a positive number of seconds")
+    app = FastAPI(title="verispec", description="OpenAI-compatible speculative decoding server")
+    served = Served(engine, model_name, request_timeout)
+    app.state.verispec = served  # server() ends its generations when the server shuts down
+    app.add_middleware(BodyRead, max_bytes=max_body_bytes, timeout=body_timeout)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(request: Request, exc: RequestValidationError):
+        message, param = validation_problem(exc.errors())
+        return error_response(message, param)
+
+    @app.exception_handler(StarletteHTTPException)  # unknown path (404), wrong method (405): OpenAI's body
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        routes = "GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions"
+        return error_response(f"{request.method} {request.url.path}: {exc.detail}; this server serves {routes}",
+                      status_code=exc.status_code, kind="invalid_request_error")
+
+    # RequestRejected, SamplingParams, the engine (max_tokens, empty prompt), ContextOverflow, ...
+    @app.exception_handler(VerispecError)
+    async def _rejected(request: Request, exc: VerispecError):
+        status = getattr(exc, "http_status", 400)  # 500: the model file's fault (a chat template that fails)
+        return error_response(str(exc), getattr(exc, "param", None), getattr(exc, "code", None), status_code=status,
+                      kind="server_error" if status >= 500 else "invalid_request_error")
+
+    @app.exception_handler(Exception)  # a bug: OpenAI's body, status 500 (the exception is still logged)
+    async def _internal(request: Request, exc: Exception):
+        return error_response(f"internal error ({type(exc).__name__}): a bug in verispec or a plugin, not in the "
+                      "request", status_code=500, kind="server_error")
+
+    @app.get("/health")
+    async def health():
+        speculator = engine.speculator
+        return {"status": "ok", "speculator": speculator.name if speculator is not None else None}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        return PlainTextResponse(prometheus_text(engine), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": served.created,
+                                            "owned_by": "verispec"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request):
+        if isinstance(body.prompt, list):
+            served.check_token_ids(body.prompt)
+        else:
+            check_text(body.prompt, "prompt")
+        return await served.respond(request, body, body.prompt, body.logprobs, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, request: Request):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise RequestRejected("top_logprobs needs \"logprobs\": true", "top_logprobs")
+        messages = [m.as_dict(i) for i, m in enumerate(body.messages)]
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await served.respond(request, body, messages, logprobs, chat=True)
+
+    return app
+
+
+def serve(engine: InferenceEngine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "verispec",
+          request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+          body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
+    """Run the server with uvicorn until interrupted (Ctrl-C or SIGTERM: running generations end
+    at their next token, their responses finish, and the server exits; uvicorn then re-raises
+    the signal, so Ctrl-C reaches the caller as KeyboardInterrupt). A host other than loopback
+    gets a warning line on stderr first (exposure_warning)."""
+    app = create_app(engine, model_name=model_name, request_timeout=request_timeout,
+                     max_body_bytes=max_body_bytes, body_timeout=body_timeout)
+    warning = exposure_warning(host, port)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    server(app, host=host, port=port).run()
+
+
+def exposure_warning(host: str, port: int) -> str | None:
+    """The line `serve` prints when `host` is not a loopback address (127.0.0.0/8, ::1, localhost):
+    the server has no authentication, so whoever reaches the port runs the model. None on loopback."""
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name: only "localhost" is known to stay on this machine
+        loopback = host.lower() == "localhost"
+    if loopback:
+        return None
+    return (f"verispec: warning: serving on {host}:{port}, which other machines may reach, and this server "
+            "has no authentication: anyone who reaches it can run the model; serve on 127.0.0.1 (the "
+            "default), or put an authenticating proxy in front")
+
+
+def server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, **config: Any):
+    """A uvicorn.Server for `app` (from create_app) whose shutdown does not wait for generations:
+    when it begins (Ctrl-C, SIGTERM, `should_exit`), every running or waiting generation ends at
+    its next token with finish_reason "length", as a client's cancel does; a response still
+    unfinished after SHUTDOWN_GRACE_S seconds is dropped. When it returns, the engine thread has
+    ended (no forward runs while the interpreter exits). config: more uvicorn.Config fields."""
+    import uvicorn
+
+    served: Served = app.state.verispec
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            served.close()
+            try:
+                await super().shutdown(sockets=sockets)
+                if self.force_exit:  # a second Ctrl-C skipped the waits: the lifespan task and the
+                    # responses (their generations end at the next token) end now, not cancelled
+                    # with a traceback when the loop closes
+                    await self.lifespan.shutdown()
+                    running = [task for task in self.server_state.tasks if not task.done()]
+                    if running:
+                        await asyncio.wait(running, timeout=SHUTDOWN_GRACE_S)
+            finally:
+                served.close()  # a request encoded meanwhile
+                await anyio.to_thread.run_sync(served.engine_thread.stop, SHUTDOWN_GRACE_S)
+
+    config.setdefault("timeout_graceful_shutdown", SHUTDOWN_GRACE_S)
+    return _Server(uvicorn.Config(app, host=host, port=port, **config))
+
+
+
+def prometheus_text(engine: InferenceEngine) -> str:
+    """The engine's counters in Prometheus' text exposition format (version 0.0.4)."""
+    scheduler = engine.scheduler
+    m = scheduler.metrics
+    acceptance = acceptance_rate(m.num_accepted_tokens, m.num_draft_tokens)
+    rows = [
+        ("requests_running", "gauge", "Requests in the running batch.", scheduler.num_running),
+        ("requests_waiting", "gauge", "Requests queued for admission.", scheduler.num_waiting),
+        ("requests_finished_total", "counter", "Requests finished (any reason).", m.num_finished_requests),
+        ("generated_tokens_total", "counter", "Tokens emitted to clients.", m.num_generated_tokens),
+        ("draft_tokens_total", "counter", "Draft tokens verified (finished requests).", m.num_draft_tokens),
+        ("accepted_tokens_total", "counter", "Draft tokens accepted (finished requests).", m.num_accepted_tokens),
+        ("acceptance_rate", "gauge", "accepted_tokens_total / draft_tokens_total.", acceptance),
+        ("prefix_cache_hits_total", "counter", "Requests that adopted a cached prefix.", m.num_prefix_cache_hits),
+        ("prefix_cache_reused_tokens_total", "counter", "Prompt tokens not prefilled thanks to the prefix cache.",
+         m.num_reused_prefix_tokens),
+        ("kv_budget_bytes", "gauge", "KV/state memory budget of running and idle sequences (0: none).",
+         scheduler.kv_budget.budget_bytes or 0),
+        ("kv_reserved_bytes", "gauge", "KV/state memory reserved by running requests.", scheduler.kv_budget.reserved_bytes),
+        ("kv_idle_bytes", "gauge", "KV/state memory held by idle prefix-cache sequences.", scheduler.kv_budget.idle_bytes),
+        ("kv_budget_evictions_total", "counter", "Idle sequences released to make room in the KV budget.",
+         m.num_kv_budget_evictions),
+    ]
+    lines = []
+    for name, kind, help_text, value in rows:
+        lines += [f"# HELP verispec_{name} {help_text}", f"# TYPE verispec_{name} {kind}", f"verispec_{name} {value}"]
+    return "\n".join(lines) + "\n"
+
+
+
+class Served:
+    """The engine, the thread stepping it, and the OpenAI response shapes for both endpoints."""
+
+    def __init__(self, engine: InferenceEngine, model_name: str,
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT):
+        self.engine, self.model_name, self.request_timeout = engine, model_name, request_timeout
+        self.engine_thread = EngineThread(engine)
+        self.created = int(time.time())
+        #: generations started and maybe not yet finished (close() cancels them; weak: a finished
+        #: one leaves when its response is gone).
+        self.live: weakref.WeakSet[Generation] = weakref.WeakSet()
+        self.closing = False
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        vocab_size = self.engine.trunk.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestRejected(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab_size}); "
+                                  "send ids from this model's tokenizer", "prompt")
+
+    async def start(self, body: RequestBody, prompt, logprobs: int | None, param: str) -> Generation:
+        """Validate, encode and queue: every rejection happens here, before a 200. Tokenising
+        (and rendering a chat template) runs in a worker thread: a long prompt never holds the
+        event loop, so other requests, /health and /metrics answer meanwhile."""
+        for field, used in body.unsupported().items():
+            if used:
+                raise RequestRejected(f"{field} is not supported by this server; leave it out", field)
+        stops, sampling = body.stops(), body.sampling(logprobs)
+        context = self.engine.trunk.max_context_length
+        try:
+            ids = await anyio.to_thread.run_sync(self.engine.encode, prompt)
+            max_tokens = body.limit(context)
+            requested = body.requested_limit()
+            if requested is not None and requested[1] < 1:
+                raise RequestRejected(f"{requested[0]}={requested[1]}: ask for at least 1 token", requested[0])
+            if ids and len(ids) < context:
+                room = context - len(ids)
+                if requested is not None and requested[1] > room:
+                    field, value = requested
+                    raise RequestRejected(
+                        f"{field}={value} does not fit: the context holds {context} tokens and the prompt "
+                        f"takes {len(ids)}, leaving at most {room} new tokens; ask for at most {room}, or "
+                        "shorten the prompt", field, "context_length_exceeded")
+                max_tokens = min(max_tokens, room)  # completions' default 16 in a nearly full context
+            generation = self.engine.generate(ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
+                                              ignore_eos=body.ignore_eos, time_limit=self.request_timeout)
+        except ContextOverflow as e:
+            advice = larger_context_advice(e.max_context_length, declared(self.engine.trunk, "trained_context_length"))
+            raise RequestRejected(
+                f"the prompt needs {e.required_len} positions (its tokens and one new token) but the context "
+                f"holds {e.max_context_length}; shorten the prompt{advice}", param, "context_length_exceeded") from e
+        except TokenizerError as e:  # NoChatTemplate, ForgedControlToken (ChatTemplateError carries its status)
+            raise RequestRejected(f"cannot render the messages: {e}", param) from e
+        self.live.add(generation)
+        if self.closing:  # the server began shutting down while this prompt was encoded
+            generation.cancel()
+        self.engine_thread.wake()
+        return generation
+
+    def close(self) -> None:
+        """The server is shutting down: every running or waiting generation ends at its next
+        token (finish_reason "length", as a cancel), so their responses finish at once."""
+        self.closing = True
+        for generation in list(self.live):
+            self.cancel(generation)
+
+    def cancel(self, generation: Generation) -> None:
+        if not generation.done:
+            generation.cancel()
+            self.engine_thread.wake()
+
+    async def events(self, generation: Generation) -> AsyncIterator[TokenEvent]:
+        """The generation's events as the engine thread draws them; ends with `.result` set.
+        Raises what the engine step that ran it raised."""
+        loop, arrived = asyncio.get_running_loop(), asyncio.Event()
+
+        def wake() -> None:  # runs on the engine thread
+            try:
+                loop.call_soon_threadsafe(arrived.set)
+            except RuntimeError:  # the event loop has closed (shutdown): nobody waits any more
+                pass
+        generation.listener = wake
+        while True:
+            for event in generation.poll():
+                yield event
+            if generation.done:
+                return
+            await arrived.wait()
+            arrived.clear()
+
+    async def respond(self, request: Request, body: RequestBody, prompt, logprobs: int | None, *, chat: bool):
+        generation = await self.start(body, prompt, logprobs, "messages" if chat else "prompt")
+        shape = ResponseShape(self.engine.tokenizer, self.model_name, chat=chat, logprobs=logprobs is not None)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return EventStream(self._event_stream(shape, generation, usage), media_type="text/event-stream")
+        events, error = [], None
+        async with anyio.create_task_group() as watching:
+            watching.start_soon(self._watch, request, generation)
+            try:
+                events = [event async for event in self.events(generation)]
+            except Exception as e:  # noqa: BLE001 -- raised below, outside the group (no ExceptionGroup)
+                error = e
+            watching.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        if generation.cancelled and not generation.result.tokens:  # the client left before a token
+            return Response(status_code=499)
+        return shape.response(events, generation.result)
+
+    async def _watch(self, request: Request, generation: Generation) -> None:
+        """Wait for the client to leave (the body is already read), then cancel its generation."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.cancel(generation)
+
+    async def _event_stream(self, shape: ResponseShape, generation: Generation, usage: bool) -> AsyncIterator[str]:
+        try:
+            if shape.chat:
+                yield sse(shape.chunk({"role": ASSISTANT, "content": ""}))
+            async for event in self.events(generation):
+                yield sse(shape.token_chunk(event))
+        finally:  # the client left mid-stream (see EventStream): its request leaves the batch
+            self.cancel(generation)
+        result = generation.result
+        yield sse(shape.chunk({} if shape.chat else "", finish_reason=result.finish_reason))
+        if usage:
+            yield sse({**shape.header(), "choices": [], **usage_body(result)})
+        yield "data: [DONE]\n\n"
+
+
+class BodyRead:
+    """ASGI middleware: reads an HTTP request's body before the app sees it, at most max_bytes
+    within `timeout` seconds of its headers. A larger body (by its Content-Length, or as it
+    arrives) answers 413, one still incomplete at the timeout (a client that sent headers and
+    stalled) 408, both in OpenAI's error shape naming the limit, without reading the rest, and
+    the connection closes."""
+
+    def __init__(self, app, max_bytes: int, timeout: float):
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self._too_large(scope, receive, send, f"is {int(length)} bytes")
+        chunks, size, whole = [], 0, False
+        with anyio.move_on_after(self.timeout):
+            while size <= self.max_bytes:
+                message = await receive()
+                if message["type"] != "http.request":  # the client left while sending
+                    return
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                if not message.get("more_body", False):
+                    whole = True
+                    break
+        if size > self.max_bytes:
+            return await self._too_large(scope, receive, send, "is larger")
+        if not whole:
+            came = f"{size} of its {int(length)} bytes" if length.isdigit() else f"{size} bytes"
+            return await self._close_with(scope, receive, send, error_response(
+                f"the request body did not arrive within {self.timeout:g} s ({came} came); send the whole "
+                "body with the headers", code="request_timeout", status_code=408))
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed():  # the body once, then the client's messages (its disconnect)
+            return replay.pop() if replay else await receive()
+        await self.app(scope, replayed, send)
+
+    async def _too_large(self, scope, receive, send, size: str) -> None:
+        mib = self.max_bytes / 2**20
+        await self._close_with(scope, receive, send, error_response(
+            f"the request body {size}; this server reads at most {self.max_bytes} bytes ({mib:g} MiB): "
+            "send a shorter prompt", code="request_too_large", status_code=413))
+
+    @staticmethod
+    async def _close_with(scope, receive, send, response: Response) -> None:
+        response.headers["connection"] = "close"  # the rest of the body is never read
+        await response(scope, receive, send)
