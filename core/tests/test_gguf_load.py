@@ -9,16 +9,9 @@ from torch import nn
 from verispec import weight_cache
 from verispec.errors import DamagedFile
 from verispec.gguf_io import BadTensorShape, GGUFFile, MissingTensor
-from verispec.gguf_load import (
-    Stack,
-    Tensor,
-    TensorSource,
-    UnmappedParameter,
-    check_finite,
-    check_numbers,
-    expand_table,
-    plan_weights,
-)
+from verispec.gguf_checks import check_finite, check_numbers
+from verispec.gguf_load import UnmappedParameter, plan_weights
+from verispec.gguf_table import Stack, Tensor, TensorSource, expand_table
 from verispec.nn.norm import RMSNorm
 from verispec.weights.quant import Int8Linear, swap_linears
 from verispec.testing.fixture_writer import write_gguf

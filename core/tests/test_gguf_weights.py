@@ -15,7 +15,8 @@ from torch import nn
 
 from verispec import weight_cache
 from verispec.gguf_io import GGUFFile
-from verispec.gguf_load import Stack, Tensor, plan_weights
+from verispec.gguf_load import plan_weights
+from verispec.gguf_table import Stack, Tensor
 from verispec.kernels import ckernels
 from verispec.weights.block_linear import block_linear_class, quantize_activations, reference_matmul
 from verispec.weights.gguf_blocks import BLOCK_FORMATS, GGUFBlocks, unpack

@@ -26,21 +26,7 @@ memory-maps the converted state; the key holds the module's state layout, `struc
 state converted for another layout, e.g. unfused q/k/v, is never read back) and fills the
 module with `load_state_dict(assign=True)`.
 
-Table entries, all typed (no syntax inside names beyond the `str.format` fields):
-
-    Tensor("blk.{i}.attn_q.weight", "model.layers.{i}.self_attn.q_proj.weight")   # one per layer
-    Tensor("blk.{i}.layer_output_scale.weight", "model.layers.{i}.layer_scalar",
-           optional=True)                            # absent: the module's default is kept
-    Tensor("blk.{i}.ffn_gate_up_exps.weight", "model.layers.{i}.experts.gate_up_proj.{e}.weight",
-           per_expert=True,                          # expert e's slice of a 3-D [E, rows, cols]
-           alternatives=(Stack("blk.{i}.ffn_gate_exps.weight", "blk.{i}.ffn_up_exps.weight"),))
-    Tensor(Stack("blk.{i}.attn_q.weight", "blk.{i}.attn_k.weight", "blk.{i}.attn_v.weight"),
-           "model.layers.{i}.self_attn.qkv_proj.weight")  # one fused linear; unequal parts: the
-                                                    # owning module's part_rows = {"qkv_proj": (...)}
-
-"{i}" expands per layer (it must appear in the state name and every source name, or in none);
-"{e}" in the state name expands per expert (exactly when `per_expert`). Entries whose state name the
-module does not have (a tied LM head, a KV-shared layer's k_proj) are never looked up.
+The table's entries: `gguf_table` (Tensor, Stack).
 """
 from __future__ import annotations
 
@@ -57,14 +43,15 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from torch import nn
 
+from verispec.gguf_checks import check_finite, check_numbers
 from verispec.gguf_io import GGUFFile
+from verispec.gguf_table import Tensor, TensorSource, expand_table
 from verispec.weights.gguf_blocks import GGUFBlocks
 from verispec.weights.gguf_mode import resolve_gguf_linears
 from verispec.weights.quant import Float32Linear, PartwiseLinear
 from verispec.weight_cache import cached_state
 
-__all__ = ["Arch", "FLOATS", "POSITIVE_SIZES", "SIZES", "Stack", "Tensor", "TensorSource", "UnmappedParameter",
-           "WeightPlan", "check_finite", "check_numbers", "expand_table", "load_trunk", "plan_weights"]
+__all__ = ["Arch", "UnmappedParameter", "WeightPlan", "load_trunk", "plan_weights"]
 
 
 class UnmappedParameter(LookupError):
@@ -74,112 +61,6 @@ class UnmappedParameter(LookupError):
         self.name, self.module, self.architecture = name, module, architecture
         super().__init__(f"{module} has state entry {name!r}, but the {architecture!r} tensor table has no "
                          "Tensor(...) entry whose state_name is it; add one to the family's table")
-
-
-@attrs.frozen(init=False)
-class Stack:
-    """GGUF tensors concatenated along rows (dim 0), in order, into one parameter: e.g. separate
-    gate and up projections read as one fused gate|up weight, or q, k and v as one q|k|v.
-    The parts' rows sum to the parameter's, their other dims equal its. Each part holds the
-    rows the module owning the entry declares in its `part_rows` (a dict: the child linear's
-    or parameter's own name -> rows per part, e.g. {"qkv_proj": (H·Dh, Hkv·Dh, Hkv·Dh)}),
-    else an equal share; `WeightPlan.check` names the part whose shape is not that."""
-
-    parts: tuple[str, ...]
-
-    def __init__(self, *parts: str):
-        if len(parts) < 2 or not all(isinstance(p, str) for p in parts):
-            raise TypeError(f"Stack takes two or more GGUF tensor names, got {parts!r}")
-        self.__attrs_init__(tuple(parts))
-
-
-def _parts(source: str | Stack) -> tuple[str, ...]:
-    return source.parts if isinstance(source, Stack) else (source,)
-
-
-def _check_source(_, attribute, value) -> None:
-    if not isinstance(value, (str, Stack)):
-        raise TypeError(f"Tensor.{attribute.name}: a GGUF name or a Stack, got {value!r}")
-
-
-@attrs.frozen
-class Tensor:
-    """One row of a family's tensor table: where the state entry `state_name` comes from.
-
-    source: a GGUF tensor name, or a `Stack` of names concatenated along rows.
-    state_name: our state-dict name (HF-style), e.g. "model.layers.{i}.self_attn.q_proj.weight".
-    alternatives: further sources tried in order when `source` is not in the file; the first
-      one whose every part is present wins.
-    optional: when no source is present, keep the module's default value (e.g. a scale of 1).
-    per_expert: every GGUF part is a 3-D [E, rows, cols] tensor and `state_name` (which holds "{e}")
-      takes expert e's slice [rows, cols].
-    Raises TypeError / ValueError on a malformed entry (placeholders that do not line up).
-    """
-
-    source: str | Stack = attrs.field(validator=_check_source)
-    state_name: str = attrs.field(validator=attrs.validators.instance_of(str))
-    alternatives: tuple[str | Stack, ...] = attrs.field(
-        default=(), kw_only=True, converter=tuple, validator=attrs.validators.deep_iterable(_check_source))
-    optional: bool = attrs.field(default=False, kw_only=True)
-    per_expert: bool = attrs.field(default=False, kw_only=True)
-
-    def __attrs_post_init__(self):
-        for name in (n for s in self.sources for n in _parts(s)):
-            if ("{i}" in name) != self.per_layer:
-                raise ValueError(f"Tensor({name!r} -> {self.state_name!r}): '{{i}}' must be in the state name and "
-                                 "every GGUF name, or in none")
-            _check_format(name, i=0)
-        if ("{e}" in self.state_name) != self.per_expert:
-            raise ValueError(f"Tensor(-> {self.state_name!r}): the state name holds '{{e}}' exactly when "
-                             "per_expert=True")
-        _check_format(self.state_name, i=0, e=0)
-
-    @property
-    def per_layer(self) -> bool:
-        """One state entry per layer ("{i}" in the names)."""
-        return "{i}" in self.state_name
-
-    @property
-    def sources(self) -> tuple[str | Stack, ...]:
-        """`source`, then the `alternatives`, in the order they are tried."""
-        return (self.source, *self.alternatives)
-
-
-def _check_format(name: str, **fields) -> None:
-    try:
-        name.format(**fields)
-    except (KeyError, IndexError, ValueError):
-        raise ValueError(f"{name!r}: only the fields {{i}} (layer) and {{e}} (expert, state names only) "
-                         "may appear in a tensor table name") from None
-
-
-@attrs.frozen
-class TensorSource:
-    """One state entry's concrete source after expansion (names formatted for one layer/expert).
-
-    alternatives: tried in order; each is the GGUF names stacked along rows (one name: as is).
-    expert: the slice index into each 3-D part, or None for a plain tensor.
-    """
-
-    alternatives: tuple[tuple[str, ...], ...]
-    optional: bool = False
-    expert: int | None = None
-
-
-def expand_table(table: Iterable[Tensor], num_layers: int, num_experts: int = 0) -> dict[str, TensorSource]:
-    """Our state-dict name -> its `TensorSource`, every "{i}" entry expanded for layers
-    0..num_layers-1 and every per-expert entry for experts 0..num_experts-1.
-    Raises ValueError when two entries fill the same name."""
-    out: dict[str, TensorSource] = {}
-    for entry in table:
-        for i in range(num_layers) if entry.per_layer else (None,):
-            alternatives = tuple(tuple(name.format(i=i) for name in _parts(s)) for s in entry.sources)
-            for e in range(num_experts) if entry.per_expert else (None,):
-                state_name = entry.state_name.format(i=i, e=e)
-                if state_name in out:
-                    raise ValueError(f"two tensor table entries fill {state_name!r}")
-                out[state_name] = TensorSource(alternatives, entry.optional, e)
-    return out
 
 
 @attrs.frozen
@@ -462,131 +343,3 @@ def load_trunk(path: str | os.PathLike, archs: Mapping[str, Arch], *, dtype: str
 
         model.tokenizer = Tokenizer.from_gguf(gguf)
     return model
-
-
-#: `{arch}.*` sizes that count heads or elements of a tensor: none can exceed the largest tensor
-#: dimension in the file (a head count <= the q rows, a rope width <= the head width, ...).
-SIZES = ("attention.head_count", "attention.head_count_kv", "embedding_length", "feed_forward_length",
-         "attention.key_length", "attention.value_length", "attention.key_length_swa",
-         "attention.value_length_swa", "rope.dimension_count", "rope.dimension_count_swa",
-         "ssm.inner_size", "ssm.state_size", "ssm.conv_kernel", "ssm.time_step_rank", "ssm.group_count",
-         "expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_feed_forward_length",
-         "embedding_length_per_layer_input")
-#: sizes a model divides by or builds from: zero (in every layer) is damage.
-POSITIVE_SIZES = ("attention.head_count", "embedding_length", "attention.key_length", "attention.value_length",
-                  "attention.key_length_swa", "attention.value_length_swa", "ssm.inner_size", "ssm.state_size",
-                  "ssm.conv_kernel", "ssm.time_step_rank", "ssm.group_count")
-#: float keys and the smallest value each may hold (exclusive for RoPE bases and scales).
-FLOATS = {"rope.freq_base": 0.0, "rope.freq_base_swa": 0.0, "rope.scaling.factor": 0.0,
-          "attention.layer_norm_rms_epsilon": None, "attention.layer_norm_epsilon": None,
-          "final_logit_softcapping": None, "attn_logit_softcapping": None}
-
-
-def check_numbers(gguf: GGUFFile) -> None:
-    """Refuse a file whose sizes the tensors it holds do not back, before anything is built:
-    `block_count` must be the number of `blk.N` indices present (0..N-1); every size in `SIZES`
-    a non-negative integer no larger than the largest tensor dimension (so nothing sized by it
-    outgrows the file), those in `POSITIVE_SIZES` positive in some layer; heads no more than
-    `embedding_length` where the head width is derived from it; `embedding_length` token_embd's
-    columns; a sliding window no wider than the context; the float keys of `FLOATS` finite
-    (RoPE bases and scales positive, epsilons and softcaps non-negative); the token list as long
-    as token_embd's rows (llama.cpp's rule), the bos/eos ids inside it. Reads metadata and the
-    tensor table only.
-    Raises errors.DamagedFile (one line naming the key and the numbers), gguf_io.MissingKey."""
-    from verispec.errors import DamagedFile
-
-    arch, source = gguf.architecture, gguf.path
-    blocks = {int(n.split(".")[1]) for n in gguf if n.startswith("blk.") and n.split(".")[1].isdigit()}
-    count = gguf.arch_key("block_count")
-    if not _is_int(count) or count < 1 or count > len(blocks) or any(i not in blocks for i in range(count)):
-        raise DamagedFile(source, f"{arch}.block_count is {count!r}, but the file has tensors for blocks "
-                          f"{_span(blocks)}")
-    _check_sizes(gguf)
-    _check_floats(gguf)
-    window, context = gguf.arch_key("attention.sliding_window", None), gguf.arch_key("context_length", None)
-    if _is_int(window) and _is_int(context) and window > context:
-        raise DamagedFile(source, f"{arch}.attention.sliding_window is {window}, wider than the "
-                          f"{context}-token context_length")
-    if "token_embd.weight" not in gguf:
-        return
-    rows, hidden = gguf.tensor_info("token_embd.weight").shape[:2]
-    width = gguf.arch_key("embedding_length", None)
-    if width is not None and width != hidden:
-        raise DamagedFile(source, f"{arch}.embedding_length is {width}, but token_embd.weight is "
-                          f"[{rows}, {hidden}]")
-    tokens = gguf.get("tokenizer.ggml.tokens")
-    if tokens is not None and len(tokens) != rows:
-        raise DamagedFile(source, f"the token list has {len(tokens)} entries, but token_embd.weight has "
-                          f"{rows} rows")
-    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
-        value = gguf.get(key)
-        if value is not None and not (_is_int(value) and 0 <= value < rows):
-            raise DamagedFile(source, f"{key} is {value!r}, outside the vocabulary of {rows} tokens")
-
-
-def check_finite(gguf: GGUFFile) -> None:
-    """Refuse a file with a tensor holding a NaN or an infinity once dequantised (the first in
-    file order is named). Dequantises every tensor, one at a time: seconds (Gemma 3 270M's 253 MB
-    of Q4_K/Q8_0: 9 s on a shared 2-core host, measured 2026-12-03), so it runs only after a
-    forward produced unusable logits, never at load (checking the F32 tensors alone would take
-    2 ms there, but would miss the quantised ones, which are most of every file).
-    Raises errors.DamagedFile."""
-    from verispec.errors import DamagedFile
-
-    for name in gguf:
-        values = gguf.tensor(name)
-        if values.is_floating_point() and not torch.isfinite(values).all():
-            bad = int((~torch.isfinite(values)).sum())
-            raise DamagedFile(gguf.path, f"tensor {name!r} holds {bad} NaN or infinite values of {values.numel()}")
-
-
-def _check_sizes(gguf: GGUFFile) -> None:
-    """The `SIZES` / `POSITIVE_SIZES` rules of `check_numbers`."""
-    from verispec.errors import DamagedFile
-
-    arch, source = gguf.architecture, gguf.path
-    largest = max((max(gguf.tensor_info(name).shape, default=0) for name in gguf), default=0)
-    for key in SIZES:
-        values = gguf.arch_key(key, None)
-        if values is None:
-            continue
-        values = list(values) if isinstance(values, (list, tuple, np.ndarray)) else [values]
-        if not all(_is_int(v) and v >= 0 for v in values):
-            raise DamagedFile(source, f"{arch}.{key} holds {_short(values)}: counts are non-negative integers")
-        if key in POSITIVE_SIZES and not any(v > 0 for v in values):
-            raise DamagedFile(source, f"{arch}.{key} is {_short(values)}: a positive count is needed")
-        if max(values, default=0) > largest:
-            raise DamagedFile(source, f"{arch}.{key} is {_short(values)}, larger than any tensor dimension in "
-                              f"the file ({largest})")
-    heads, width = gguf.arch_key("attention.head_count", None), gguf.arch_key("embedding_length", None)
-    heads = max(heads) if isinstance(heads, (list, tuple, np.ndarray)) else heads
-    if gguf.arch_key("attention.key_length", None) is None and heads and width and heads > width:
-        raise DamagedFile(source, f"{arch}.attention.head_count is {heads}, more heads than the {width} "
-                          "embedding_length has dimensions (no attention.key_length says their width)")
-
-
-def _check_floats(gguf: GGUFFile) -> None:
-    """The `FLOATS` rule of `check_numbers`."""
-    from verispec.errors import DamagedFile
-
-    for key, floor in FLOATS.items():
-        value = gguf.arch_key(key, None)
-        if value is None:
-            continue
-        number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-        if not number or not np.isfinite(value) or (value <= floor if floor is not None else value < 0):
-            need = "a finite value above 0" if floor is not None else "a finite value of 0 or more"
-            raise DamagedFile(gguf.path, f"{gguf.architecture}.{key} is {value!r}: {need} is needed")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def _span(indices: set[int]) -> str:
-    return f"0..{max(indices)} ({len(indices)} present)" if indices else "none"
-
-
-def _short(values: list) -> str:
-    values = [v.item() if isinstance(v, np.generic) else v for v in values]  # 1, not np.uint32(1)
-    return repr(values[0]) if len(values) == 1 else f"{values[:4]}{' ...' if len(values) > 4 else ''}"

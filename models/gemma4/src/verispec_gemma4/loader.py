@@ -4,7 +4,7 @@
 1. `GGUFFile.open` (verispec.gguf_io): metadata and the tensor table.
 2. `Gemma3Config` / `Gemma4Config.from_gguf` (+ gemma4's `rope_freqs` factors when present)
    and a model on the meta device.
-3. Weights: one typed tensor table per family (`verispec.gguf_load.Tensor`: GGUF name ->
+3. Weights: one typed tensor table per family (`verispec.gguf_table.Tensor`: GGUF name ->
    HF-style parameter name) handed to `verispec.gguf_load.plan_weights`, which checks every
    tensor's presence and shape, dequantises each to fp32 (in the gguf mode, Q4 linears take the
    stored blocks instead), converts linears to the chosen weight dtype (weights.quant; norms and
@@ -20,7 +20,8 @@ import os
 
 import attrs
 from verispec.gguf_io import GGUFFile
-from verispec.gguf_load import Arch, Stack, Tensor, load_trunk
+from verispec.gguf_load import Arch, load_trunk
+from verispec.gguf_table import Stack, Tensor
 from verispec.nn.kv_cache import MAX_VERIFY_ROWS
 
 from verispec_gemma4.modeling_gemma3 import Gemma3Config, Gemma3ForCausalLM

@@ -4,7 +4,7 @@
 1. `GGUFFile.open` (verispec.gguf_io): metadata and the tensor table.
 2. `LlamaConfig.from_gguf` (+ the `rope_freqs` factors when present) and a model on the
    meta device.
-3. Weights: one typed tensor table (`verispec.gguf_load.Tensor`: GGUF name -> HF parameter
+3. Weights: one typed tensor table (`verispec.gguf_table.Tensor`: GGUF name -> HF parameter
    name) handed to `verispec.gguf_load.plan_weights`, which checks every tensor's presence and
    shape, dequantises each to fp32 (in the gguf mode, Q4 linears take the stored blocks
    instead), converts linears to the module's weight dtype (weights.quant; norms and biases stay
@@ -23,7 +23,8 @@ import os
 
 import attrs
 from verispec.gguf_io import GGUFFile
-from verispec.gguf_load import Arch, Stack, Tensor, load_trunk
+from verispec.gguf_load import Arch, load_trunk
+from verispec.gguf_table import Stack, Tensor
 
 from verispec_llama.modeling_llama import LlamaConfig, LlamaForCausalLM
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 
 from verispec.gguf_io import GGUFFile
-from verispec.gguf_load import Arch, Tensor, load_trunk
+from verispec.gguf_load import Arch, load_trunk
+from verispec.gguf_table import Tensor
 
 from verispec_nemotron.modeling_nemotron_h import NemotronHConfig, NemotronHForCausalLM
 

@@ -22,7 +22,8 @@ import os
 import attrs
 from verispec.errors import UnusedTensors
 from verispec.gguf_io import GGUFFile
-from verispec.gguf_load import Arch, Stack, Tensor, load_trunk, plan_weights
+from verispec.gguf_load import Arch, load_trunk, plan_weights
+from verispec.gguf_table import Stack, Tensor
 
 from verispec_qwen35.modeling_qwen35 import (ARCHITECTURES, Qwen35Config, Qwen35ForCausalLM,
                                              UnsupportedQwen35Variant, check_file_kind)
