@@ -43,7 +43,6 @@ def test_gguf_weights_without_the_kernels_get_their_own_hint(monkeypatch):
     import numpy as np
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from verispec import cli
     from verispec.execution import ExecutionStats
     from verispec.kernels import ckernels
     from verispec.weights.block_linear import block_linear_class
@@ -58,15 +57,14 @@ def test_gguf_weights_without_the_kernels_get_their_own_hint(monkeypatch):
                                  "spec": ExecutionStats()})()
     monkeypatch.setattr(cpu, "FLOOR_BYTES_PER_S", 1e30)  # weights that cost nothing: any decode is "slow"
     monkeypatch.setattr(ckernels, "library", lambda: None)
-    assert "PyTorch path" in cli._slow_decode_hint(engine, result)
+    assert "PyTorch path" in cpu.generation_hint(engine, result)
     monkeypatch.setattr(ckernels, "library", lambda: object())
-    assert "another process" in cli._slow_decode_hint(engine, result)
+    assert "another process" in cpu.generation_hint(engine, result)
 
 
 def test_a_decode_slow_only_for_its_drafting_names_the_speculator(monkeypatch):
     """80 ms/token against a 30 ms hint threshold: with 65 ms of each token in propose the
     plugin is named, with 20 ms the rest is still slow and the machine hint stands."""
-    from verispec import cli
     from verispec.execution import ExecutionStats
 
     engine = type("Engine", (), {"trunk": torch.nn.Linear(250, 100, bias=False)})()  # 100 kB of fp32
@@ -76,7 +74,7 @@ def test_a_decode_slow_only_for_its_drafting_names_the_speculator(monkeypatch):
         result = type("Result", (), {"decode_tokens_per_s": 12.5, "tokens": list(range(64)),
                                      "speculator": "slowpoke",
                                      "spec": ExecutionStats(draft_s=draft_ms_per_token * 63 / 1e3)})()
-        return cli._slow_decode_hint(engine, result)
+        return cpu.generation_hint(engine, result)
 
     named = hint(65.0)
     assert named.startswith("hint: decode took 80 ms/token, 65 ms of it drafting in speculator 'slowpoke'")

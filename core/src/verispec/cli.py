@@ -257,7 +257,9 @@ def cmd_generate(args) -> int:
     else:
         print(flush=True)  # the text ends with a newline, so a file or pipe gets a whole last line
         print(f"\n[{summary}]" + (f"\n[{r.governor}]" if r.governor else ""), file=sys.stderr)
-        hint = _slow_decode_hint(engine, r)
+        from verispec.cpu import generation_hint
+
+        hint = generation_hint(engine, r)
         if hint:
             print(hint, file=sys.stderr)
     return 0
@@ -274,38 +276,6 @@ def _stdin_prompt() -> str:
     if problem:
         raise InvalidArgument(f"the prompt on standard input is not UTF-8 text: {problem}")
     return text
-
-
-def _slow_decode_hint(engine, result) -> str | None:
-    """cpu.slow_decode_hint for a finished generation (without it a loaded machine is silent), judged
-    without the speculator's drafting: when drafting alone made the decode slow, it names the
-    speculator instead of blaming the machine."""
-    import torch
-
-    from verispec.cpu import slow_decode_hint, weight_bytes
-
-    if result.decode_tokens_per_s <= 0 or len(result.tokens) < 8 or not isinstance(engine.trunk, torch.nn.Module):
-        return None
-    ms_per_token = 1e3 / result.decode_tokens_per_s
-    draft_ms_per_token = 1e3 * result.spec.draft_s / (len(result.tokens) - 1)  # decode_tokens_per_s's tokens
-    num_bytes, threads = weight_bytes(engine.trunk), torch.get_num_threads()
-    hint = slow_decode_hint(ms_per_token - draft_ms_per_token, num_bytes, threads)
-    if hint is None and draft_ms_per_token > 0 and slow_decode_hint(ms_per_token, num_bytes, threads):
-        return (f"hint: decode took {ms_per_token:.0f} ms/token, {draft_ms_per_token:.0f} ms of it drafting "
-                f"in speculator {result.speculator!r} (its propose): the plugin is slow, not the machine; "
-                "pass --no-spec or another --spec-type")
-    if hint and _gguf_without_kernels(engine.trunk):  # the cause is ours, not another process
-        return (f"hint: decode took {1e3 / result.decode_tokens_per_s:.0f} ms/token: the gguf weights run on the "
-                "PyTorch path, ~20x slower, because the C kernels are off (VERISPEC_C_KERNELS=0) or could not be "
-                "built (the warning above says why): install a C compiler, or pass --dtype int8")
-    return hint
-
-
-def _gguf_without_kernels(trunk) -> bool:
-    from verispec.kernels import ckernels
-    from verispec.weights.block_linear import BlockLinear
-
-    return ckernels.library() is None and any(isinstance(m, BlockLinear) for m in trunk.modules())
 
 
 def cmd_bench(args) -> int:

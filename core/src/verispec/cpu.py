@@ -77,3 +77,34 @@ def slow_decode_hint(ms_per_token: float, num_bytes: int, threads: int | None) -
     return (f"hint: decode took {ms_per_token:.0f} ms/token, over {SLOW_FACTOR:.0f}x the {expected_ms:.0f} ms that "
             f"reading its {num_bytes / 1e6:.0f} MB of weights should take; another process is probably using the "
             f"cores: {fix}")
+
+
+def generation_hint(engine, result) -> str | None:
+    """`slow_decode_hint` for a finished generation (`engine.generate(...).result`) (without it a loaded machine is silent), judged
+    without the speculator's drafting: when drafting alone made the decode slow, it names the
+    speculator instead of blaming the machine."""
+    import torch
+
+    if result.decode_tokens_per_s <= 0 or len(result.tokens) < 8 or not isinstance(engine.trunk, torch.nn.Module):
+        return None
+    ms_per_token = 1e3 / result.decode_tokens_per_s
+    draft_ms_per_token = 1e3 * result.spec.draft_s / (len(result.tokens) - 1)  # decode_tokens_per_s's tokens
+    num_bytes, threads = weight_bytes(engine.trunk), torch.get_num_threads()
+    hint = slow_decode_hint(ms_per_token - draft_ms_per_token, num_bytes, threads)
+    if hint is None and draft_ms_per_token > 0 and slow_decode_hint(ms_per_token, num_bytes, threads):
+        return (f"hint: decode took {ms_per_token:.0f} ms/token, {draft_ms_per_token:.0f} ms of it drafting "
+                f"in speculator {result.speculator!r} (its propose): the plugin is slow, not the machine; "
+                "pass --no-spec or another --spec-type")
+    if hint and gguf_without_kernels(engine.trunk):  # the cause is ours, not another process
+        return (f"hint: decode took {1e3 / result.decode_tokens_per_s:.0f} ms/token: the gguf weights run on the "
+                "PyTorch path, ~20x slower, because the C kernels are off (VERISPEC_C_KERNELS=0) or could not be "
+                "built (the warning above says why): install a C compiler, or pass --dtype int8")
+    return hint
+
+
+def gguf_without_kernels(trunk) -> bool:
+    """The trunk has gguf block linears and the C kernels are unavailable (their slow PyTorch path runs)."""
+    from verispec.kernels import ckernels
+    from verispec.weights.block_linear import BlockLinear
+
+    return ckernels.library() is None and any(isinstance(m, BlockLinear) for m in trunk.modules())
