@@ -11,7 +11,7 @@ import importlib
 
 _EXPORTS = {
     "TrunkConformance": "verispec.testing.conformance",
-    "SpeculatorConformance": "verispec.testing.conformance",
+    "SpeculatorConformance": "verispec.testing.speculator_conformance",
     "run_greedy": "verispec.testing.conformance",
     "run_greedy_requests": "verispec.testing.conformance",
     "forward_one": "verispec.testing.conformance",
