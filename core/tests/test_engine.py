@@ -231,8 +231,8 @@ def test_a_time_limit_or_a_cancel_ends_the_generation_at_a_token_with_length(mod
 
 
 def test_a_speculator_class_without_a_name_reports_its_registered_name(model_path):
-    """Issue 14: a speculator class that sets no `name` showed as `speculator=speculator`. The
-    name now comes from the SpeculatorSpec it was built over (Speculator.name is spec.name)."""
+    """A speculator class that sets no `name` is named by the SpeculatorSpec it was built over
+    (Speculator.name is spec.name), never `speculator=speculator`."""
     class Nameless(EchoSpeculator):
         pass
 

@@ -263,7 +263,7 @@ def test_unsupported_version(fixture_path, version, hint):
 @pytest.mark.parametrize("garbage", [struct.pack("<I", 0xDEADBEEF), b"\x00\x01\x00\x00", b"hell", b"\xff" * 4,
                                      b"\x03\x00\x01\x00"])
 def test_garbage_after_the_magic_is_corrupt_not_big_endian(fixture_path, garbage):
-    """Issue 14: "GGUF" then noise was reported as "it looks big-endian"."""
+    """"GGUF" then noise is CorruptGGUF, never reported as "it looks big-endian"."""
     _patch(fixture_path, 4, garbage)
     for opener in (GGUFFile.open, read_architecture):
         with pytest.raises(CorruptGGUF, match="no GGUF version any writer produces") as e:
