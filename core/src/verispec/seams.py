@@ -1,7 +1,7 @@
 """The seams between the loop and what plugs into it (docs/design.md §3).
 
 Shape letters: n rows of one sequence in a forward, V vocabulary, D hidden size, F feature
-width of a hidden tap (`TrunkView.tap_feature_size`), K draft window.
+width of a hidden tap (`TrunkView.tap_feature_size`), K draft length.
 
 - `Trunk`: the trunk (the model being served): `forward` over `Segment`s of
   several sequences, `keep` after a verify, sequences that come and go.

@@ -157,8 +157,8 @@ class SequenceTrunk:
                                  f"(and {self.num_layers} for the last residual); got {bad or 'none'}")
         return self.hidden_size * len(layers)
 
-    def view(self) -> TrunkView:
-        return TrunkView(self)
+    def view(self) -> SequenceTrunkView:
+        return SequenceTrunkView(self)
 
     # -- the forward -------------------------------------------------------------------------
 
@@ -255,7 +255,7 @@ def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-class TrunkView:
+class SequenceTrunkView:
     """The read-only face of a SequenceTrunk (seams.TrunkView) handed to draft heads."""
 
     def __init__(self, trunk: SequenceTrunk):
