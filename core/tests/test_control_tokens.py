@@ -51,7 +51,7 @@ def _control_ids(engine):
 
 def _with_template(tok, content_filter):
     """`tok` with a ChatML template that passes each message's content through `content_filter`."""
-    return Tokenizer(tok.backend, architecture=tok.architecture, tokens=tok._tokens, bos_id=tok.bos_id,
+    return Tokenizer(tok.backend, architecture=tok.architecture, tokens=tok.tokens, bos_id=tok.bos_id,
                      eos_id=tok.eos_id, add_bos=False, add_eos=False, stop_ids=tok.stop_ids,
                      chat_template="{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
                                    f"{{{{ m['content'] | {content_filter} }}}}<|im_end|>\n{{% endfor %}}")

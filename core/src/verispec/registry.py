@@ -90,6 +90,9 @@ class UnknownArchitecture(VerispecError, LookupError):
         if kind == "draft_file":
             what, fix = "drafter files", ("pass a drafter file one of these loads, or install a drafter package "
                                           "that registers this architecture")
+        elif kind == "drafter":
+            what, fix = "drafter files or models", ("--draft-model takes a drafter file or a model of the trunk's "
+                                                    "tokenizer; install the package that loads this architecture")
         else:
             families = repository_distributions("models") or ["models/gemma4", "models/llama"]
             what, fix = "models", ("install a model package that loads it; the verispec repository's model "
@@ -174,6 +177,17 @@ class Registry:
     def draft_file_for_architecture(self, arch: str) -> DraftFileSpec:
         """The DraftFileSpec that loads drafter files of `arch`; raises UnknownArchitecture."""
         return self._for_architecture("draft_file", arch)
+
+    def drafter_for_architecture(self, arch: str) -> DraftFileSpec | TrunkSpec:
+        """What a --draft-model file of `arch` is: the DraftFileSpec of a drafter format, else the
+        TrunkSpec of a model family (a whole model drafting); raises UnknownArchitecture naming both."""
+        try:
+            return self._for_architecture("draft_file", arch)
+        except UnknownArchitecture as unknown:
+            try:
+                return self._for_architecture("trunk", arch)
+            except UnknownArchitecture as no_family:
+                raise UnknownArchitecture(arch, (*unknown.known, *no_family.known), kind="drafter") from None
 
     def _for_architecture(self, kind: str, arch: str):
         for entry in self._entries[kind].values():

@@ -6,7 +6,8 @@ width of a hidden tap (`TrunkView.tap_feature_size`), K draft length.
 - `Trunk`: the trunk (the model being served): `forward` over `Segment`s of
   several sequences, `keep` after a verify, sequences that come and go.
 - `TrunkView`: the read-only face of a trunk that a draft head binds to.
-- `DraftHead` (+ `DraftHeadKind`): a thin adapter over drafter weights bound to one trunk.
+- `DraftHead` (+ `DraftHeadKind`): a thin adapter over drafter weights bound to one trunk;
+  `DraftModel`: a whole second trunk that drafts.
 - `Speculator`: a drafting algorithm with per-sequence state; `DraftContext` is everything
   it may read per step.
 
@@ -39,6 +40,11 @@ class ContextOverflow(VerispecError, ValueError):
         fewer = "" if prompt else " or lower --max-tokens"
         super().__init__(f"need {required_len} positions but the context holds {max_context_length}; "
                          f"shorten the prompt{fewer}{larger_context_advice(max_context_length, trained_context_length)}")
+
+
+class DrafterMismatch(VerispecError, ValueError):
+    """A drafter bound to another trunk (vocabulary, tokenizer, sizes, taps): a speculator
+    factory raises it to decline with the message as its reason (not a broken plugin)."""
 
 
 class UnsupportedTap(ValueError):
@@ -152,11 +158,11 @@ class Trunk(Protocol):
 
     def truncate(self, seq: int, length: int) -> None:
         """Cut `seq` back to its first `length` positions (chat-turn prefix reuse); 0 always
-        works. Raises nn.state.CannotTruncate with the reason when the state kinds cannot."""
+        works. Raises nn.kv_cache.CannotTruncate with the reason when the state kinds cannot."""
 
     def fork(self, seq: int, length: int) -> int:
         """A new sequence holding a copy of the first `length` positions of `seq` (prefix caching;
-        `seq` is unchanged); returns its id. Raises nn.state.CannotTruncate with the reason where
+        `seq` is unchanged); returns its id. Raises nn.kv_cache.CannotTruncate with the reason where
         `truncate(seq, length)` would (recurrent state forks only at seq_len(seq))."""
 
     def view(self) -> "TrunkView":
@@ -188,6 +194,7 @@ class DraftHeadKind(enum.Enum):
     NONE = "none"  # the model has no drafter: weight-free algorithms only
     PER_TOKEN = "per_token"  # NextN/MTP/assistant: one token per draft step
     BLOCK = "block"  # DFlash-style: a whole block per draft step
+    MODEL = "model"  # a whole second trunk (a small model of the same tokenizer): `DraftModel`
 
 
 @runtime_checkable
@@ -220,6 +227,20 @@ class DraftHead(Protocol):
 
     def keep(self, state: Any, num_rows: int) -> None:
         """The trunk kept `num_rows` rows of the last verify: drop the head's KV past them."""
+
+
+@attrs.frozen
+class DraftModel:
+    """A second trunk that drafts for the served one (--draft-model naming a trunk family's file):
+    what a speculator factory receives as `draft_head` then. It reads nothing of the served trunk;
+    the speculator binds the two (tokenizers) and owns the draft trunk's sequences."""
+
+    #: the draft trunk (a `Trunk`), loaded by the registry like any model.
+    trunk: Any
+    #: the file it was loaded from (for messages).
+    path: str = ""
+    draft_head_kind: DraftHeadKind = DraftHeadKind.MODEL
+    tap_layers: tuple[int, ...] | None = None
 
 
 @attrs.frozen

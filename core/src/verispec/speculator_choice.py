@@ -3,9 +3,11 @@
 
 A speculator declines from its declarations alone (`requires_draft_head`, the trunk's
 `speculation_refusal` / `speculation_profitable`), from its own `decline` check, or by its
-factory returning None; a factory that raises is a broken plugin: it declines with the error
-(logged), never taking the engine down. An explicit --spec-type that nothing can serve is an
-error naming every reason (`SpeculationUnavailable`); "auto" then decodes plainly.
+factory returning None or raising `seams.DrafterMismatch` (the drafter passed does not fit this
+trunk: its message is the reason); a factory that raises anything else is a broken plugin: it
+declines with the error (logged), never taking the engine down. An explicit --spec-type that
+nothing can serve is an error naming every reason (`SpeculationUnavailable`); "auto" then decodes
+plainly.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import attrs
 from verispec.errors import VerispecError
 from verispec.install_hints import install_hint
 from verispec.registry import Entry, Registry
-from verispec.seams import DraftHeadKind, declared
+from verispec.seams import DraftHeadKind, DrafterMismatch, declared
 from verispec.specs import SpeculatorSpec, resolve
 
 logger = logging.getLogger(__name__)
@@ -121,6 +123,8 @@ def _build(spec: SpeculatorSpec, trunk, draft_head, max_draft_tokens, min_draft_
         speculator = resolve(spec.factory)(
             trunk, spec=spec, max_draft_tokens=max_draft_tokens, draft_head=draft_head,
             min_draft_prob=spec.default_min_draft_prob if min_draft_prob is None else min_draft_prob)
+    except DrafterMismatch as exc:  # the drafter the user passed does not fit this trunk
+        return None, str(exc)
     except Exception as exc:  # a broken plugin declines; it never takes the engine down
         logger.warning("speculator %r failed to build: %s", spec.name, _text(exc),
                        exc_info=os.environ.get("VERISPEC_DEBUG") == "1")  # the traceback on request

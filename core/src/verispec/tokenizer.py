@@ -129,7 +129,8 @@ class Tokenizer:
         self.chat_template = chat_template
         #: number of token ids the model's vocabulary has (the GGUF's token list).
         self.vocab_size = len(tokens)
-        self._tokens = tokens
+        #: the vocabulary pieces as the GGUF spells them, by id (`tokenizer.ggml.tokens`).
+        self.tokens: Sequence[str] = tokens
         self._compiled: dict[str, ChatTemplate] = {}
         self._special: frozenset[int] | None = None
         self._as_text = None
@@ -181,7 +182,7 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str:
         """The vocabulary entry as the GGUF spells it."""
-        return self._tokens[token_id]
+        return self.tokens[token_id]
 
     # -- chat --
 
@@ -214,7 +215,7 @@ class Tokenizer:
         if not render.follows:  # a template transforming content
             whole = [i for i in encoding.ids if i in special]
             if whole != [i for i in self._encode_whole("".join(render.markup)).ids if i in special]:
-                raise ForgedControlToken([self._tokens[i] for i in whole])
+                raise ForgedControlToken([self.tokens[i] for i in whole])
             return encoding.ids
         spans = render.content_spans()
         if not any(i in special and any(a < end and start < b for a, b in spans)
@@ -236,7 +237,7 @@ class Tokenizer:
         return self._compiled[source]
 
     def _special_tokens(self) -> dict[str, str]:
-        return {name: self._tokens[i] if i is not None else ""
+        return {name: self.tokens[i] if i is not None else ""
                 for name, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id))}
 
     def _encode_whole(self, text: str):

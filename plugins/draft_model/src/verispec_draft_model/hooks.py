@@ -1,0 +1,25 @@
+"""Entry point of verispec-draft-model: registers the `draft-model` speculator (no torch here).
+
+`SPEC` is the one place the speculator's declarations live; `DraftModelSpeculator` reads them from it.
+"""
+from verispec.hookspecs import hookimpl
+from verispec.specs import SpeculatorSpec
+
+SPEC = SpeculatorSpec(
+    name="draft-model",
+    summary="a small model of the same tokenizer (--draft-model PATH|ALIAS) drafts greedily, one token per step; "
+            "gate: top-1 prob over its top-10 logits",
+    factory="verispec_draft_model.speculator:create",
+    requires_draft_head=True,
+    # the draft trunk catches up over a reused prefix like a prefill: acceptance is unchanged
+    can_arm_after_prefix_reuse=True,
+    needs_hidden_state=False,
+    default_min_draft_prob=0.15,
+    # above mtp (20): a --draft-model naming a model file is the drafter the user asked for
+    priority=25,
+)
+
+
+@hookimpl
+def register_speculators(register):
+    register(SPEC)
