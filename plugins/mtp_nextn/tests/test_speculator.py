@@ -11,7 +11,8 @@ from verispec.seams import DraftContext, DraftHeadKind
 from verispec.speculator_choice import SpeculationUnavailable, choose_speculator
 from verispec.testing import SpeculatorConformance, ToyTrunk, run_greedy
 from verispec_mtp_nextn import hooks
-from verispec_mtp_nextn.speculator import MtpSpeculator, top1_gate_prob
+from verispec.draft_gate import top1_gate_prob
+from verispec_mtp_nextn.speculator import MtpSpeculator
 
 
 class ToyNextHead:

@@ -8,9 +8,8 @@ A step, with the pending token x at position p and the trunk's tapped row h of p
     logits, h2 = head.draft_step(state, d1, h1, p + 1)   # chained on the head's own row
     ...
 
-The gate (--spec-pmin, default 0.15): the top-1 probability of a softmax over the step's ten
-largest logits; drafting stops at the first step below it (docs/reference/qwen35.md §7, llama.cpp's
-draft p_min). It stops after a stop token (the stop is drafted) and at the window; a pending
+The gate (--spec-pmin, default 0.15; `verispec.draft_gate`): the top-1 probability of a softmax
+over the step's ten largest logits; drafting stops at the first step below it. It stops after a stop token (the stop is drafted) and at the window; a pending
 stop token gets no draft. Greedy argmax drafts: the loop's acceptance keeps the output exact
 for any sampler.
 
@@ -22,25 +21,12 @@ Works with any PER_TOKEN head: Qwen 3.5/3.6 MTP today, GLM NextN later.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from verispec.draft_gate import top1_gate_prob
 from verispec.seams import DraftContext, DraftHeadKind, Speculator
 
 from verispec_mtp_nextn.hooks import SPEC
-
-if TYPE_CHECKING:
-    import torch
-
-#: the gate's softmax runs over this many largest logits (the `--spec-pmin` units, docs/design.md §5).
-GATE_TOP_K = 10
-
-
-def top1_gate_prob(logits: "torch.Tensor") -> float:
-    """Top-1 probability of a softmax over the GATE_TOP_K largest of logits fp32 [V]."""
-    import torch
-
-    top = torch.topk(logits.float(), min(GATE_TOP_K, logits.numel())).values
-    return float(torch.softmax(top, dim=0)[0])
 
 
 class MtpSpeculator(Speculator):
