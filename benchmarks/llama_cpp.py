@@ -6,8 +6,9 @@
 
 The build takes llama.cpp's sources from the `llama-cpp-python` sdist on the package index
 (pinned: LLAMA_CPP_PYTHON), configures its CMake project with GGML_NATIVE (this CPU's own
-instruction set, as a user building llama.cpp here would) and builds only `llama-bench` (and
-`llama-perplexity`, for the qwen35 cross-check test) into
+instruction set, as a user building llama.cpp here would) and builds only `llama-bench` (plus
+`llama-perplexity`, for the qwen35 cross-check test, and `llama-speculative` / `llama-simple`,
+for the draft-model comparison) into
 `<verispec cache>/llama.cpp/<version>/` (or `$VERISPEC_LLAMA_CPP/<version>/`). Nothing is
 installed in the venv.
 
@@ -61,10 +62,12 @@ def build(jobs: int = 2) -> Path:
         (root / "unpacked" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp").rename(source)
     out = root / "build"
     subprocess.run(["cmake", "-S", str(source), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON",
                     "-DLLAMA_BUILD_SERVER=OFF"], check=True)
-    subprocess.run(["cmake", "--build", str(out), "--trunk", "llama-bench", "llama-perplexity", "-j", str(jobs)],
-                   check=True)  # llama-perplexity: models/qwen35/tests/test_llama_cpp_crosscheck.py
+    # llama-perplexity: models/qwen35/tests/test_llama_cpp_crosscheck.py; llama-speculative and
+    # llama-simple: benchmarks/draft_model_vs_llama_cpp.py
+    subprocess.run(["cmake", "--build", str(out), "--target", "llama-bench", "llama-perplexity", "llama-speculative",
+                    "llama-simple", "-j", str(jobs)], check=True)
     binary = bench_binary()
     if binary is None:
         raise RuntimeError(f"the build finished but {out}/bin/llama-bench is missing")

@@ -316,15 +316,17 @@ def test_architecture_lookups():
     drafter = DraftFileSpec(name="dflash", summary="toy", architectures=["dflash"], loader="toy:load")
     registry = Registry.from_plugins({"m": Toy(trunk_spec("gemma", "gemma3", "gemma4"), drafter)})
     assert registry.trunk_for_architecture("gemma4").name == "gemma"
-    assert registry.draft_file_for_architecture("dflash") is drafter
+    assert registry.drafter_for_architecture("dflash") is drafter
+    assert registry.drafter_for_architecture("gemma3").name == "gemma"  # a model drafting
     with pytest.raises(UnknownArchitecture) as info:
         registry.trunk_for_architecture("qwen35")
     assert info.value.arch == "qwen35" and info.value.known == ("gemma3", "gemma4")
     assert "installed: gemma3, gemma4" in str(info.value)
     assert "install a model package that loads it" in str(info.value)
     assert f"pip install -e {checkout_root()}/models/gemma4 -e {checkout_root()}/models/llama " in str(info.value)
-    with pytest.raises(UnknownArchitecture, match="drafter package"):
-        registry.draft_file_for_architecture("gemma4_assistant")
+    with pytest.raises(UnknownArchitecture, match=r"drafter files or models with general.architecture="
+                                                  r"'gemma4_assistant' \(installed: dflash, gemma3, gemma4\)"):
+        registry.drafter_for_architecture("gemma4_assistant")
 
 
 def test_checkpoint_lookups():

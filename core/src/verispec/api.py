@@ -4,56 +4,13 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-import os
 
+from verispec.model_files import load_registered_trunk, resolve_model_path
 from verispec.registry import Registry
 
+__all__ = ["load", "load_registered_trunk", "resolve_model_path", "kv_budget_bytes", "available_memory_bytes"]
+
 log = logging.getLogger("verispec")
-
-
-def resolve_model_path(model: str | None, registry: Registry, *, flag: str = "--model") -> str:
-    """A GGUF path, a registered checkpoint alias, or None for the embedded default; `flag`
-    names the option in messages.
-
-    Raises UnknownCheckpoint / CheckpointNotInstalled (with the pip install line) when an
-    alias cannot be found.
-    """
-    from verispec.checkpoints import assemble
-
-    if model is None:
-        return str(assemble(registry.default_checkpoint()))
-    if os.path.isfile(model):
-        return model
-    if os.path.isdir(model):
-        found = sorted(name for name in os.listdir(model) if name.endswith(".gguf"))
-        raise IsADirectoryError(f"{flag} {model}: a directory; give the .gguf file itself"
-                                + (f" (here: {', '.join(found[:5])})" if found else " (it holds no .gguf file)"))
-    if model.endswith(".gguf") or os.sep in model:
-        raise FileNotFoundError(f"{flag} {model}: no such GGUF file; give an existing .gguf path or a "
-                                f"checkpoint alias ({', '.join(sorted(registry.checkpoints)) or 'none installed'})")
-    return str(assemble(registry.checkpoint(model)))
-
-
-def load_registered_trunk(path: str, registry: Registry, *, dtype: str | None = None, threads: int | str | None = None,
-                context_length: int | None = None):
-    """Load a trunk with the model package registered for the file's general.architecture.
-
-    threads: torch's intra-op thread count, set here and nowhere else (loaders take none);
-      "auto": the cores idle now (`verispec.cpu.default_threads`, as the CLI does); None: torch's own.
-    """
-    from verispec.gguf_io import read_architecture
-    from verispec.specs import resolve
-
-    if threads == "auto":
-        from verispec.cpu import default_threads
-
-        threads = default_threads()  # None where /proc/stat is unavailable: torch's default stands
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
-    spec = registry.trunk_for_architecture(read_architecture(path))
-    return resolve(spec.loader)(path, dtype=dtype, context_length=context_length)
 
 
 def available_memory_bytes() -> int | None:

@@ -106,10 +106,12 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--spec", dest="spec", action="store_true", default=True, help="speculate when it pays (default)")
     g.add_argument("--no-spec", dest="spec", action="store_false", help="plain decoding")
-    g.add_argument("--spec-type", default="auto", help="auto | draft-head | block | ngram | <registered name>")
-    g.add_argument("--spec-draft", type=_ranged(int, 1, 64), help="draft window K (default 8)")
+    g.add_argument("--spec-type", default="auto", help="auto | draft-head | block | ngram | draft-model | <registered name>")
+    g.add_argument("--spec-draft", type=_ranged(int, 1, 64), help="most drafts per step, K (default 8)")
     g.add_argument("--spec-pmin", type=_ranged(float, 0.0, 1.0), help="draft gate (per algorithm)")
-    g.add_argument("--draft-model", help="drafter GGUF; its general.architecture decides what it is")
+    g.add_argument("--draft-model", metavar="PATH|ALIAS",
+                   help="drafter GGUF or checkpoint alias; its general.architecture decides what it is: a "
+                        "drafter file, or a smaller model of the same tokenizer (--spec-type draft-model)")
     g.add_argument("--spec-adaptive", choices=["on", "off"], default="on", help="off forces drafting")
 
 

@@ -142,7 +142,7 @@ class InferenceEngine:
         second trunk (`seams.DraftModel`). None: the trunk's own head, if it carries one."""
         if model is None:
             return declared(self.trunk, "draft_head")
-        from verispec.api import load_registered_trunk, resolve_model_path
+        from verispec.model_files import load_registered_trunk, resolve_model_path
         from verispec.gguf_io import read_architecture
         from verispec.seams import DraftModel
         from verispec.specs import DraftFileSpec, resolve

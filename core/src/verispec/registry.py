@@ -87,10 +87,7 @@ class UnknownArchitecture(VerispecError, LookupError):
 
     def __init__(self, arch: str, known, *, kind: str = "trunk"):
         self.arch, self.known, self.kind = arch, tuple(known), kind
-        if kind == "draft_file":
-            what, fix = "drafter files", ("pass a drafter file one of these loads, or install a drafter package "
-                                          "that registers this architecture")
-        elif kind == "drafter":
+        if kind == "drafter":
             what, fix = "drafter files or models", ("--draft-model takes a drafter file or a model of the trunk's "
                                                     "tokenizer; install the package that loads this architecture")
         else:
@@ -172,29 +169,20 @@ class Registry:
 
     def trunk_for_architecture(self, arch: str) -> TrunkSpec:
         """The TrunkSpec that loads GGUF `general.architecture` == arch; raises UnknownArchitecture."""
-        return self._for_architecture("trunk", arch)
-
-    def draft_file_for_architecture(self, arch: str) -> DraftFileSpec:
-        """The DraftFileSpec that loads drafter files of `arch`; raises UnknownArchitecture."""
-        return self._for_architecture("draft_file", arch)
+        return self._for_architecture(("trunk",), arch, "trunk")
 
     def drafter_for_architecture(self, arch: str) -> DraftFileSpec | TrunkSpec:
         """What a --draft-model file of `arch` is: the DraftFileSpec of a drafter format, else the
         TrunkSpec of a model family (a whole model drafting); raises UnknownArchitecture naming both."""
-        try:
-            return self._for_architecture("draft_file", arch)
-        except UnknownArchitecture as unknown:
-            try:
-                return self._for_architecture("trunk", arch)
-            except UnknownArchitecture as no_family:
-                raise UnknownArchitecture(arch, (*unknown.known, *no_family.known), kind="drafter") from None
+        return self._for_architecture(("draft_file", "trunk"), arch, "drafter")
 
-    def _for_architecture(self, kind: str, arch: str):
-        for entry in self._entries[kind].values():
+    def _for_architecture(self, kinds: tuple[str, ...], arch: str, error_kind: str):
+        entries = [entry for kind in kinds for entry in self._entries[kind].values()]
+        for entry in entries:
             if arch in entry.spec.architectures:
                 return entry.spec
-        known = sorted(a for entry in self._entries[kind].values() for a in entry.spec.architectures)
-        raise UnknownArchitecture(arch, known, kind=kind)
+        known = sorted({a for entry in entries for a in entry.spec.architectures})
+        raise UnknownArchitecture(arch, known, kind=error_kind)
 
     def checkpoint(self, alias: str) -> CheckpointSpec:
         """The CheckpointSpec registered as `alias`; raises UnknownCheckpoint."""
