@@ -176,7 +176,10 @@ def test_the_window_is_the_argmax_on_its_own_estimates(num_accepted):
         window.record(12, num_accepted, 13, 4.0 * 0.02)
     alpha = 1.0 if num_accepted == 12 else num_accepted / (num_accepted + 1)
     assert window.alpha == pytest.approx(alpha, abs=1e-9)
-    assert window.next() == oracle_best_k(window.alpha, 12, window.row_cost)
+    best = oracle_best_k(window.alpha, 12, window.row_cost)
+    pays = expected_tokens(window.alpha, best) / window.row_cost(best + 1) > 1
+    assert window.next() == (best if pays else 0)
+    assert pays == (num_accepted > 0)
 
 
 def test_always_within_one_and_max_window_and_deterministic():
@@ -190,13 +193,41 @@ def test_always_within_one_and_max_window_and_deterministic():
             if rng.random() < 0.05:
                 window.reset()
             k = window.next()
-            assert 1 <= k <= 6
+            assert 0 <= k <= 6
             ks.append(k)
+            if k == 0:
+                window.skip()
+                continue
             num_drafted = rng.randint(0, k)
             window.record(num_drafted, rng.randint(0, num_drafted), num_drafted + 1, rng.uniform(0.0, 0.5))
         return ks
     for seed in range(20):
         assert drive(seed) == drive(seed)
+
+
+def test_drafting_that_cannot_pay_is_length_zero_once_measured():
+    """A step costing 1.8 plain rows at 2 rows (a draft model whose verify rows are compute-bound):
+    at the prior acceptance (0.5) one draft expects 1.5 tokens, less than 1.8 plain rows give."""
+    window = DraftLengthPolicy(8)
+    assert window.next() >= 1  # nothing measured: the prior line says try
+    window.set_plain_row_s(PLAIN_ROW_S)
+    window.record(1, 1, 2, 1.8 * PLAIN_ROW_S)
+    window.reset()  # a new request: the prior acceptance again, the measured cost kept
+    assert window.next() == 0
+    for _ in range(30):  # (a text where) every draft passes: α -> 1
+        window.record(1, 1, 2, 1.8 * PLAIN_ROW_S)
+    assert window.alpha > 0.9 and window.next() >= 1  # 2 tokens per 1.8 rows: drafting pays
+
+
+def test_length_zero_steps_decay_the_acceptance_toward_the_prior():
+    window = DraftLengthPolicy(8)
+    window.set_plain_row_s(PLAIN_ROW_S)
+    for _ in range(5):
+        window.record(4, 0, 5, 3.0 * PLAIN_ROW_S)
+    low = window.alpha
+    for _ in range(50):
+        window.skip()
+    assert low < 0.2 and window.alpha == pytest.approx(PRIOR_ACCEPT_RATE, abs=1e-3)
 
 
 def test_a_window_of_one_is_always_one():

@@ -132,7 +132,7 @@ def test_seed_committed_respects_can_arm_after_prefix_reuse(toy):
     speculator.spec = attrs.evolve(speculator.spec, can_arm_after_prefix_reuse=False)
     ex = SpeculativeExecution(toy, toy.new_sequence(), speculator)
     ex.seed_committed(PROMPT)
-    assert ex._window_size() == 0
+    assert ex._window_size() is None  # a plain step
     speculator.spec = attrs.evolve(speculator.spec, can_arm_after_prefix_reuse=True)
     ex.seed_committed(PROMPT)
     assert speculator.last_state.committed == PROMPT
@@ -371,6 +371,31 @@ def test_a_slow_propose_is_parked_at_its_first_step_and_costs_under_1_3x_plain(t
     assert losses_at_calls == [0, 1]  # one call before the first park, one in the re-probe
     assert ex.stats.draft_s == 2 * draft_s and len(reasons) == 1 and "propose took 188 ms" in reasons[0]
     assert clock.now < 1.3 * plain_s
+
+
+def test_prepare_runs_before_propose_untimed(toy):
+    """A perfect drafter with a slow `prepare` (a catch-up, like a prefill) and an instant propose:
+    neither rule 12 (drafting is propose alone) nor the governor's step times see the catch-up."""
+    clock = FakeClock()
+    calls = []
+    speculator = oracle_speculator(PROMPT + plain_stream(toy), vocab_size=32)
+
+    def prepare(state, ctx):
+        calls.append(("prepare", ctx.pos))
+        clock.now += 0.5
+    perfect = speculator.script
+
+    def script(ctx):
+        calls.append(("propose", ctx.pos))
+        return perfect(ctx)
+    speculator.prepare, speculator.script = prepare, script
+    governor = SpeculationCostGovernor(clock=clock, on_slow_draft=lambda reason: calls.append(reason))
+    governor.start_request(15)
+    _, ex = generate(toy, speculator, max_tokens=16, governor=governor, clock=clock)
+    steps = [pos for what, pos in calls if what == "propose"]
+    assert steps and calls[:2] == [("prepare", steps[0]), ("propose", steps[0])]
+    assert ex.stats.draft_s == 0.0 and all(isinstance(call, tuple) for call in calls)  # not named slow
+    assert governor.stats.spec_ms_per_token < 1  # every forward is free on this clock: so was each step
 
 
 @pytest.mark.parametrize("method", ["new_state", "commit", "keep"])

@@ -1,9 +1,16 @@
-"""DraftLengthPolicy: how many drafts K the next speculative step verifies, within [1, max_draft_tokens].
+"""DraftLengthPolicy: how many drafts K the next speculative step verifies, within [0, max_draft_tokens].
 
 The governor decides *whether* to speculate; the draft-length policy decides *how far*. It picks the K
 that maximises expected emitted tokens per unit of step time:
 
     K* = argmax over 1 <= K <= max_draft_tokens of  E(K) / cost(K + 1)     (ties: the smaller K)
+
+and K = 0 (no draft: the step decodes plainly, and the governor hears of a step that drafted
+nothing) once costs are measured and even K* expects no more than the one token a plain row
+gives in that time: E(K*) / cost(K* + 1) <= 1. That is drafting that does not pay at the
+acceptance seen so far: a drafter as slow as a small model on a machine whose verify rows are
+compute-bound. A K = 0 step (`skip`) lets the acceptance evidence decay toward the prior, so a
+text that changes is drafted for again.
 
 E(K) — expected tokens emitted by a step that verifies K drafts, when each draft is accepted
 with probability α independently of the others (Leviathan et al. 2023, arXiv 2211.17192,
@@ -28,7 +35,8 @@ per-row cost fits both, so the policy keeps what it measured, per row count:
     optimistic on purpose (the memory-bound slope: int8 1 → 4 rows is 0.07/row), so a longer
     length is tried once when acceptance makes it worth it, and is then measured.
 Until a plain row time is known every cost is the prior line 1 + prior_row_cost · (n − 1).
-The measured step time includes drafting and rollback, so E/cost is tokens per second.
+The measured step time includes drafting and rollback, so E/cost is tokens per second; for a
+draft model that is K drafter forwards plus the (K+1)-row verify, both models priced together.
 """
 from __future__ import annotations
 
@@ -55,7 +63,7 @@ def _ema(old: float | None, new: float) -> float:
 
 
 class DraftLengthPolicy:
-    """Per-step draft length K in [1, max_draft_tokens] from acceptance and measured verify cost.
+    """Per-step draft length K in [0, max_draft_tokens] from acceptance and measured step cost.
 
     max_draft_tokens: the K ceiling (--spec-draft, narrowed by the trunk), >= 1.
     prior_row_cost: cost of one more verify row relative to one plain row, assumed where
@@ -120,11 +128,18 @@ class DraftLengthPolicy:
         return measured[below] + (measured[hi] - measured[below]) * (num_rows - below) / (hi - below)
 
     def next(self) -> int:
-        """K for the next speculative step: argmax of E(K) / cost(K + 1), the smaller K on ties."""
+        """K for the next speculative step: argmax of E(K) / cost(K + 1), the smaller K on ties; 0
+        when the costs are measured and that best value is at most 1 (no gain over a plain row)."""
         alpha = self.alpha
         best_k, best = 1, expected_tokens(alpha, 1) / self.row_cost(2)
         for k in range(2, self.max_draft_tokens + 1):
             value = expected_tokens(alpha, k) / self.row_cost(k + 1)
             if value > best:
                 best_k, best = k, value
-        return best_k
+        measured = self._plain_row_s is not None and bool(self._step_s)
+        return 0 if measured and best <= 1.0 else best_k
+
+    def skip(self) -> None:
+        """A step `next` said 0 for: the acceptance evidence decays toward the prior (ACCEPT_DECAY)."""
+        self._passed = ACCEPT_DECAY * self._passed + (1 - ACCEPT_DECAY) * PRIOR_ACCEPT_RATE * PRIOR_JUDGED
+        self._judged = ACCEPT_DECAY * self._judged + (1 - ACCEPT_DECAY) * PRIOR_JUDGED

@@ -2,7 +2,9 @@
 
 One step, with the pending token `last` at position p (emitted, not yet in the cache):
 
-1. Draft: `Speculator.propose` gives d1..dK for positions p+1..p+K.
+1. Draft: `Speculator.prepare` (catch-up work, untimed, like a prefill), then
+   `Speculator.propose` gives d1..dK for positions p+1..p+K (K from the DraftLengthPolicy;
+   K = 0 is a step that drafts nothing).
 2. Verify: the trunk forwards [last, d1..dK] as one batch; row i's logits are for position p+1+i.
 3. Accept: the caller's sampler draws row 0, 1, ... in order; a draft is accepted while the
    drawn token equals it. The first mismatching draw is the *correction*; when every draft
@@ -214,16 +216,23 @@ class SpeculativeExecution:
         if self.last_token is None:
             raise RuntimeError("step() before the first token: prefill, sample it, and set last_token")
         k = self._window_size()
-        if k == 0:
+        if k is None:
             return self._plain_step(sampler, on_token)
-        start = self.clock()
-        ctx = DraftContext(last_token=self.last_token, pos=self.seq_len, draft_length=k,
-                           min_draft_prob=self.speculator.min_draft_prob, hidden_prev=self._hidden_prev,
-                           stop_token_ids=self.stop_token_ids, seq=self.seq, trunk=self._view)
-        proposed = self._plugin_call("propose", self.speculator.propose, self._state, ctx)
-        draft_s = self.clock() - start  # the governor judges drafting on its own (its rule 12)
-        self.stats.draft_s += draft_s
-        draft = self._checked_draft(proposed, k)
+        draft, draft_s = [], 0.0
+        if k == 0:  # drafting does not pay at this acceptance (DraftLengthPolicy): a no-draft step
+            self.window.skip()
+            start = self.clock()
+        else:
+            ctx = DraftContext(last_token=self.last_token, pos=self.seq_len, draft_length=k,
+                               min_draft_prob=self.speculator.min_draft_prob, hidden_prev=self._hidden_prev,
+                               stop_token_ids=self.stop_token_ids, seq=self.seq, trunk=self._view)
+            self._plugin_call("prepare", self.speculator.prepare, self._state, ctx)  # a catch-up: untimed
+            start = self.clock()
+            proposed = None if self.fault else self._plugin_call("propose", self.speculator.propose,
+                                                                  self._state, ctx)
+            draft_s = self.clock() - start  # the governor judges drafting on its own (its rule 12)
+            self.stats.draft_s += draft_s
+            draft = self._checked_draft(proposed, k)
         if draft:
             return self._speculative_step(draft, sampler, on_token, start, draft_s)
         self.stats.num_no_draft_steps += 1
@@ -233,17 +242,18 @@ class SpeculativeExecution:
                                            draft_s=draft_s)
         return stop
 
-    def _window_size(self) -> int:
-        """K for this step: 0 means a plain step (unarmed, parked, at a stop token, or no room)."""
+    def _window_size(self) -> int | None:
+        """K for this step: None for a plain step (unarmed, parked, at a stop token, or no room);
+        0 when the draft-length policy says drafting does not pay; else 1..max_draft_tokens."""
         if not self._armed or self.last_token in self.stop_token_ids:
-            return 0
+            return None
         if self.governor is not None and not self.governor.should_speculate():
-            return 0
+            return None
         room = self.trunk.max_context_length - self.seq_len - 1  # verify writes K+1 rows
         k = min(self.speculator.max_draft_tokens, room)  # the speculator's cap: --spec-draft, or its own
-        if self.window is not None:
-            k = min(k, self.window.next())
-        return max(k, 0)
+        if k < 1:
+            return None
+        return min(k, self.window.next()) if self.window is not None else k
 
     def _plain_step(self, sampler, on_token: OnToken) -> bool:
         start = self.clock()

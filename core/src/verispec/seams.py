@@ -295,6 +295,12 @@ class Speculator:
         """Drafting state for a new sequence (nothing committed yet)."""
         return None
 
+    def prepare(self, state: Any, ctx: DraftContext) -> None:
+        """Before `propose`, in a step that drafts: catch-up work owed for committed tokens the
+        drafter has not seen (a draft model's prompt, or rows decoded while parked). One-off work,
+        like a prefill: the governor times neither it nor counts it as drafting (rule 12 judges
+        `propose` alone). `propose` must not depend on it having run. Default: nothing."""
+
     def propose(self, state: Any, ctx: DraftContext) -> list[int]:
         """Draft ids for positions ctx.pos+1 .. (at most ctx.draft_length); may be empty."""
         raise NotImplementedError

@@ -1,21 +1,23 @@
 """The `draft-model` speculator: a small model of the same tokenizer drafts for the served one.
 
 Each sequence of the trunk has a sequence in the draft trunk (the drafter), which holds a
-suffix of the committed tokens: those from `offset` on, where offset keeps at most
-`draft_context` tokens of what was committed when the drafter was armed (a long prompt costs
-the drafter a bounded catch-up, not a second prefill; it then follows every token). The
-invariant: the drafter's positions [0, n) hold committed tokens offset .. offset+n-1. A step,
-with the pending token x at trunk position p (`DraftContext`):
+suffix of the committed tokens, those from `offset` on. The invariant: the drafter's positions
+[0, n) hold committed tokens offset .. offset+n-1. A step, with the pending token x at trunk
+position p (`DraftContext`):
 
     logits = drafter(tokens[offset+n:p] + [x])   # what it has not seen, then x: one forward
     d1 = argmax(logits[-1])                      # kept if its gate passes
     logits = drafter([d1]); d2 = argmax(...)     # one-row greedy steps, K in all
 
 then `keep(num_kept)` cuts the drafter back to the rows the trunk kept (it never holds the last
-draft), and `commit` records what landed. The drafter lags by a token or two after a step; a lag
-longer than CATCH_UP_ROWS (arming, a batched or parked stretch) is fed in `commit`, in chunks of
-CATCH_UP_CHUNK rows, so a draft step's first forward stays short and its timing (governor
-rule 12) measures drafting, not a prefill.
+draft), and `commit` records what landed. After a drafting step the drafter lags by a token or
+two, folded into the next step's first forward. Larger lags are fed apart, so that a draft
+step's timing (governor rule 12) measures drafting, not a prefill:
+- arming (the first commit): the drafter reads the last `draft_context` committed tokens, in
+  `commit` (untimed, as a prefill is);
+- plain steps (a park, a batched interlude) are only recorded; the next drafting step's
+  `prepare` feeds what the drafter missed (timed with that step), restarting it on the last
+  `draft_context` tokens when it missed more than that.
 
 Argmax over the trunk's ids only (a drafter's padded vocabulary is never proposed). The gate
 (--spec-pmin, `verispec.draft_gate`): drafting stops at the first step whose top-1 probability
@@ -37,11 +39,11 @@ from verispec.seams import DraftContext, DraftHeadKind, DrafterMismatch, Segment
 from verispec_draft_model.binding import binding_problem
 from verispec_draft_model.hooks import SPEC
 
-#: a drafter lagging by more rows than this catches up in `commit`, not in the next draft step.
-CATCH_UP_ROWS = 32
+#: a lag of at most this many rows is folded into a draft step's first forward; more is fed in `prepare`.
+FOLD_ROWS = 4
 #: rows per catch-up forward (a prefill chunk).
 CATCH_UP_CHUNK = 512
-#: the default `draft_context`: committed tokens the drafter reads when it is armed.
+#: the default `draft_context`: committed tokens the drafter reads when it is armed or restarted.
 DRAFT_CONTEXT = 256
 
 
@@ -112,12 +114,17 @@ class DraftModelSpeculator(Speculator):
         del state.tokens[start_pos:]
         state.tokens.extend(int(t) for t in tokens)
         if state.offset is None or start_pos < state.offset:  # armed, or rewritten before its suffix
-            self.draft.truncate(state.seq, 0)
-            state.offset = max(len(state.tokens) - self.draft_context, 0)
+            self._restart(state)
         elif rewrite and self.draft.seq_len(state.seq) > start_pos - state.offset:
             self.draft.truncate(state.seq, start_pos - state.offset)
         # else the drafter's rows past start_pos are the ones `keep` left: the tokens committed now
-        self._catch_up(state)
+
+    def prepare(self, state: _DraftSequence, ctx: DraftContext) -> None:
+        lag = len(state.tokens) - state.offset - self.draft.seq_len(state.seq)
+        if lag > self.draft_context:
+            self._restart(state)
+        elif lag > FOLD_ROWS:
+            self._catch_up(state)
 
     def keep(self, state: _DraftSequence, num_rows: int) -> None:
         length = state.base + num_rows
@@ -130,12 +137,16 @@ class DraftModelSpeculator(Speculator):
             self.draft.release(seq)
         self._live.clear()
 
+    def _restart(self, state: _DraftSequence) -> None:
+        """The drafter reads the last draft_context committed tokens, from position 0."""
+        self.draft.truncate(state.seq, 0)
+        state.offset = max(len(state.tokens) - self.draft_context, 0)
+        self._catch_up(state)
+
     def _catch_up(self, state: _DraftSequence) -> None:
-        """Feed the drafter what it has not seen once that is more than CATCH_UP_ROWS rows (within its context)."""
+        """Feed the drafter every committed token it has not seen (within its context), in chunks."""
         held = state.offset + self.draft.seq_len(state.seq)
         end = min(len(state.tokens), state.offset + self.draft.max_context_length - 1)
-        if end - held <= CATCH_UP_ROWS:
-            return
         for start in range(held, end, CATCH_UP_CHUNK):
             chunk = state.tokens[start:min(start + CATCH_UP_CHUNK, end)]
             self.draft.forward([Segment(state.seq, chunk, logits="none")])
