@@ -13,11 +13,10 @@ then `keep(num_kept)` cuts the drafter back to the rows the trunk kept (it never
 draft), and `commit` records what landed. After a drafting step the drafter lags by a token or
 two, folded into the next step's first forward. Larger lags are fed apart, so that a draft
 step's timing (governor rule 12) measures drafting, not a prefill:
-- arming (the first commit): the drafter reads the last `draft_context` committed tokens, in
-  `commit` (untimed, as a prefill is);
-- plain steps (a park, a batched interlude) are only recorded; the next drafting step's
-  `prepare` feeds what the drafter missed (timed with that step), restarting it on the last
-  `draft_context` tokens when it missed more than that.
+`commit` only records tokens (a prompt, a park, a batched interlude), and the next drafting
+step's `prepare` (untimed, as a prefill is) feeds what the drafter missed, in chunks, restarting
+it on the last `draft_context` tokens when it missed more than that. A request whose steps never
+draft (the draft-length policy's K = 0: drafting does not pay here) never runs the drafter.
 
 Argmax over the trunk's ids only (a drafter's padded vocabulary is never proposed). The gate
 (--spec-pmin, `verispec.draft_gate`): drafting stops at the first step whose top-1 probability
@@ -44,7 +43,7 @@ FOLD_ROWS = 4
 #: rows per catch-up forward (a prefill chunk).
 CATCH_UP_CHUNK = 512
 #: the default `draft_context`: committed tokens the drafter reads when it is armed or restarted.
-DRAFT_CONTEXT = 256
+DRAFT_CONTEXT = 1024
 
 
 class _DraftSequence:
@@ -114,16 +113,15 @@ class DraftModelSpeculator(Speculator):
         del state.tokens[start_pos:]
         state.tokens.extend(int(t) for t in tokens)
         if state.offset is None or start_pos < state.offset:  # armed, or rewritten before its suffix
-            self._restart(state)
+            self._restart(state)  # read in the next drafting step's prepare
         elif rewrite and self.draft.seq_len(state.seq) > start_pos - state.offset:
             self.draft.truncate(state.seq, start_pos - state.offset)
         # else the drafter's rows past start_pos are the ones `keep` left: the tokens committed now
 
     def prepare(self, state: _DraftSequence, ctx: DraftContext) -> None:
-        lag = len(state.tokens) - state.offset - self.draft.seq_len(state.seq)
-        if lag > self.draft_context:
+        if len(state.tokens) - state.offset - self.draft.seq_len(state.seq) > self.draft_context:
             self._restart(state)
-        elif lag > FOLD_ROWS:
+        if len(state.tokens) - state.offset - self.draft.seq_len(state.seq) > FOLD_ROWS:
             self._catch_up(state)
 
     def keep(self, state: _DraftSequence, num_rows: int) -> None:
@@ -138,10 +136,9 @@ class DraftModelSpeculator(Speculator):
         self._live.clear()
 
     def _restart(self, state: _DraftSequence) -> None:
-        """The drafter reads the last draft_context committed tokens, from position 0."""
+        """The drafter is to read the last draft_context committed tokens, from its position 0."""
         self.draft.truncate(state.seq, 0)
         state.offset = max(len(state.tokens) - self.draft_context, 0)
-        self._catch_up(state)
 
     def _catch_up(self, state: _DraftSequence) -> None:
         """Feed the drafter every committed token it has not seen (within its context), in chunks."""
