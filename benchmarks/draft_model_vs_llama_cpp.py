@@ -7,8 +7,8 @@ Per scenario (the shared quote-code, quote-text and prose, plus a code edit writ
 systems run one after the other inside each round, rounds interleaved, greedy, the same
 chat-rendered prompt:
 - llama.cpp plain: `llama-bench -p 0 -n 128` (tg128), once per round;
-- llama.cpp `llama-speculative -m TARGET -md DRAFT --temp 0` at --draft-max 3, 8 and 16
-  (its default is 16);
+- llama.cpp `llama-speculative -m TARGET -md DRAFT --temp 0` at --spec-draft-n-max 3 (its
+  default), 8 and 16;
 - verispec plain, `draft-model` and `ngram` (`verispec.bench.run_scenario`, a fresh cache each).
 Each row: decode tok/s as the tool reports it (llama-speculative's excludes both models' prompt
 evaluation; ours starts at the first token, so it includes the drafter's catch-up over the
@@ -48,8 +48,8 @@ def speculative_binary() -> Path:
 def llama_speculative(target: str, draft: str, prompt: str, n: int, draft_max: int, threads: int) -> dict:
     """One llama-speculative run; its own figures parsed from its log."""
     done = subprocess.run([str(speculative_binary()), "-m", target, "-md", draft, "-p", prompt, "-n", str(n),
-                           "--temp", "0", "--draft-max", str(draft_max), "-t", str(threads), "-td", str(threads),
-                           "-c", "4096", "--no-warmup"],
+                           "--temp", "0", "--spec-draft-n-max", str(draft_max), "-t", str(threads), "-td", str(threads),
+                           "-c", "4096"],
                           capture_output=True, text=True, check=True)
     log = done.stdout + done.stderr
     enc = re.search(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
@@ -116,7 +116,7 @@ def main() -> None:
                 results[name] = figures
             if not args.no_llama_cpp:
                 for draft_max in args.draft_max:
-                    results[f"llama-speculative --draft-max {draft_max}"] = llama_speculative(
+                    results[f"llama-speculative n-max {draft_max}"] = llama_speculative(
                         target, draft, prompt, scenario["max_new_tokens"], draft_max, args.threads)
             for name, figures in results.items():
                 rows.setdefault((scenario["name"], name), []).append(figures)

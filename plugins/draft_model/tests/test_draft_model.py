@@ -135,6 +135,7 @@ def test_a_reused_prefix_is_caught_up_and_drafted_over(paths, trunk):
     assert_exact(made, 20)
     spec = speculator(load(paths["trunk"]), trunk)
     runs = run_greedy_requests(trunk, [first, second], [12, 40], spec, max_running=1)
+    assert runs[1][1].seq == runs[0][1].seq  # the second request took the first one's sequence over
     assert runs[1][0] == text[len(second):]
     assert runs[1][1].stats.num_draft_tokens > 20
 
