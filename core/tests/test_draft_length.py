@@ -168,7 +168,7 @@ def test_on_the_measured_int8_curve_the_window_learns_the_knee():
 
 @pytest.mark.parametrize("num_accepted", [0, 1, 2, 4, 9, 12])
 def test_the_window_is_the_argmax_on_its_own_estimates(num_accepted):
-    window = DraftLengthPolicy(12, prior_row_cost=0.06)
+    window = DraftLengthPolicy(12, prior_row_cost=0.06, allow_zero=True)
     window.set_plain_row_s(0.02)
     for rows, cost in ((3, 1.1), (6, 1.6), (10, 3.0)):
         window.record(0, 0, rows, cost * 0.02)
@@ -185,7 +185,7 @@ def test_the_window_is_the_argmax_on_its_own_estimates(num_accepted):
 def test_always_within_one_and_max_window_and_deterministic():
     def drive(seed: int) -> list[int]:
         rng = random.Random(seed)
-        window = DraftLengthPolicy(6, prior_row_cost=rng.choice([0.0, 0.06, 1.0]))
+        window = DraftLengthPolicy(6, prior_row_cost=rng.choice([0.0, 0.06, 1.0]), allow_zero=True)
         ks = []
         for _ in range(300):
             if rng.random() < 0.2:
@@ -208,7 +208,7 @@ def test_always_within_one_and_max_window_and_deterministic():
 def test_drafting_that_cannot_pay_is_length_zero_once_measured():
     """A step costing 1.8 plain rows at 2 rows (a draft model whose verify rows are compute-bound):
     at the prior acceptance (0.5) one draft expects 1.5 tokens, less than 1.8 plain rows give."""
-    window = DraftLengthPolicy(8)
+    window = DraftLengthPolicy(8, allow_zero=True)
     assert window.next() >= 1  # nothing measured: the prior line says try
     window.set_plain_row_s(PLAIN_ROW_S)
     window.record(1, 1, 2, 1.8 * PLAIN_ROW_S)
@@ -217,6 +217,9 @@ def test_drafting_that_cannot_pay_is_length_zero_once_measured():
     for _ in range(30):  # (a text where) every draft passes: α -> 1
         window.record(1, 1, 2, 1.8 * PLAIN_ROW_S)
     assert window.alpha > 0.9 and window.next() >= 1  # 2 tokens per 1.8 rows: drafting pays
+    window.reset()
+    window.allow_zero = False  # --spec-adaptive off: drafting is forced
+    assert window.next() >= 1
 
 
 def test_length_zero_steps_decay_the_acceptance_toward_the_prior():

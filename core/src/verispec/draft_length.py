@@ -5,8 +5,8 @@ that maximises expected emitted tokens per unit of step time:
 
     K* = argmax over 1 <= K <= max_draft_tokens of  E(K) / cost(K + 1)     (ties: the smaller K)
 
-and K = 0 (no draft: the step decodes plainly, and the governor hears of a step that drafted
-nothing) once costs are measured and even K* expects no more than the one token a plain row
+and, under `--spec-adaptive on` (`allow_zero`), K = 0 (no draft: the step decodes plainly, and
+the governor hears of a step that drafted nothing) once costs are measured and even K* expects no more than the one token a plain row
 gives in that time: E(K*) / cost(K* + 1) <= 1. That is drafting that does not pay at the
 acceptance seen so far: a drafter as slow as a small model on a machine whose verify rows are
 compute-bound. A K = 0 step (`skip`) lets the acceptance evidence decay toward the prior, so a
@@ -68,15 +68,18 @@ class DraftLengthPolicy:
     max_draft_tokens: the K ceiling (--spec-draft, narrowed by the trunk), >= 1.
     prior_row_cost: cost of one more verify row relative to one plain row, assumed where
         nothing is measured (default 0.06: the memory-bound int8 slope on this CPU).
+    allow_zero: `next` may answer 0 (the engine passes --spec-adaptive; off forces drafting, so
+        K stays >= 1 for measurements).
     Raises InvalidDraftLengthRecord for max_draft_tokens < 1 or prior_row_cost < 0.
     """
 
-    def __init__(self, max_draft_tokens: int, prior_row_cost: float = 0.06):
+    def __init__(self, max_draft_tokens: int, prior_row_cost: float = 0.06, *, allow_zero: bool = False):
         if max_draft_tokens < 1 or prior_row_cost < 0:
             raise InvalidDraftLengthRecord(f"DraftLengthPolicy({max_draft_tokens=}, {prior_row_cost=}): "
                                       "give max_draft_tokens >= 1 and prior_row_cost >= 0")
         self.max_draft_tokens = max_draft_tokens
         self.prior_row_cost = prior_row_cost
+        self.allow_zero = allow_zero
         self._plain_row_s: float | None = None
         self._step_s: dict[int, float] = {}  # verify rows n -> running mean of step seconds
         self.reset()
@@ -129,7 +132,8 @@ class DraftLengthPolicy:
 
     def next(self) -> int:
         """K for the next speculative step: argmax of E(K) / cost(K + 1), the smaller K on ties; 0
-        when the costs are measured and that best value is at most 1 (no gain over a plain row)."""
+        (with allow_zero) when the costs are measured and that best value is at most 1 (no gain
+        over a plain row)."""
         alpha = self.alpha
         best_k, best = 1, expected_tokens(alpha, 1) / self.row_cost(2)
         for k in range(2, self.max_draft_tokens + 1):
@@ -137,7 +141,7 @@ class DraftLengthPolicy:
             if value > best:
                 best_k, best = k, value
         measured = self._plain_row_s is not None and bool(self._step_s)
-        return 0 if measured and best <= 1.0 else best_k
+        return 0 if self.allow_zero and measured and best <= 1.0 else best_k
 
     def skip(self) -> None:
         """A step `next` said 0 for: the acceptance evidence decays toward the prior (ACCEPT_DECAY)."""

@@ -166,7 +166,8 @@ class InferenceEngine:
             def on_slow_draft(reason: str) -> None:  # once per governor: a slow drafter is named once
                 log.warning("%s: %s; parked, decoding plainly until the governor re-probes it", named, reason)
             governor = SpeculationCostGovernor(enabled=self.spec.adaptive, on_slow_draft=on_slow_draft)
-            self._governors[key] = (governor, DraftLengthPolicy(self.max_draft_tokens))
+            window = DraftLengthPolicy(self.max_draft_tokens, allow_zero=self.spec.adaptive)  # off forces drafting
+            self._governors[key] = (governor, window)
         return self._governors[key]
 
     # -- requests ------------------------------------------------------------------------
