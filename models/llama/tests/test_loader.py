@@ -193,7 +193,7 @@ def test_hooks_register_without_importing_torch():
             "hooks.register_trunks(specs.append); hooks.register_checkpoints(specs.append); "
             "assert 'torch' not in sys.modules, 'torch imported'; print(len(specs))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "3"
+    assert out.stdout.strip() == "4"  # the trunk and three checkpoints
 
 
 def test_checkpoint_specs_name_the_wheel_files():
