@@ -114,6 +114,12 @@ class InferenceEngine:
             min_draft_prob=spec.min_draft_prob)
         self.speculator = self.choice.speculator
         log.info("speculation: %s", self.choice.reason)
+        if draft_head is not None and spec.draft_model is not None and not (
+                self.speculator is not None and self.speculator.spec.requires_draft_head):
+            unused = {name: why for name, why in self.choice.declines.items()
+                      if self.registry.speculators[name].spec.requires_draft_head}
+            log.warning("--draft-model %s is not used: %s", spec.draft_model,
+                        "; ".join(f"{name}: {why}" for name, why in unused.items()) or "no speculator drafts with it")
 
     def _speculation(self) -> Speculation | None:
         if self.speculator is None:

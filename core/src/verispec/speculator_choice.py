@@ -47,7 +47,7 @@ class SpeculationUnavailable(VerispecError, RuntimeError):
     def __init__(self, spec_type: str, reasons: Mapping[str, str]):
         self.spec_type, self.reasons = spec_type, dict(reasons)
         super().__init__(f"--spec-type {spec_type} cannot be served: {_reasons(self.reasons)}; pick another "
-                         "--spec-type, or --spec-type auto to decode plainly when nothing can serve")
+                         "--spec-type, or auto (the best that can serve, else plain decoding)")
 
 
 def choose_speculator(registry: Registry, spec_type: str, trunk: Any, *, draft_head: Any = None,
@@ -108,8 +108,8 @@ def _precheck(spec: SpeculatorSpec, spec_type: str, trunk: Any, draft_head: Any)
         return (f"--spec-type block needs a block draft head and {loaded}; pass a block drafter GGUF with "
                 "--draft-model PATH")
     if spec.requires_draft_head and head_kind is DraftHeadKind.NONE:
-        return (f"no draft head: {spec.name} drafts with trained drafter weights and none are loaded "
-                "for this trunk; pass --draft-model PATH, or pick a weight-free --spec-type")
+        return (f"no draft head: {spec.name} needs a draft head or a draft model and none is loaded for this "
+                "trunk; pass --draft-model PATH|ALIAS")
     return None
 
 

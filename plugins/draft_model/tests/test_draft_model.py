@@ -242,6 +242,16 @@ def test_auto_picks_the_draft_model_a_trunk_file_names_and_the_text_is_plain(pat
     assert stats.num_draft_tokens > 10 and stats.num_accepted_tokens > stats.num_draft_tokens - 8
 
 
+def test_under_auto_a_draft_model_that_does_not_fit_is_named_in_a_warning(paths, caplog):
+    import verispec
+
+    with caplog.at_level("WARNING", logger="verispec"):
+        engine = verispec.load(paths["trunk"], draft_model=paths["llama"])
+    assert engine.choice.name != "draft-model"
+    warning, = [r.getMessage() for r in caplog.records if "is not used" in r.getMessage()]
+    assert "llama.gguf is not used: draft-model: " in warning and "the tokenizers differ at id" in warning
+
+
 def test_a_draft_model_of_no_known_architecture_names_both_lists(paths, tmp_path):
     import verispec
     from verispec.testing.fixture_writer import write_gguf

@@ -7,7 +7,7 @@ from verispec.specs import SpeculatorSpec
 
 SPEC = SpeculatorSpec(
     name="draft-model",
-    summary="a small model of the same tokenizer (--draft-model PATH|ALIAS) drafts greedily, one token per step; "
+    summary="a smaller model of the same tokenizer (--draft-model PATH|ALIAS) drafts up to K tokens greedily; "
             "gate: top-1 prob over its top-10 logits",
     factory="verispec_draft_model.speculator:create",
     requires_draft_head=True,
