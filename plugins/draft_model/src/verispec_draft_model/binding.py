@@ -11,7 +11,7 @@ two must mean the same thing by every id either can see:
 """
 from __future__ import annotations
 
-from verispec.seams import declared
+from verispec.seams import Segment, declared
 
 
 def binding_problem(trunk, draft) -> str | None:
@@ -49,16 +49,10 @@ def _rollback_problem(draft) -> str | None:
 
     seq = draft.new_sequence()
     try:
-        draft.forward([_segment(seq, [0, 0])])
+        draft.forward([Segment(seq, [0, 0], logits="none")])
         draft.truncate(seq, 1)
     except CannotTruncate as exc:
         return f"the drafter cannot cut a rejected draft off its state ({exc})"
     finally:
         draft.release(seq)
     return None
-
-
-def _segment(seq, tokens):
-    from verispec.seams import Segment
-
-    return Segment(seq, tokens, logits="none")
