@@ -151,6 +151,7 @@ def test_resolve_max_draft_tokens_narrows_only_the_default():
 def test_parked_governor_means_plain_steps(toy):
     class Parked:
         def should_speculate(self): return False
+        def plain_cause(self): return "parked"
         def record_plain_step(self, elapsed_s, num_emitted=1): self.plain = getattr(self, "plain", 0) + 1
         def record_spec_step(self, *a, **k): raise AssertionError("parked: no speculative step")
 
@@ -158,6 +159,7 @@ def test_parked_governor_means_plain_steps(toy):
     draws, ex = generate(toy, oracle_speculator(PROMPT + plain_stream(toy), vocab_size=32), governor=governor,
                          max_tokens=12)
     assert ex.stats.num_spec_steps == 0 and governor.plain == 11
+    assert ex.stats.plain_steps == {"parked": 11}
 
 
 # -- sampling under speculation -------------------------------------------------------------
@@ -422,6 +424,7 @@ def test_parked_steps_still_commit_hidden_rows_to_a_drafter_that_needs_them(toy)
     position arrives with its hidden row."""
     class Parked:
         def should_speculate(self): return False
+        def plain_cause(self): return "parked"
         def record_plain_step(self, elapsed_s, num_emitted=1): pass
         def record_spec_step(self, *a, **k): raise AssertionError("parked: no speculative step")
 

@@ -17,6 +17,7 @@ import attrs
 from verispec.errors import InvalidArgument
 from verispec.execution import resolve_max_draft_tokens
 from verispec.governor import SpeculationCostGovernor
+from verispec.reasons import SpeculationReason
 from verispec.sampling import SamplingParams
 from verispec.requests import Generation, GenerationResult, Request, Speculation, TokenEvent
 from verispec.scheduler import DEFAULT_MAX_IDLE_SEQUENCES, DEFAULT_MAX_RUNNING, Scheduler
@@ -95,19 +96,22 @@ class InferenceEngine:
                 self.speculator.close()
             self.spec, self.speculator, self.choice, self.fault = spec, None, None, None
             self.max_draft_tokens = resolve_max_draft_tokens(spec.max_draft_tokens, self.trunk)
-            self._choose(spec)
-            self.scheduler.set_speculation(self._speculation())
+            plain_reason = self._choose(spec)
+            self.scheduler.set_speculation(self._speculation(), plain_reason)
 
-    def _choose(self, spec: SpecOptions) -> None:
+    def _choose(self, spec: SpecOptions) -> SpeculationReason | None:
+        """Pick the speculator; returns why there is none (verispec.reasons), else None."""
         refusal = declared(self.trunk, "speculation_refusal")
-        if not spec.enabled or self.registry is None:
-            return
+        if not spec.enabled:
+            return SpeculationReason("off", "speculation is off for this server (--spec-type none)")
+        if self.registry is None:
+            return SpeculationReason("declined", "no speculator registry: the engine was built without plugins")
         if refusal is not None:
             if spec.spec_type != "auto":  # docs/design.md §3: an explicit type that cannot serve is an error
                 raise SpeculationUnavailable(spec.spec_type, {spec.spec_type: f"the trunk refuses speculation: "
                                                                               f"{refusal}"})
             log.warning("speculation off: %s", refusal)
-            return
+            return SpeculationReason("declined", f"the trunk refuses speculation: {refusal}")
         draft_head = self._load_draft_head(spec.draft_model)
         self.choice = choose_speculator(
             self.registry, spec.spec_type, self.trunk, draft_head=draft_head, max_draft_tokens=self.max_draft_tokens,
@@ -120,6 +124,7 @@ class InferenceEngine:
                       if self.registry.speculators[name].spec.requires_draft_head}
             log.warning("--draft-model %s is not used: %s", spec.draft_model,
                         "; ".join(f"{name}: {why}" for name, why in unused.items()) or "no speculator drafts with it")
+        return SpeculationReason("declined", self.choice.reason) if self.speculator is None else None
 
     def _speculation(self) -> Speculation | None:
         if self.speculator is None:
@@ -135,7 +140,8 @@ class InferenceEngine:
         log.warning("%s%s; switched off for this engine, decoding plainly", reason, self._plugin_origin())
         self.speculator = None
         self.fault = reason
-        self.scheduler.set_speculation(None)
+        self.scheduler.set_speculation(None, SpeculationReason("faulted", f"{reason}; switched off for this "
+                                                                         "server, decoding plainly"))
 
     def _plugin_origin(self) -> str:
         """` from <distribution> <version>` of the chosen speculator, or "" when the registry does not say."""
@@ -196,11 +202,13 @@ class InferenceEngine:
 
     def generate(self, prompt, *, max_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
                  stop: Sequence[str] = (), ignore_eos: bool = False, chat: bool = False,
-                 time_limit: float | None = None) -> Generation:
+                 time_limit: float | None = None, speculate: bool = True) -> Generation:
         """Queue a request; iterate the returned Generation for TokenEvents, then read `.result`.
 
         time_limit: seconds, counted from the request's admission; the token during which it runs
         out is the last one (finish_reason "length"), as when max_tokens is reached.
+        speculate: False decodes this request plainly whatever the engine's policy (its result's
+        reason is "off"); the output is the same either way.
         Raises InvalidArgument (max_tokens < 1, an empty prompt, time_limit <= 0, a request whose
         KV reservation exceeds the whole KV budget) and
         ContextOverflow (a prompt that leaves no room for a new token) before queueing.
@@ -221,7 +229,7 @@ class InferenceEngine:
             generation, ids, tokenizer=self.tokenizer, max_tokens=max_tokens, sampling=sampling, stop=tuple(stop),
             stop_ids=() if ignore_eos else tuple(self.tokenizer.stop_ids),
             max_context_length=self.trunk.max_context_length, vocab_size=self.trunk.vocab_size,
-            time_limit=time_limit))
+            time_limit=time_limit, speculate=speculate))
         return generation
 
     def step(self) -> None:

@@ -20,6 +20,7 @@ keeps exactly what a plain run would hold. A window never starts at a stop token
 """
 from __future__ import annotations
 
+import collections
 import logging
 import numbers
 import time
@@ -62,17 +63,37 @@ class ExecutionStats:
 
     num_spec_steps: int = 0  # steps that verified a draft
     num_no_draft_steps: int = 0  # armed steps whose proposal was empty
-    num_plain_steps: int = 0  # parked / unarmed steps
+    num_plain_steps: int = 0  # parked / unarmed / batched steps
+    #: why plain steps were plain: cause -> steps (verispec.reasons.PLAIN_CAUSES; "batched" for a
+    #: row of another forward, "detached" after the engine switched its speculator off).
+    plain_steps: collections.Counter = attrs.field(factory=collections.Counter)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
     #: seconds in Speculator.propose (with its DraftContext); a timing, left out of == (two runs
     #: that did the same steps are equal).
     draft_s: float = attrs.field(default=0.0, eq=False)
+    #: one StepRecord per step, in order, when the caller asked for them (`steps=[]`); else None.
+    steps: list[StepRecord] | None = attrs.field(default=None, eq=False)
 
     @property
     def acceptance_rate(self) -> float:
         return acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
+
+
+@attrs.frozen
+class StepRecord:
+    """One step of an execution (ExecutionStats.steps): what it drafted, accepted and emitted."""
+
+    #: "spec" (verified a draft), "no_draft" (armed, drafted nothing), "plain" (parked, unarmed, at
+    #: a stop token), "batched" (a row of a forward beside other sequences).
+    kind: str
+    num_drafted: int
+    num_accepted: int
+    num_emitted: int
+    #: the governor's state when the step was chosen (a GovernorState value: "parked", "probe"...),
+    #: None without a governor.
+    governor: str | None
 
 
 def acceptance_rate(num_accepted: int, num_drafted: int) -> float:
@@ -85,7 +106,8 @@ class SpeculativeExecution:
     """Runs one sequence `seq` of a trunk, speculating with `speculator` when armed.
 
     sampler: `.draw(logits fp32 [V], pos) -> Draw` and `.accept(token)` (verispec.sampling.Sampler).
-    governor: optional SpeculationCostGovernor (`should_speculate`, `record_*`); None = always armed.
+    governor: optional SpeculationCostGovernor (`should_speculate`, `plain_cause`, `record_*`); None =
+      always armed.
     window: optional DraftLengthPolicy choosing K per step within [1, its max_draft_tokens].
     on_plugin_fault: called once with a one-line reason when the speculator faults (module
       docstring); default: a logged warning naming the speculator.
@@ -93,19 +115,21 @@ class SpeculativeExecution:
       `arm_pending` is then True and the caller arms it with `seed_committed` over the tokens
       the sequence holds by then, so the prefill and any batched decodes run without it. Other
       speculators are armed at once (they need the prefill's hidden rows, or every token).
+    steps: a list that receives a StepRecord per step (it becomes `stats.steps`); None records none.
     """
 
     def __init__(self, trunk: Trunk, seq: int, speculator: Speculator | None, *,
                  stop_token_ids: Sequence[int] = (), governor=None,
                  window=None, clock: Callable[[], float] = time.perf_counter,
-                 on_plugin_fault: Callable[[str], None] | None = None, arm_late: bool = False):
+                 on_plugin_fault: Callable[[str], None] | None = None, arm_late: bool = False,
+                 steps: list | None = None):
         self.trunk, self.seq = trunk, seq
         self.speculator = speculator
         self.stop_token_ids = frozenset(stop_token_ids)
         self.governor = governor
         self.window = window
         self.clock = clock
-        self.stats = ExecutionStats()
+        self.stats = ExecutionStats(steps=steps)
         self.last_token: int | None = None
         #: waiting for `seed_committed` (arm_late); the speculator has no state for this sequence yet.
         self.arm_pending = (arm_late and speculator is not None and not speculator.spec.needs_hidden_state
@@ -115,6 +139,8 @@ class SpeculativeExecution:
         self._follows = self._armed
         #: why the speculator was switched off for this sequence, or None.
         self.fault: str | None = None
+        #: the plain-step cause while unarmed (verispec.reasons): "unarmed" when it declined a reused prefix.
+        self._unarmed_cause = "unarmed"
         self._on_plugin_fault = on_plugin_fault or (
             lambda reason: log.warning("%s; switched off for this sequence, decoding plainly", reason))
         self._hidden_prev = None
@@ -208,6 +234,7 @@ class SpeculativeExecution:
     def detach(self) -> None:
         """Stop drafting for, and reporting to, the speculator (it was replaced or switched off)."""
         self._armed = self._follows = False
+        self._unarmed_cause = "detached"
 
     # -- one step ------------------------------------------------------------------------
 
@@ -217,7 +244,7 @@ class SpeculativeExecution:
             raise RuntimeError("step() before the first token: prefill, sample it, and set last_token")
         k = self._window_size()
         if k is None:
-            return self._plain_step(sampler, on_token)
+            return self._plain_step(sampler, on_token, self._plain_cause())
         draft, draft_s = [], 0.0
         if k == 0:  # drafting does not pay at this acceptance (DraftLengthPolicy): a no-draft step
             self.window.skip()
@@ -236,6 +263,7 @@ class SpeculativeExecution:
         if draft:
             return self._speculative_step(draft, sampler, on_token, start, draft_s)
         self.stats.num_no_draft_steps += 1
+        self._record_step("no_draft", 0, 0, 1)
         stop = self._decode_one(sampler, on_token)  # with hidden rows: a tap is a slice of rows computed anyway
         if self.governor is not None:
             self.governor.record_spec_step(self.clock() - start, num_emitted=1, num_accepted=0, num_drafted=0,
@@ -255,14 +283,26 @@ class SpeculativeExecution:
             return None
         return min(k, self.window.next()) if self.window is not None else k
 
-    def _plain_step(self, sampler, on_token: OnToken) -> bool:
+    def _plain_cause(self) -> str:
+        """Why `_window_size` said plain (verispec.reasons.PLAIN_CAUSES, or "detached")."""
+        if not self._armed:
+            return self._unarmed_cause
+        if self.last_token in self.stop_token_ids:
+            return "stop_token"
+        if self.governor is not None and not self.governor.should_speculate():
+            return self.governor.plain_cause()
+        return "too_short"  # no room in the context for a draft
+
+    def _plain_step(self, sampler, on_token: OnToken, cause: str) -> bool:
         start = self.clock()
         stop = self._decode_one(sampler, on_token)  # parked: the head still sees every row
+        self._record_step("plain", 0, 0, 1)
         if self.governor is not None:
             self.governor.record_plain_step(self.clock() - start, num_emitted=1)
         if self.window is not None and self.governor is not None and self.governor.stats.plain_ms_per_token:
             self.window.set_plain_row_s(self.governor.stats.plain_ms_per_token / 1e3)
         self.stats.num_plain_steps += 1
+        self.stats.plain_steps[cause] += 1
         return stop
 
     def _decode_one(self, sampler, on_token: OnToken) -> bool:
@@ -276,7 +316,9 @@ class SpeculativeExecution:
         """This sequence's output (a SegmentOutput) of `decode_segment()` forwarded by the caller beside
         other sequences: a plain step the governor never times (a batched row is not the model's own
         decode). Returns True when on_token said stop."""
+        self._record_step("batched", 0, 0, 1)
         self.stats.num_plain_steps += 1
+        self.stats.plain_steps["batched"] += 1
         return self._take_decode(out, sampler, on_token)
 
     def _take_decode(self, out, sampler, on_token: OnToken) -> bool:
@@ -310,6 +352,7 @@ class SpeculativeExecution:
     def _record_spec(self, num_drafted: int, num_accepted: int, num_emitted: int, start: float,
                      draft_s: float) -> None:
         elapsed = self.clock() - start
+        self._record_step("spec", num_drafted, num_accepted, num_emitted)
         self.stats.num_spec_steps += 1
         self.stats.num_draft_tokens += num_drafted
         self.stats.num_accepted_tokens += num_accepted
@@ -318,6 +361,12 @@ class SpeculativeExecution:
                                            num_drafted=num_drafted, draft_s=draft_s)
         if self.window is not None:
             self.window.record(num_drafted, num_accepted, num_drafted + 1, elapsed)
+
+    def _record_step(self, kind: str, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+        """Append a StepRecord when asked for; called before the governor hears of the step."""
+        if self.stats.steps is not None:
+            state = self.governor.stats.state.value if self.governor is not None else None
+            self.stats.steps.append(StepRecord(kind, num_drafted, num_accepted, num_emitted, state))
 
     def _emit(self, sampler, logits_row, pos: int, on_token: OnToken) -> tuple[int, bool]:
         try:

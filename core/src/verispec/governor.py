@@ -118,6 +118,8 @@ class GovernorStats:
     #: tokens emitted while parked, over the governor's life.
     parked_tokens: int
     state: GovernorState
+    #: tokens the current park still lasts (0 unless parked).
+    park_tokens_left: int = 0
 
     def line(self) -> str:
         """`governor plain=15.3ms/tok spec=29.1ms/tok wins=0 losses=2 parked=96` ("-" when unmeasured)."""
@@ -204,6 +206,13 @@ class SpeculationCostGovernor:
         """Asked before each step: True to take a speculative step, False for a plain one."""
         return self._armed and self._state in (GovernorState.PROBE, GovernorState.WATCH, GovernorState.OFF)
 
+    def plain_cause(self) -> str:
+        """Why `should_speculate()` is False (verispec.reasons): "too_short" (rule 8), "parked", or
+        "measuring" (the bootstrap, or a refresh)."""
+        if not self._armed:
+            return "too_short"
+        return "parked" if self._state is GovernorState.PARKED else "measuring"
+
     def record_spec_step(self, elapsed_s: float, num_emitted: int, num_accepted: int,
                          num_drafted: int, draft_s: float = 0.0) -> None:
         """A speculative step took `elapsed_s` seconds, `draft_s` of them drafting, and emitted
@@ -269,7 +278,8 @@ class SpeculationCostGovernor:
         return GovernorStats(plain_ms_per_token=self._plain.ms_per_token,
                              spec_ms_per_token=self._spec.ms_per_token,
                              wins=self._wins, losses=self._losses, parked_tokens=self._parked_tokens,
-                             state=self._state)
+                             state=self._state,
+                             park_tokens_left=self._park_left if self._state is GovernorState.PARKED else 0)
 
     def stats_line(self) -> str:
         return self.stats.line()

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 import attrs
 
 from verispec.execution import ExecutionStats, SpeculativeExecution
+from verispec.reasons import SpeculationReason, request_reason
 from verispec.sampling import Sampler, SamplingParams
 
 
@@ -50,6 +51,8 @@ class GenerationResult:
     speculator_fault: str | None = None
     #: time from submission to admission (waiting for a running slot or KV budget).
     queued_ms: float = 0.0
+    #: why it speculated or not (verispec.reasons).
+    reason: SpeculationReason | None = None
 
 
 @attrs.frozen
@@ -77,6 +80,8 @@ class SchedulerMetrics:
     num_accepted_tokens: int = 0
     #: idle (prefix-cache) sequences released to make room in the KV budget.
     num_kv_budget_evictions: int = 0
+    #: finished requests by speculation reason code (verispec.reasons.REASON_CODES).
+    num_requests_by_reason: collections.Counter = attrs.field(factory=collections.Counter)
 
 
 class Generation:
@@ -94,6 +99,9 @@ class Generation:
         self.cancelled = False
         #: called from the stepping thread after new items arrive (e.g. to wake an event loop).
         self.listener: Callable[[], None] | None = None
+        #: set to a list before the first step to have a speculating request record its steps into
+        #: it (execution.StepRecord; also `result.spec.steps`).
+        self.step_records: list | None = None
 
     def cancel(self) -> None:
         """End the generation at its next token, as max_tokens would (finish_reason "length"), or
@@ -138,8 +146,10 @@ class Request:
 
     def __init__(self, generation: Generation, ids: list[int], *, tokenizer, max_tokens: int,
                  sampling: SamplingParams, stop: tuple[str, ...], stop_ids: tuple[int, ...],
-                 max_context_length: int, vocab_size: int, time_limit: float | None):
+                 max_context_length: int, vocab_size: int, time_limit: float | None, speculate: bool = True):
         self.generation, self.ids, self.max_tokens, self.time_limit = generation, ids, max_tokens, time_limit
+        #: False: this request decodes plainly whatever the engine's policy (reason "off").
+        self.speculate = speculate
         self.stop_ids = stop_ids
         self.state = StopState(tokenizer, ids, stop_ids, stop, max_tokens, max_context_length, generation=generation)
         self.sampler = Sampler(sampling, ids, vocab_size)
@@ -147,21 +157,25 @@ class Request:
         self.seq: int | None = None
         self.execution: SpeculativeExecution | None = None
         self.speculation: Speculation | None = None
+        self.plain_reason: SpeculationReason | None = None  # why it runs without a speculator
         self.reused = 0
         self.num_prefilled = 0  # prompt tokens the sequence holds (the reused ones included)
         self.submitted_at = self.admitted_at = self.first_token_at = self.finished_at = 0.0
 
-    def start_execution(self, trunk, speculation: Speculation | None) -> None:
-        """Its SpeculativeExecution over its sequence, under `speculation` (None = plain decode);
-        a speculator that follows the sequence from admission is seeded with the reused prefix."""
-        self.speculation = speculation
+    def start_execution(self, trunk, speculation: Speculation | None, plain_reason: SpeculationReason) -> None:
+        """Its SpeculativeExecution over its sequence, under `speculation` (None = plain decode,
+        for `plain_reason`); a speculator that follows the sequence from admission is seeded with
+        the reused prefix."""
+        if not self.speculate:
+            speculation, plain_reason = None, SpeculationReason("off", "speculation was turned off for this request")
+        self.speculation, self.plain_reason = speculation, plain_reason
         if speculation is None:
             self.execution = SpeculativeExecution(trunk, self.seq, None, stop_token_ids=self.stop_ids)
             return
         self.execution = SpeculativeExecution(
             trunk, self.seq, speculation.speculator,
             stop_token_ids=self.stop_ids, governor=speculation.governor, window=speculation.window,
-            on_plugin_fault=speculation.on_plugin_fault, arm_late=True)
+            on_plugin_fault=speculation.on_plugin_fault, arm_late=True, steps=self.generation.step_records)
         if self.reused and not self.execution.arm_pending:
             self.execution.seed_committed(self.ids[:self.reused])
 
@@ -193,6 +207,12 @@ class Request:
         decode_s = self.finished_at - self.first_token_at
         speculation = self.speculation
         stats = self.execution.stats if self.execution is not None else ExecutionStats()
+        fault = self.execution.fault if self.execution is not None else None
+        governor = speculation.governor.stats if speculation is not None else None
+        if speculation is not None:
+            reason = request_reason(stats, fault, speculation.speculator.name, governor)
+        else:  # None: cancelled before admission
+            reason = self.plain_reason or SpeculationReason("too_short", "the request ended before it started")
         return GenerationResult(
             tokens=self.state.tokens, text=self.state.text(), finish_reason=self.state.finish_reason,
             prompt_tokens=len(self.ids), reused_prefix_tokens=self.reused, ttft_ms=1e3 * ttft_s,
@@ -200,7 +220,7 @@ class Request:
             decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
             speculator=speculation.speculator.name if speculation is not None else None, spec=stats,
             governor=speculation.governor.stats_line() if speculation is not None else None,
-            speculator_fault=self.execution.fault if self.execution is not None else None,
+            speculator_fault=fault, reason=reason,
             queued_ms=1e3 * max(self.admitted_at - self.submitted_at, 0.0) if self.admitted_at else 0.0)
 
 

@@ -41,6 +41,7 @@ import time
 from verispec.errors import InvalidArgument, VerispecError
 from verispec.kv_budget import KVBudget
 from verispec.prefix_cache import PrefixCache
+from verispec.reasons import SpeculationReason
 from verispec.requests import Request, SchedulerMetrics, Speculation
 
 log = logging.getLogger("verispec")
@@ -75,6 +76,7 @@ class Scheduler:
         self.kv_budget = KVBudget(trunk, kv_budget_bytes, self.prefix_cache)
         self.max_rows_per_step, self.max_running = max_rows_per_step, max_running
         self.speculation: Speculation | None = None
+        self.plain_reason = SpeculationReason("off", "speculation is off")  # while speculation is None
         self.metrics = SchedulerMetrics()
         self._waiting: collections.deque[Request] = collections.deque()
         self._waiting_lock = threading.Lock()  # submit() runs on any thread
@@ -103,10 +105,11 @@ class Scheduler:
         with self._waiting_lock:
             self._waiting.append(request)
 
-    def set_speculation(self, speculation: Speculation | None) -> None:
-        """The policy for requests admitted from now on; running requests stop speculating (their
-        speculator may be closed). Call with `step_lock` held."""
+    def set_speculation(self, speculation: Speculation | None, plain_reason: SpeculationReason | None = None) -> None:
+        """The policy for requests admitted from now on (None: plain decoding, for `plain_reason`);
+        running requests stop speculating (their speculator may be closed). Call with `step_lock` held."""
         self.speculation = speculation
+        self.plain_reason = plain_reason or SpeculationReason("off", "speculation is off")
         for request in self._running:
             if request.execution.speculator is not None:
                 request.execution.detach()
@@ -192,7 +195,7 @@ class Scheduler:
         request.admitted_at = time.perf_counter()
         if request.time_limit is not None:
             request.state.deadline = request.admitted_at + request.time_limit
-        request.start_execution(self.trunk, self.speculation)
+        request.start_execution(self.trunk, self.speculation, self.plain_reason)
         if request.reused:
             self.metrics.num_prefix_cache_hits += 1
             self.metrics.num_reused_prefix_tokens += request.reused
@@ -287,6 +290,7 @@ class Scheduler:
         self.metrics.num_finished_requests += 1
         self.metrics.num_draft_tokens += result.spec.num_draft_tokens
         self.metrics.num_accepted_tokens += result.spec.num_accepted_tokens
+        self.metrics.num_requests_by_reason[result.reason.code] += 1
         request.generation._deliver([*request.state.drain(), result])
 
     def _park_sequence(self, request: Request, release: bool) -> None:

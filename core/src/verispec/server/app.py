@@ -19,13 +19,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from verispec.engine import Generation, InferenceEngine, TokenEvent
 from verispec.errors import VerispecError, larger_context_advice
 from verispec.execution import acceptance_rate
+from verispec.reasons import REASON_CODES
 from verispec.seams import ContextOverflow, declared
 from verispec.server.engine_thread import EngineThread
 from verispec.server.protocol import (ASSISTANT, ChatBody, CompletionBody, DEFAULT_BODY_TIMEOUT,
                                       DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT, RequestBody,
                                       RequestRejected, SHUTDOWN_GRACE_S, check_text, error_response,
                                       validation_problem)
-from verispec.server.responses import EventStream, ResponseShape, sse, usage_body
+from verispec.server.responses import EventStream, ResponseShape, sse, usage_body, verispec_body
 from verispec.tokenizer import TokenizerError
 
 
@@ -194,6 +195,10 @@ def prometheus_text(engine: InferenceEngine) -> str:
     lines = []
     for name, kind, help_text, value in rows:
         lines += [f"# HELP verispec_{name} {help_text}", f"# TYPE verispec_{name} {kind}", f"verispec_{name} {value}"]
+    lines += ["# HELP verispec_requests_by_reason_total Requests finished, by why they speculated or not "
+              "(verispec.reasons).", "# TYPE verispec_requests_by_reason_total counter"]
+    lines += [f'verispec_requests_by_reason_total{{reason="{code}"}} {m.num_requests_by_reason[code]}'
+              for code in REASON_CODES]
     return "\n".join(lines) + "\n"
 
 
@@ -243,7 +248,8 @@ class Served:
                         "shorten the prompt", field, "context_length_exceeded")
                 max_tokens = min(max_tokens, room)  # completions' default 16 in a nearly full context
             generation = self.engine.generate(ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
-                                              ignore_eos=body.ignore_eos, time_limit=self.request_timeout)
+                                              ignore_eos=body.ignore_eos, time_limit=self.request_timeout,
+                                              speculate=body.speculate())
         except ContextOverflow as e:
             advice = larger_context_advice(e.max_context_length, declared(self.engine.trunk, "trained_context_length"))
             raise RequestRejected(
@@ -323,7 +329,8 @@ class Served:
         finally:  # the client left mid-stream (see EventStream): its request leaves the batch
             self.cancel(generation)
         result = generation.result
-        yield sse(shape.chunk({} if shape.chat else "", finish_reason=result.finish_reason))
+        yield sse({**shape.chunk({} if shape.chat else "", finish_reason=result.finish_reason),
+                   "verispec": verispec_body(result)})
         if usage:
             yield sse({**shape.header(), "choices": [], **usage_body(result)})
         yield "data: [DONE]\n\n"

@@ -45,6 +45,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class VerispecOptions(BaseModel):
+    """The request's `verispec` extension: {"speculation": false} decodes it plainly (same output)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    speculation: bool = True
+
+
 class RequestBody(BaseModel):
     """Fields both endpoints share; ranges are checked by SamplingParams (one source of truth).
     Strict types: `"max_tokens": true` or `"stream": "yes"` is a 400, not a silent 1 or True."""
@@ -67,6 +74,10 @@ class RequestBody(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     logit_bias: dict[str, float] | None = None
+    verispec: VerispecOptions | None = None
+
+    def speculate(self) -> bool:
+        return self.verispec is None or self.verispec.speculation
 
     def sampling(self, logprobs: int | None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,

@@ -98,10 +98,17 @@ def usage_body(result) -> dict[str, Any]:
     n = len(result.tokens)
     return {"usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": n,
                       "total_tokens": result.prompt_tokens + n},
-            "verispec": {"reused_prefix_tokens": result.reused_prefix_tokens, "queued_ms": result.queued_ms,
-                         "ttft_ms": result.ttft_ms, "speculator": result.speculator, "speculator_fault": result.speculator_fault,
-                         "num_draft_tokens": result.spec.num_draft_tokens,
-                         "num_accepted_tokens": result.spec.num_accepted_tokens, "governor": result.governor}}
+            "verispec": verispec_body(result)}
+
+
+def verispec_body(result) -> dict[str, Any]:
+    """The response's `verispec` field: prefix reuse, timings, the speculator's counts, the
+    governor's line and why it speculated or not (`reason`: {"code", "text"}, verispec.reasons)."""
+    return {"reused_prefix_tokens": result.reused_prefix_tokens, "queued_ms": result.queued_ms,
+            "ttft_ms": result.ttft_ms, "decode_tokens_per_s": result.decode_tokens_per_s,
+            "speculator": result.speculator, "speculator_fault": result.speculator_fault,
+            "num_draft_tokens": result.spec.num_draft_tokens, "num_accepted_tokens": result.spec.num_accepted_tokens,
+            "governor": result.governor, "reason": result.reason.as_dict()}
 
 
 def sse(payload: dict[str, Any]) -> str:
