@@ -379,6 +379,12 @@ class Gemma4ForCausalLM(TrunkModule):
                                max_rows=self.ring_rows, key_block=self.key_block)
         return PagedKVCache(num_kv_heads, head_dim, key_block=self.key_block, max_positions=self.max_context_length)
 
+    def view(self):
+        """The read-only face a draft head binds to, with `kv_window` (trunk_view.Gemma4TrunkView)."""
+        from verispec_gemma4.trunk_view import Gemma4TrunkView
+
+        return Gemma4TrunkView(self)
+
     def _embed(self, tokens):
         return self.model.embed_tokens.rows(tokens) * self.model.embed_scale  # [n, D] fp32
 
