@@ -399,7 +399,7 @@ def test_verispec_serve_answers_on_localhost(tmp_path, model_path):
 @pytest.mark.parametrize("host, warned", [
     ("127.0.0.1", False), ("127.0.0.2", False), ("::1", False), ("[::1]", False), ("localhost", False),
     ("0.0.0.0", True), ("::", True), ("192.168.1.20", True), ("example.com", True)])
-def test_serving_beyond_loopback_warns_of_no_authentication(engine, monkeypatch, capsys, host, warned):
+def test_serving_beyond_loopback_without_a_key_warns_naming_the_flag(engine, monkeypatch, capsys, host, warned):
     from verispec.server import app as server_module
 
     bound = []
@@ -409,10 +409,12 @@ def test_serving_beyond_loopback_warns_of_no_authentication(engine, monkeypatch,
     err = capsys.readouterr().err
     assert bound == [(host, 8123)]
     if warned:
-        assert err.startswith(f"verispec: warning: serving on {host}:8123, ") and "no authentication" in err
+        assert err.startswith(f"verispec: warning: serving on {host}:8123, ") and "--api-key" in err
         assert len(err.splitlines()) == 1
     else:
         assert err == ""
+    server_module.serve(engine, host=host, port=8123, api_key="k")  # a key: no warning on any host
+    assert capsys.readouterr().err == ""
 
 
 def test_verispec_serve_without_fastapi_names_the_extra(monkeypatch, capsys):

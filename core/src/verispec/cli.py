@@ -176,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default 600; time waiting for the engine does not count)")
     serve.add_argument("--max-running", type=_ranged(int, 1, 1024), default=16, metavar="N",
                        help="requests decoding together in one batch (default 16); later ones queue")
+    serve.add_argument("--api-key", metavar="KEY", default=os.environ.get("VERISPEC_API_KEY") or None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $VERISPEC_API_KEY; none: open)")
     _add_model_args(serve)
     _add_spec_args(serve)
     for command in sub.choices.values():
@@ -309,9 +311,11 @@ def cmd_serve(args) -> int:
         raise CliError(f"verispec serve needs FastAPI and uvicorn ({e}): {deps} (the serve extra of core/; "
                        "./scripts/setup.sh installs it)") from None
 
+    if args.api_key is not None and not args.api_key.strip():
+        raise CliError("--api-key is empty: give a key, or leave the flag out to serve without one")
     engine = load_engine(args)
     serve(engine, host=args.host, port=args.port, model_name=args.model or "default",
-          request_timeout=args.request_timeout)
+          request_timeout=args.request_timeout, api_key=args.api_key)
     return 0
 
 

@@ -6,7 +6,7 @@
   GET  /health                {"status": "ok", "speculator": name | null}
   GET  /metrics               Prometheus text: requests running/waiting, tokens generated,
                               drafted/accepted tokens, prefix-cache hits, the KV budget
-                              (budget, reserved and idle bytes)
+                              (budget, reserved and idle bytes), requests by speculation reason
 
 Many clients at once: a handler queues its request in the engine's scheduler (continuous
 batching: verispec.scheduler) and awaits its events; one engine thread steps the scheduler
@@ -21,9 +21,11 @@ requests of that step (HTTP 500), never the server. Tokenising a prompt (and ren
 chat template) runs in a worker thread, never on the event loop. Shutting down (Ctrl-C,
 SIGTERM: see `server()`) ends every running or waiting generation at its next token
 (finish_reason "length"), so the server exits at once, its responses complete.
-Speculation is the server's policy (the --spec* flags of `verispec serve`), never a request's.
-The server has no authentication: `serve` on a host other than loopback warns that anyone who
-reaches the port can run the model.
+Speculation is the server's policy (the --spec* flags of `verispec serve`); a request can only
+turn it off for itself (`"verispec": {"speculation": false}`; same output). An API key
+(`--api-key`, VERISPEC_API_KEY; verispec.server.auth) makes /v1/* require `Authorization: Bearer
+KEY`; without one, `serve` on a host other than loopback warns that anyone who reaches the port
+can run the model.
 
 Request fields, as OpenAI's API: max_tokens (completions: 16 by default, as OpenAI; chat:
 until a stop or a full context; `max_completion_tokens` is its newer name; a value larger
@@ -38,7 +40,8 @@ logit_bias, tools, a non-text response_format) answer 400, never a silent ignore
 
 Responses carry `usage` (prompt_tokens, completion_tokens, total_tokens), the engine's
 finish_reason ("stop" | "length"), and an extension object `verispec` (reused prefix, queued_ms,
-time to first token, speculator, drafted/accepted tokens, governor line). Logprobs are the
+time to first token, decode tok/s, speculator, drafted/accepted tokens, governor line, and
+`reason`: why it speculated or not, {"code", "text"} from verispec.reasons). Logprobs are the
 engine's processed logprobs (verispec.sampling); a token's text is its own decoding.
 
 Errors: a request the engine or the sampler rejects (a prompt longer than the context, a
@@ -56,12 +59,12 @@ the messages answers 400. A bug answers 500 with the same body shape (type "serv
 
 Streaming is Server-Sent Events: one `data: {chunk}` per token the engine emits (its text
 may be "" while a split character or a possible stop string is held back), then a chunk
-carrying finish_reason, then, with include_usage, a chunk carrying usage and `verispec`, then
-`data: [DONE]`. The chunks' texts concatenate to the non-streamed text.
+carrying finish_reason and `verispec`, then, with include_usage, a chunk carrying usage and
+`verispec`, then `data: [DONE]`. The chunks' texts concatenate to the non-streamed text.
 
 Modules: `protocol` (request bodies, limits, the error body), `app` (routes, middleware,
-/metrics, `serve`), `engine_thread` (the thread that steps the engine), `responses`
-(completion/chat bodies, stream chunks).
+/metrics, `serve`), `auth` (the API key), `engine_thread` (the thread that steps the engine),
+`responses` (completion/chat bodies, stream chunks).
 """
 from verispec.server.app import create_app, exposure_warning, prometheus_text, serve, server
 from verispec.server.protocol import RequestRejected

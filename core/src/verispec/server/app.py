@@ -21,6 +21,7 @@ from verispec.errors import VerispecError, larger_context_advice
 from verispec.execution import acceptance_rate
 from verispec.reasons import REASON_CODES
 from verispec.seams import ContextOverflow, declared
+from verispec.server.auth import APIKeyCheck
 from verispec.server.engine_thread import EngineThread
 from verispec.server.protocol import (ASSISTANT, ChatBody, CompletionBody, DEFAULT_BODY_TIMEOUT,
                                       DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT, RequestBody,
@@ -32,7 +33,7 @@ from verispec.tokenizer import TokenizerError
 
 def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
                request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
+               body_timeout: float = DEFAULT_BODY_TIMEOUT, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (call it with uvicorn, or fastapi.testclient.TestClient;
     `server()` makes a uvicorn server whose shutdown ends running generations at once).
 
@@ -41,6 +42,7 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
     max_body_bytes: the largest request body read; a larger one answers 413 naming the limit.
     body_timeout: seconds a request body may take to arrive whole; a slower one answers 408 and
     its connection closes.
+    api_key: when given, /v1/* requires `Authorization: Bearer <api_key>` (verispec.server.auth).
     """
     if not request_timeout > 0:
         raise ValueError(f"request_timeout={request_timeout}: give a positive number of seconds")
@@ -52,6 +54,8 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
     served = Served(engine, model_name, request_timeout)
     app.state.verispec = served  # server() ends its generations when the server shuts down
     app.add_middleware(BodyRead, max_bytes=max_body_bytes, timeout=body_timeout)
+    if api_key is not None:
+        app.add_middleware(APIKeyCheck, api_key=api_key)  # added last: it runs first, before the body is read
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError):
@@ -111,31 +115,31 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
 
 def serve(engine: InferenceEngine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "verispec",
           request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
+          body_timeout: float = DEFAULT_BODY_TIMEOUT, api_key: str | None = None) -> None:
     """Run the server with uvicorn until interrupted (Ctrl-C or SIGTERM: running generations end
     at their next token, their responses finish, and the server exits; uvicorn then re-raises
     the signal, so Ctrl-C reaches the caller as KeyboardInterrupt). A host other than loopback
-    gets a warning line on stderr first (exposure_warning)."""
+    without an api_key gets a warning line on stderr first (exposure_warning)."""
     app = create_app(engine, model_name=model_name, request_timeout=request_timeout,
-                     max_body_bytes=max_body_bytes, body_timeout=body_timeout)
-    warning = exposure_warning(host, port)
+                     max_body_bytes=max_body_bytes, body_timeout=body_timeout, api_key=api_key)
+    warning = None if api_key else exposure_warning(host, port)
     if warning:
         print(warning, file=sys.stderr, flush=True)
     server(app, host=host, port=port).run()
 
 
 def exposure_warning(host: str, port: int) -> str | None:
-    """The line `serve` prints when `host` is not a loopback address (127.0.0.0/8, ::1, localhost):
-    the server has no authentication, so whoever reaches the port runs the model. None on loopback."""
+    """The line `serve` prints when `host` is not a loopback address (127.0.0.0/8, ::1, localhost)
+    and no API key is set: whoever reaches the port runs the model. None on loopback."""
     try:
         loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:  # a name: only "localhost" is known to stay on this machine
         loopback = host.lower() == "localhost"
     if loopback:
         return None
-    return (f"verispec: warning: serving on {host}:{port}, which other machines may reach, and this server "
-            "has no authentication: anyone who reaches it can run the model; serve on 127.0.0.1 (the "
-            "default), or put an authenticating proxy in front")
+    return (f"verispec: warning: serving on {host}:{port}, which other machines may reach, without an API key: "
+            "anyone who reaches it can run the model; pass --api-key KEY (or set VERISPEC_API_KEY), or serve "
+            "on 127.0.0.1 (the default)")
 
 
 def server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, **config: Any):
