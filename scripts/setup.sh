@@ -10,7 +10,7 @@ fi
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 # torch first and pinned: this version is on local disk; a bare `torch` pulls a multi-GB CUDA build.
 "$venv/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
-dists=(-e "$root/core[test,serve]")
+dists=(-e "$root/core[test,serve,plot]")
 for d in "$root"/plugins/* "$root"/models/*; do
   [ -f "$d/pyproject.toml" ] && dists+=(-e "$d[test]")
 done

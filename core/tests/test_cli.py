@@ -264,3 +264,75 @@ def test_a_directory_as_model_names_the_gguf_files_inside(env, tmp_path):
     r = verispec(env, "generate", "hi", "--model", str(tmp_path))
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "a directory; give the .gguf file itself (here: toy.gguf)" in r.stderr
+
+
+BENCH = ("bench", "--scenario", "echo-own", "--max-tokens", "12", "--spec-type", "ngram", "--threads", "1")
+
+
+def test_bench_plot_writes_a_png_of_both_panels(env, tmp_path):
+    pytest.importorskip("matplotlib", reason="pip install 'verispec[plot]' (./scripts/setup.sh installs it)")
+    path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
+    r = verispec(env, *BENCH, "--model", str(path), "--plot", str(tmp_path / "out.png"))
+    assert r.returncode == 0, r.stderr
+    png = (tmp_path / "out.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and 20_000 < len(png) < 2_000_000
+    assert "trace: echo-own" in r.stderr and r.stdout.startswith("scenario | prompt")
+
+
+def test_bench_plot_without_matplotlib_fails_before_the_model_loads(env, tmp_path):
+    blocker = tmp_path / "site" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text('raise ImportError("no matplotlib here")\n')
+    env = {**env, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{env['PYTHONPATH']}"}
+    r = verispec(env, *BENCH, "--model", str(tmp_path / "absent.gguf"), "--plot", str(tmp_path / "out.png"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "--plot needs matplotlib" in r.stderr and "-m pip install 'verispec[plot]'" in r.stderr
+
+
+def test_bench_diagnostic_json_shows_zero_error_on_a_batch_invariant_trunk(env, tmp_path):
+    path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
+    r = verispec(env, "bench", "--diagnostic", "--json", "--scenario", "prose", "--max-tokens", "24",
+                 "--spec-draft", "3", "--model", str(path))
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["batch_invariant"] and report["ok"] and report["max_draft_tokens"] == 3
+    assert {row["name"] for row in report["rows"]} >= {"verify row 0", "verify row 3", "kept-prefix row"}
+    assert all(row["max_abs_error"] == 0 for row in report["rows"]) and report["flips"] == []
+
+
+def _bench_stderr_on_a_terminal(env, args) -> str:
+    """stderr of `verispec bench` written to a pseudo-terminal (stdout piped)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # tqdm draws nothing 0 wide
+    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    process = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE,
+                               stderr=follower, stdin=subprocess.DEVNULL)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert process.wait(timeout=120) == 0
+    process.stdout.close()
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_bench_progress_is_drawn_on_a_terminal_and_silent_otherwise(env, tmp_path):
+    path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
+    args = [*BENCH, "--model", str(path)]
+    piped = verispec(env, *args)
+    assert piped.returncode == 0, piped.stderr
+    assert "bench" not in piped.stderr and "\r" not in piped.stderr
+    terminal = _bench_stderr_on_a_terminal(env, args)
+    assert "bench 1/1 echo-own: plain" in terminal and "bench 1/1 echo-own: spec" in terminal

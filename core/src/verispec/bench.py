@@ -7,11 +7,18 @@ same dtype). Speeds are ratios from the same run, never absolute claims. Multi-t
 scenarios send each turn after the model's previous answer, so the second turn reuses the
 cached prefix as a chat would. Chat models (a GGUF with a chat template) get each prompt
 rendered through it.
+
+On a terminal a progress bar on stderr names the scenario (i/n) and the phase (plain or spec);
+it is silent when stderr is not a terminal. `--plot` draws the rows and one scenario's
+per-step trace (verispec.bench_plot); `--diagnostic` runs the teacher-forced row check instead
+(verispec.bench_diagnostic).
 """
 from __future__ import annotations
 
 import json
 import statistics
+import sys
+from collections.abc import Callable
 from importlib import resources
 
 import attrs
@@ -44,19 +51,22 @@ class RunStats:
     drafted: int
     accepted: int
     governor: str | None
+    #: execution.StepRecords of every turn, when asked for (run_scenario's `steps`).
+    steps: list | None = None
 
     @property
     def decode_tps(self) -> float:
         return (len(self.tokens) - 1) / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def run_scenario(engine, scenario: dict) -> RunStats:
-    """Decode a scenario from an empty cache; multi-turn answers feed the next turn."""
+def run_scenario(engine, scenario: dict, steps: list | None = None) -> RunStats:
+    """Decode a scenario from an empty cache; multi-turn answers feed the next turn.
+    steps: a list that receives every turn's execution.StepRecords, in order (speculative runs)."""
     engine.reset_cache()
     chat = engine.tokenizer.chat_template is not None
     turns = scenario.get("turns") or [scenario["prompt"]]
     messages, text, tokens = [], "", []
-    stats = RunStats([], 0, 0.0, 0.0, 0, 0, None)
+    stats = RunStats([], 0, 0.0, 0.0, 0, 0, None, steps)
     for i, turn in enumerate(turns):
         if chat:
             messages.append({"role": "user", "content": turn})
@@ -65,6 +75,7 @@ def run_scenario(engine, scenario: dict) -> RunStats:
             text += turn
             prompt = text
         generation = engine.generate(prompt, max_tokens=scenario["max_new_tokens"], ignore_eos=True)
+        generation.step_records = steps
         for _ in generation:
             pass
         r = generation.result
@@ -84,14 +95,25 @@ def run_scenario(engine, scenario: dict) -> RunStats:
     return stats
 
 
-def compare(engine, scenario: dict, spec: SpecOptions, repeats: int = 1) -> dict:
-    """One row of the bench: plain then speculative, `repeats` times, medians of speeds."""
+def compare(engine, scenario: dict, spec: SpecOptions, repeats: int = 1, *, trace: list | None = None,
+            on_phase: Callable[[str], None] | None = None) -> dict:
+    """One row of the bench: plain then speculative, `repeats` times, medians of speeds.
+
+    trace: a list that receives the last speculative run's execution.StepRecords.
+    on_phase: called with "plain" or "spec" before each run (the progress bar)."""
     plain_runs, spec_runs = [], []
-    for _ in range(repeats):
+    for repeat in range(repeats):
+        if on_phase:
+            on_phase("plain")
         engine.update_speculation(SpecOptions(enabled=False))
         plain_runs.append(run_scenario(engine, scenario))
+        if on_phase:
+            on_phase("spec")
         engine.update_speculation(spec)
-        spec_runs.append(run_scenario(engine, scenario))
+        last = trace is not None and repeat == repeats - 1
+        spec_runs.append(run_scenario(engine, scenario, steps=[] if last else None))
+        if last:
+            trace.extend(spec_runs[-1].steps)
     plain, fast = plain_runs[0], spec_runs[-1]
     plain_tps = statistics.median(r.decode_tps for r in plain_runs)
     spec_tps = statistics.median(r.decode_tps for r in spec_runs)
@@ -122,22 +144,43 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run_bench(engine, spec: SpecOptions, scenarios: list[dict], *, max_tokens: int | None = None, repeats: int = 1,
-              as_json: bool = False) -> int:
+              as_json: bool = False, plot: str | None = None) -> int:
     """`verispec bench`: warm up, compare every scenario (`load_scenarios`) on one loaded engine,
-    print a table or JSON. Returns 0, or 3 when a speculative stream differed from plain."""
+    print a table or JSON; with `plot` (a .png path) also draw them (verispec.bench_plot).
+    Returns 0, or 3 when a speculative stream differed from plain."""
+    from tqdm.auto import tqdm
+
     warm = {"name": "warm-up", "kind": "short", "max_new_tokens": 8, "prompt": "Warm up."}
     compare(engine, warm, spec)
-    rows = []
+    rows, traces = [], {}
+
+    def say(line: str) -> None:  # above the bar on a terminal; each row reaches a pipe as it is measured
+        tqdm.write(line)
+        sys.stdout.flush()
     if not as_json:
-        print(" | ".join(HEADER), flush=True)
-    for scenario in scenarios:
-        if max_tokens:
-            scenario = {**scenario, "max_new_tokens": max_tokens}
-        rows.append(compare(engine, scenario, spec, repeats=repeats))
-        if not as_json:
-            print(format_row(rows[-1]), flush=True)
+        say(" | ".join(HEADER))
+    # disable=None: drawn only when stderr is a terminal
+    with tqdm(total=len(scenarios), desc="bench", unit="scenario", disable=None, leave=False) as bar:
+        for i, scenario in enumerate(scenarios):
+            if max_tokens:
+                scenario = {**scenario, "max_new_tokens": max_tokens}
+
+            def phase(name, i=i, scenario=scenario):
+                bar.set_description(f"bench {i + 1}/{len(scenarios)} {scenario['name']}: {name}")
+            traces[scenario["name"]] = [] if plot else None
+            rows.append(compare(engine, scenario, spec, repeats=repeats, trace=traces[scenario["name"]],
+                                on_phase=phase))
+            bar.update()
+            if not as_json:
+                say(format_row(rows[-1]))
     if as_json:
         print(json.dumps(rows, indent=1))
     else:
         print("\n".join(f"{r['scenario']}: {r['governor']}" for r in rows if r["governor"]))
+    if plot:
+        from verispec.bench_plot import plot_bench, trace_scenario
+
+        name = trace_scenario(rows)
+        plot_bench(rows, name, traces[name], plot)
+        print(f"plot: {plot} (trace: {name})", file=sys.stderr)
     return 0 if all(r["identical"] for r in rows) else 3

@@ -158,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="new tokens per turn (default: each scenario's own)")
     bench.add_argument("--repeats", type=_ranged(int, 1, 100), default=1,
                        help="plain/spec pairs per scenario; speeds are medians")
+    bench.add_argument("--plot", metavar="FILE.png",
+                       help="also draw tok/s per scenario and one scenario's per-step trace (needs matplotlib: "
+                            "pip install 'verispec[plot]')")
+    bench.add_argument("--diagnostic", action="store_true",
+                       help="instead of timing: teacher-forced speculative rows vs plain rows, max |logit error| "
+                            "and argmax flips per row class (--max-tokens: tokens per scenario, default 64)")
 
     cache = sub.add_parser("cache", help="show or clear assembled checkpoints and converted weights")
     cache.add_argument("--clear", action="store_true")
@@ -286,8 +292,21 @@ def cmd_bench(args) -> int:
     from verispec.bench import load_scenarios, run_bench
 
     spec, scenarios = spec_options(args), load_scenarios(args.scenario)  # bad input fails before the model loads
+    if args.diagnostic:
+        if args.plot:
+            raise CliError("--plot draws the timed bench; leave it out with --diagnostic")
+        from verispec import bench_diagnostic
+
+        return bench_diagnostic.run(load_engine(args), scenarios, max_tokens=args.max_tokens, as_json=args.json)
+    if args.plot:
+        from verispec.bench_plot import require_matplotlib
+
+        require_matplotlib()
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder):  # found out now, not after the whole bench
+            raise CliError(f"--plot {args.plot}: there is no folder {folder}")
     return run_bench(load_engine(args), spec, scenarios, max_tokens=args.max_tokens, repeats=args.repeats,
-                     as_json=args.json)
+                     as_json=args.json, plot=args.plot)
 
 
 def cmd_chat(args) -> int:
