@@ -70,7 +70,7 @@ class Gemma4AssistantHead:
                 out[kind] = window(seq, layer, first)
             else:
                 k, v, positions = self.view.kv(seq, layer)
-                out[kind] = (k, v, torch.where(positions >= first, positions, -1))
+                out[kind] = [(k, v, torch.where(positions >= first, positions, -1))]
         return out
 
     @torch.no_grad()

@@ -29,24 +29,31 @@ from verispec_gemma4_assistant.config import AssistantConfig
 
 __all__ = ["Gemma4Assistant", "attend_kv"]
 
-#: (k, v fp32 [Hkv, T, Dh], position per slot int64 [T], -1 = not visible): one layer type's trunk KV.
-KV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+#: one layer type's trunk KV: chunks (k, v fp32 [Hkv, T_c, Dh], position per slot int64 [T_c], -1 = not
+#: visible), e.g. one per key block, views of the trunk's cache (trunk_view.Gemma4TrunkView.kv_window).
+KV = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def attend_kv(q: torch.Tensor, kv: KV) -> torch.Tensor:
-    """Attention of query rows q fp32 [n, H, Dh] over one K/V (all rows see the same slots:
-    those with a position >= 0), scale 1.0; query head j reads KV head j // (H / Hkv).
+    """Attention of query rows q fp32 [n, H, Dh] over K/V chunks (all rows see the same slots:
+    those with a position >= 0), scale 1.0, one softmax over every chunk's slots; query head j
+    reads KV head j // (H / Hkv). Nothing is gathered: each chunk is read where it lies.
     Returns fp32 [n, H, Dh]; zeros when no slot is visible."""
-    k, v, positions = kv
     n, num_heads, head_dim = q.shape
-    num_kv = k.shape[0]
-    visible = positions >= 0
-    if not bool(visible.any()):
+    chunks = [(k, v, positions >= 0) for k, v, positions in kv]
+    chunks = [chunk for chunk in chunks if bool(chunk[2].any())]
+    if not chunks:
         return q.new_zeros(q.shape)
+    num_kv = chunks[0][0].shape[0]
     groups = num_heads // num_kv
     qg = q.view(n, num_kv, groups, head_dim).permute(1, 0, 2, 3).reshape(num_kv, n * groups, head_dim)
-    scores = torch.matmul(qg, k.transpose(1, 2)).masked_fill(~visible, float("-inf"))  # [Hkv, n·g, T]
-    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hkv, n·g, Dh]
+    scores = torch.cat([torch.matmul(qg, k.transpose(1, 2)).masked_fill(~visible, float("-inf"))
+                        for k, _, visible in chunks], dim=-1)  # [Hkv, n·g, T]
+    weights = torch.softmax(scores, dim=-1)
+    out, start = None, 0
+    for _, v, visible in chunks:
+        part = torch.matmul(weights[..., start:start + visible.numel()], v)  # [Hkv, n·g, Dh]
+        out, start = part if out is None else out + part, start + visible.numel()
     return out.view(num_kv, n, groups, head_dim).permute(1, 0, 2, 3).reshape(n, num_heads, head_dim)
 
 
