@@ -2,12 +2,14 @@
 folders (the toy plugin, and one that fails to import)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 
 import pytest
 
+from verispec.reasons import REASON_CODES
 from verispec.testing.toy import write_toy_gguf
 
 
@@ -74,6 +76,30 @@ def test_generate_on_a_toy_gguf(env, tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["tokens"]) == 12 and out["usage"]["completion_tokens"] == 12
+
+
+def test_compare_plain_decodes_the_prompt_plainly_too_and_says_whether_the_tokens_match(env, tmp_path):
+    path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
+    r = verispec(env, "generate", "hello hello hello", "--model", str(path), "--max-tokens", "12", "--ignore-eos",
+                 "--compare-plain", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["plain"]["identical"] is True and out["plain"]["decode_tokens_per_s"] > 0
+    assert out["reason"]["code"] in REASON_CODES and out["reason"]["text"]
+    r = verispec(env, "generate", "hello hello hello", "--model", str(path), "--max-tokens", "12", "--ignore-eos",
+                 "--compare-plain")
+    assert re.search(r"\[same prompt, plain decoding: [\d.]+ tok/s; speculative [\d.]+ tok/s \([\d.]+x\); "
+                     r"identical: yes\]", r.stderr), r.stderr
+
+
+def test_the_comparison_line_says_no_when_the_streams_differ():
+    from types import SimpleNamespace
+
+    from verispec.cli import comparison_line
+    spec = SimpleNamespace(tokens=[1, 2, 3], decode_tokens_per_s=60.0)
+    assert comparison_line(spec, SimpleNamespace(tokens=[1, 2, 3], decode_tokens_per_s=30.0)) == (
+        "[same prompt, plain decoding: 30.0 tok/s; speculative 60.0 tok/s (2.00x); identical: yes]")
+    assert "identical: NO" in comparison_line(spec, SimpleNamespace(tokens=[1, 2, 4], decode_tokens_per_s=30.0))
 
 
 def test_generate_reads_the_prompt_dash_from_standard_input(env, tmp_path):
