@@ -1,5 +1,7 @@
 """OpenAI-compatible HTTP server over one InferenceEngine (FastAPI): `verispec serve`.
 
+  GET  /                      the chat page (verispec.server.page): streams turns from
+                              /v1/chat/completions, shows each answer's `verispec` numbers
   POST /v1/completions        `prompt`: text or token ids
   POST /v1/chat/completions   `messages`, rendered through the model's chat template
   GET  /v1/models             the one loaded model
@@ -64,7 +66,7 @@ carrying finish_reason and `verispec`, then, with include_usage, a chunk carryin
 
 Modules: `protocol` (request bodies, limits, the error body), `app` (routes, middleware,
 /metrics, `serve`), `auth` (the API key), `engine_thread` (the thread that steps the engine),
-`responses` (completion/chat bodies, stream chunks).
+`responses` (completion/chat bodies, stream chunks), `page` (the chat page; its files in static/).
 """
 from verispec.server.app import create_app, exposure_warning, prometheus_text, serve, server
 from verispec.server.protocol import RequestRejected

@@ -23,6 +23,7 @@ from verispec.reasons import REASON_CODES
 from verispec.seams import ContextOverflow, declared
 from verispec.server.auth import APIKeyCheck
 from verispec.server.engine_thread import EngineThread
+from verispec.server.page import add_chat_page
 from verispec.server.protocol import (ASSISTANT, ChatBody, CompletionBody, DEFAULT_BODY_TIMEOUT,
                                       DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT, RequestBody,
                                       RequestRejected, SHUTDOWN_GRACE_S, check_text, error_response,
@@ -64,7 +65,8 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
 
     @app.exception_handler(StarletteHTTPException)  # unknown path (404), wrong method (405): OpenAI's body
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        routes = "GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions"
+        routes = ("GET / (the chat page), GET /health, GET /metrics, GET /v1/models, POST /v1/completions, "
+                  "POST /v1/chat/completions")
         return error_response(f"{request.method} {request.url.path}: {exc.detail}; this server serves {routes}",
                       status_code=exc.status_code, kind="invalid_request_error")
 
@@ -79,6 +81,8 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
     async def _internal(request: Request, exc: Exception):
         return error_response(f"internal error ({type(exc).__name__}): a bug in verispec or a plugin, not in the "
                       "request", status_code=500, kind="server_error")
+
+    add_chat_page(app)  # GET /, /chat.js, /chat.css (verispec.server.page)
 
     @app.get("/health")
     async def health():
