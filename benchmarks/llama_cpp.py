@@ -10,7 +10,9 @@ instruction set, as a user building llama.cpp here would) and builds only `llama
 `llama-perplexity`, for the qwen35 cross-check test, and `llama-speculative` / `llama-simple`,
 for the draft-model comparison) into
 `<verispec cache>/llama.cpp/<version>/` (or `$VERISPEC_LLAMA_CPP/<version>/`). Nothing is
-installed in the venv.
+installed in the venv. On a terminal the configure and build steps show a progress bar (their
+output goes to `build.log` beside the build, its tail printed if a step fails); elsewhere their
+output passes through as it comes.
 
 Per model, one row: llama-bench tg128 (its default configuration: weight repacking on) and
 pp512 with and without repacking (`--repack 0`: on a Xeon with AMX the repacked path died with
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -61,17 +64,50 @@ def build(jobs: int = 2) -> Path:
             archive.extractall(root / "unpacked", filter="data")
         (root / "unpacked" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp").rename(source)
     out = root / "build"
-    subprocess.run(["cmake", "-S", str(source), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON",
-                    "-DLLAMA_BUILD_SERVER=OFF"], check=True)
+    log = root / "build.log"
+    run_with_progress(["cmake", "-S", str(source), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+                       "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON",
+                       "-DLLAMA_BUILD_SERVER=OFF"], "configuring llama.cpp", log)
     # llama-perplexity: models/qwen35/tests/test_llama_cpp_crosscheck.py; llama-speculative and
     # llama-simple: benchmarks/draft_model_vs_llama_cpp.py
-    subprocess.run(["cmake", "--build", str(out), "--target", "llama-bench", "llama-perplexity", "llama-speculative",
-                    "llama-simple", "-j", str(jobs)], check=True)
+    run_with_progress(["cmake", "--build", str(out), "--target", "llama-bench", "llama-perplexity",
+                       "llama-speculative", "llama-simple", "-j", str(jobs)], "building llama.cpp", log)
     binary = bench_binary()
     if binary is None:
         raise RuntimeError(f"the build finished but {out}/bin/llama-bench is missing")
     return binary
+
+
+def build_percent(line: str) -> float | None:
+    """Percent done that a build tool's output line reports: make's `[ 42%] ...` or ninja's
+    `[12/345] ...`; None for any other line."""
+    if m := re.match(r"\[\s*(\d+)%\]", line):
+        return float(m[1])
+    if (m := re.match(r"\[(\d+)/(\d+)\]", line)) and int(m[2]):
+        return 100.0 * int(m[1]) / int(m[2])
+    return None
+
+
+def run_with_progress(command: list[str], desc: str, log: Path) -> None:
+    """Run `command`; raises CalledProcessError when it fails. On a terminal (stderr) its output is
+    appended to `log` and a bar follows `build_percent`; otherwise the output passes through."""
+    if not sys.stderr.isatty():
+        subprocess.run(command, check=True)
+        return
+    from tqdm import tqdm
+
+    with open(log, "a") as out, tqdm(total=100, desc=desc, unit="%", leave=False,
+                                     bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}") as bar:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in process.stdout:
+            out.write(line)
+            done = build_percent(line)
+            if done is not None and done > bar.n:
+                bar.update(done - bar.n)
+        if process.wait():
+            bar.close()
+            print(*log.read_text().splitlines()[-30:], sep="\n", file=sys.stderr)
+            raise subprocess.CalledProcessError(process.returncode, command)
 
 
 def _run(binary: Path, path: str, threads: int, *args: str) -> list[dict]:

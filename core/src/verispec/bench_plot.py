@@ -87,6 +87,7 @@ def _trace(ax, scenario: str, steps: Sequence) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("tokens")
     ax.set_xlim(-0.5, max(len(steps), 1) - 0.5)
+    ax.set_ylim(0, 1.35 * max([s.num_drafted for s in steps] + [s.num_emitted for s in steps] + [1]))  # room for the legend
     ax.legend(loc="upper right", fontsize=8)
 
 

@@ -39,6 +39,7 @@ def load_registered_trunk(path: str, registry: Registry, *, dtype: str | None = 
       "auto": the cores idle now (`verispec.cpu.default_threads`, as the CLI does); None: torch's own.
     """
     from verispec.gguf_io import read_architecture
+    from verispec.progress import elapsed
     from verispec.specs import resolve
 
     if threads == "auto":
@@ -50,4 +51,5 @@ def load_registered_trunk(path: str, registry: Registry, *, dtype: str | None = 
 
         torch.set_num_threads(threads)
     spec = registry.trunk_for_architecture(read_architecture(path))
-    return resolve(spec.loader)(path, dtype=dtype, context_length=context_length)
+    with elapsed(f"loading {os.path.basename(path)}"):  # on a terminal, once it takes over a second
+        return resolve(spec.loader)(path, dtype=dtype, context_length=context_length)
