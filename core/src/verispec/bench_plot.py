@@ -72,6 +72,8 @@ def _speeds(ax, rows: Sequence[dict]) -> None:
 
 
 def _trace(ax, scenario: str, steps: Sequence) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     x = range(len(steps))
     ax.bar(x, [s.num_drafted for s in steps], 0.9, color="#c6dbef", label="drafted")
     ax.bar(x, [s.num_accepted for s in steps], 0.9, color="#2171b5", label="accepted")
@@ -85,6 +87,7 @@ def _trace(ax, scenario: str, steps: Sequence) -> None:
     emitted = sum(s.num_emitted for s in steps)
     ax.set_title(f"{scenario}: {len(steps)} steps, {emitted} tokens, {accepted} of {drafted} drafts accepted")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("tokens")
     ax.set_xlim(-0.5, max(len(steps), 1) - 0.5)
     ax.set_ylim(0, 1.35 * max([s.num_drafted for s in steps] + [s.num_emitted for s in steps] + [1]))  # room for the legend
