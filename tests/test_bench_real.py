@@ -53,7 +53,7 @@ def test_fp32_errors_are_nonzero_bounded_and_every_flip_within_twice_its_rows_er
 
 
 def test_plot_writes_a_png_of_both_panels(tmp_path):
-    pytest.importorskip("matplotlib", reason="pip install 'verispec[plot]' (./scripts/setup.sh installs it)")
+    pytest.importorskip("matplotlib", reason="pip install 'matplotlib>=3.8' (./scripts/setup.sh installs it)")
     out = tmp_path / "bench.png"
     r = verispec("bench", *ARGS, "--plot", str(out))
     assert r.returncode == 0, r.stderr

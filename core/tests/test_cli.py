@@ -296,7 +296,7 @@ BENCH = ("bench", "--scenario", "echo-own", "--max-tokens", "12", "--spec-type",
 
 
 def test_bench_plot_writes_a_png_of_both_panels(env, tmp_path):
-    pytest.importorskip("matplotlib", reason="pip install 'verispec[plot]' (./scripts/setup.sh installs it)")
+    pytest.importorskip("matplotlib", reason="pip install 'matplotlib>=3.8' (./scripts/setup.sh installs it)")
     path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
     r = verispec(env, *BENCH, "--model", str(path), "--plot", str(tmp_path / "out.png"))
     assert r.returncode == 0, r.stderr
@@ -312,7 +312,7 @@ def test_bench_plot_without_matplotlib_fails_before_the_model_loads(env, tmp_pat
     env = {**env, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{env['PYTHONPATH']}"}
     r = verispec(env, *BENCH, "--model", str(tmp_path / "absent.gguf"), "--plot", str(tmp_path / "out.png"))
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "--plot needs matplotlib" in r.stderr and "-m pip install 'verispec[plot]'" in r.stderr
+    assert "--plot needs matplotlib" in r.stderr and "-m pip install 'matplotlib>=3.8'" in r.stderr
 
 
 def test_bench_diagnostic_json_shows_zero_error_on_a_batch_invariant_trunk(env, tmp_path):

@@ -5,7 +5,7 @@ acceptance (accepted / drafted) and speedup. Bottom: the speculative run of one 
 step (execution.StepRecord): tokens emitted per step, drafted vs accepted per step, and the
 steps the cost governor parked shaded. It is the picture of where drafting paid.
 
-matplotlib is an optional extra (`pip install 'verispec[plot]'`); it is imported only here,
+matplotlib is core's optional `plot` extra (`pip install 'matplotlib>=3.8'`); it is imported only here,
 through its object API (no pyplot, no global backend).
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ class MatplotlibMissing(VerispecError, ImportError):
     """--plot without matplotlib: the message is the pip command that installs it."""
 
     def __init__(self):
-        super().__init__(f"--plot needs matplotlib: {pip_install(repr('verispec[plot]'))} "
-                         f"(or {pip_install(repr('matplotlib>=3.8'))}; ./scripts/setup.sh installs it)")
+        super().__init__(f"--plot needs matplotlib: {pip_install(repr('matplotlib>=3.8'))} (core's plot extra; "
+                         "./scripts/setup.sh installs it)")
 
 
 def require_matplotlib() -> None:

@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="plain/spec pairs per scenario; speeds are medians")
     bench.add_argument("--plot", metavar="FILE.png",
                        help="also draw tok/s per scenario and one scenario's per-step trace (needs matplotlib: "
-                            "pip install 'verispec[plot]')")
+                            "pip install 'matplotlib>=3.8')")
     bench.add_argument("--diagnostic", action="store_true",
                        help="instead of timing: teacher-forced speculative rows vs plain rows, max |logit error| "
                             "and argmax flips per row class (--max-tokens: tokens per scenario, default 64)")
