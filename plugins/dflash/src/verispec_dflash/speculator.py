@@ -1,0 +1,75 @@
+"""The `dflash` speculator (what `--spec-type block` picks): one BLOCK draft head's block per step, cut by the window and the gate.
+
+A step with the pending token a at position p (`DraftContext.last_token`, `.pos`) and window K:
+
+    ids, cum = head.draft_block(state, a, None, p, num_rows=min(B, K + 1))   # one drafter forward
+    draft = ids[:j], j = the first e with cum[e] < --spec-pmin (default 0.35), at most K,
+            cut after a stop token (the stop is drafted); a pending stop token gets no draft.
+
+cum[e] is the cumulative prefix confidence (the product of the row confidences up to e; DFlash1:
+softmax of the row's logits at the draft, DFlash2: within the row's K candidates). The block has
+K + 1 rows (anchor + K masks) when the window is narrower than the trained block size B: running
+fewer rows is legal (training decays the loss by block position), and cheaper; llama.cpp does the
+same with --spec-draft-n-max.
+
+`commit` hands committed rows and their taps to `head.draft_catch_up` (Pass A + B), `keep` to
+`head.keep`. Works with any BLOCK head whose `draft_block` takes `num_rows` (DFlashHead), and with
+others through the seam's four arguments (then it drafts the head's full block).
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+from verispec.seams import DraftContext, DraftHeadKind, Speculator
+
+from verispec_dflash.hooks import SPEC
+
+
+class BlockSpeculator(Speculator):
+    """Proposes a BLOCK head's draft (module docstring)."""
+
+    def __init__(self, head, spec=SPEC, **kwargs):
+        if head.draft_head_kind is not DraftHeadKind.BLOCK:
+            raise ValueError(f"BlockSpeculator drafts with BLOCK heads, got a {head.draft_head_kind.value} head")
+        super().__init__(spec, **kwargs)
+        self.head = head
+        self.tap_layers = head.tap_layers
+        self._sized = "num_rows" in inspect.signature(head.draft_block).parameters
+
+    def new_state(self) -> Any:
+        return self.head.new_state()
+
+    def propose(self, state: Any, ctx: DraftContext) -> list[int]:
+        if ctx.last_token in ctx.stop_token_ids:
+            return []
+        window = min(ctx.draft_length, self.max_draft_tokens, self.head.draft_block_size - 1)
+        if window < 1:
+            return []
+        if self._sized:
+            ids, cumulative = self.head.draft_block(state, ctx.last_token, ctx.hidden_prev, ctx.pos,
+                                                    num_rows=window + 1)
+        else:
+            ids, cumulative = self.head.draft_block(state, ctx.last_token, ctx.hidden_prev, ctx.pos)
+        draft: list[int] = []
+        for token, confidence in zip(ids[:window], cumulative):
+            if confidence < ctx.min_draft_prob:
+                break
+            draft.append(int(token))
+            if token in ctx.stop_token_ids:
+                break
+        return draft
+
+    def commit(self, state: Any, tokens: Sequence[int], hidden_rows, start_pos: int) -> None:
+        self.head.draft_catch_up(state, tokens, hidden_rows, start_pos)
+
+    def keep(self, state: Any, num_rows: int) -> None:
+        self.head.keep(state, num_rows)
+
+
+def create(trunk, *, spec, max_draft_tokens, min_draft_prob, draft_head):
+    """SpeculatorSpec factory: None (declined) unless a BLOCK head was loaded for the trunk."""
+    if draft_head is None or getattr(draft_head, "draft_head_kind", None) is not DraftHeadKind.BLOCK:
+        return None
+    return BlockSpeculator(draft_head, spec, max_draft_tokens=max_draft_tokens, min_draft_prob=min_draft_prob)
