@@ -205,20 +205,34 @@ def test_always_within_one_and_max_window_and_deterministic():
         assert drive(seed) == drive(seed)
 
 
-def test_drafting_that_cannot_pay_is_length_zero_once_measured():
+def test_drafting_that_cannot_pay_is_length_zero_once_measured_on_the_requests_own_drafts():
     """A step costing 1.8 plain rows at 2 rows (a draft model whose verify rows are compute-bound):
-    at the prior acceptance (0.5) one draft expects 1.5 tokens, less than 1.8 plain rows give."""
+    at an acceptance of 0.5 one draft expects 1.5 tokens, less than 1.8 plain rows give. A new
+    request still drafts on the prior: only its own judged drafts can say K = 0."""
     window = DraftLengthPolicy(8, allow_zero=True)
     assert window.next() >= 1  # nothing measured: the prior line says try
     window.set_plain_row_s(PLAIN_ROW_S)
     window.record(1, 1, 2, 1.8 * PLAIN_ROW_S)
     window.reset()  # a new request: the prior acceptance again, the measured cost kept
+    assert window.alpha == PRIOR_ACCEPT_RATE and window.next() >= 1  # the prior alone never says 0
+    window.record(2, 1, 3, 2.6 * PLAIN_ROW_S)  # 1 of 2 passes: alpha stays 0.5, 2 judged drafts
+    assert window.next() >= 1  # below MIN_OWN_JUDGED
+    window.record(1, 0, 2, 1.8 * PLAIN_ROW_S)
+    window.record(1, 0, 2, 1.8 * PLAIN_ROW_S)  # now its own evidence says drafting does not pay
     assert window.next() == 0
+    zeros = 0
+    while window.next() == 0:  # K = 0 steps fade the request's evidence: it drafts again
+        window.skip()
+        zeros += 1
+        assert zeros < 10
+    assert zeros >= 1
     for _ in range(30):  # (a text where) every draft passes: α -> 1
         window.record(1, 1, 2, 1.8 * PLAIN_ROW_S)
     assert window.alpha > 0.9 and window.next() >= 1  # 2 tokens per 1.8 rows: drafting pays
     window.reset()
     window.allow_zero = False  # --spec-adaptive off: drafting is forced
+    for _ in range(5):
+        window.record(1, 0, 2, 1.8 * PLAIN_ROW_S)
     assert window.next() >= 1
 
 

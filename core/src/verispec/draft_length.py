@@ -6,11 +6,14 @@ that maximises expected emitted tokens per unit of step time:
     K* = argmax over 1 <= K <= max_draft_tokens of  E(K) / cost(K + 1)     (ties: the smaller K)
 
 and, under `--spec-adaptive on` (`allow_zero`), K = 0 (no draft: the step decodes plainly, and
-the governor hears of a step that drafted nothing) once costs are measured and even K* expects no more than the one token a plain row
+the governor hears of a step that drafted nothing) once costs are measured, this request's own
+drafts have been judged (at least MIN_OWN_JUDGED of recent evidence, so the prior alone never
+stops a request from drafting), and even K* expects no more than the one token a plain row
 gives in that time: E(K*) / cost(K* + 1) <= 1. That is drafting that does not pay at the
-acceptance seen so far: a drafter as slow as a small model on a machine whose verify rows are
-compute-bound. A K = 0 step (`skip`) lets the acceptance evidence decay toward the prior, so a
-text that changes is drafted for again.
+acceptance this text shows: a drafter as slow as a small model on a machine whose verify rows
+are compute-bound. A K = 0 step (`skip`) lets the acceptance evidence decay toward the prior
+and the request's own evidence fade, so after a few such steps the request drafts again and a
+text that changes is measured again.
 
 E(K) — expected tokens emitted by a step that verifies K drafts, when each draft is accepted
 with probability α independently of the others (Leviathan et al. 2023, arXiv 2211.17192,
@@ -45,6 +48,8 @@ ACCEPT_DECAY = 0.8
 #: prior acceptance rate, worth PRIOR_JUDGED judged drafts of evidence.
 PRIOR_ACCEPT_RATE = 0.5
 PRIOR_JUDGED = 2.0
+#: judged drafts of this request's own (decayed) evidence before K = 0 may be chosen.
+MIN_OWN_JUDGED = 3.0
 #: weight of a new measurement in a row count's (or the plain row's) running mean of seconds.
 COST_EMA_WEIGHT = 0.25
 
@@ -89,6 +94,7 @@ class DraftLengthPolicy:
         the text, and are kept."""
         self._passed = PRIOR_ACCEPT_RATE * PRIOR_JUDGED
         self._judged = PRIOR_JUDGED
+        self._own_judged = 0.0  # the part of _judged this request's drafts contributed
 
     @property
     def alpha(self) -> float:
@@ -113,6 +119,7 @@ class DraftLengthPolicy:
             judged = num_accepted + (num_accepted < num_drafted)
             self._passed = ACCEPT_DECAY * self._passed + num_accepted
             self._judged = ACCEPT_DECAY * self._judged + judged
+            self._own_judged = ACCEPT_DECAY * self._own_judged + judged
         if num_rows >= 2:
             self._step_s[num_rows] = _ema(self._step_s.get(num_rows), elapsed_s)
 
@@ -132,8 +139,8 @@ class DraftLengthPolicy:
 
     def next(self) -> int:
         """K for the next speculative step: argmax of E(K) / cost(K + 1), the smaller K on ties; 0
-        (with allow_zero) when the costs are measured and that best value is at most 1 (no gain
-        over a plain row)."""
+        (with allow_zero) when the costs are measured, this request's drafts were judged
+        (MIN_OWN_JUDGED) and that best value is at most 1 (no gain over a plain row)."""
         alpha = self.alpha
         best_k, best = 1, expected_tokens(alpha, 1) / self.row_cost(2)
         for k in range(2, self.max_draft_tokens + 1):
@@ -141,9 +148,11 @@ class DraftLengthPolicy:
             if value > best:
                 best_k, best = k, value
         measured = self._plain_row_s is not None and bool(self._step_s)
-        return 0 if self.allow_zero and measured and best <= 1.0 else best_k
+        own = self._own_judged >= MIN_OWN_JUDGED
+        return 0 if self.allow_zero and measured and own and best <= 1.0 else best_k
 
     def skip(self) -> None:
         """A step `next` said 0 for: the acceptance evidence decays toward the prior (ACCEPT_DECAY)."""
         self._passed = ACCEPT_DECAY * self._passed + (1 - ACCEPT_DECAY) * PRIOR_ACCEPT_RATE * PRIOR_JUDGED
         self._judged = ACCEPT_DECAY * self._judged + (1 - ACCEPT_DECAY) * PRIOR_JUDGED
+        self._own_judged *= ACCEPT_DECAY
