@@ -241,6 +241,9 @@ def _dflash2_fields(metadata, shapes, num_layers, hidden_size, source) -> dict:
     V = shapes["selector_predecessor.weight"][0]
     if not 1 <= K <= V:
         raise MalformedDFlash(source, f"selector_top_k {K} outside 1..{V}")
+    if hidden_size < K * (K + 1):  # llama.cpp packs the K + K·K lattice scores into hidden-wide rows
+        raise MalformedDFlash(source, f"selector_top_k {K} needs hidden size >= K(K+1) = {K * (K + 1)}, "
+                                      f"the drafter's is {hidden_size} (llama.cpp refuses such a file too)")
     return dict(generation=2, conv_kernel_size=KS, conv_group_size=gs, selector_rank=R, selector_top_k=K,
                 selector_vocab_size=V)
 
