@@ -1,11 +1,12 @@
 """benchmarks/llama_cpp.py: the llama.cpp build's progress bar follows make's and ninja's
 progress lines on a terminal and is silent elsewhere (the build's output passes through)."""
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from verispec.testing.terminal import stderr_on_a_terminal
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -35,27 +36,8 @@ def test_off_a_terminal_the_output_passes_through_and_no_bar_is_drawn(tmp_path, 
 
 def _on_a_terminal(code: str) -> tuple[int, str]:
     """(exit status, what it wrote to stderr) of `python -c code` with stderr on a pseudo-terminal."""
-    import fcntl
-    import pty
-    import struct
-    import termios
-
-    leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
-    process = subprocess.Popen([sys.executable, "-c", code], stderr=follower, stdout=subprocess.DEVNULL,
-                               env={**os.environ, "PYTHONPATH": str(BENCHMARKS)})
-    os.close(follower)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:  # EIO: the process closed the terminal
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(leader)
-    return process.wait(timeout=60), b"".join(chunks).decode(errors="replace")
+    return stderr_on_a_terminal([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(BENCHMARKS)},
+                                timeout=60)
 
 
 def test_on_a_terminal_a_bar_follows_the_build_and_the_output_goes_to_the_log(tmp_path):

@@ -1,9 +1,6 @@
 """`verispec serve --api-key`: the official `openai` client against uvicorn on a loopback port
 (over the toy GGUF) works with the key and raises AuthenticationError without it; /health and
 the chat page stay open; the CLI reads VERISPEC_API_KEY."""
-import socket
-import threading
-import time
 
 import httpx
 import pytest
@@ -16,6 +13,7 @@ from verispec.engine import SpecOptions  # noqa: E402
 from verispec.registry import Registry  # noqa: E402
 from verispec.server import create_app  # noqa: E402
 from verispec.testing import toy_plugin  # noqa: E402
+from verispec.testing.serving import serving  # noqa: E402
 from verispec.testing.toy import CHAT_TEMPLATE, write_toy_gguf  # noqa: E402
 
 KEY = "sk-test-3f9a"
@@ -27,20 +25,8 @@ def base_url(tmp_path_factory):
                           chat_template=CHAT_TEMPLATE)
     engine = api.load(path, registry=Registry.from_plugins({"toy": toy_plugin}), context_length=128,
                       spec=SpecOptions(enabled=False))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name="toy", api_key=KEY), host="127.0.0.1",
-                                           port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(create_app(engine, model_name="toy", api_key=KEY)) as url:
+        yield url
 
 
 def test_the_official_client_with_the_key_gets_answers(base_url):

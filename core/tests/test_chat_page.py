@@ -12,9 +12,7 @@ screenshot of the page is written under pytest's tmp dir (and $VERISPEC_ARTEFACT
 import os
 import re
 import shutil
-import socket
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -30,6 +28,7 @@ from verispec.registry import Registry  # noqa: E402
 from verispec.server import create_app  # noqa: E402
 from verispec.specs import SpeculatorSpec  # noqa: E402
 from verispec.testing import toy_plugin  # noqa: E402
+from verispec.testing.serving import serving  # noqa: E402
 from verispec.testing.toy import CHAT_TEMPLATE, EchoSpeculator, write_toy_gguf  # noqa: E402
 
 KEY = "sk-page-7c1e"
@@ -118,21 +117,10 @@ def served(model_path):
         generations.append(generate(*args, **kwargs))
         return generations[-1]
     engine.generate = recording_generate
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = create_app(engine, model_name="toy", api_key=KEY)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", held, generations
-    held.release()
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(create_app(engine, model_name="toy", api_key=KEY)) as base_url:
+        yield base_url, held, generations
+        held.release()
+
 
 
 @pytest.fixture(scope="module")

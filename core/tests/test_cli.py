@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from verispec.reasons import REASON_CODES
+from verispec.testing.terminal import stderr_on_a_terminal
 from verispec.testing.toy import write_toy_gguf
 
 
@@ -327,31 +328,11 @@ def test_bench_diagnostic_json_shows_zero_error_on_a_batch_invariant_trunk(env, 
 
 
 def _bench_stderr_on_a_terminal(env, args) -> str:
-    """stderr of `verispec bench` written to a pseudo-terminal (stdout piped)."""
-    import fcntl
-    import pty
-    import struct
-    import termios
-
-    leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # tqdm draws nothing 0 wide
+    """stderr of `verispec bench` written to a pseudo-terminal."""
     code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
-    process = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE,
-                               stderr=follower, stdin=subprocess.DEVNULL)
-    os.close(follower)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:  # EIO: the process closed the terminal
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(leader)
-    assert process.wait(timeout=120) == 0
-    process.stdout.close()
-    return b"".join(chunks).decode(errors="replace")
+    rc, err = stderr_on_a_terminal([sys.executable, "-c", code, *args], env=env)
+    assert rc == 0, err
+    return err
 
 
 def test_bench_progress_is_drawn_on_a_terminal_and_silent_otherwise(env, tmp_path):

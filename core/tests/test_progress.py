@@ -1,35 +1,16 @@
 """verispec.progress.elapsed: drawn on a terminal once the work outlasts its delay, never for
 short work, and silent when stderr is not a terminal. The sleeps leave wide margins (a 0.2 s
 delay against 1.5 s of work; 1 s against 0.05 s)."""
-import os
-import subprocess
 import sys
 
 from verispec.progress import elapsed
+from verispec.testing.terminal import stderr_on_a_terminal
 
 
 def _stderr_on_a_terminal(code: str) -> str:
-    import fcntl
-    import pty
-    import struct
-    import termios
-
-    leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
-    process = subprocess.Popen([sys.executable, "-c", code], stderr=follower, stdout=subprocess.DEVNULL)
-    os.close(follower)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:  # EIO: the process closed the terminal
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(leader)
-    assert process.wait(timeout=60) == 0
-    return b"".join(chunks).decode(errors="replace")
+    rc, err = stderr_on_a_terminal([sys.executable, "-c", code], timeout=60)
+    assert rc == 0, err
+    return err
 
 
 def test_long_work_shows_its_name_and_elapsed_time_on_a_terminal():

@@ -4,7 +4,6 @@ staggered) each return exactly their solo greedy output; clients that leave mid-
 their slots; /metrics reports what runs. Every forward of the served engine takes 5 ms more,
 so the requests really overlap."""
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +19,7 @@ from verispec.engine import SpecOptions  # noqa: E402
 from verispec.registry import Registry  # noqa: E402
 from verispec.server import create_app  # noqa: E402
 from verispec.testing import toy_plugin  # noqa: E402
+from verispec.testing.serving import serving, start_in_thread  # noqa: E402
 from verispec.testing.toy import CHAT_TEMPLATE, write_toy_gguf  # noqa: E402
 
 CONTEXT = 256
@@ -38,22 +38,6 @@ def model_path(tmp_path_factory):
                           chat_template=CHAT_TEMPLATE)
 
 
-def _run_in_thread(make_server):
-    """(server, its thread, port): `make_server(port)` (a uvicorn.Server) run on a free loopback port
-    in a daemon thread, returned once it has started."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = make_server(port)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    return server, thread, port
-
-
 @pytest.fixture(scope="module")
 def served(model_path, registry):
     """(base_url, engine, batch sizes seen): uvicorn serving a slowed engine in a thread."""
@@ -65,12 +49,8 @@ def served(model_path, registry):
         time.sleep(0.005)
         return forward(batch)
     engine.trunk.forward = slow_forward
-    server, thread, port = _run_in_thread(
-        lambda port: uvicorn.Server(uvicorn.Config(create_app(engine, model_name="toy"), host="127.0.0.1", port=port,
-                                                   log_level="error")))
-    yield f"http://127.0.0.1:{port}", engine, batch_sizes
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(create_app(engine, model_name="toy")) as base_url:
+        yield base_url, engine, batch_sizes
 
 
 @pytest.fixture(scope="module")
@@ -205,11 +185,11 @@ def test_a_server_shutting_down_ends_running_streams_at_once(model_path, registr
     engine = api.load(model_path, registry=registry, context_length=CONTEXT, spec=SpecOptions(enabled=False))
     forward = engine.trunk.forward
     engine.trunk.forward = lambda batch: (time.sleep(0.1), forward(batch))[1]
-    server, thread, port = _run_in_thread(
+    server, thread, base_url = start_in_thread(
         lambda port: make_server(create_app(engine, model_name="toy"), host="127.0.0.1", port=port, log_level="error"))
 
     def stream(first_chunk: threading.Event):
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+        with httpx.stream("POST", f"{base_url}/v1/completions", timeout=30,
                           json={"prompt": PROMPTS[0], "max_tokens": 80, "temperature": 0, "ignore_eos": True,
                                 "stream": True, "stream_options": {"include_usage": True}}) as r:
             lines = []
