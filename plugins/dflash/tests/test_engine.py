@@ -1,7 +1,8 @@
 """Through the loop and the engine on tiny trunks of two families (llama, Gemma 3): the trunks serve the
 drafter's taps (= the reference's `extract_context_feature` of transformers' hidden states: the +1
 convention end to end), and every stream equals plain greedy with a random drafter (drafts mostly
-rejected: rollbacks at every depth) and with a perfect-copy drafter (acceptance 1.0).
+rejected: rollbacks at every depth) and with a perfect-copy drafter (acceptance 1.0). A llama trunk
+with block-quantised linears serves the taps from its fused C decoder layers, bitwise the op-by-op ones.
 
 The perfect-copy pair: a trunk whose layers write nothing to the residual (attention and FFN
 output projections zero) and whose embedding rows share one direction e0 (token c's row 3·e0), so
@@ -189,3 +190,43 @@ def test_second_turn_after_prefix_reuse_streams_plain_greedy(pair):
     assert runs[1][1].seq == runs[0][1].seq  # turn 2 took turn 1's sequence over: a reused prefix
     assert runs[1][0] == want
     assert runs[1][1].stats.num_draft_tokens > 0
+
+
+def test_taps_through_fused_decoder_layers(tmp_path):
+    """A llama trunk with block-quantised linears in the `gguf` weight mode runs each decoder layer as
+    one C call (verispec.nn.layers): its taps equal the op-by-op layers' bitwise, and a random
+    drafter's streams stay plain greedy."""
+    from tiny_llama import hf_to_gguf
+    from verispec.kernels import ckernels
+    from verispec.testing.fixture_writer import write_gguf
+    from verispec_llama.loader import load as load_llama
+
+    if ckernels.library() is None:
+        pytest.skip("no C compiler: the kernels are not built")
+    hf = build_target(hidden_size=96, intermediate_size=64)  # widths multiples of a 32-block
+    arch, metadata, tensors = hf_to_gguf(hf)
+    types = {n: "Q8_0" for n in tensors if n.startswith("blk.") and n.split(".")[2] in (
+        "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    trunk_path = write_gguf(tmp_path / "q8.gguf", arch=arch, metadata=metadata, tensors=tensors, tensor_types=types)
+    ref = make_drafter("d1_causal_window", hf_taps=(0, 2), hidden_size=96, seed=4)
+    drafter_path = write_dflash_gguf(tmp_path / "d.gguf", ref, vocab=byte_level_vocab(TARGET["vocab_size"]))
+    trunk = load_llama(trunk_path, dtype="gguf")
+    head = load(drafter_path, trunk)
+
+    def taps():
+        seq = trunk.new_sequence()
+        out = trunk.forward([Segment(seq, list(PROMPTS[0]), hidden=True, tap_layers=head.tap_layers)])[0].hidden
+        trunk.release(seq)
+        return out
+
+    fused = taps()
+    assert all(layer._kernel is not None for layer in trunk.model.layers)  # the fused path ran
+    for layer in trunk.model.layers:
+        layer.fused = False
+    assert torch.equal(fused, taps())
+    for layer in trunk.model.layers:
+        layer.fused = True
+    want = run_greedy(trunk, list(PROMPTS[2]), 32)[0]
+    got, ex = run_greedy(trunk, list(PROMPTS[2]), 32, BlockSpeculator(head, max_draft_tokens=4, min_draft_prob=0.0),
+                         max_draft_tokens=4)
+    assert got == want and ex.stats.num_draft_tokens > 0

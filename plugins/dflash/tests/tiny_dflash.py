@@ -33,11 +33,12 @@ VARIANTS = {
 }
 
 
-def build_target(seed: int = 0):
-    """The seeded transformers LlamaForCausalLM of TARGET, fp32, weights at ~unit gain (tiny_llama's recipe)."""
+def build_target(seed: int = 0, **overrides):
+    """The seeded transformers LlamaForCausalLM of TARGET (with `overrides`), fp32, weights at ~unit gain
+    (tiny_llama's recipe)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("llama", **TARGET)
+    config = AutoConfig.for_model("llama", **{**TARGET, **overrides})
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
