@@ -9,6 +9,7 @@ from verispec import api
 from verispec.bench import compare, load_scenarios
 from verispec.engine import SpecOptions
 from verispec.execution import StepRecord
+from verispec.reasons import PLAIN_CAUSES
 from verispec.hookspecs import hookimpl
 from verispec.registry import Registry
 from verispec.specs import SpeculatorSpec
@@ -51,7 +52,7 @@ def test_step_records_add_up_to_the_rows_counts(measured):
         assert sum(s.num_emitted for s in steps) == row["new_tokens"] - row["turns"]  # a turn's first token: its prefill
         assert sum(s.num_drafted for s in steps) == row["drafted"]
         assert sum(s.num_accepted for s in steps) == row["accepted"]
-        assert {s.kind for s in steps} <= {"spec", "no_draft", "plain"} and any(s.kind == "spec" for s in steps)
+        assert {s.kind for s in steps} <= {"spec", "no_draft", *PLAIN_CAUSES} and any(s.kind == "spec" for s in steps)
         assert all(s.num_accepted <= s.num_drafted for s in steps)
         # accepted drafts and the correction or bonus token; fewer when max_tokens ends the window
         assert all(1 <= s.num_emitted <= s.num_accepted + 1 if s.kind == "spec" else s.num_emitted == 1 for s in steps)
@@ -77,7 +78,7 @@ def test_plot_draws_both_panels_with_parked_steps_shaded(measured, tmp_path):
     rows, traces = measured
     name = trace_scenario(rows)
     assert name == max(rows, key=lambda r: r["accepted"])["scenario"]
-    parked = [StepRecord("plain", 0, 0, 1, "parked")] * 5 + [StepRecord("plain", 0, 0, 1, "refresh")]
+    parked = [StepRecord("parked", 0, 0, 1)] * 5 + [StepRecord("measuring", 0, 0, 1)]
     steps = parked + traces[name] + parked  # two parks: two shaded spans, one legend entry
     fig = plot_bench(rows, name, steps, tmp_path / "bench.png")
     speeds, trace = fig.axes

@@ -79,7 +79,7 @@ def _trace(ax, scenario: str, steps: Sequence) -> None:
     ax.bar(x, [s.num_accepted for s in steps], 0.9, color="#2171b5", label="accepted")
     ax.plot(x, [s.num_emitted for s in steps], color="black", marker=".", markersize=3, linewidth=0.8,
             label="tokens emitted")
-    for n, (first, last) in enumerate(_runs([s.governor == "parked" for s in steps])):
+    for n, (first, last) in enumerate(_runs([s.kind == "parked" for s in steps])):
         ax.axvspan(first - 0.5, last + 0.5, color="#fdd0a2", alpha=0.6, linewidth=0, zorder=0,
                    label=None if n else "governor parked")
     drafted = sum(s.num_drafted for s in steps)

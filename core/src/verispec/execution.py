@@ -85,15 +85,12 @@ class ExecutionStats:
 class StepRecord:
     """One step of an execution (ExecutionStats.steps): what it drafted, accepted and emitted."""
 
-    #: "spec" (verified a draft), "no_draft" (armed, drafted nothing), "plain" (parked, unarmed, at
-    #: a stop token), "batched" (a row of a forward beside other sequences).
+    #: "spec" (verified a draft), "no_draft" (armed, drafted nothing), or why a plain step was
+    #: plain: a `plain_steps` cause ("parked", "measuring", "batched", "too_short", ...).
     kind: str
     num_drafted: int
     num_accepted: int
     num_emitted: int
-    #: the governor's state when the step was chosen (a GovernorState value: "parked", "probe"...),
-    #: None without a governor.
-    governor: str | None
 
 
 def acceptance_rate(num_accepted: int, num_drafted: int) -> float:
@@ -296,7 +293,7 @@ class SpeculativeExecution:
     def _plain_step(self, sampler, on_token: OnToken, cause: str) -> bool:
         start = self.clock()
         stop = self._decode_one(sampler, on_token)  # parked: the head still sees every row
-        self._record_step("plain", 0, 0, 1)
+        self._record_step(cause, 0, 0, 1)
         if self.governor is not None:
             self.governor.record_plain_step(self.clock() - start, num_emitted=1)
         if self.window is not None and self.governor is not None and self.governor.stats.plain_ms_per_token:
@@ -363,10 +360,9 @@ class SpeculativeExecution:
             self.window.record(num_drafted, num_accepted, num_drafted + 1, elapsed)
 
     def _record_step(self, kind: str, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
-        """Append a StepRecord when asked for; called before the governor hears of the step."""
+        """Append a StepRecord when asked for."""
         if self.stats.steps is not None:
-            state = self.governor.stats.state.value if self.governor is not None else None
-            self.stats.steps.append(StepRecord(kind, num_drafted, num_accepted, num_emitted, state))
+            self.stats.steps.append(StepRecord(kind, num_drafted, num_accepted, num_emitted))
 
     def _emit(self, sampler, logits_row, pos: int, on_token: OnToken) -> tuple[int, bool]:
         try:
