@@ -56,7 +56,7 @@ def test_step_records_add_up_to_the_rows_counts(measured):
         assert all(s.num_accepted <= s.num_drafted for s in steps)
         # accepted drafts and the correction or bonus token; fewer when max_tokens ends the window
         assert all(1 <= s.num_emitted <= s.num_accepted + 1 if s.kind == "spec" else s.num_emitted == 1 for s in steps)
-        assert {s.governor for s in steps} == {"off"}  # --spec-adaptive off: the governor never parks
+        assert "parked" not in {s.kind for s in steps}  # --spec-adaptive off: the governor never parks
 
 
 def test_no_records_unless_asked_for(engine):
