@@ -56,6 +56,14 @@ def _raise(ctx):
     raise RuntimeError("drafter bug")
 
 
+class Tapping:
+    @hookimpl
+    def register_speculators(self, register):
+        register(SpeculatorSpec(name="deep-taps", summary="reads layer 99 (test)", needs_hidden_state=True,
+                                factory=lambda trunk, **kw: ScriptedSpeculator(lambda ctx: [], spec=kw["spec"],
+                                                                               tap_layers=(1, 99))))
+
+
 def _mismatched(trunk, **kw):
     raise DrafterMismatch("hidden size 64 != trunk hidden size 16; use a drafter trained for this trunk")
 
@@ -125,16 +133,14 @@ def test_too_short_when_a_request_cannot_decode_two_tokens(model_path, registry)
     assert complete(client, max_tokens=1)["code"] == "too_short"
 
 
-@pytest.mark.parametrize("spec_type, words", [
-    ("auto", ["toy-block", "draft head"]),  # the toy registry's block drafter needs a draft head
-    ("mismatched", None),
+@pytest.mark.parametrize("plugin, words", [
+    (None, ["toy-block", "draft head"]),  # the toy registry's block drafter needs a draft head
+    (Mismatched, ["mismatched", "hidden size 64 != trunk hidden size 16"]),  # its factory refuses the trunk
+    (Tapping, ["deep-taps asks for hidden taps the trunk cannot serve", "got [99]"]),
 ])
-def test_declined_carries_the_registrys_reason(model_path, registry, spec_type, words):
-    if spec_type == "mismatched":  # its factory refuses the trunk (seams.DrafterMismatch)
-        client = serve(model_path, Registry.from_plugins({"toy": toy_plugin, "mismatched": Mismatched()}), "auto")
-        words = ["mismatched", "hidden size 64 != trunk hidden size 16"]
-    else:
-        client = serve(model_path, Registry.from_plugins({"toy": toy_plugin}), spec_type)
+def test_declined_carries_the_registrys_reason(model_path, plugin, words):
+    plugins = {"toy": toy_plugin, **({"extra": plugin()} if plugin else {})}
+    client = serve(model_path, Registry.from_plugins(plugins), "auto")
     reason = complete(client)
     assert reason["code"] == "declined"
     assert all(word in reason["text"] for word in words), reason

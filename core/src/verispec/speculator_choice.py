@@ -2,9 +2,9 @@
 --spec-type selects, in priority order, and builds the first that can serve.
 
 A speculator declines from its declarations alone (`requires_draft_head`, the trunk's
-`speculation_refusal` / `speculation_profitable`), from its own `decline` check, or by its
+`speculation_refusal` / `speculation_profitable`), from its own `decline` check, by its
 factory returning None or raising `seams.DrafterMismatch` (the drafter passed does not fit this
-trunk: its message is the reason); a factory that raises anything else is a broken plugin: it
+trunk: its message is the reason), or by asking for hidden taps the trunk cannot serve; a factory that raises anything else is a broken plugin: it
 declines with the error (logged), never taking the engine down. An explicit --spec-type that
 nothing can serve is an error naming every reason (`SpeculationUnavailable`); "auto" then decodes
 plainly.
@@ -21,7 +21,7 @@ import attrs
 from verispec.errors import VerispecError
 from verispec.install_hints import install_hint
 from verispec.registry import Entry, Registry
-from verispec.seams import DraftHeadKind, DrafterMismatch, declared
+from verispec.seams import DraftHeadKind, DrafterMismatch, UnsupportedTap, declared
 from verispec.specs import SpeculatorSpec, resolve
 
 logger = logging.getLogger(__name__)
@@ -131,6 +131,13 @@ def _build(spec: SpeculatorSpec, trunk, draft_head, max_draft_tokens, min_draft_
         return None, f"{spec.name} failed to build: {_text(exc)}"
     if speculator is None:
         return None, f"{spec.name} cannot serve this trunk"
+    taps = getattr(speculator, "tap_layers", None)
+    if spec.needs_hidden_state and taps is not None:
+        try:
+            trunk.view().tap_feature_size(taps)
+        except UnsupportedTap as exc:  # its drafter reads layers this trunk does not have
+            speculator.close()
+            return None, f"{spec.name} asks for hidden taps the trunk cannot serve: {exc}"
     return speculator, None
 
 
