@@ -16,6 +16,11 @@
    the converted state goes through `verispec.weight_cache` and the next load memory-maps
    it (SmolLM2: ~0.5 s).
 4. The tokenizer from the file's own metadata (verispec.tokenizer).
+
+With `shards` (one rank of a tensor-parallel group) the same table is read through
+`verispec.gguf_shard`: `splits(config)` says which tensors are cut and along which axis (whole
+heads of q/k/v and o's columns, FFN features of gate/up and down's columns, vocabulary rows of the
+embedding and output), so a rank reads only its slices.
 """
 from __future__ import annotations
 
@@ -24,11 +29,12 @@ import os
 import attrs
 from verispec.gguf_io import GGUFFile
 from verispec.gguf_load import Arch, load_trunk
+from verispec.gguf_shard import Split, load_trunk_shard
 from verispec.gguf_table import Stack, Tensor
 
 from verispec_llama.modeling_llama import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["ARCHS", "DEFAULT_DTYPE", "ROPE_FREQS", "TENSORS", "config_from_gguf", "load"]
+__all__ = ["ARCHS", "DEFAULT_DTYPE", "ROPE_FREQS", "TENSORS", "config_from_gguf", "load", "splits"]
 
 #: weight dtype when the caller does not choose one. "gguf": the file's own blocks (Q4_0 ... Q8_0)
 #: in the block kernel, nothing requantised, each layer one C call (weights.block_linear, nn.layers).
@@ -64,13 +70,31 @@ TENSORS = (
 ROPE_FREQS = "rope_freqs.weight"
 
 
+
+
+def splits(config: LlamaConfig) -> list[Split]:
+    """The tensors a tensor-parallel rank reads a slice of (torch order: axis 0 rows, -1 columns);
+    the rest (norms, rope_freqs, the o bias, added after the all-reduce) every rank reads whole."""
+    c, dh = config, config.head_dim
+    h, hkv = c.num_attention_heads, c.num_key_value_heads
+    return [
+        Split("blk.{i}.attn_q.weight", 0, h, dh), Split("blk.{i}.attn_q.bias", 0, h, dh),
+        Split("blk.{i}.attn_k.weight", 0, hkv, dh), Split("blk.{i}.attn_k.bias", 0, hkv, dh),
+        Split("blk.{i}.attn_v.weight", 0, hkv, dh), Split("blk.{i}.attn_v.bias", 0, hkv, dh),
+        Split("blk.{i}.attn_output.weight", -1, h, dh),
+        Split("blk.{i}.ffn_gate.weight", 0, c.intermediate_size), Split("blk.{i}.ffn_up.weight", 0, c.intermediate_size),
+        Split("blk.{i}.ffn_down.weight", -1, c.intermediate_size),
+        Split("token_embd.weight", 0, c.vocab_size), Split("output.weight", 0, c.vocab_size),
+    ]
+
+
 ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), LlamaForCausalLM, TENSORS, layout="llama", family="llama/qwen2",
                    read_elsewhere={ROPE_FREQS}, default_dtype=DEFAULT_DTYPE) for name in ("llama", "qwen2")}
 
 
 def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: int | None = None,
          max_rows_per_forward: int | None = None, use_cache: bool = True, tokenizer: bool = True,
-         progress: bool | None = None) -> LlamaForCausalLM:
+         progress: bool | None = None, shards=None) -> LlamaForCausalLM:
     """Load a llama or qwen2 GGUF as a `LlamaForCausalLM` trunk (verispec.gguf_load.load_trunk).
 
     Returns the trunk in eval mode: linears in `dtype` (weights.quant), norms and biases fp32;
@@ -80,11 +104,17 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     max_rows_per_forward: forward chunk (default: weights.quant.rows_per_forward(dtype)).
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
+    shards: one rank of a tensor-parallel group (verispec.nn.parallel.Shards): the rank's slices
+      only (verispec.gguf_shard.load_trunk_shard); raises nn.parallel.HeadsNotDivisible.
     Threads are the caller's (`verispec.api.load_registered_trunk` sets them).
     Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.DamagedFile,
     errors.UnusedTensors (a file holding tensors the math would not use, listed),
     UnsupportedLlamaVariant, weights.quant.UnknownWeightDtype.
     """
+    if shards is not None:
+        return load_trunk_shard(path, ARCHS, splits, shards, dtype=dtype, use_cache=use_cache, tokenizer=tokenizer,
+                                progress=progress, context_length=context_length,
+                                max_rows_per_forward=max_rows_per_forward)
     return load_trunk(path, ARCHS, dtype=dtype, use_cache=use_cache, tokenizer=tokenizer, progress=progress,
                       context_length=context_length, max_rows_per_forward=max_rows_per_forward)
 

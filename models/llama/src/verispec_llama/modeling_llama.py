@@ -25,6 +25,11 @@ int4 / gguf kernels each output is bitwise theirs (core/tests/test_nn.py, test_g
 All activations are fp32; only the linears see the weight dtype (`verispec.weights.quant`). With
 int8 or bf16 weights every op is per row, so a row inside an n-row verify is bitwise the row
 computed alone (`spec_batch_invariant`, declared by `TrunkModule` from the linears).
+
+Tensor parallelism (`shards`, verispec.nn.parallel): the same modules built with one rank's
+sizes (`shard_config`: H/W and Hkv/W heads, its run of I and of V) and an all-reduce after the
+two row-parallel linears, o_proj and down_proj (the o bias after it); the embedding and LM head
+are vocabulary-parallel. Such a layer runs op by op (the fused C layer has no collective).
 Sources: transformers models/llama/modeling_llama.py, models/qwen2/modeling_qwen2.py (5.24);
 llama.cpp src/models/llama.cpp, src/models/qwen2.cpp.
 """
@@ -43,6 +48,7 @@ from verispec.nn.attention import attend_rows
 from verispec.nn.kv_cache import PagedKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
+from verispec.nn.parallel import Shards, embed_vocab_rows, gather_vocab
 from verispec.nn.rope import RotaryEmbedding, default_inv_freq, freq_factors, linear_scaling
 from verispec.nn.trunk import Rows, TrunkModule
 
@@ -159,8 +165,9 @@ def _rope_linear_factor(key, source: str) -> float:
 class LlamaAttention(nn.Module):
     """GQA self-attention over each sequence's `PagedKVCache` of this layer. x: fp32 [n, D] -> fp32 [n, D]."""
 
-    def __init__(self, config: LlamaConfig, *, device=None):
+    def __init__(self, config: LlamaConfig, *, device=None, shards: Shards | None = None):
         super().__init__()
+        self.shards = shards  # None: one process; else config is the rank's (shard_config)
         d, h, hkv, dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, dh
         self.scaling = dh ** -0.5
@@ -182,7 +189,13 @@ class LlamaAttention(nn.Module):
         qk = rope(qk, cos, sin)  # [n, H + Hkv, Dh]: one RoPE call
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = attend_rows(q, k, v, rows, layer_idx, scaling=self.scaling)  # [n, H, Dh]
-        return _add(self.o_proj(out.reshape(n, self.num_heads * self.head_dim)), self.o_bias)  # [n, D]
+        return _add(_reduce(self.shards, self.o_proj(out.reshape(n, self.num_heads * self.head_dim))),
+                    self.o_bias)  # [n, D]
+
+
+def _reduce(shards: Shards | None, partial: torch.Tensor) -> torch.Tensor:
+    """A row-parallel linear's output summed over the ranks (as is in one process)."""
+    return partial if shards is None else shards.all_reduce(partial)
 
 
 def _bias(size: int, present: bool) -> nn.Parameter | None:
@@ -198,10 +211,11 @@ class LlamaDecoderLayer(nn.Module):
     #: are built; same bits as the op-by-op forward below (the tests switch it off to compare)
     fused = True
 
-    def __init__(self, config: LlamaConfig, *, device=None):
+    def __init__(self, config: LlamaConfig, *, device=None, shards: Shards | None = None):
         super().__init__()
+        self.shards = shards
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, device=device)
+        self.self_attn = LlamaAttention(config, device=device, shards=shards)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, "silu", kernel_activation=True,
                             device=device)
@@ -209,7 +223,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def _fused_kernel(self, rope: RotaryEmbedding) -> DecoderLayerKernel | None:
         """The layer's nn.layers kernel (nn.layers.fused_kernel); None when it runs op by op."""
-        if not self.fused:
+        if not self.fused or self.shards is not None:
             return None
         a, mlp = self.self_attn, self.mlp
 
@@ -231,19 +245,20 @@ class LlamaDecoderLayer(nn.Module):
             return kernel(hidden_states, cos, sin, rows, layer_idx)
         attn = self.self_attn(self.input_layernorm(hidden_states), rope, cos, sin, rows, layer_idx)
         hidden_states = hidden_states + attn
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states + _reduce(self.shards, self.mlp(self.post_attention_layernorm(hidden_states)))
 
 
 class LlamaModel(nn.Module):
     """embed_tokens (also the tied LM head), layers, final norm, RoPE: HF's submodule names."""
 
-    def __init__(self, config: LlamaConfig, *, device=None):
+    def __init__(self, config: LlamaConfig, *, device=None, shards: Shards | None = None):
         super().__init__()
         c = config
         # The embedding table is a linear [V, D] read by rows, so a tied LM head is this same
         # module (one copy in any weight dtype).
         self.embed_tokens = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device=device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c, device=device) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, device=device, shards=shards)
+                                    for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(default_inv_freq(c.rotary_dim, c.rope_theta), style=c.rope_style,
                                           scaling=_rope_scaling(c))
@@ -257,6 +272,10 @@ class LlamaForCausalLM(TrunkModule):
       dtypes); default weights.quant.rows_per_forward(dtype): 64, 32 for bf16 (measured here too:
       bf16 F.linear changes its bits from 33 rows on this AVX2 machine, int8pack_mm never).
     context_length: max positions (default: the GGUF's context_length).
+    shards: this rank of a tensor-parallel group (verispec.nn.parallel; None: the whole model). The
+      modules then hold the rank's slices (`shard_config`), `config` stays the whole model's, and
+      every forward (and `view().embed` / `logits`) is a collective all ranks must enter together
+      (verispec.tensor_parallel). Raises nn.parallel.HeadsNotDivisible.
     Built on the meta device; `load_state_dict(state, assign=True)` fills the weights. Module
     names are transformers' where not fused (model.embed_tokens, model.layers.{i}.self_attn.o_proj,
     ..., lm_head; self_attn.qkv_proj holds q|k|v rows, mlp.gate_up_proj gate|up rows); lm_head is
@@ -270,20 +289,28 @@ class LlamaForCausalLM(TrunkModule):
     spec_preferred_max_draft_tokens = 8
 
     def __init__(self, config: LlamaConfig, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
-                 context_length: int | None = None, device="meta"):
+                 context_length: int | None = None, device="meta", shards: Shards | None = None):
         super().__init__()
-        self._init_sizes(config, dtype, max_rows_per_forward, context_length)
-        c = config
-        self.model = LlamaModel(c, device=device)
+        self.shards = shards
+        self.shard_config = c = config if shards is None else shard_config(config, shards)
+        self._init_sizes(c, dtype, max_rows_per_forward, context_length)
+        self.model = LlamaModel(c, device=device, shards=shards)
         self._finish_linears(device)
+        self.config, self.vocab_size = config, config.vocab_size  # the seam's sizes are the whole model's
 
     def _new_layer_states(self) -> list:
-        c = self.config
+        c = self.shard_config  # a rank caches its own KV heads
         return [PagedKVCache(c.num_key_value_heads, c.head_dim, max_positions=self.max_context_length)
                 for _ in range(self.num_layers)]
 
     def _embed(self, tokens):
+        if self.shards is not None:
+            return embed_vocab_rows(self.model.embed_tokens, tokens, self.vocab_size, self.shards)
         return self.model.embed_tokens.rows(tokens)  # [n, D] fp32
+
+    def _lm_head(self, normed):
+        logits = super()._lm_head(normed)  # [r, V] (a rank: [r, its V share])
+        return logits if self.shards is None else gather_vocab(logits, self.vocab_size, self.shards)
 
     def _forward_rows(self, rows: Rows):
         """Final-normed rows fp32 [n, D] and the residual rows entering each layer (index L = after the last)."""
@@ -296,6 +323,15 @@ class LlamaForCausalLM(TrunkModule):
             x = layer(x, m.rotary_emb, cos, sin, rows, i)
         taps[self.num_layers] = x
         return m.norm(x), taps
+
+
+def shard_config(config: LlamaConfig, shards: Shards) -> LlamaConfig:
+    """The sizes of one rank's modules: H/W and Hkv/W heads, its run of FFN features and of
+    vocabulary rows (nn.parallel.Shards.range). Raises HeadsNotDivisible."""
+    heads = shards.heads(attention=config.num_attention_heads, KV=config.num_key_value_heads)
+    return attrs.evolve(config, num_attention_heads=heads["attention"], num_key_value_heads=heads["KV"],
+                        intermediate_size=shards.size(config.intermediate_size),
+                        vocab_size=shards.size(config.vocab_size))
 
 
 def _rope_scaling(config: LlamaConfig):
