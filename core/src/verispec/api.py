@@ -53,7 +53,7 @@ def kv_budget_bytes(kv_cache_gb: float | None) -> int | None:
 def load(model: str | None = None, *, dtype: str | None = None, threads: int | str | None = None,
          context_length: int | None = None, spec=None, registry: Registry | None = None,
          prefill_chunk: int | None = None, max_running: int | None = None, kv_cache_gb: float | None = None,
-         **spec_options):
+         tensor_parallel: int | None = None, **spec_options):
     """Load `model` and return an InferenceEngine.
 
     model: GGUF path, checkpoint alias (e.g. "gemma3-270m"), or None for the default.
@@ -62,6 +62,7 @@ def load(model: str | None = None, *, dtype: str | None = None, threads: int | s
     kv_cache_gb: GiB of KV/state memory for running and idle sequences (verispec.kv_budget); a
       request that does not fit waits. None = half of the memory available once the model is
       loaded; 0 = no budget.
+    tensor_parallel: ranks of a tensor-parallel trunk (verispec.tensor_parallel; None or 1: one process).
     Raises InvalidArgument when both `spec` and its fields as keywords are given.
     """
     from verispec.engine import InferenceEngine, SpecOptions
@@ -73,7 +74,7 @@ def load(model: str | None = None, *, dtype: str | None = None, threads: int | s
     registry = registry or Registry.discover()
     spec = spec or SpecOptions(**spec_options)
     trunk = load_registered_trunk(resolve_model_path(model, registry), registry, dtype=dtype, threads=threads,
-                         context_length=context_length)
+                         context_length=context_length, tensor_parallel=tensor_parallel)
     engine_options = {k: v for k, v in (("prefill_chunk", prefill_chunk), ("max_running", max_running))
                       if v is not None}
     if kv_cache_gb is None:

@@ -123,6 +123,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gb", type=_ranged(float, 0.0, 1e6), default=None, metavar="GiB",
                    help="KV/state memory for running and prefix-cached sequences; a request that does not "
                         "fit waits (default: half of the memory available once the model is loaded; 0: no limit)")
+    p.add_argument("--tp", type=_ranged(int, 1, 1024), default=None, metavar="N",
+                   help="tensor parallelism over N ranks: spawns N-1 local processes (threads per rank), or, with "
+                        "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (torchrun-style), joins as that rank")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -246,9 +249,12 @@ def load_engine(args):
     from verispec.cpu import default_threads
 
     threads = args.threads or default_threads()  # idle cores now: one busy core halves a 2-thread decode
+    tp = getattr(args, "tp", None)
+    if tp and tp > 1 and not args.threads and threads:
+        threads = max(1, threads // tp)  # the idle cores shared among the local ranks
     return load(args.model, dtype=args.dtype, threads=threads, context_length=args.context_length,
                 spec=spec_options(args), max_running=getattr(args, "max_running", None),
-                kv_cache_gb=args.kv_cache_gb)
+                kv_cache_gb=args.kv_cache_gb, **({"tensor_parallel": tp} if tp and tp > 1 else {}))
 
 
 def cmd_plugins(args) -> int:

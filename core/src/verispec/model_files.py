@@ -32,11 +32,14 @@ def resolve_model_path(model: str | None, registry: Registry, *, flag: str = "--
 
 
 def load_registered_trunk(path: str, registry: Registry, *, dtype: str | None = None, threads: int | str | None = None,
-                context_length: int | None = None):
+                context_length: int | None = None, tensor_parallel: int | None = None):
     """Load a trunk with the model package registered for the file's general.architecture.
 
     threads: torch's intra-op thread count, set here and nowhere else (loaders take none);
       "auto": the cores idle now (`verispec.cpu.default_threads`, as the CLI does); None: torch's own.
+    tensor_parallel: N > 1 loads rank 0's `tensor_parallel.BroadcastTrunk` over N ranks (threads
+      per rank); raises VerispecError when the family's loader has no
+      `shards` parameter, nn.parallel.HeadsNotDivisible.
     """
     from verispec.gguf_io import read_architecture
     from verispec.progress import elapsed
@@ -52,4 +55,22 @@ def load_registered_trunk(path: str, registry: Registry, *, dtype: str | None = 
         torch.set_num_threads(threads)
     spec = registry.trunk_for_architecture(read_architecture(path))
     with elapsed(f"loading {os.path.basename(path)}"):  # on a terminal, once it takes over a second
+        if tensor_parallel and tensor_parallel > 1:
+            import inspect
+
+            from verispec.errors import VerispecError
+            from verispec.tensor_parallel import load_parallel_trunk
+
+            loader = resolve(spec.loader)
+            if "shards" not in inspect.signature(loader).parameters:
+                raise VerispecError(f"--tp {tensor_parallel}: the {spec.name} trunk has no tensor-parallel form yet; "
+                                    "leave --tp out")
+            return load_parallel_trunk(loader, path, world_size=tensor_parallel, dtype=dtype,
+                                       context_length=context_length, threads=_torch_threads())
         return resolve(spec.loader)(path, dtype=dtype, context_length=context_length)
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
