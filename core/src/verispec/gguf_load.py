@@ -303,11 +303,14 @@ class Arch:
 
 def load_trunk(path: str | os.PathLike, archs: Mapping[str, Arch], *, dtype: str | None = None,
                use_cache: bool = True, tokenizer: bool = True, progress: bool | None = None,
-               **options) -> nn.Module:
+               shards=None, splits=None, **options) -> nn.Module:
     """Open → config → model → `plan_weights` → refuse unused tensors → load → tokenizer.
 
     archs: `general.architecture` -> its `Arch`. options: passed to the model class
-    (context_length, max_rows_per_forward, ...). Returns the trunk in eval mode with
+    (context_length, max_rows_per_forward, ...). shards, splits: one rank of a tensor-parallel
+    group (nn.parallel.Shards) and the family's `gguf_shard.Split`s (a list, or config -> list):
+    the model is built with `shards=`, its weights planned on that rank's `gguf_shard.ShardedGGUF`
+    and cached per rank; raises nn.parallel.HeadsNotDivisible, gguf_shard.ShardNotBlockAligned. Returns the trunk in eval mode with
     `.tokenizer` (when `tokenizer`) and `.check_weights` (`check_finite` of the file: the seam's
     declaration, run when a forward's logits are unusable). Before the config is read, `check_numbers` refuses a file
     whose sizes contradict its tensors, so nothing is allocated per layer for a count the file
@@ -329,14 +332,21 @@ def load_trunk(path: str | os.PathLike, archs: Mapping[str, Arch], *, dtype: str
         arch.check_kind(gguf)
     check_numbers(gguf)
     config = arch.config(gguf)
+    source, layout = gguf, arch.layout
+    if shards is not None:
+        from verispec.gguf_shard import ShardedGGUF
+
+        options["shards"] = shards
+        source = ShardedGGUF(gguf, splits(config) if callable(splits) else splits, shards)
+        layout = f"{arch.layout}/tp{shards.rank}of{shards.world_size}"
     model = arch.model(config, dtype=dtype, **options)
     table = arch.tensors(config) if callable(arch.tensors) else arch.tensors
-    plan = plan_weights(gguf, model, table, num_layers=config.num_hidden_layers,
+    plan = plan_weights(source, model, table, num_layers=config.num_hidden_layers,
                         num_experts=getattr(config, "num_experts", 0))
     unused = plan.unused_tensors(read_elsewhere=arch.read_elsewhere)
     if unused:
         raise UnusedTensors(path, arch.family, unused)
-    plan.load(dtype=dtype, layout=arch.layout, use_cache=use_cache, progress=progress)
+    plan.load(dtype=dtype, layout=layout, use_cache=use_cache, progress=progress)
     model.check_weights = functools.partial(check_finite, gguf)  # the seam's `check_weights` declaration
     if tokenizer:
         from verispec.tokenizer import Tokenizer

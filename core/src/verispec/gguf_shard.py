@@ -14,8 +14,7 @@ for the K types). Where it is not, `tensor` dequantises that one tensor whole an
 (a tensor, never the model), and `raw_tensor` (the `gguf` weight mode's stored blocks) raises
 ShardNotBlockAligned: load such a file with another --dtype.
 
-`load_trunk_shard` is `gguf_load.load_trunk` for one rank (the same steps, the plan on this view,
-cache entries per rank).
+`gguf_load.load_trunk(..., shards=, splits=)` loads one rank's trunk through this view.
 """
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ from verispec.errors import VerispecError
 from verispec.gguf_io import GGUFFile
 from verispec.nn.parallel import Shards
 
-__all__ = ["ShardNotBlockAligned", "ShardedGGUF", "Split", "load_trunk_shard"]
+__all__ = ["ShardNotBlockAligned", "ShardedGGUF", "Split"]
 
 
 class ShardNotBlockAligned(VerispecError, ValueError):
@@ -107,49 +106,3 @@ class ShardedGGUF(GGUFFile):
         except ShardNotBlockAligned:
             axis, start, end = self.slice_of(name)
             return self.file.tensor(name, dtype).narrow(axis, start, end - start).contiguous()
-
-
-def load_trunk_shard(path, archs, splits, shards: Shards, *, dtype: str | None = None, use_cache: bool = True,
-                     tokenizer: bool = True, progress: bool | None = None, **options):
-    """`gguf_load.load_trunk` for one rank: the config from the whole file, the model class called
-    with `shards=shards` (built with the rank's sizes), the weights planned on `ShardedGGUF` (so
-    the family's tensor table is unchanged) and converted-weight cache entries per rank.
-
-    splits: `architecture -> [Split]` or a list for every architecture. Returns the rank's trunk
-    in eval mode. Raises what load_trunk raises, nn.parallel.HeadsNotDivisible,
-    ShardNotBlockAligned (the `gguf` weight mode on a column cut inside a block)."""
-    import functools
-    import os
-
-    from verispec.errors import UnsupportedArchitecture, UnusedTensors
-    from verispec.gguf_checks import check_finite, check_numbers
-    from verispec.gguf_load import plan_weights
-    from verispec.weights.gguf_mode import default_dtype
-    from verispec.weights.quant import canonical_dtype
-
-    path = os.fspath(path)
-    gguf = GGUFFile.open(path)
-    arch = archs.get(gguf.architecture)
-    if arch is None:
-        raise UnsupportedArchitecture(path, gguf.architecture, tuple(archs))
-    dtype = canonical_dtype(dtype or default_dtype(arch.default_dtype))
-    if arch.check_kind is not None:
-        arch.check_kind(gguf)
-    check_numbers(gguf)
-    config = arch.config(gguf)
-    model = arch.model(config, dtype=dtype, shards=shards, **options)
-    table = arch.tensors(config) if callable(arch.tensors) else arch.tensors
-    rank_view = ShardedGGUF(gguf, splits(config) if callable(splits) else splits, shards)
-    plan = plan_weights(rank_view, model, table, num_layers=config.num_hidden_layers,
-                        num_experts=getattr(config, "num_experts", 0))
-    unused = plan.unused_tensors(read_elsewhere=arch.read_elsewhere)
-    if unused:
-        raise UnusedTensors(path, arch.family, unused)
-    plan.load(dtype=dtype, layout=f"{arch.layout}/tp{shards.rank}of{shards.world_size}", use_cache=use_cache,
-              progress=progress)
-    model.check_weights = functools.partial(check_finite, gguf)
-    if tokenizer:
-        from verispec.tokenizer import Tokenizer
-
-        model.tokenizer = Tokenizer.from_gguf(gguf)
-    return model

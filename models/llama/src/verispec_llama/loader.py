@@ -29,7 +29,7 @@ import os
 import attrs
 from verispec.gguf_io import GGUFFile
 from verispec.gguf_load import Arch, load_trunk
-from verispec.gguf_shard import Split, load_trunk_shard
+from verispec.gguf_shard import Split
 from verispec.gguf_table import Stack, Tensor
 
 from verispec_llama.modeling_llama import LlamaConfig, LlamaForCausalLM
@@ -105,18 +105,15 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
     shards: one rank of a tensor-parallel group (verispec.nn.parallel.Shards): the rank's slices
-      only (verispec.gguf_shard.load_trunk_shard); raises nn.parallel.HeadsNotDivisible.
+      only (gguf_load.load_trunk's shards); raises nn.parallel.HeadsNotDivisible.
     Threads are the caller's (`verispec.api.load_registered_trunk` sets them).
     Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.DamagedFile,
     errors.UnusedTensors (a file holding tensors the math would not use, listed),
     UnsupportedLlamaVariant, weights.quant.UnknownWeightDtype.
     """
-    if shards is not None:
-        return load_trunk_shard(path, ARCHS, splits, shards, dtype=dtype, use_cache=use_cache, tokenizer=tokenizer,
-                                progress=progress, context_length=context_length,
-                                max_rows_per_forward=max_rows_per_forward)
     return load_trunk(path, ARCHS, dtype=dtype, use_cache=use_cache, tokenizer=tokenizer, progress=progress,
-                      context_length=context_length, max_rows_per_forward=max_rows_per_forward)
+                      shards=shards, splits=splits, context_length=context_length,
+                      max_rows_per_forward=max_rows_per_forward)
 
 
 def config_from_gguf(gguf: GGUFFile) -> LlamaConfig:
