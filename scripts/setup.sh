@@ -13,7 +13,10 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 # core's test extra brings selenium for the chat page's browser test; the browser is the system's
 # (apt-get install chromium chromium-driver; .ci/run installs them).
 dists=(-e "$root/core[test,serve,plot]")
-for d in "$root"/plugins/* "$root"/models/*; do
+# Models before plugins: pip 23's resolver, given a plugin's test extra naming a model
+# (verispec-dflash[test] -> verispec-llama) before that model's own -e, looks for it on the index
+# and fails ("No matching distribution found for verispec-llama").
+for d in "$root"/models/* "$root"/plugins/*; do
   [ -f "$d/pyproject.toml" ] && dists+=(-e "$d[test]")
 done
 "${pip[@]}" "${dists[@]}"
