@@ -102,10 +102,32 @@ def locate_pieces(spec: CheckpointSpec) -> list[Path]:
         except importlib_metadata.PackageNotFoundError:
             raise CheckpointNotInstalled(spec.alias, spec.pip_install, f"no distribution {dist!r}") from None
         if not located.is_file():
+            located = _in_package_tree(rel) or located
+        if not located.is_file():
             raise CheckpointNotInstalled(spec.alias, spec.pip_install,
                                          f"{dist!r} is installed but lacks {rel}; reinstall it")
         paths.append(located)
     return paths
+
+
+def _in_package_tree(rel: str) -> Path | None:
+    """A package-data file of an editable install (`pip install -e`), which keeps the package in
+    its source tree rather than beside the dist-info: `rel` = "<top-level package>/...", found
+    through the package's import location (`importlib.util.find_spec`, which does not import it)."""
+    import importlib.util
+
+    top = Path(rel).parts[0] if rel else ""
+    if not top.isidentifier():
+        return None
+    try:
+        found = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    for base in (found.submodule_search_locations or []) if found else []:
+        candidate = Path(base).parent / rel
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 def assemble(spec: CheckpointSpec, *, progress: bool | None = None) -> Path:

@@ -98,6 +98,38 @@ def test_random_steps_with_rollbacks_match_the_reference(variant, target, drafte
             _fresh_equals(head, state, s, features, anchor, what)
 
 
+def test_deferred_rows_match_rows_injected_at_once(target, drafter_file):
+    """Rows committed one at a time while no block is drafted (a parked head: past MAX_PENDING_ROWS,
+    across a gap, with a rewind into the pending rows) give the block of one call over the same rows."""
+    from verispec_dflash.head import MAX_PENDING_ROWS
+
+    _, _, trunk = target
+    for variant in ("d1_causal_window", "d2_noncausal"):
+        _, path = drafter_file(variant)
+        head = load(path, trunk)
+        n_rows = MAX_PENDING_ROWS + 40
+        features = torch.randn(n_rows, len(head.tap_layers) * H, generator=torch.Generator().manual_seed(4))
+        state = head.new_state()
+        for p in range(n_rows - 10):
+            head.draft_catch_up(state, [0], features[p:p + 1], p)
+        assert 0 < len(state.pending) < MAX_PENDING_ROWS  # one batched flush happened, rows wait again
+        head.draft_catch_up(state, [0] * 10, torch.randn(10, features.shape[1]), n_rows - 10)  # junk, then
+        head.rewind(state, n_rows - 10)                                                      # rewound away
+        head.draft_catch_up(state, [0] * 10, features[n_rows - 10:], n_rows - 10)
+        fresh = head.new_state()
+        head.draft_catch_up(fresh, [0] * n_rows, features, 0)
+        torch.testing.assert_close(head.block_logits(state, 5, n_rows)[0], head.block_logits(fresh, 5, n_rows)[0],
+                                   atol=1e-5, rtol=0, msg=lambda m, v=variant: f"{v}: deferred vs at once {m}")
+        assert not state.pending
+
+        gap = head.new_state()  # a reused prefix reaches the head without taps: a hole, then rows
+        head.draft_catch_up(gap, [0] * 20, None, 0)
+        head.draft_catch_up(gap, [0] * 30, features[20:50], 20)
+        held = head.new_state()
+        head.draft_catch_up(held, [0] * 30, features[20:50], 20)
+        assert torch.equal(head.block_logits(gap, 5, 50)[0], head.block_logits(held, 5, 50)[0])
+
+
 def test_identity_conv_reduces_to_dflash1(target, drafter_file):
     """An identity-initialised conv (base tap 0 = 1, else 0, projections 0) and P = 0: the DFlash2
     file runs as the DFlash1 reference holding its backbone weights, drafts = plain argmax."""

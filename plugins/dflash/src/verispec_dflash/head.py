@@ -5,8 +5,12 @@ accounted for, and the anchor position of its last block. The loop's calls map o
 (reference note §7.6):
 
 - `draft_catch_up(state, tokens, h_rows, start_pos)`: committed rows (prompt chunks, batched
-  decode rows, accepted verify rows) with their trunk taps h_rows fp32 [n, T·H] -> Pass A + B.
-  `tokens` are not read (DFlash never sees token ids as context). h_rows None (rows the loop has
+  decode rows, accepted verify rows) with their trunk taps h_rows fp32 [n, T·H] -> Pass A + B,
+  deferred: the rows wait in `state.pending` and go through Pass A + B in one batched call when
+  the next block needs them (or once `MAX_PENDING_ROWS` wait). A head the governor has parked thus
+  costs a copy of the taps per committed row, not a drafter forward per step; bits of the ring may
+  depend on how rows were batched (drafts only, never outputs). `tokens` are not read (DFlash
+  never sees token ids as context). h_rows None (rows the loop has
   no taps for: a reused prefix after `seed_committed`) only advances the length: those positions
   stay missing from the ring, which lowers acceptance until newer rows fill it (a full-attention
   drafter keeps the hole), never correctness.
@@ -47,6 +51,12 @@ class DFlashState:
     length: int = 0
     #: anchor position of the last draft_block (the verify's first row), or None.
     anchor: int | None = None
+    #: committed rows not yet through Pass A + B: (start position, taps fp32 [n, T·H]), ascending.
+    pending: list[tuple[int, torch.Tensor]] = attrs.field(factory=list)
+
+
+#: committed rows a state holds back before it runs their Pass A + B anyway (bounds the taps held).
+MAX_PENDING_ROWS = 256
 
 
 class DFlashHead:
@@ -75,8 +85,22 @@ class DFlashHead:
         if h_rows is not None and n:
             if h_rows.shape[-1] != self.feature_size:
                 raise ValueError(f"tap rows are {h_rows.shape[-1]} wide, the drafter reads {self.feature_size}")
-            self.drafter.inject(state.rings, h_rows, start_pos)
+            state.pending.append((start_pos, h_rows.detach().float().clone()))
+            if sum(rows.shape[0] for _, rows in state.pending) >= MAX_PENDING_ROWS:
+                self.flush(state)
         state.length = max(state.length, start_pos + n)
+
+    def flush(self, state: DFlashState) -> None:
+        """Pass A + B of the pending committed rows, one batched call per contiguous run."""
+        runs: list[tuple[int, list[torch.Tensor]]] = []
+        for start, rows in state.pending:
+            if runs and runs[-1][0] + sum(r.shape[0] for r in runs[-1][1]) == start:
+                runs[-1][1].append(rows)
+            else:
+                runs.append((start, [rows]))
+        state.pending.clear()
+        for start, parts in runs:
+            self.drafter.inject(state.rings, torch.cat(parts), start)
 
     def keep(self, state: DFlashState, num_rows: int) -> None:
         if state.anchor is None:
@@ -85,7 +109,8 @@ class DFlashHead:
         state.anchor = None
 
     def rewind(self, state: DFlashState, length: int) -> None:
-        """Forget positions >= length (rings and length)."""
+        """Forget positions >= length (rings, pending rows and length)."""
+        state.pending = [(start, rows[:length - start]) for start, rows in state.pending if start < length]
         for ring in state.rings:
             ring.drop_from(length)
         state.length = min(state.length, length)
@@ -99,6 +124,7 @@ class DFlashHead:
         n = self.draft_block_size if num_rows is None else num_rows
         if not 2 <= n <= self.draft_block_size:
             raise ValueError(f"a block has 2..{self.draft_block_size} rows, asked for {n}")
+        self.flush(state)
         ids = torch.tensor([last_token] + [self.config.mask_token_id] * (n - 1))
         embeddings = self.view.embed(ids).float()
         if self.config.embedding_scale != 1.0:
