@@ -3,6 +3,8 @@ Gemma4ForCausalLM on two tiny random configs that between them switch every feat
 (PLE, KV sharing, double-wide MLP, proportional RoPE, two head sizes, V norm, K=V, MoE,
 layer scalars, final softcap). 70 tokens cross the window (8) and the full layers' key block.
 """
+from pathlib import Path
+
 import pytest
 import torch
 from tiny_gemma import TINY_GEMMA4_MOE, TINY_GEMMA4_PLE, make_hf_gemma4, token_ids, write_gemma4_gguf
@@ -82,3 +84,20 @@ def test_kv_shared_layers_own_no_cache():
                           layer_types=hf_config.layer_types, num_key_value_heads=(1,) * 8, intermediate_size=(37,) * 8,
                           num_kv_shared_layers=3)
     assert [config.kv_source(i) for i in range(8)] == [0, 1, 2, 3, 4, 4, 4, 3]
+
+
+def test_hidden_taps_match_transformers_hidden_states(tiny):
+    """`Segment.tap_layers` (what a DFlash drafter reads): the residual entering each layer, as
+    transformers' hidden_states[i] (PLE and layer scalars inside the layer), fp32."""
+    from verispec.seams import Segment
+
+    path, ids, _, _ = tiny
+    model = _load(path, "float32")
+    layers = (1, model.num_layers - 1)
+    out = model.forward([Segment(model.new_sequence(), ids[:NUM_PREFILL], logits="none", hidden=True,
+                                 tap_layers=layers)])[0]
+    hf = make_hf_gemma4(PRESETS[Path(path).stem])  # the fixture's weights (make_hf_gemma4 is seeded)
+    with torch.no_grad():
+        states = hf.model(ids[None, :NUM_PREFILL], output_hidden_states=True).hidden_states
+    assert out.hidden.shape == (NUM_PREFILL, 2 * model.hidden_size)
+    torch.testing.assert_close(out.hidden, torch.cat([states[i][0] for i in layers], dim=-1), atol=1e-4, rtol=0)

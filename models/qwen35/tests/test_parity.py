@@ -70,3 +70,20 @@ def test_hidden_rows_are_the_final_normed_residual(tiny_fixture):
         expected = hf_model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0]
     out = forward_one(ours, ours.new_sequence(), prompt, logits="last", hidden=True)
     torch.testing.assert_close(out.hidden, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_hidden_taps_match_transformers_hidden_states(tiny_fixture, name):
+    """`Segment.tap_layers` (what a DFlash drafter reads): the residual entering each layer, GDN and
+    attention layers alike, as transformers' hidden_states[i], fp32; batched with a second sequence."""
+    from verispec.seams import Segment
+
+    hf_model, _, path = tiny_fixture(name)
+    ours = load(path, dtype="float32")
+    prompt = torch.randint(0, hf_model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(3))
+    layers = tuple(range(ours.num_layers))
+    out, _ = ours.forward([Segment(ours.new_sequence(), prompt, logits="none", hidden=True, tap_layers=layers),
+                           Segment(ours.new_sequence(), prompt[:5], logits="last")])
+    with torch.no_grad():
+        states = hf_model.model(prompt[None], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(out.hidden, torch.cat([states[i][0] for i in layers], dim=-1), atol=ATOL, rtol=0)
