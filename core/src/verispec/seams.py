@@ -219,8 +219,11 @@ class DraftHead(Protocol):
     def draft_step(self, state: Any, token: int, h_prev: "torch.Tensor", pos: int) -> tuple["torch.Tensor", "torch.Tensor"]:
         """PER_TOKEN: logits fp32 [V] for position pos+1 and the head's own hidden row [F]."""
 
-    def draft_block(self, state: Any, last_token: int, h_prev: "torch.Tensor", pos: int) -> tuple[list[int], list[float]]:
-        """BLOCK: draft ids for positions pos+1.. and the cumulative prefix probability of each."""
+    def draft_block(self, state: Any, last_token: int, h_prev: "torch.Tensor", pos: int,
+                    num_rows: int | None = None) -> tuple[list[int], list[float]]:
+        """BLOCK: draft ids for positions pos+1.. and the cumulative prefix probability of each.
+        num_rows: block rows to run, 2..draft_block_size (anchor + num_rows - 1 drafts: a window
+        narrower than the trained block costs less); None = draft_block_size."""
 
     def draft_catch_up(self, state: Any, tokens: Sequence[int], h_rows: "torch.Tensor", start_pos: int) -> None:
         """Feed committed tokens and their trunk hidden rows [n, F] that the head has not seen."""

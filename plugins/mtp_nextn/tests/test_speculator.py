@@ -35,7 +35,7 @@ class ToyNextHead:
         self.calls.append((token, pos))
         return self.view.logits(self.view.embed(torch.tensor([token])))[0] * self.sharpness, h_prev
 
-    def draft_block(self, state, last_token, h_prev, pos):
+    def draft_block(self, state, last_token, h_prev, pos, num_rows=None):
         raise NotImplementedError
 
     def draft_catch_up(self, state, tokens, h_rows, start_pos):

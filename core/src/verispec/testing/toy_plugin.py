@@ -63,11 +63,11 @@ class ToyBlockHead:
     def new_state(self) -> dict:
         return {"num_caught_up": 0}
 
-    def draft_block(self, state, last_token, h_prev, pos):
+    def draft_block(self, state, last_token, h_prev, pos, num_rows=None):
         if h_prev is not None:
             self.h_shapes.add(tuple(h_prev.shape))
         ids, token = [], last_token
-        for _ in range(self.draft_block_size):
+        for _ in range(self.draft_block_size if num_rows is None else num_rows - 1):
             token = self.next_of[token]
             ids.append(token)
         return ids, [0.9 ** (i + 1) for i in range(len(ids))]

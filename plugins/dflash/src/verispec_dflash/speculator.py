@@ -13,12 +13,10 @@ fewer rows is legal (training decays the loss by block position), and cheaper; l
 same with --spec-draft-n-max.
 
 `commit` hands committed rows and their taps to `head.draft_catch_up` (Pass A + B), `keep` to
-`head.keep`. Works with any BLOCK head whose `draft_block` takes `num_rows` (DFlashHead), and with
-others through the seam's four arguments (then it drafts the head's full block).
+`head.keep`. Works with any BLOCK head on the `DraftHead` seam.
 """
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +34,6 @@ class BlockSpeculator(Speculator):
         super().__init__(spec, **kwargs)
         self.head = head
         self.tap_layers = head.tap_layers
-        self._sized = "num_rows" in inspect.signature(head.draft_block).parameters
 
     def new_state(self) -> Any:
         return self.head.new_state()
@@ -47,11 +44,7 @@ class BlockSpeculator(Speculator):
         window = min(ctx.draft_length, self.max_draft_tokens, self.head.draft_block_size - 1)
         if window < 1:
             return []
-        if self._sized:
-            ids, cumulative = self.head.draft_block(state, ctx.last_token, ctx.hidden_prev, ctx.pos,
-                                                    num_rows=window + 1)
-        else:
-            ids, cumulative = self.head.draft_block(state, ctx.last_token, ctx.hidden_prev, ctx.pos)
+        ids, cumulative = self.head.draft_block(state, ctx.last_token, ctx.hidden_prev, ctx.pos, num_rows=window + 1)
         draft: list[int] = []
         for token, confidence in zip(ids[:window], cumulative):
             if confidence < ctx.min_draft_prob:

@@ -93,7 +93,7 @@ class Gemma4AssistantHead:
                              "drive it with --spec-type draft-head (the gemma4-assistant speculator)")
         return self.step(self.read_kv(state.seq, pos), token, h_prev, pos)
 
-    def draft_block(self, state, last_token, h_prev, pos):
+    def draft_block(self, state, last_token, h_prev, pos, num_rows=None):
         raise NotImplementedError("a PER_TOKEN head drafts one token per step (draft_step)")
 
     def draft_catch_up(self, state: AssistantState, tokens: Sequence[int], h_rows, start_pos: int) -> None:
