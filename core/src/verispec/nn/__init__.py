@@ -6,6 +6,8 @@
   cache, batch-invariant on CPU: one call of the C kernel (`kernels.ckernels`), or the PyTorch
   path (`attention.attend`) where the kernel is unavailable.
 - `mlp.GatedMLP`: down(act(gate(x)) * up(x)); `elementwise.rowwise`: a row-at-a-time op.
+- `moe`: the sigmoid top-k router with selection bias and expert groups (`TopkRouter`) and the
+  weighted expert sum (`routed_experts`), per row (GLM, Nemotron-H MoE).
 - `layers`: a decoder layer fused into one C call (`kernels/layers.c`), bitwise the op-by-op forward.
 - `kv_cache`: the attention state kinds (`PagedKVCache`, `RingKVCache`, a draft head's `HeadKVCache`).
 - `state`: `RecurrentState` and `SequenceState`, which holds a sequence's per-layer state kinds

@@ -46,6 +46,7 @@ from verispec.gguf_io import MissingTensor, arch_value
 from verispec.nn.attention import attend_rows
 from verispec.nn.norm import RMSNorm
 from verispec.nn.kv_cache import PagedKVCache
+from verispec.nn.moe import TopkRouter, routed_experts
 from verispec.nn.state import RecurrentState
 from verispec.nn.trunk import Rows, TrunkModule
 
@@ -371,38 +372,15 @@ class NemotronHMLP(nn.Module):
         return self.down_proj(torch.square(F.relu(self.up_proj(x))))
 
 
-class NemotronHTopkRouter(nn.Module):
-    """Sigmoid scores; experts chosen by score + e_score_correction_bias, weighted by the unbiased
-    score, normalised (norm_topk_prob) and scaled (routed_scaling_factor). fp32 throughout."""
-
-    def __init__(self, config: NemotronHConfig, *, device=None):
-        super().__init__()
-        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
-        self.routed_scaling_factor = config.routed_scaling_factor
-        self.weight = _param(device, config.n_routed_experts, config.hidden_size)  # [E, D], kept fp32
-        self.e_score_correction_bias = _param(device, config.n_routed_experts)  # [E]
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x fp32 [n, D] -> (expert ids int64 [n, k], weights fp32 [n, k]); one row at a time."""
-        ids, weights = [], []
-        for row in x:
-            scores = torch.sigmoid(torch.mv(self.weight, row))  # [E]
-            chosen = torch.topk(scores + self.e_score_correction_bias, self.top_k).indices  # [k]
-            w = scores[chosen]
-            if self.norm_topk_prob:
-                w = w / (w.sum() + 1e-20)
-            ids.append(chosen)
-            weights.append(w * self.routed_scaling_factor)
-        return torch.stack(ids), torch.stack(weights)
-
-
 class NemotronHMoE(nn.Module):
     """Routed relu² experts plus one always-on shared relu² expert. x fp32 [n, D] -> fp32 [n, D]."""
 
     def __init__(self, config: NemotronHConfig, *, device=None):
         super().__init__()
         c = config
-        self.gate = NemotronHTopkRouter(c, device=device)
+        self.gate = TopkRouter(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok,
+                               norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor,
+                               device=device)  # sigmoid scores, selection bias (verispec.nn.moe)
         self.experts = nn.ModuleList(NemotronHMLP(c.hidden_size, c.moe_intermediate_size, device=device)
                                      for _ in range(c.n_routed_experts))
         self.shared_experts = NemotronHMLP(c.hidden_size, c.moe_shared_expert_intermediate_size,
@@ -411,11 +389,7 @@ class NemotronHMoE(nn.Module):
     def forward(self, x: torch.Tensor, rows: Rows | None = None, layer_idx: int | None = None
                 ) -> torch.Tensor:
         ids, weights = self.gate(x)  # [n, k], [n, k]
-        routed = torch.zeros_like(x)
-        for e in torch.unique(ids).tolist():  # ascending: each row sums its experts in one order
-            token, slot = torch.where(ids == e)
-            routed.index_add_(0, token, self.experts[e](x[token]) * weights[token, slot, None])
-        return routed + self.shared_experts(x)
+        return routed_experts(x, ids, weights, self.experts) + self.shared_experts(x)
 
 
 class NemotronHBlock(nn.Module):

@@ -1,0 +1,15 @@
+"""Entry point of verispec-glm5: the GLM-4.5 / 4.6 / 4.7 `glm4moe` trunk (no torch here)."""
+from verispec.hookspecs import hookimpl
+from verispec.specs import TrunkSpec
+
+ARCHITECTURES = ("glm4moe",)
+
+
+@hookimpl
+def register_trunks(register):
+    register(TrunkSpec(
+        name="glm4moe",
+        summary="GLM-4.5 / 4.6 / 4.7 trunks (GQA, partial NeoX RoPE, sigmoid-routed MoE; NextN draft head)",
+        architectures=ARCHITECTURES,
+        loader="verispec_glm5.loader:load",
+    ))

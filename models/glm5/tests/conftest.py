@@ -1,0 +1,22 @@
+"""Fixtures for the glm5 tests; the helpers live in `tiny_glm4moe.py` (on pytest's `pythonpath`,
+set in the workspace's pyproject.toml)."""
+import pytest
+from tiny_glm4moe import build_hf_model, write_fixture
+
+from verispec.testing import built_once
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_thread):
+    """Every module runs torch on one thread (verispec.testing.plugin.one_thread)."""
+
+
+def _build(name, directory):
+    model, mtp = build_hf_model(name)
+    return model, mtp, write_fixture(model, directory / f"{name}.gguf", mtp=mtp)
+
+
+@pytest.fixture(scope="session")
+def tiny_fixture(tmp_path_factory):
+    """tiny_fixture(name) -> (transformers model, its MtpModel or None, GGUF path), once per session."""
+    return built_once(tmp_path_factory, _build)
