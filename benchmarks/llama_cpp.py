@@ -69,9 +69,11 @@ def build(jobs: int = 2) -> Path:
                        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON",
                        "-DLLAMA_BUILD_SERVER=OFF"], "configuring llama.cpp", log)
     # llama-perplexity: models/qwen35/tests/test_llama_cpp_crosscheck.py; llama-speculative and
-    # llama-simple: benchmarks/draft_model_vs_llama_cpp.py
+    # llama-simple, llama-speculative-simple (--spec-type draft-dflash):
+    # benchmarks/speculation_vs_llama_cpp.py
     run_with_progress(["cmake", "--build", str(out), "--target", "llama-bench", "llama-perplexity",
-                       "llama-speculative", "llama-simple", "-j", str(jobs)], "building llama.cpp", log)
+                       "llama-speculative", "llama-simple", "llama-speculative-simple", "-j", str(jobs)],
+                      "building llama.cpp", log)
     binary = bench_binary()
     if binary is None:
         raise RuntimeError(f"the build finished but {out}/bin/llama-bench is missing")

@@ -1,15 +1,20 @@
-"""Draft-model speculation, verispec vs llama.cpp's `llama-speculative`, on the same two GGUF files.
+"""Speculation with a second file, verispec vs llama.cpp, on the same two GGUF files: a draft model
+(`llama-speculative`) or a DFlash drafter (`llama-speculative-simple --spec-type draft-dflash`).
 
-    python benchmarks/llama_cpp.py --build          # once: also builds llama-speculative
-    python benchmarks/draft_model_vs_llama_cpp.py   # Qwen2.5-Coder 0.5B drafting for 1.5B, 2 threads
+    python benchmarks/llama_cpp.py --build              # once: also builds both llama.cpp tools
+    python benchmarks/speculation_vs_llama_cpp.py       # Qwen2.5-Coder 0.5B drafting for 1.5B, 2 threads
+    python benchmarks/speculation_vs_llama_cpp.py --spec-type block \
+        --target smollm2-135m-instruct --draft dflash-smollm2-135m-instruct   # the bundled DFlash drafter
 
 Per scenario (the shared quote-code, quote-text and prose, plus a code edit written here), the
 systems run one after the other inside each round, rounds interleaved, greedy, the same
 chat-rendered prompt:
 - llama.cpp plain: `llama-bench -p 0 -n 128` (tg128), once per round;
-- llama.cpp `llama-speculative -m TARGET -md DRAFT --temp 0` at --spec-draft-n-max 3 (its
-  default), 8 and 16;
-- verispec plain, `draft-model` and `ngram` (`verispec.bench.run_scenario`, a fresh cache each).
+- llama.cpp `llama-speculative -m TARGET -md DRAFT --temp 0` (`--spec-type block`:
+  `llama-speculative-simple ... --spec-type draft-dflash`) at --spec-draft-n-max 3 (its default),
+  8 and 16; if llama.cpp refuses the files, its error is printed and the round goes on;
+- verispec plain, `draft-model` (or `block`) and `ngram` (`verispec.bench.run_scenario`, a fresh
+  cache each).
 Each row: decode tok/s as the tool reports it (llama-speculative's excludes both models' prompt
 evaluation; ours starts at the first token, so it includes the drafter's catch-up over the
 prompt), end-to-end tok/s (new tokens / (prompt + decode time)), acceptance, and for ours
@@ -38,20 +43,31 @@ CODE_EDIT = {
 }
 
 
-def speculative_binary() -> Path:
-    binary = build_dir() / "build" / "bin" / "llama-speculative"
+#: our --spec-type -> (llama.cpp tool, its extra arguments)
+LLAMA_CPP_TOOLS = {"draft-model": ("llama-speculative", []),
+                   "block": ("llama-speculative-simple", ["--spec-type", "draft-dflash"])}
+
+
+def speculative_binary(tool: str) -> Path:
+    binary = build_dir() / "build" / "bin" / tool
     if not binary.is_file():
-        raise FileNotFoundError("llama-speculative is not built: run `python benchmarks/llama_cpp.py --build`")
+        raise FileNotFoundError(f"{tool} is not built: run `python benchmarks/llama_cpp.py --build`")
     return binary
 
 
-def llama_speculative(target: str, draft: str, prompt: str, n: int, draft_max: int, threads: int) -> dict:
-    """One llama-speculative run; its own figures parsed from its log."""
-    done = subprocess.run([str(speculative_binary()), "-m", target, "-md", draft, "-p", prompt, "-n", str(n),
+def llama_speculative(target: str, draft: str, prompt: str, n: int, draft_max: int, threads: int,
+                      spec_type: str = "draft-model") -> dict:
+    """One llama.cpp speculative run; its own figures parsed from its log. Raises RuntimeError with
+    the tail of its log when it refuses the files."""
+    tool, extra = LLAMA_CPP_TOOLS[spec_type]
+    done = subprocess.run([str(speculative_binary(tool)), "-m", target, "-md", draft, "-p", prompt, "-n", str(n),
                            "--temp", "0", "--spec-draft-n-max", str(draft_max), "-t", str(threads), "-td", str(threads),
-                           "-c", "4096"],
-                          capture_output=True, text=True, check=True)
+                           "-c", "4096", *extra],
+                          capture_output=True, text=True)
     log = done.stdout + done.stderr
+    if done.returncode or not re.search(r"decoded\s+\d+ tokens", log):
+        tail = "\n".join(line for line in log.splitlines() if line.strip())
+        raise RuntimeError(f"{tool} exited {done.returncode}:\n" + "\n".join(tail.splitlines()[-12:]))
     enc = re.search(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
     dec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+)", log)
     drafted = int(re.search(r"n_drafted = (\d+)", log).group(1))
@@ -80,6 +96,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--draft-max", type=int, nargs="+", default=[3, 8, 16])
+    parser.add_argument("--spec-type", choices=sorted(LLAMA_CPP_TOOLS), default="draft-model",
+                        help="draft-model: --draft is a small model; block: --draft is a DFlash drafter")
     parser.add_argument("--no-llama-cpp", action="store_true", help="verispec only")
     args = parser.parse_args()
 
@@ -95,7 +113,7 @@ def main() -> None:
     shared = [s for s in load_scenarios() if s["name"] in args.scenarios]
     scenarios = shared + ([CODE_EDIT] if "code-edit" in args.scenarios else [])
     systems = {"verispec plain": SpecOptions(enabled=False),
-               "verispec draft-model": SpecOptions(spec_type="draft-model", draft_model=draft),
+               f"verispec {args.spec_type}": SpecOptions(spec_type=args.spec_type, draft_model=draft),
                "verispec ngram": SpecOptions(spec_type="ngram")}
     rows: dict[tuple[str, str], list[dict]] = {}
     for round_ in range(args.rounds):
@@ -116,8 +134,12 @@ def main() -> None:
                 results[name] = figures
             if not args.no_llama_cpp:
                 for draft_max in args.draft_max:
-                    results[f"llama-speculative n-max {draft_max}"] = llama_speculative(
-                        target, draft, prompt, scenario["max_new_tokens"], draft_max, args.threads)
+                    try:
+                        results[f"llama.cpp {args.spec_type} n-max {draft_max}"] = llama_speculative(
+                            target, draft, prompt, scenario["max_new_tokens"], draft_max, args.threads,
+                            args.spec_type)
+                    except RuntimeError as refusal:
+                        print(f"llama.cpp refused ({scenario['name']}, n-max {draft_max}): {refusal}", flush=True)
             for name, figures in results.items():
                 rows.setdefault((scenario["name"], name), []).append(figures)
                 print(json.dumps({"round": round_, "scenario": scenario["name"], "system": name,
