@@ -182,3 +182,24 @@ def test_registered_as_a_drafter_file_and_a_speculator():
     speculator = registry.speculators["dflash"].spec
     assert speculator.requires_draft_head and speculator.needs_hidden_state
     assert speculator.default_min_draft_prob == 0.35 and speculator.can_arm_after_prefix_reuse
+
+
+def test_a_quantised_file_runs_its_linears_on_its_own_blocks(tmp_path, target, drafter_file):
+    """Q8_0 linears become BlockLinears over the stored blocks (activations rounded to int8 per 32
+    columns): the block rows stay within that rounding of the same values multiplied in fp32."""
+    from verispec.weights.block_linear import BlockLinear
+
+    _, _, trunk = target
+    ref, f32_path = drafter_file("d1_noncausal")
+    path = _variant(tmp_path, ref, name="q8", quantize="Q8_0")
+    head, dequantised = load(path, trunk), load(path, trunk, block_kernel=False)
+    assert head.drafter.linears and all(isinstance(m, BlockLinear) for m in head.drafter.linears.values())
+    assert "fc.weight" in head.drafter.linears  # T·H = 96 columns: whole blocks
+    assert not dequantised.drafter.linears and not load(f32_path, trunk).drafter.linears
+    features = torch.randn(20, head.feature_size, generator=torch.Generator().manual_seed(6))
+    a, b = head.new_state(), dequantised.new_state()
+    head.draft_catch_up(a, [0] * 20, features, 0)
+    dequantised.draft_catch_up(b, [0] * 20, features, 0)
+    z, z_fp32 = head.block_logits(a, 3, 20)[0], dequantised.block_logits(b, 3, 20)[0]
+    assert not torch.equal(z, z_fp32)  # the block kernel ran
+    torch.testing.assert_close(z, z_fp32, atol=0.05 * float(z_fp32.abs().max()), rtol=0)

@@ -31,14 +31,20 @@ from verispec_dflash.ring import ContextRing
 class DFlashDrafter:
     """One drafter's weights (fp32 tensors by GGUF name) and its math, shared by every sequence.
 
+    linears: GGUF name -> module computing x fp32 [n, in] -> [n, out] for some of the 2-D weights
+    (the loader's `verispec.weights.block_linear.BlockLinear` over a quantised file's own blocks:
+    a quarter of the fp32 bytes a block reads, activations rounded to int8 per 32 columns as
+    llama.cpp's CPU path does); the others multiply by the fp32 tensor.
     use_conv / use_selector: attribution switches for DFlash2 files (False skips the conv or the
     selector walk); they change drafts, never outputs, and are not a way to run a model.
     """
 
     def __init__(self, config: DFlashConfig, tensors: Mapping[str, torch.Tensor], *,
+                 linears: Mapping[str, torch.nn.Module] | None = None,
                  use_conv: bool = True, use_selector: bool = True):
         self.config = config
         self.w = {name: t.float().contiguous() for name, t in tensors.items()}
+        self.linears = dict(linears or {})
         self.use_conv = use_conv and config.generation == 2
         self.use_selector = use_selector and config.generation == 2
         self.rope = RotaryEmbedding.default(config.head_dim, config.rope_theta, style="neox")
@@ -56,14 +62,14 @@ class DFlashDrafter:
 
     def encode(self, features: torch.Tensor) -> torch.Tensor:
         """Pass A: g fp32 [n, H] of tapped target rows fp32 [n, T·H] (concatenated in target_layers order)."""
-        return self._rms(features.float() @ self.w["fc.weight"].T, self.w["enc.output_norm.weight"])
+        return self._rms(self._linear(features.float(), "fc.weight"), self.w["enc.output_norm.weight"])
 
     def context_kv(self, layer: int, g: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pass B for one layer: K, V fp32 [n, n_kv, d] of fused rows g fp32 [n, H] at positions int64 [n]."""
         b, c = f"blk.{layer}.", self.config
-        k = (g @ self.w[b + "attn_k.weight"].T).reshape(-1, c.num_kv_heads, c.head_dim)
+        k = self._linear(g, b + "attn_k.weight").reshape(-1, c.num_kv_heads, c.head_dim)
         k = self.rope(self._rms(k, self.w[b + "attn_k_norm.weight"]), *self.rope.cos_sin(positions))
-        v = (g @ self.w[b + "attn_v.weight"].T).reshape(-1, c.num_kv_heads, c.head_dim)
+        v = self._linear(g, b + "attn_v.weight").reshape(-1, c.num_kv_heads, c.head_dim)
         return k, v
 
     def inject(self, rings: list[ContextRing], features: torch.Tensor, start_pos: int) -> None:
@@ -107,8 +113,8 @@ class DFlashDrafter:
         if self.use_conv:
             delta = dynamic_kernels(y, self.w[b + "ffn_conv_proj.weight"], c.conv_kernel_size)
             y = grouped_conv(y, delta[:, 0], self.w[b + "ffn_conv_base"][0], c.conv_group_size)
-        f = (F.silu(y @ self.w[b + "ffn_gate.weight"].T) * (y @ self.w[b + "ffn_up.weight"].T)) \
-            @ self.w[b + "ffn_down.weight"].T
+        f = self._linear(F.silu(self._linear(y, b + "ffn_gate.weight")) * self._linear(y, b + "ffn_up.weight"),
+                         b + "ffn_down.weight")
         if self.use_conv:
             f = grouped_conv(f, delta[:, 1], self.w[b + "ffn_conv_base"][1], c.conv_group_size)
         return h + f
@@ -116,11 +122,11 @@ class DFlashDrafter:
     def _attention(self, layer, ring, x, anchor, cos, sin):
         b, c = f"blk.{layer}.", self.config
         n, d = x.shape[0], c.head_dim
-        q = self.rope(self._rms((x @ self.w[b + "attn_q.weight"].T).reshape(n, c.num_heads, d),
+        q = self.rope(self._rms(self._linear(x, b + "attn_q.weight").reshape(n, c.num_heads, d),
                                 self.w[b + "attn_q_norm.weight"]), cos, sin)
-        kb = self.rope(self._rms((x @ self.w[b + "attn_k.weight"].T).reshape(n, c.num_kv_heads, d),
+        kb = self.rope(self._rms(self._linear(x, b + "attn_k.weight").reshape(n, c.num_kv_heads, d),
                                  self.w[b + "attn_k_norm.weight"]), cos, sin)
-        vb = (x @ self.w[b + "attn_v.weight"].T).reshape(n, c.num_kv_heads, d)
+        vb = self._linear(x, b + "attn_v.weight").reshape(n, c.num_kv_heads, d)
         k_ctx, v_ctx, ctx_mask = ring.visible(anchor, n)
         k = torch.cat([k_ctx, kb])  # [m + n, n_kv, d]
         v = torch.cat([v_ctx, vb])
@@ -130,7 +136,7 @@ class DFlashDrafter:
         scores = torch.einsum("qhd,khd->hqk", q, k) * d ** -0.5
         probs = torch.softmax(scores.masked_fill(~mask[None], float("-inf")), dim=-1)
         o = torch.einsum("hqk,khd->qhd", probs, v).reshape(n, c.num_heads * d)
-        return o @ self.w[b + "attn_output.weight"].T
+        return self._linear(o, b + "attn_output.weight")
 
     def _block_mask(self, n: int, window: int | None) -> torch.Tensor:
         """bool [n, n]: block key i' visible to query i: causal 0 <= i-i' (< W), else |i-i'| < W (all without W)."""
@@ -140,6 +146,11 @@ class DFlashDrafter:
         if window is not None:
             mask = mask & (diff < window) & (-diff < window)
         return mask
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x fp32 [n, in] · W_nameᵀ -> [n, out]."""
+        linear = self.linears.get(name)
+        return x @ self.w[name].T if linear is None else linear(x)
 
     def _rms(self, x, weight):
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_eps)

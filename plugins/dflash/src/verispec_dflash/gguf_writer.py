@@ -101,13 +101,15 @@ def write_dflash_gguf(path: str | os.PathLike, model, *, vocab: Mapping[str, Any
     """Write `model` to `path`; returns the path. vocab: the target's `tokenizer.*` keys (copied, as
     the converter does from --target-model-dir) or None. extra_metadata / drop / extra_tensors make
     variants (keys added or overridden; GGUF tensor names left out; tensors added). quantize: a
-    GGUF type ("Q8_0", "F16") for every 2-D tensor (norms and conv bases stay F32); None: all F32."""
+    GGUF type ("Q8_0", "F16") for every 2-D tensor whose rows are whole 32-column blocks (norms,
+    conv bases and narrower tensors stay F32); None: all F32."""
     from verispec.testing.fixture_writer import write_gguf
 
     tensors = {k: v for k, v in dflash_tensors(model.state_dict()).items() if k not in drop}
     tensors.update(extra_tensors or {})
     metadata = {**dflash_metadata(model), **(extra_metadata or {})}
     metadata = {k: v for k, v in metadata.items() if v is not None}
-    types = {name: quantize for name, t in tensors.items() if quantize and t.dim() == 2 and not name.endswith("_base")}
+    types = {name: quantize for name, t in tensors.items()
+             if quantize and t.dim() == 2 and t.shape[-1] % 32 == 0 and not name.endswith("_base")}
     return write_gguf(path, arch="dflash", metadata=metadata, tensors=tensors, vocab=dict(vocab) if vocab else None,
                       tensor_types=types)

@@ -3,8 +3,10 @@
 Steps: read the keys and tensor shapes (`config.DFlashConfig.from_gguf`: schema, generation,
 every tensor present with its shape, nothing unknown), check the numbers are finite
 (`gguf_checks.check_numbers`), check the binding against the trunk (`binding.binding_problem`),
-then dequantise every tensor to fp32 (a drafter is small next to its target; quantised files
-load too, as gguf-py dequantises them).
+then read every tensor as fp32 (gguf-py's dequantisation) and, for the linears of a quantised
+file (fc, q/k/v/o, gate/up/down in a type the core's block kernel reads), the file's own blocks
+as `BlockLinear`s: a drafter forward is bound by the bytes of its weights, and Q8_0 blocks are a
+quarter of fp32's. `block_kernel=False` multiplies by the fp32 tensors instead.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from verispec.errors import UnsupportedArchitecture
 from verispec.gguf_checks import check_numbers
 from verispec.gguf_io import GGUFFile
 from verispec.seams import DrafterMismatch
+from verispec.weights.gguf_blocks import BLOCK_FORMATS, GGUFBlocks
 
 from verispec_dflash.binding import binding_problem
 from verispec_dflash.config import ARCH, DFlashConfig
@@ -33,7 +36,13 @@ def read_config(path: str | os.PathLike) -> tuple[GGUFFile, DFlashConfig]:
     return gguf, DFlashConfig.from_gguf(gguf.metadata, {n: gguf.tensor_info(n).shape for n in gguf}, source=path)
 
 
-def load(path: str | os.PathLike, trunk, *, use_conv: bool = True, use_selector: bool = True) -> DFlashHead:
+#: the 2-D weights the drafter multiplies activations by (a layer's, after "blk.N.")
+LINEARS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+           "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+
+
+def load(path: str | os.PathLike, trunk, *, use_conv: bool = True, use_selector: bool = True,
+         block_kernel: bool = True) -> DFlashHead:
     """The drafter in `path` as the BLOCK draft head of `trunk`.
 
     use_conv / use_selector: DFlash2 attribution switches (drafter.DFlashDrafter); not a way to run a model.
@@ -50,5 +59,25 @@ def load(path: str | os.PathLike, trunk, *, use_conv: bool = True, use_selector:
     if problem is not None:
         raise DrafterMismatch(f"--draft-model {path}: {problem}")
     tensors = {name: gguf.tensor(name) for name in config.expected_shapes()}
-    drafter = DFlashDrafter(config, tensors, use_conv=use_conv, use_selector=use_selector)
+    linears = block_linears(gguf, tensors) if block_kernel else {}
+    drafter = DFlashDrafter(config, tensors, linears=linears, use_conv=use_conv, use_selector=use_selector)
     return DFlashHead(drafter, trunk.view(), max_context=trunk.max_context_length, path=path)
+
+
+def block_linears(gguf: GGUFFile, tensors) -> dict:
+    """GGUF name -> BlockLinear over the stored blocks, for each linear weight whose type the block
+    kernel reads and whose input width is a multiple of 32 (F32/F16 weights are left out)."""
+    import numpy as np
+    import torch
+    from verispec.weights.block_linear import block_linear_class
+
+    out = {}
+    for name in tensors:
+        if not (name == "fc.weight" or name.split(".", 2)[-1] in LINEARS):
+            continue
+        raw, ggml_type, shape = gguf.raw_tensor(name)
+        if ggml_type not in BLOCK_FORMATS or shape[-1] % 32:
+            continue
+        blocks = GGUFBlocks(ggml_type, torch.from_numpy(np.array(raw)), shape[-1])
+        out[name] = block_linear_class(ggml_type).from_gguf([blocks])
+    return out

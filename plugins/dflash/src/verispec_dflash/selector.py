@@ -22,7 +22,7 @@ import torch
 def argmax_drafts(logits: torch.Tensor) -> tuple[list[int], list[float]]:
     """logits fp32 [m, V] (transformed) -> (m draft ids, m row confidences)."""
     ids = logits.argmax(dim=-1)
-    conf = torch.softmax(logits, dim=-1).gather(-1, ids[:, None])[:, 0]
+    conf = torch.exp(logits.gather(-1, ids[:, None])[:, 0] - torch.logsumexp(logits, dim=-1))  # softmax at the argmax
     return ids.tolist(), conf.tolist()
 
 
