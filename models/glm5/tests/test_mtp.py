@@ -85,7 +85,8 @@ def test_own_embedding_and_head_are_read_when_the_file_has_them(tiny_fixture, tm
         x = layer.eh_proj(torch.cat([layer.enorm(embed[tokens]), layer.hnorm(hidden)], dim=-1))[None]
         cos_sin = mtp.rotary_emb(x, torch.arange(1, 6)[None])
         mask = torch.full((5, 5), float("-inf")).triu(1)[None, None]
-        expected = layer.post_norm(layer.mtp_block(x, attention_mask=mask, position_embeddings=cos_sin))[0, -1]
+        out = layer.mtp_block(x, attention_mask=mask, position_embeddings=cos_sin)
+        expected = layer.post_norm(out)[0, -1]
     state = trunk.draft_head.new_state()
     head = trunk.draft_head
     head.draft_catch_up(state, [0, *tokens[:4].tolist()], torch.cat([hidden[:4], hidden[4:]]), 0)

@@ -30,7 +30,8 @@ def _greedy_streams(trunk, vocab_size):
         prompt = torch.randint(0, vocab_size, (PROMPT_LEN,), generator=g).tolist()
         stream = prompt + run_greedy(trunk, prompt, NUM_GENERATED)[0]
         seq = trunk.new_sequence()
-        hidden.append(forward_one(trunk, seq, stream, logits="none", hidden=True).hidden)  # final-normed [T, D]
+        out = forward_one(trunk, seq, stream, logits="none", hidden=True)
+        hidden.append(out.hidden)  # final-normed [T, D]
         trunk.release(seq)
         prompts.append(prompt)
         tokens.append(torch.tensor(stream))
@@ -69,11 +70,28 @@ def test_trained_head_accepts_most_drafts_with_the_plain_stream(tiny_fixture, tm
     mtp.train()
     assert _train(mtp, tokens, hidden, vocab) < 0.1
     mtp.eval()
-    trained = load(write_fixture(hf_model, tmp_path / "trained.gguf", mtp=mtp), dtype="float32")
+    trained_path = write_fixture(hf_model, tmp_path / "trained.gguf", mtp=mtp)
+    trained = load(trained_path, dtype="float32")
     acceptance, exact = _acceptance(trained, prompts[:3], window=1)
     assert exact
     assert acceptance >= 0.5 > untrained, (acceptance, untrained)
     assert _acceptance(trained, prompts[:3], window=2)[1]  # chained drafts: still exact
+    _engine_accepts_most(trained_path, prompts[0])
+
+
+def _engine_accepts_most(path, prompt):
+    """The engine (`--spec-type mtp --spec-draft 1`, drafting forced) on the trained file: the plain
+    greedy tokens, most drafts accepted."""
+    import verispec
+
+    n = NUM_GENERATED - 8
+    plain = [e.token for e in verispec.load(path, dtype="float32", enabled=False).generate(
+        prompt, max_tokens=n, ignore_eos=True)]
+    engine = verispec.load(path, dtype="float32", spec_type="mtp", max_draft_tokens=1, adaptive=False)
+    generation = engine.generate(prompt, max_tokens=n, ignore_eos=True)
+    assert [e.token for e in generation] == plain
+    stats = generation.result.spec
+    assert stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens > 0, stats
 
 
 def _acceptance(trunk, prompts, *, window):

@@ -76,7 +76,8 @@ def test_hidden_rows_and_taps_match_transformers(tiny_fixture, name):
         Segment(ours.new_sequence(), prompt, logits="none", hidden=True, tap_layers=layers),
         Segment(ours.new_sequence(), prompt[:5], logits="last")])
     torch.testing.assert_close(normed.hidden, states[-1][0], atol=ATOL, rtol=0)
-    torch.testing.assert_close(taps.hidden, torch.cat([states[i][0] for i in layers], dim=-1), atol=ATOL, rtol=0)
+    expected = torch.cat([states[i][0] for i in layers], dim=-1)
+    torch.testing.assert_close(taps.hidden, expected, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["nextn", "grouped"])

@@ -41,18 +41,20 @@ class TopkRouter(nn.Module):
                  routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1, device=None):
         super().__init__()
         if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
-            raise ValueError(f"{num_experts} experts in {n_group} groups keeping {topk_group}: the groups must "
-                             "divide the experts and 1 <= topk_group <= n_group")
+            raise ValueError(f"{num_experts} experts in {n_group} groups keeping {topk_group}: the groups "
+                             "must divide the experts and 1 <= topk_group <= n_group")
         if n_group > 1 and num_experts // n_group < 2:
             raise ValueError(f"{n_group} groups of {num_experts // n_group} expert: a group is scored by its "
                              "top two experts, so it needs at least two")
         if not 1 <= top_k <= topk_group * (num_experts // n_group):
-            raise ValueError(f"top_k {top_k} outside 1..{topk_group * (num_experts // n_group)} (the experts of "
-                             "the kept groups)")
-        self.top_k, self.norm_topk_prob, self.routed_scaling_factor = top_k, norm_topk_prob, routed_scaling_factor
+            raise ValueError(f"top_k {top_k} outside 1..{topk_group * (num_experts // n_group)} (the experts "
+                             "of the kept groups)")
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
         self.n_group, self.topk_group = n_group, topk_group
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, device=device), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, device=device),
+                                                    requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x fp32 [n, D] -> (expert ids int64 [n, k], weights fp32 [n, k]); one row at a time."""

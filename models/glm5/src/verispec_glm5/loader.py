@@ -20,7 +20,7 @@ from verispec.gguf_io import GGUFFile
 from verispec.gguf_load import Arch, load_trunk
 from verispec.gguf_table import Stack, Tensor
 
-from verispec_glm5.modeling_glm4moe import ARCHITECTURES, Glm4MoeConfig, Glm4MoeForCausalLM
+from verispec_glm5.modeling_glm4moe import ARCHITECTURES, Glm4MoeConfig, Glm4MoeForCausalLM, check_file_kind
 
 __all__ = ["ARCHS", "DEFAULT_DTYPE", "LAYER_TENSORS", "TENSORS", "config_from_gguf", "load", "nextn_tensors"]
 
@@ -94,7 +94,8 @@ def main_tensors(config: Glm4MoeConfig) -> tuple[Tensor, ...]:
 
 
 ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), Glm4MoeForCausalLM, main_tensors, layout="glm4moe",
-                    family=name, default_dtype=DEFAULT_DTYPE)
+                    family=name, default_dtype=DEFAULT_DTYPE,
+                    check_kind=lambda gguf: check_file_kind(gguf.metadata, gguf, source=gguf.path))
          for name in ARCHITECTURES}
 
 

@@ -47,7 +47,8 @@ from verispec.nn.norm import RMSNorm
 from verispec.nn.rope import RotaryEmbedding
 from verispec.nn.trunk import Rows, TrunkModule
 
-__all__ = ["ARCHITECTURES", "Glm4MoeConfig", "Glm4MoeForCausalLM", "UnsupportedGlm4MoeVariant"]
+__all__ = ["ARCHITECTURES", "Glm4MoeConfig", "Glm4MoeForCausalLM", "UnsupportedGlm4MoeVariant",
+           "check_file_kind"]
 
 ARCHITECTURES = ("glm4moe",)
 #: llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1 is softmax, which glm4moe never uses).
@@ -119,15 +120,11 @@ class Glm4MoeConfig:
         _refuse_variants(key, source)
         num_nextn = int(key("nextn_predict_layers", 0))
         if num_nextn > 1:
-            raise UnsupportedGlm4MoeVariant(source, f"{num_nextn} NextN blocks", "only one NextN block is supported")
+            raise UnsupportedGlm4MoeVariant(source, f"{num_nextn} NextN blocks",
+                                            "only one NextN block is supported")
+        check_file_kind(metadata, tensor_shapes, source=source)
         num_layers = int(key("block_count")) - num_nextn
         nextn = f"blk.{num_layers}.nextn."
-        if num_nextn and nextn + "eh_proj.weight" not in tensor_shapes:
-            raise UnsupportedGlm4MoeVariant(source, f"nextn_predict_layers = 1 without {nextn}eh_proj.weight",
-                                            "a trunk-only file must not declare a NextN block (drop the key)")
-        if "blk.0.attn_norm.weight" not in tensor_shapes:
-            raise UnsupportedGlm4MoeVariant(source, "no trunk tensors (blk.0.attn_norm.weight): an MTP-only file",
-                                            "load the main GGUF; standalone NextN files are not supported yet")
         hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
         head_dim = int(key("attention.key_length", hidden // heads))
         if int(key("attention.value_length", head_dim)) != head_dim:
@@ -150,7 +147,8 @@ class Glm4MoeConfig:
             first_k_dense_replace=int(key("leading_dense_block_count", 0)),
             n_routed_experts=int(key("expert_count")),
             num_experts_per_tok=int(key("expert_used_count")),
-            moe_intermediate_size=uniform(key("expert_feed_forward_length"), num_layers, "expert_feed_forward_length"),
+            moe_intermediate_size=uniform(key("expert_feed_forward_length"), num_layers,
+                                          "expert_feed_forward_length"),
             n_shared_experts=int(key("expert_shared_count")),
             routed_scaling_factor=float(key("expert_weights_scale", 1.0) or 1.0),  # 0 = off, as 1
             norm_topk_prob=bool(key("expert_weights_norm", False)),
@@ -165,6 +163,23 @@ class Glm4MoeConfig:
         )
 
 
+def check_file_kind(metadata: Mapping[str, Any], tensor_names, *, source: str = "the GGUF") -> None:
+    """Refuse, by its tensor names, a glm4moe file that is no trunk this module loads: an MTP-only
+    file (no blk.0.attn_norm: llama.cpp's `--mtp` conversion), a file declaring a NextN block it
+    lacks (llama.cpp then loads the trunk alone; here the key must go). Runs before the core's
+    block-count check, whose "damaged file" message would mislead. Raises UnsupportedGlm4MoeVariant."""
+    names = set(tensor_names)
+    if "blk.0.attn_norm.weight" not in names:
+        raise UnsupportedGlm4MoeVariant(source, "no trunk tensors (blk.0.attn_norm.weight): an MTP-only file",
+                                        "load the main GGUF; standalone NextN files are not supported yet")
+    key = functools.partial(arch_value, metadata, source=source)
+    num_nextn = int(key("nextn_predict_layers", 0))
+    eh_proj = f"blk.{int(key('block_count')) - num_nextn}.nextn.eh_proj.weight"
+    if num_nextn == 1 and eh_proj not in names:
+        raise UnsupportedGlm4MoeVariant(source, f"nextn_predict_layers = 1 without {eh_proj}",
+                                        "a trunk-only file must not declare a NextN block (drop the key)")
+
+
 def _refuse_variants(key, source: str) -> None:
     """Variants of the architecture whose math differs: softmax gating, M-RoPE (GLM-4.xV)."""
     gating = int(key("expert_gating_func", SIGMOID_GATING))
@@ -172,7 +187,8 @@ def _refuse_variants(key, source: str) -> None:
         raise UnsupportedGlm4MoeVariant(source, f"glm4moe.expert_gating_func = {gating} (not sigmoid)",
                                         "only sigmoid expert gating (2) is implemented")
     if key("rope.dimension_sections", None) is not None:
-        raise UnsupportedGlm4MoeVariant(source, "glm4moe.rope.dimension_sections (the GLM-4.xV M-RoPE variant)",
+        raise UnsupportedGlm4MoeVariant(source,
+                                        "glm4moe.rope.dimension_sections (the GLM-4.xV M-RoPE variant)",
                                         "only the text model's 1-D RoPE is implemented")
     if int(key("expert_count", 0)) < 1 or int(key("expert_used_count", 0)) < 1:
         raise UnsupportedGlm4MoeVariant(source, "glm4moe without expert_count / expert_used_count",
@@ -184,7 +200,8 @@ def _uniform(value, num_layers: int, name: str, *, source: str) -> int:
     if isinstance(value, (list, tuple, np.ndarray)):
         values = {int(v) for v in list(value)[:num_layers]}
         if len(values) != 1:
-            raise UnsupportedGlm4MoeVariant(source, f"glm4moe.{name} differs between layers ({sorted(values)})",
+            raise UnsupportedGlm4MoeVariant(source,
+                                            f"glm4moe.{name} differs between layers ({sorted(values)})",
                                             "only one value over every trunk layer is supported")
         return values.pop()
     return int(value)
@@ -240,7 +257,8 @@ class Glm4MoeMoE(nn.Module):
         self.gate = TopkRouter(d, c.n_routed_experts, c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
                                routed_scaling_factor=c.routed_scaling_factor, n_group=c.n_group,
                                topk_group=c.topk_group, device=device)
-        self.experts = nn.ModuleList(GatedMLP(d, fe, "silu", device=device) for _ in range(c.n_routed_experts))
+        self.experts = nn.ModuleList(GatedMLP(d, fe, "silu", device=device)
+                                     for _ in range(c.n_routed_experts))
         self.shared_experts = GatedMLP(d, fe * c.n_shared_experts, "silu", device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -258,10 +276,11 @@ class Glm4MoeDecoderLayer(nn.Module):
         self.mlp = (Glm4MoeMoE(c, device=device) if is_moe
                     else GatedMLP(c.hidden_size, c.intermediate_size, "silu", device=device))
 
-    def forward(self, hidden_states: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
-                attend) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor,
+                sin: torch.Tensor, attend) -> torch.Tensor:
         """hidden_states fp32 [n, D] -> fp32 [n, D]; attend as in Glm4MoeAttention.forward."""
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), rope, cos, sin, attend)
+        attn = self.self_attn(self.input_layernorm(hidden_states), rope, cos, sin, attend)
+        hidden_states = hidden_states + attn
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
@@ -281,7 +300,8 @@ class Glm4MoeNextN(nn.Module):
         self.post_norm = RMSNorm(d, c.rms_norm_eps)
         self.embed_tokens = (nn.Linear(d, c.vocab_size, bias=False, device=device)
                              if c.nextn_has_embed_tokens else None)  # read by rows
-        self.shared_head = nn.Linear(d, c.vocab_size, bias=False, device=device) if c.nextn_has_shared_head else None
+        self.shared_head = (nn.Linear(d, c.vocab_size, bias=False, device=device)
+                            if c.nextn_has_shared_head else None)
 
 
 class Glm4MoeModel(nn.Module):
