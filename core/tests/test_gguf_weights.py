@@ -87,7 +87,8 @@ def test_module_rows_are_the_files_weights_bitwise(ggml_type):
     ids = torch.tensor([39, 0, 17, 17, 5])
     assert torch.equal(linear.rows(ids), expected[ids])  # the C lookup where built
     assert torch.equal(linear.values(ids).dequantize(), expected[ids])  # the path without a C compiler
-    assert linear.scales.dtype == (torch.float16 if BLOCK_FORMATS[ggml_type].half_scales else torch.float32)
+    # fp16 scales where the file's are fp16; a K type's factors (fp16 d, int8 sc) in a byte buffer
+    assert linear.scales.dtype == (torch.float16 if BLOCK_FORMATS[ggml_type].half_scales else torch.uint8)
     for lookup in (linear.rows, linear.values):  # an id in the last tile's padding is still refused
         with pytest.raises(IndexError, match=r"\[0, 40\)"):
             lookup(torch.tensor([3, 40]))

@@ -23,7 +23,7 @@ from verispec import cache_digest
 from verispec.gguf_io import GGUFFile
 
 #: bump when a converted layout changes: older entries are then ignored.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 #: conversions faster than this (seconds) are not worth a cache file.
 MIN_CONVERT_SECONDS = 1.0
 

@@ -125,14 +125,14 @@ def qmatmul(x: torch.Tensor, weight_args: tuple, y: torch.Tensor) -> None:
     """y fp32 contiguous [n, out] = x fp32 contiguous [n, k] times a block-packed weight
     (weights.block_linear.pack; arithmetic: qmatmul.c, `block_linear.reference_matmul`).
     weight_args: `block_linear.BlockLinear.kernel_args()`, the weight's pointers and format
-    (packed, scales, mins or None, out, bits, group, zero, half). Runs on torch's OpenMP team
+    (packed, scales, mins or None, out, bits, group, zero, scale kind). Runs on torch's OpenMP team
     (torch's thread count). Raises MemoryError when the activations' scratch cannot be
     allocated, ValueError for a format qmatmul.c has no kernel for (not one of
     weights.gguf_blocks.BLOCK_FORMATS)."""
     n, k = x.shape
     status = library().verispec_qmatmul(x.data_ptr(), n, k, *weight_args, y.data_ptr(), torch.get_num_threads())
     if status == -2:
-        raise ValueError(f"qmatmul.c has no kernel for (bits, group, zero, half) = {weight_args[4:]}")
+        raise ValueError(f"qmatmul.c has no kernel for (bits, group, zero, scale kind) = {weight_args[4:]}")
     if status != 0:
         raise MemoryError("the block matmul could not allocate its activation scratch")
 
@@ -142,10 +142,10 @@ def block_rows(weight_args: tuple, in_features: int, ids: torch.Tensor) -> torch
     gguf-py's values bitwise (qmatmul.c `verispec_block_rows`; `BlockValues.dequantize` states
     it). weight_args: `BlockLinear.kernel_args()`. Raises IndexError for an id outside the
     weight's rows."""
-    packed, scales, mins, rows, bits, group, zero, half = weight_args
+    packed, scales, mins, rows, bits, group, zero, kind = weight_args
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), in_features)
-    if library().verispec_block_rows(packed, scales, mins, rows, in_features, bits, group, zero, half,
+    if library().verispec_block_rows(packed, scales, mins, rows, in_features, bits, group, zero, kind,
                                      ids.data_ptr(), ids.numel(), out.data_ptr()) != 0:
         raise IndexError(f"row ids must be in [0, {rows}): got {int(ids.min())}..{int(ids.max())}")
     return out

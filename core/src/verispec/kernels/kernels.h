@@ -54,7 +54,7 @@ static inline void run_tasks(task_fn fn, void *arg, int64_t tasks) {
 typedef struct {
     const uint8_t *w;
     const void *s, *m;
-    int64_t out, bits, group, zero, half;
+    int64_t out, bits, group, zero, kind; /* kind: qmatmul.c's scale kind */
 } verispec_qweight;
 
 int verispec_qmatmul_parts(const float *x, int64_t n, int64_t k, const verispec_qweight *w, int64_t parts,

@@ -14,8 +14,13 @@
  *   5, 6 bits: the 4-bit part (bits 0-3 of u), then for each higher bit p = 4 .. bits - 1 a
  *              plane of 8 64-bit words j: bit 4r + t of word j = bit p of u[r][4j + t]
  *              (Q5_x: 320 bytes a tile and block instead of 512, Q6_K: 384)
- * then s (and m when the type has mins) as [32 / G][16] per tile and block: fp16 for a type
- * whose scales are the file's fp16 fields (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: exact), else fp32.
+ * then s (and m when the type has mins), by scale kind:
+ *   1 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: the file's fp16 fields): fp16 [32 / G][16] per tile and block;
+ *   2 (Q4_K, Q5_K, Q6_K: products s = d · sc of a super-block's fp16 d and a small integer sc):
+ *     per tile and super-block of 8 blocks (256 columns), super_bytes(G) bytes: the 16 rows'
+ *     fp16 d (or -dmin), then int8 sc (or m) [8][32 / G][16]. The kernel forms d · sc in fp32,
+ *     which is exact (11 + 8 significant bits), so it multiplies by the file's s bit for bit
+ *     while reading a byte a group instead of four: Q4_K 4.6 bits a weight instead of 6.
  *
  * Activations: each row of x is quantised per block of 32 columns as llama.cpp's
  * quantize_row_q8_0 does (ggml-quants.c):
@@ -109,22 +114,31 @@ typedef void (*rows_fn)(const qjob *q, int64_t t, int64_t r0, int64_t R);
 
 struct qjob {
     const uint8_t *w;
-    const void *s, *m; /* fp16 or fp32 (half); m NULL: no mins */
+    const void *s, *m; /* by scale kind (kind); m NULL: no mins */
     const int8_t *a;
     const float *d;
     const void *G; /* per row and weight group: z · S int32 (no mins) or (float)S (mins) */
     float *y;
-    int64_t n, k, out, bits, group, zero, half, ldy;
+    int64_t n, k, out, bits, group, zero, kind, ldy;
     rows_fn rows; /* computes rows r0 .. r0 + R - 1 of tile t */
 };
 
 /* Bytes of one tile's block of 32 columns. */
 static inline int64_t tile_block_bytes(int64_t bits) { return bits == 8 ? 512 : 256 + 64 * (bits - 4); }
 
-/* Group scale (or min) i of tile t, block b: element ((t * nb + b) * gpb * 16 + i). */
+/* Bytes of one tile's super-block of kind-2 scales (or mins): 16 fp16 factors, int8 [8][32 / G][16]. */
+static inline int64_t super_bytes(int64_t group) { return 32 + 8 * (32 / group) * 16; }
+
+/* The 16 rows' fp16 factors of tile t's super-block holding block b (kind 2). */
+static inline const uint16_t *super_factors(const qjob *q, const void *v, int64_t t, int64_t b) {
+    return (const uint16_t *)((const char *)v + (t * (q->k / 256) + b / 8) * super_bytes(q->group));
+}
+
+/* Tile t, block b's group values [32 / G][16]: fp16 (kind 1) or int8 (kind 2). */
 static inline const void *group_vals(const qjob *q, const void *v, int64_t t, int64_t b) {
-    const int64_t nb = q->k / 32, gpb = 32 / q->group;
-    return (const char *)v + (t * nb + b) * gpb * 16 * (q->half ? 2 : 4);
+    const int64_t gpb = 32 / q->group;
+    if (q->kind == 2) return (const char *)super_factors(q, v, t, b) + 32 + (b % 8) * gpb * 16;
+    return (const char *)v + (t * (q->k / 32) + b) * gpb * 16 * 2;
 }
 
 static inline float half_to_float(uint16_t bits) {
@@ -133,8 +147,10 @@ static inline float half_to_float(uint16_t bits) {
     return (float)h;
 }
 
-static inline float group_val(const int f16, const void *v, int64_t i) {
-    return f16 ? half_to_float(((const uint16_t *)v)[i]) : ((const float *)v)[i];
+/* Value i (16 h + row) of a block's groups `v` (group_vals), with the super-block's factors `f`
+ * (kind 2): the fp16 value, or f[row] · v[i] (exact in fp32). */
+static inline float group_val(const int64_t kind, const void *v, const uint16_t *f, int64_t i) {
+    return kind == 2 ? half_to_float(f[i % 16]) * (float)((const int8_t *)v)[i] : half_to_float(((const uint16_t *)v)[i]);
 }
 
 /* u of row r, column c (0 .. 31) of one tile's block wb (the layout above), read one at a time. */
@@ -175,9 +191,12 @@ static void group_sums(const qjob *q, const int32_t *S, int32_t *G) {
 #define PREFETCH 8 /* blocks ahead to prefetch: one thread streamed Q4_1 at 12 GB/s without, 16-20 with */
 
 #if AVX2
-static inline __m256 load_group8(const int f16, const void *v, int64_t i) {
-    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)v + i)))
-                   : _mm256_loadu_ps((const float *)v + i);
+/* Values i .. i + 7 of a block's groups (as group_val), i % 8 == 0. */
+static inline __m256 load_group8(const int kind, const void *v, const uint16_t *f, int64_t i) {
+    if (kind == 2)
+        return _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(f + i % 16))),
+                             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)v + i)))));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)v + i)));
 }
 #endif
 
@@ -204,9 +223,12 @@ static inline __attribute__((always_inline)) void load_block(const uint8_t *wb, 
     }
 }
 
-static inline __attribute__((always_inline)) __m512 load_group(const int f16, const void *v, int h) {
-    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + 16 * h)))
-                : _mm512_loadu_ps((const float *)v + 16 * h);
+/* Group h's 16 values of a block (as group_val). */
+static inline __attribute__((always_inline)) __m512 load_group(const int kind, const void *v, const uint16_t *f, int h) {
+    if (kind == 2)
+        return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)f)),
+                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)v + 16 * h)))));
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + 16 * h)));
 }
 
 /* Rows r0 .. r0 + R - 1 (R <= ROWS) of tile t for one block format. Always inlined with constant
@@ -214,7 +236,7 @@ static inline __attribute__((always_inline)) __m512 load_group(const int f16, co
  * integer sums run as `chains` independent dpbusd chains: with 8 rows the rows already overlap. */
 static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q, int64_t t, int64_t r0, const int R,
                                                                    const int bits, const int gpb, const int mins,
-                                                                   const int f16) {
+                                                                   const int kind) {
     const int64_t nb = q->k / 32, bytes = tile_block_bytes(bits), groups = nb * gpb;
     const int chains = gpb == 2 ? 2 : R >= 8 ? 1 : R >= 4 ? 2 : 4;
     __m512 acc[ROWS];
@@ -225,10 +247,12 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
         __m512i wv[8];
         load_block(wb, bits, wv);
         const void *sb = group_vals(q, q->s, t, b), *mb = mins ? group_vals(q, q->m, t, b) : NULL;
+        const uint16_t *sf = kind == 2 ? super_factors(q, q->s, t, b) : NULL;
+        const uint16_t *mf = kind == 2 && mins ? super_factors(q, q->m, t, b) : NULL;
         __m512 sv[2], mv[2];
         for (int h = 0; h < gpb; h++) {
-            sv[h] = load_group(f16, sb, h);
-            if (mins) mv[h] = load_group(f16, mb, h);
+            sv[h] = load_group(kind, sb, sf, h);
+            if (mins) mv[h] = load_group(kind, mb, mf, h);
         }
         for (int r = 0; r < R; r++) {
             const int8_t *ab = q->a + (r0 + r) * q->k + 32 * b;
@@ -263,7 +287,7 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
  * arguments as the VNNI path's. */
 static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q, int64_t t, int64_t r0, const int R,
                                                                    const int bits, const int gpb, const int mins,
-                                                                   const int f16) {
+                                                                   const int kind) {
     const int64_t nb = q->k / 32, bytes = tile_block_bytes(bits);
     const int64_t lanes = q->out - 16 * t < 16 ? q->out - 16 * t : 16;
 #if AVX2
@@ -298,11 +322,13 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
                 }
             }
         const void *sb = group_vals(q, q->s, t, b), *mb = mins ? group_vals(q, q->m, t, b) : NULL;
+        const uint16_t *sf = kind == 2 ? super_factors(q, q->s, t, b) : NULL;
+        const uint16_t *mf = kind == 2 && mins ? super_factors(q, q->m, t, b) : NULL;
         __m256 sv[2][2], mv[2][2];
         for (int64_t h = 0; h < gpb; h++)
             for (int half = 0; half < 2; half++) {
-                sv[h][half] = load_group8(f16, sb, 16 * h + 8 * half);
-                if (mb) mv[h][half] = load_group8(f16, mb, 16 * h + 8 * half);
+                sv[h][half] = load_group8(kind, sb, sf, 16 * h + 8 * half);
+                if (mb) mv[h][half] = load_group8(kind, mb, mf, 16 * h + 8 * half);
             }
         for (int64_t r = 0; r < R; r++) {
             const int8_t *ab = q->a + (r0 + r) * q->k + b * 32;
@@ -347,11 +373,13 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
         for (int c = 0; c < 32; c++)
             for (int l = 0; l < 16; l++) u[c][l] = tile_value(wb, bits, l, c);
         const void *sb = group_vals(q, q->s, t, b), *mb = mins ? group_vals(q, q->m, t, b) : NULL;
+        const uint16_t *sf = kind == 2 ? super_factors(q, q->s, t, b) : NULL;
+        const uint16_t *mf = kind == 2 && mins ? super_factors(q, q->m, t, b) : NULL;
         float sv[2][16], mv[2][16];
         for (int64_t h = 0; h < gpb; h++)
             for (int l = 0; l < 16; l++) {
-                sv[h][l] = group_val(f16, sb, 16 * h + l);
-                mv[h][l] = mb ? group_val(f16, mb, 16 * h + l) : 0.0f;
+                sv[h][l] = group_val(kind, sb, sf, 16 * h + l);
+                mv[h][l] = mb ? group_val(kind, mb, mf, 16 * h + l) : 0.0f;
             }
         for (int64_t r = 0; r < R; r++) {
             const int8_t *ab = q->a + (r0 + r) * q->k + b * 32;
@@ -381,31 +409,31 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
 #endif
 
 /* The block formats (weights.gguf_blocks.BLOCK_FORMATS): name, bits, groups a block (32 / G), mins,
- * fp16 scales. */
+ * scale kind. */
 #define BLOCK_FORMATS(X) \
     X(q4_0, 4, 1, 0, 1)  \
     X(q4_1, 4, 1, 1, 1)  \
-    X(q4_k, 4, 1, 1, 0)  \
+    X(q4_k, 4, 1, 1, 2)  \
     X(q5_0, 5, 1, 0, 1)  \
     X(q5_1, 5, 1, 1, 1)  \
-    X(q5_k, 5, 1, 1, 0)  \
-    X(q6_k, 6, 2, 0, 0)  \
+    X(q5_k, 5, 1, 1, 2)  \
+    X(q6_k, 6, 2, 0, 2)  \
     X(q8_0, 8, 1, 0, 1)
 
 /* Rows r0 .. r0 + R - 1 of tile t in runs of 8, 4, 2 and 1, each a compiled instance. */
-#define FORMAT_KERNEL(name, bits, gpb, mins, f16)                                               \
+#define FORMAT_KERNEL(name, bits, gpb, mins, kind)                                              \
     static void rows_##name(const qjob *q, int64_t t, int64_t r0, int64_t R) {                   \
-        for (; R >= ROWS; r0 += ROWS, R -= ROWS) tile_rows_format(q, t, r0, ROWS, bits, gpb, mins, f16); \
-        if (R & 4) tile_rows_format(q, t, r0, 4, bits, gpb, mins, f16), r0 += 4;                 \
-        if (R & 2) tile_rows_format(q, t, r0, 2, bits, gpb, mins, f16), r0 += 2;                 \
-        if (R & 1) tile_rows_format(q, t, r0, 1, bits, gpb, mins, f16);                          \
+        for (; R >= ROWS; r0 += ROWS, R -= ROWS) tile_rows_format(q, t, r0, ROWS, bits, gpb, mins, kind); \
+        if (R & 4) tile_rows_format(q, t, r0, 4, bits, gpb, mins, kind), r0 += 4;                \
+        if (R & 2) tile_rows_format(q, t, r0, 2, bits, gpb, mins, kind), r0 += 2;                \
+        if (R & 1) tile_rows_format(q, t, r0, 1, bits, gpb, mins, kind);                         \
     }
 BLOCK_FORMATS(FORMAT_KERNEL)
 
 /* The compiled instance for a weight's format, or NULL for one not in BLOCK_FORMATS. */
 static rows_fn format_kernel(const qjob *q) {
-#define MATCH(name, BITS, GPB, MINS, F16) \
-    if (q->bits == BITS && q->group == 32 / GPB && (q->m != NULL) == MINS && q->half == F16) return rows_##name;
+#define MATCH(name, BITS, GPB, MINS, KIND) \
+    if (q->bits == BITS && q->group == 32 / GPB && (q->m != NULL) == MINS && q->kind == KIND) return rows_##name;
     BLOCK_FORMATS(MATCH)
 #undef MATCH
     return NULL;
@@ -423,9 +451,10 @@ static void qmatmul_task(void *arg, int64_t task, int64_t tasks) {
 
 /* y fp32 [n, sum of the parts' out] (row stride ldy) = x fp32 [n, k] times `parts` packed
  * weights side by side (a stacked linear run partwise: each part's columns follow the previous
- * part's), x quantised once. Layout above (k % 32 == 0): w uint8 [ceil(out / 16), k / 32,
- * tile_block_bytes(bits)] (bits: 4, 5, 6 or 8), s [ceil(out / 16), k / 32, 32 / group, 16] fp16
- * (half) or fp32, m like s or NULL, zero the integer zero point z. threads: tasks the output
+ * part's), x quantised once. Layout above (k % 32 == 0; k % 256 == 0 for kind 2): w uint8
+ * [ceil(out / 16), k / 32, tile_block_bytes(bits)] (bits: 4, 5, 6 or 8), s by scale kind (kind 1:
+ * fp16 [ceil(out / 16), k / 32, 32 / group, 16]; kind 2: [ceil(out / 16), k / 256,
+ * super_bytes(group)] bytes), m like s or NULL, zero the integer zero point z. threads: tasks the output
  * tiles are split between (the bits do not depend on it).
  * Returns 0, -1 when the activations' scratch could not be allocated, -2 for a format this
  * file has no kernel for. */
@@ -439,7 +468,7 @@ int verispec_qmatmul_parts(const float *x, int64_t n, int64_t k, const verispec_
     run_tasks(quantize_task, &quantize, n * k < PARALLEL_QUANTIZE ? 1 : (threads < n ? threads : n));
     for (int64_t p = 0; p < parts; p++) {
         const verispec_qweight *wp = &w[p];
-        qjob q = {wp->w, wp->s, wp->m, a, d, G, y, n, k, wp->out, wp->bits, wp->group, wp->zero, wp->half, ldy, NULL};
+        qjob q = {wp->w, wp->s, wp->m, a, d, G, y, n, k, wp->out, wp->bits, wp->group, wp->zero, wp->kind, ldy, NULL};
         q.rows = format_kernel(&q);
         if (!q.rows) {
             free(a);
@@ -459,9 +488,9 @@ int verispec_qmatmul_parts(const float *x, int64_t n, int64_t k, const verispec_
 
 /* One weight: verispec_qmatmul_parts with one part and ldy = out (the ctypes entry point). */
 int verispec_qmatmul(const float *x, int64_t n, int64_t k, const uint8_t *w, const void *s, const void *m,
-                     int64_t out, int64_t bits, int64_t group, int64_t zero, int64_t half, float *y,
+                     int64_t out, int64_t bits, int64_t group, int64_t zero, int64_t kind, float *y,
                      int64_t threads) {
-    const verispec_qweight weight = {w, s, m, out, bits, group, zero, half};
+    const verispec_qweight weight = {w, s, m, out, bits, group, zero, kind};
     return verispec_qmatmul_parts(x, n, k, &weight, 1, y, out, threads);
 }
 
@@ -469,8 +498,8 @@ int verispec_qmatmul(const float *x, int64_t n, int64_t k, const uint8_t *w, con
  * gguf-py does, bitwise: (u - z) · s, or u · s + m for a format with mins (each an fp32 step):
  * a tied embedding's lookup. Returns 0, or -1 (nothing written) when an id is outside [0, rows). */
 int verispec_block_rows(const uint8_t *w, const void *s, const void *m, int64_t rows, int64_t k, int64_t bits,
-                        int64_t group, int64_t zero, int64_t half, const int64_t *ids, int64_t n, float *out) {
-    const qjob q = {.w = w, .s = s, .m = m, .k = k, .bits = bits, .group = group, .half = half};
+                        int64_t group, int64_t zero, int64_t kind, const int64_t *ids, int64_t n, float *out) {
+    const qjob q = {.w = w, .s = s, .m = m, .k = k, .bits = bits, .group = group, .kind = kind};
     const int64_t nb = k / 32, bytes = tile_block_bytes(bits);
     for (int64_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= rows) return -1;
@@ -479,12 +508,14 @@ int verispec_block_rows(const uint8_t *w, const void *s, const void *m, int64_t 
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *wb = w + (t * nb + b) * bytes;
             const void *sb = group_vals(&q, s, t, b), *mb = m ? group_vals(&q, m, t, b) : NULL;
+            const uint16_t *sf = kind == 2 ? super_factors(&q, s, t, b) : NULL;
+            const uint16_t *mf = kind == 2 && m ? super_factors(&q, m, t, b) : NULL;
             for (int c = 0; c < 32; c++) {
                 const int32_t u = tile_value(wb, bits, r, c);
                 const int64_t g = 16 * (c / group) + r;
                 float *o = out + i * k + 32 * b + c;
-                *o = mb ? (float)u * group_val(half, sb, g) + group_val(half, mb, g)
-                        : ((float)u - (float)zero) * group_val(half, sb, g);
+                *o = mb ? (float)u * group_val(kind, sb, sf, g) + group_val(kind, mb, mf, g)
+                        : ((float)u - (float)zero) * group_val(kind, sb, sf, g);
             }
         }
     }

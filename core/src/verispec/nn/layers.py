@@ -24,7 +24,7 @@ MAX_PARTS = 4
 class _QWeight(ctypes.Structure):  # kernels.h verispec_qweight
     _fields_ = [("w", ctypes.c_void_p), ("s", ctypes.c_void_p), ("m", ctypes.c_void_p), ("out", ctypes.c_int64),
                 ("bits", ctypes.c_int64), ("group", ctypes.c_int64), ("zero", ctypes.c_int64),
-                ("half", ctypes.c_int64)]
+                ("kind", ctypes.c_int64)]
 
 
 class _Linear(ctypes.Structure):  # layers.c linear

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
 
 from verispec.kernels import ckernels
-from verispec.weights.gguf_blocks import BLOCK_FORMATS, BlockFormat, BlockValues, GGUFBlocks, unpack
+from verispec.weights.gguf_blocks import BLOCK_FORMATS, SUPER_BLOCK, BlockFormat, BlockValues, GGUFBlocks, unpack
 from verispec.weights.quant import Float32Linear
 
 __all__ = ["BlockLinear", "block_linear_class", "pack", "reference_matmul", "quantize_activations"]
@@ -36,13 +36,25 @@ def tile_block_bytes(bits: int) -> int:
     return 512 if bits == 8 else 256 + 64 * (bits - 4)
 
 
+def super_bytes(group: int) -> int:
+    """Bytes of one tile's super-block of K-type scales (or mins): 16 fp16 factors, then int8
+    [8 blocks, 32 / G, 16] (qmatmul.c's super_bytes)."""
+    return 32 + 8 * (BLOCK // group) * TILE
+
+
+def scale_kind(fmt: BlockFormat) -> int:
+    """qmatmul.c's scale kind: 1 fp16 scales (and mins), 2 a K type's int8 × fp16 super-block factor."""
+    return 1 if fmt.half_scales else 2
+
+
 class BlockLinear(Float32Linear):
     """y fp32 [n, out] = x fp32 [n, in] · Wᵀ, W a GGUF tensor's values (in % 32 == 0).
 
-    Buffers (layout: qmatmul.c): packed uint8 [tiles, in / 32, tile_block_bytes(bits)], scales fp16 (the
-    file's own fields) or fp32 (products such as Q4_K's d·sc) [tiles, in / 32, 32 / G, 16],
-    mins like scales (or [0] for a type without mins), with tiles = ceil(out / 16), the last
-    tile's missing rows zero.
+    Buffers (layout: qmatmul.c): packed uint8 [tiles, in / 32, tile_block_bytes(bits)]; scales fp16
+    [tiles, in / 32, 32 / G, 16] (the file's own fields), or for a K type (products d·sc) uint8
+    [tiles, in / 256, super_bytes(G)]: per super-block the 16 rows' fp16 d, then the int8 sc of its
+    8 blocks [8, 32 / G, 16]; mins like scales (or [0] for a type without mins), with tiles =
+    ceil(out / 16), the last tile's missing rows zero.
     """
 
     batch_invariant = True
@@ -57,7 +69,10 @@ class BlockLinear(Float32Linear):
         tiles, nb, fmt = -(-out_features // TILE), in_features // BLOCK, self.FORMAT
         self.register_buffer("packed", torch.empty(tiles, nb, tile_block_bytes(fmt.bits), dtype=torch.uint8,
                                                    device=device))
-        groups, dtype = (tiles, nb, BLOCK // fmt.group, TILE), torch.float16 if fmt.half_scales else torch.float32
+        if fmt.half_scales:
+            groups, dtype = (tiles, nb, BLOCK // fmt.group, TILE), torch.float16
+        else:
+            groups, dtype = (tiles, in_features // SUPER_BLOCK, super_bytes(fmt.group)), torch.uint8
         self.register_buffer("scales", torch.empty(groups, dtype=dtype, device=device))
         self.register_buffer("mins", torch.empty(groups if fmt.has_mins else (0,), dtype=dtype, device=device))
         self._kernel: tuple | None = None  # (packed tensor, kernel_args()) once computed
@@ -72,8 +87,11 @@ class BlockLinear(Float32Linear):
         u = torch.cat([v.u for v in values])
         s = torch.cat([v.s for v in values])
         m = torch.cat([v.m for v in values]) if cls.FORMAT.has_mins else None
+        factors = None
+        if values[0].factors is not None:  # a K type: stack each factor
+            factors = tuple(None if f[0] is None else torch.cat(f) for f in zip(*(v.factors for v in values)))
         module = cls(parts[0].cols, u.shape[0], device="meta")
-        module.packed, module.scales, mins = pack(BlockValues(cls.FORMAT, u, s, m))
+        module.packed, module.scales, mins = pack(BlockValues(cls.FORMAT, u, s, m, factors))
         module.mins = torch.empty(0, dtype=module.scales.dtype) if mins is None else mins
         return module
 
@@ -102,7 +120,7 @@ class BlockLinear(Float32Linear):
             fmt = self.FORMAT
             mins = self.mins.data_ptr() if fmt.has_mins else None
             self._kernel = (packed, (packed.data_ptr(), self.scales.data_ptr(), mins, self.out_features,
-                                     fmt.bits, fmt.group, fmt.zero, int(fmt.half_scales)))
+                                     fmt.bits, fmt.group, fmt.zero, scale_kind(fmt)))
         return self._kernel[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,18 +173,33 @@ def pack(values: BlockValues) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor 
             parts.append((bits * weights).sum(-1, dtype=torch.uint8).reshape(tiles, nb, 64))
         packed = torch.cat(parts, dim=-1).contiguous()
 
-    def groups(x: torch.Tensor) -> torch.Tensor:
-        x = F.pad(x, (0, 0, 0, pad)).reshape(tiles, TILE, nb, BLOCK // fmt.group).permute(0, 2, 3, 1)
-        if fmt.half_scales and not ((x.half().float() == x) | x.isnan()).all():
-            raise ValueError("scales declared fp16 are not fp16 values")
-        return x.to(torch.float16 if fmt.half_scales else torch.float32).contiguous()
+    def groups(x: torch.Tensor) -> torch.Tensor:  # [rows, nb·gpb] -> [tiles, nb, gpb, 16]
+        return F.pad(x, (0, 0, 0, pad)).reshape(tiles, TILE, nb, BLOCK // fmt.group).permute(0, 2, 3, 1)
 
-    return packed, groups(values.s), None if values.m is None else groups(values.m)
+    def half(x: torch.Tensor) -> torch.Tensor:
+        if not ((x.half().float() == x) | x.isnan()).all():
+            raise ValueError("scales declared fp16 are not fp16 values")
+        return x.half().contiguous()
+
+    if fmt.half_scales:
+        return packed, half(groups(values.s)), None if values.m is None else half(groups(values.m))
+    if values.factors is None:
+        raise ValueError(f"{fmt} scales are products: pack needs their factors (gguf_blocks.unpack gives them)")
+    s_super, s_int, m_super, m_int = values.factors
+
+    def super_blocks(factor: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:  # -> uint8 [tiles, ns, bytes]
+        ns = nb * BLOCK // SUPER_BLOCK
+        f = half(F.pad(factor, (0, 0, 0, pad)).reshape(tiles, TILE, ns).permute(0, 2, 1))  # [t, ns, 16]
+        i = groups(ints).reshape(tiles, ns, -1)  # int8 [t, ns, 8·gpb·16]
+        return torch.cat([f.view(torch.uint8), i.contiguous().view(torch.uint8)], dim=-1).contiguous()
+
+    return packed, super_blocks(s_super, s_int), None if m_super is None else super_blocks(m_super, m_int)
 
 
 def unpack_tiles(fmt: BlockFormat, packed: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`pack`'s inverse: u uint8 [tiles·16, in], s (and m) fp32 [tiles·16, in / G] (exact)."""
+    """`pack`'s inverse: u uint8 [tiles·16, in], s (and m) fp32 [tiles·16, in / G] (exact: a K
+    type's factors multiplied back in fp32)."""
     tiles, nb, _ = packed.shape
     if fmt.bits == 8:
         p = packed.reshape(tiles, nb, 8, TILE, 4)
@@ -180,6 +213,11 @@ def unpack_tiles(fmt: BlockFormat, packed: torch.Tensor, scales: torch.Tensor,
     u = p.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, nb * BLOCK)
 
     def flat(x: torch.Tensor) -> torch.Tensor:
+        if not fmt.half_scales:  # uint8 [t, ns, bytes] -> d · sc as fp32 [t, nb, gpb, 16]
+            ns, gpb = x.shape[1], BLOCK // fmt.group
+            factor = x[..., :2 * TILE].contiguous().view(torch.float16).float()  # [t, ns, 16]
+            ints = x[..., 2 * TILE:].contiguous().view(torch.int8).float().reshape(tiles, ns, 8, gpb, TILE)
+            x = (factor[:, :, None, None, :] * ints).reshape(tiles, nb, gpb, TILE)
         return x.permute(0, 3, 1, 2).reshape(tiles * TILE, -1).float()
 
     return u, flat(scales), None if mins is None else flat(mins)

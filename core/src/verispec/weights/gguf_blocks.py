@@ -25,6 +25,11 @@ i + 16 (high nibble), bit i of Q5's 32-bit field is weight i's fifth bit; in Q4_
 byte i is sub-block j's weight i; Q4_K's 12 scale bytes pack eight 6-bit (sc, m) pairs (j < 4:
 low 6 bits of bytes j and j + 4; j >= 4: the nibbles of byte j + 4, top bits from the top bits
 of bytes j - 4 and j). Products d·sc are exact in fp32 (11 + 6 or 8 significant bits).
+
+The K types' s and m are such products: `unpack` also returns their factors (`BlockValues.factors`:
+the super-block's fp16 d or -dmin per 256 columns, and the integer sc or m per group), which the
+block kernel stores instead of the fp32 products (a byte a group, not four) and multiplies back,
+exactly, as it reads them.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ import attrs
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-__all__ = ["BLOCK_FORMATS", "BlockFormat", "BlockValues", "GGUFBlocks", "unpack"]
+__all__ = ["BLOCK_FORMATS", "SUPER_BLOCK", "BlockFormat", "BlockValues", "GGUFBlocks", "unpack"]
 
 T = GGMLQuantizationType
 
@@ -41,14 +46,19 @@ T = GGMLQuantizationType
 class BlockFormat:
     """How a type's values reach the block kernel (weights.block_linear): G columns per scale, the
     zero point z, whether it has mins, the bits of u (4, 5, 6 or 8: the packed size), and
-    whether its scales and mins are the file's fp16 fields (kept as fp16, exact) or products
-    that need fp32."""
+    whether its scales and mins are the file's fp16 fields (half_scales: kept as fp16, exact) or
+    products d·sc of a super-block's fp16 factor and a small integer per group (the K types:
+    kept as those factors, see `SUPER_BLOCK`)."""
 
     group: int
     zero: int
     has_mins: bool
     bits: int
     half_scales: bool
+
+
+#: columns per K-type super-block: one fp16 factor (d, dmin) per row and SUPER_BLOCK columns.
+SUPER_BLOCK = 256
 
 
 #: the ggml types the block kernel takes as stored.
@@ -79,12 +89,18 @@ class GGUFBlocks:
 @attrs.frozen(eq=False)
 class BlockValues:
     """A tensor's values in the block kernel's terms: u uint8 [rows, cols], s fp32 [rows,
-    cols / G], m fp32 like s or None (no mins); w = (u - z) · s or u · s + m."""
+    cols / G], m fp32 like s or None (no mins); w = (u - z) · s or u · s + m.
+
+    factors (K types, else None): (s_super, s_int, m_super, m_int) with s = s_super[:, g // (256 / G)]
+    · s_int[:, g] exactly: *_super fp32 [rows, cols / 256] (fp16 values: d, -dmin), *_int int8
+    [rows, cols / G] (sc, m); m_super and m_int None without mins.
+    """
 
     format: BlockFormat
     u: torch.Tensor
     s: torch.Tensor
     m: torch.Tensor | None
+    factors: tuple | None = None
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [rows, cols]: gguf-py's dequantisation of the blocks, bitwise."""
@@ -129,7 +145,7 @@ def unpack(blocks: GGUFBlocks) -> BlockValues:
                          f"{', '.join(t.name for t in BLOCK_FORMATS)}")
     block_size, type_size = GGML_QUANT_SIZES[kind]
     b = blocks.data.reshape(blocks.rows, blocks.cols // block_size, type_size)  # [rows, nb, type_size]
-    m = None
+    m = factors = None
     if kind == T.Q4_0:
         s, u = _f16(b[..., 0:2]), _nibbles(b[..., 2:], 16)
     elif kind == T.Q4_1:
@@ -142,8 +158,10 @@ def unpack(blocks: GGUFBlocks) -> BlockValues:
         u = _nibbles(low, 16) | (_bits(high, range(8), 1).unflatten(-1, (8, 4)).transpose(-1, -2).flatten(-2) << 4)
     elif kind in (T.Q4_K, T.Q5_K):
         sc, mins = _k_scales(b[..., 4:16])  # [rows, nb, 8]
-        s = _f16(b[..., 0:2])[..., None] * sc
-        m = -(_f16(b[..., 2:4])[..., None] * mins)
+        d, neg_dmin = _f16(b[..., 0:2]), -_f16(b[..., 2:4])
+        s = d[..., None] * sc
+        m = neg_dmin[..., None] * mins  # = -(dmin · m) bitwise: negation is exact
+        factors = (d, sc, neg_dmin, mins)
         if kind == T.Q4_K:
             u = _nibbles(b[..., 16:], 32)  # 32-byte chunk c: sub-block 2c, then 2c + 1
         else:
@@ -153,10 +171,16 @@ def unpack(blocks: GGUFBlocks) -> BlockValues:
         low = torch.cat([_nibbles(half, 64) for half in b[..., :128].split(64, dim=-1)], dim=-1)
         high = torch.cat([_bits(half, range(0, 8, 2), 3) for half in b[..., 128:192].split(32, dim=-1)], dim=-1)
         u = low | (high << 4)
-        s = _f16(b[..., 208:210])[..., None] * b[..., 192:208].contiguous().view(torch.int8).float()  # [rows, nb, 16]
+        d, sc = _f16(b[..., 208:210]), b[..., 192:208].contiguous().view(torch.int8).float()
+        s = d[..., None] * sc  # [rows, nb, 16]
+        factors = (d, sc, None, None)
     else:  # Q8_0
         s = _f16(b[..., 0:2])
         u = (b[..., 2:].contiguous().view(torch.int8).int() + 128).to(torch.uint8)
     rows = blocks.rows
+    if factors is not None:
+        factors = tuple(None if f is None else f.reshape(rows, -1) if i % 2 else f for i, f in enumerate(factors))
+        factors = (factors[0], factors[1].to(torch.int8), factors[2],
+                   None if factors[3] is None else factors[3].to(torch.int8))
     return BlockValues(BLOCK_FORMATS[kind], u.reshape(rows, blocks.cols).to(torch.uint8), s.reshape(rows, -1),
-                       None if m is None else m.reshape(rows, -1))
+                       None if m is None else m.reshape(rows, -1), factors)
