@@ -9,7 +9,7 @@ a C compiler), so a row's output depends on the row and the weights alone: batch
 for any row count.
 
 One class per ggml type (`block_linear_class`): its buffers' shapes depend on the type's
-format (4, 5, 6 or 8 bits a weight, groups of 16 or 32, fp16 or fp32 scales, mins or not).
+format (4, 5, 6 or 8 bits a weight, groups of 16 or 32, fp16 scales or a K type's int8 × fp16 factors, mins or not).
 Layers whose linears are all BlockLinears can also run whole in C (nn.layers).
 """
 from __future__ import annotations
