@@ -14,11 +14,13 @@ installed in the venv. On a terminal the configure and build steps show a progre
 output goes to `build.log` beside the build, its tail printed if a step fails); elsewhere their
 output passes through as it comes.
 
-Per model, one row: llama-bench tg128 (its default configuration: weight repacking on) and
-pp512 with and without repacking (`--repack 0`: on a Xeon with AMX the repacked path died with
-SIGILL in prefill); ours measured the same way in this process: 128 greedy tokens
-after a one-token prompt (decode tok/s excludes the first, as tg128 does), and the prefill of a
-512-token prompt of random ids (prompt tokens / time to the first token); then the ratios.
+Per round and model, one row: llama-bench tg128 (its default configuration: weight repacking on)
+and pp512 with and without repacking (`--repack 0`: on a Xeon with AMX the repacked path died with
+SIGILL in prefill); ours measured the same way in this process: 128 greedy tokens after a
+one-token prompt (decode tok/s excludes the first, as tg128 does), and the prefill of a 512-token
+prompt of random ids (prompt tokens / time to the first token); then the ratios (prefill against
+llama.cpp's better pp512). Rounds interleave the systems (--rounds, default 3); the summary gives
+medians.
 Run it on a quiet machine: two threads beside other work measure the contention, not the code.
 """
 from __future__ import annotations
@@ -148,15 +150,21 @@ def _generate(engine, ids: list[int], max_tokens: int):
     return generation.result
 
 
-def ours(model: str, threads: int, dtype: str | None) -> dict[str, float]:
-    """verispec's plain decode (tg128-like) and prefill (pp512-like) tok/s on `model`, best of two."""
-    import torch
-
+def load_ours(model: str, threads: int, dtype: str | None):
+    """verispec's plain engine on `model`, warmed up."""
     import verispec
 
     engine = verispec.load(model, dtype=dtype, threads=threads, enabled=False)
     bos = engine.encode("")[:1] or [1]
-    _generate(engine, bos + [100] * 8, 8)  # warm-up
+    _generate(engine, bos + [100] * 8, 8)
+    return engine
+
+
+def ours(engine) -> dict[str, float]:
+    """verispec's plain decode (tg128-like) and prefill (pp512-like) tok/s, best of two."""
+    import torch
+
+    bos = engine.encode("")[:1] or [1]
     decode = max(_generate(engine, bos, 128).decode_tokens_per_s for _ in range(2))
     ids = torch.randint(100, engine.trunk.vocab_size - 100, (512,), generator=torch.Generator().manual_seed(0))
     prefill = max(_generate(engine, ids.tolist(), 1).prefill_tokens_per_s for _ in range(2))
@@ -164,12 +172,16 @@ def ours(model: str, threads: int, dtype: str | None) -> dict[str, float]:
 
 
 def main() -> None:
+    import statistics
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", action="store_true", help="download and build llama-bench (once)")
     parser.add_argument("--models", nargs="+",
-                        default=["gemma3-270m", "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
+                        default=["gemma3-270m", "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct",
+                                 "qwen2.5-coder-1.5b-instruct"])
     parser.add_argument("--dtype", default=None, help="our weight dtype (default: the model's choice)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the summary gives medians")
     args = parser.parse_args()
     if args.build:
         print(build(jobs=os.cpu_count() or 2))
@@ -179,16 +191,31 @@ def main() -> None:
     from verispec.registry import Registry
 
     registry = Registry.discover()
+    engines = {}
     for model in args.models:
         try:
             path = resolve_model_path(model, registry)
         except VerispecError as error:  # a checkpoint package not installed: say so, go on
             print(json.dumps({"model": model, "skipped": str(error)}))
             continue
-        row = {"model": model, **ours(path, args.threads, args.dtype), **llama_bench(path, args.threads)}
-        row["decode_ratio"] = row["verispec_tg128"] / row["llama_cpp_tg128"]
-        row["prefill_ratio_vs_repack0"] = row["verispec_pp512"] / row["llama_cpp_pp512_repack0"]
-        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        engines[model] = (path, load_ours(path, args.threads, args.dtype))
+    rows: dict[str, list[dict]] = {}
+    for round_ in range(args.rounds):
+        for model, (path, engine) in engines.items():
+            row = {**ours(engine), **llama_bench(path, args.threads, repetitions=1)}
+            row["decode_ratio"] = row["verispec_tg128"] / row["llama_cpp_tg128"]
+            row["prefill_ratio"] = row["verispec_pp512"] / max(row["llama_cpp_pp512_repack0"],
+                                                               row["llama_cpp_pp512_repack1"])
+            rows.setdefault(model, []).append(row)
+            print(json.dumps({"round": round_, "model": model,
+                              **{k: round(v, 2) for k, v in row.items()}}), flush=True)
+    print("\nmedians over rounds: model | ours tg128 | llama.cpp tg128 | decode ratio | ours pp512 | "
+          "llama.cpp best pp512 | prefill ratio (ratios: medians of the per-round ratios)")
+    for model, runs in rows.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        best_pp = statistics.median(max(r["llama_cpp_pp512_repack0"], r["llama_cpp_pp512_repack1"]) for r in runs)
+        print(f"{model} | {med['verispec_tg128']:.2f} | {med['llama_cpp_tg128']:.2f} | {med['decode_ratio']:.2f} | "
+              f"{med['verispec_pp512']:.1f} | {best_pp:.1f} | {med['prefill_ratio']:.2f}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ def _one_thread(one_thread):
 @pytest.fixture(scope="session")
 def target(tmp_path_factory):
     """(transformers llama target, its GGUF path, our fp32 trunk of it): tiny_dflash.TARGET, built once."""
+    pytest.importorskip("verispec_llama", reason="the tiny target trunk's family: pip install -e models/llama")
     from tiny_dflash import build_target
     from tiny_llama import write_fixture
     from verispec_llama.loader import load

@@ -31,7 +31,16 @@ PROMPTS = ([5, 17, 33, 2, 90, 41, 41, 8], [60, 61, 62, 7], [12] * 11 + [99, 3])
 COPY_TOKEN = 77
 
 
+FAMILY_PACKAGES = {"llama": ("verispec_llama", "models/llama"), "gemma3": ("verispec_gemma4", "models/gemma4")}
+
+
+def _needs_family(family):
+    module, path = FAMILY_PACKAGES[family]
+    pytest.importorskip(module, reason=f"the {family} test trunk's family: pip install -e {path}")
+
+
 def _hf_target(family, *, copy=False):
+    _needs_family(family)
     if family == "llama":
         model = build_target()
     else:
@@ -196,6 +205,7 @@ def test_taps_through_fused_decoder_layers(tmp_path):
     """A llama trunk with block-quantised linears in the `gguf` weight mode runs each decoder layer as
     one C call (verispec.nn.layers): its taps equal the op-by-op layers' bitwise, and a random
     drafter's streams stay plain greedy."""
+    _needs_family("llama")
     from tiny_llama import hf_to_gguf
     from verispec.kernels import ckernels
     from verispec.testing.fixture_writer import write_gguf
