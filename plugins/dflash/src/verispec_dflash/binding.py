@@ -22,7 +22,7 @@ from verispec.seams import UnsupportedTap, declared
 
 from verispec_dflash.config import DFlashConfig
 
-FIX = "pass the DFlash drafter converted for this model (--draft-model, converted with --target-model-dir it)"
+FIX = "pass a DFlash drafter made for this model as --draft-model (llama.cpp's converter takes the target with --target-model-dir)"
 
 
 def tokens_digest(pieces: Sequence[str]) -> str:

@@ -57,7 +57,9 @@ def load(path: str | os.PathLike, trunk, *, use_conv: bool = True, use_selector:
     tokens = gguf.get("tokenizer.ggml.tokens")
     problem = binding_problem(config, tokens, trunk)
     if problem is not None:
-        raise DrafterMismatch(f"--draft-model {path}: {problem}")
+        made_for = gguf.metadata.get("general.name")
+        raise DrafterMismatch(f"--draft-model {path}{f' ({made_for})' if made_for else ''} does not fit this "
+                              f"model: {problem}")
     tensors = {name: gguf.tensor(name) for name in config.expected_shapes()}
     linears = block_linears(gguf, tensors) if block_kernel else {}
     drafter = DFlashDrafter(config, tensors, linears=linears, use_conv=use_conv, use_selector=use_selector)
