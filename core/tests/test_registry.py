@@ -178,8 +178,11 @@ def test_group_without_members_and_unknown_name():
     with pytest.raises(SpeculationUnavailable, match="no installed speculator drafts with a draft head"):
         choose_speculator(registry, "block", Trunk(), draft_head=Head(DraftHeadKind.BLOCK), max_draft_tokens=8)
     unknown = r"no speculator named 'ngram' is installed \(installed: free\)"
-    with pytest.raises(SpeculationUnavailable, match=unknown):
+    with pytest.raises(SpeculationUnavailable, match=unknown) as info:
         choose_speculator(registry, "ngram", Trunk(), max_draft_tokens=8)
+    assert f"pip install -e {checkout_root()}/plugins/ngram " in str(info.value)  # the plugin that ships it
+    with pytest.raises(SpeculationUnavailable, match="pip install the distribution that provides it"):
+        choose_speculator(registry, "no-such-algorithm", Trunk(), max_draft_tokens=8)
 
 
 def test_refusal_makes_every_speculator_decline(registry):

@@ -91,8 +91,19 @@ def _candidates(registry: Registry, spec_type: str) -> list[Entry]:
     if spec_type in registry.speculators:
         return [registry.speculators[spec_type]]
     raise SpeculationUnavailable(spec_type, {spec_type: (
-        f"no speculator named {spec_type!r} is installed (installed: {installed}); "
-        "pip install the distribution that provides it")})
+        f"no speculator named {spec_type!r} is installed (installed: {installed}); {_install_advice(spec_type)}")})
+
+
+def _install_advice(name: str) -> str:
+    """How to get speculator `name`: this repository's plugin that ships it, when one matches by
+    folder name (`draft-model` -> plugins/draft_model, `mtp` -> plugins/mtp_nextn), else the generic line."""
+    from verispec.install_hints import install_hint, repository_distributions
+
+    folder = name.replace("-", "_")
+    matches = [p for p in repository_distributions("plugins")
+               if p.split("/")[-1] == folder or p.split("/")[-1].startswith(folder + "_")]
+    return f"install it: {install_hint(matches[0])}" if len(matches) == 1 else \
+        "pip install the distribution that provides it"
 
 
 def _precheck(spec: SpeculatorSpec, spec_type: str, trunk: Any, draft_head: Any) -> str | None:
