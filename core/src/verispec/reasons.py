@@ -51,7 +51,8 @@ def request_reason(stats, fault: str | None, speculator: str, governor) -> Specu
         return SpeculationReason("faulted", f"{fault}; switched off, decoded plainly")
     steps = stats.num_spec_steps + stats.num_no_draft_steps
     drafted = (f"speculator {speculator!r} drafted {stats.num_draft_tokens} tokens over {_count(steps, 'step')} "
-               f"and {stats.num_accepted_tokens} were accepted ({100 * stats.acceptance_rate:.0f}%)")
+               f"and {stats.num_accepted_tokens} {'was' if stats.num_accepted_tokens == 1 else 'were'} accepted "
+               f"({100 * stats.acceptance_rate:.0f}%)")
     parked = stats.plain_steps.get("parked", 0)
     if steps and steps >= parked:
         others = ", ".join(f"{n} {cause}" for cause, n in stats.plain_steps.items() if n)
