@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from verispec.reasons import REASON_CODES
-from verispec.testing.terminal import stderr_on_a_terminal
+from verispec.testing.terminal import default_sigint, stderr_on_a_terminal
 from verispec.testing.toy import write_toy_gguf
 
 
@@ -212,7 +212,8 @@ def test_ctrl_c_prints_one_line_and_exits_130(env):
     code = ("import sys, time; from verispec import cli\n"
             "def slow(args):\n    print('ready', flush=True)\n    time.sleep(60)\n"
             "cli.COMMANDS['plugins'] = slow\nsys.exit(cli.main(['plugins']))")
-    process = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, "-c", code], env=env, preexec_fn=default_sigint,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
     assert process.stdout.readline() == "ready\n"
     process.send_signal(signal.SIGINT)

@@ -20,6 +20,7 @@ from verispec.registry import Registry
 from verispec.sampling import SamplingParams
 from verispec.server import create_app
 from verispec.testing import toy_plugin
+from verispec.testing.terminal import default_sigint
 from verispec.testing.toy import CHAT_TEMPLATE, write_toy_gguf
 
 PROMPT = "the cat sat on the mat. the cat"
@@ -809,7 +810,8 @@ def test_verispec_serve_stops_at_once_mid_stream(tmp_path, model_path, signals):
     port = _free_port()
     process = subprocess.Popen(_slow_toy_serve(port, 0.1) + ["serve", "--model", str(model_path), "--port", str(port),
                                                              "--no-spec"],
-                               env=_toy_site(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               env=_toy_site(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=default_sigint)
     try:
         _wait_until_serving(process, port)
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=30,

@@ -1,5 +1,5 @@
-"""Run a command with its stderr on a pseudo-terminal: what a progress bar (tqdm, drawn only
-on a terminal) shows a person."""
+"""What a person at a terminal does to a command: its stderr on a pseudo-terminal (what a
+progress bar, drawn only on a terminal, shows them), and Ctrl-C reaching it."""
 from __future__ import annotations
 
 import os
@@ -29,3 +29,12 @@ def stderr_on_a_terminal(argv: list[str], *, env: dict | None = None, timeout: f
         chunks.append(chunk)
     os.close(leader)
     return process.wait(timeout=timeout), b"".join(chunks).decode(errors="replace")
+
+
+def default_sigint() -> None:
+    """`preexec_fn` for a child a test will interrupt: SIGINT back to its default action. A shell
+    starts background jobs with SIGINT ignored and children inherit that; Python then installs no
+    KeyboardInterrupt handler, and the child would never see the test's Ctrl-C."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
