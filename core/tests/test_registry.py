@@ -121,6 +121,11 @@ def test_auto_picks_highest_priority_that_serves_and_explains_declines(registry)
     assert "refuser cannot serve this trunk" in choice.reason
 
 
+def test_a_factory_declining_names_the_drafter_kind_loaded(registry):
+    choice = choose_speculator(registry, "auto", Trunk(), draft_head=Head(DraftHeadKind.MODEL), max_draft_tokens=8)
+    assert choice.declines["refuser"] == "refuser cannot serve this trunk with the model drafter loaded (--draft-model)"
+
+
 def test_factory_gets_its_spec_window_gate_and_head(registry):
     head = Head(DraftHeadKind.PER_TOKEN)
     choice = choose_speculator(registry, "auto", Trunk(), draft_head=head, max_draft_tokens=5,

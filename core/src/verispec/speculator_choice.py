@@ -141,7 +141,9 @@ def _build(spec: SpeculatorSpec, trunk, draft_head, max_draft_tokens, min_draft_
                        exc_info=os.environ.get("VERISPEC_DEBUG") == "1")  # the traceback on request
         return None, f"{spec.name} failed to build: {_text(exc)}"
     if speculator is None:
-        return None, f"{spec.name} cannot serve this trunk"
+        kind = getattr(getattr(draft_head, "draft_head_kind", None), "value", None)
+        drafter = f" with the {kind} drafter loaded (--draft-model)" if kind else ""
+        return None, f"{spec.name} cannot serve this trunk{drafter}"
     taps = getattr(speculator, "tap_layers", None)
     if spec.needs_hidden_state and taps is not None:
         try:
