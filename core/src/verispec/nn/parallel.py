@@ -10,10 +10,11 @@ A rank of W holds a slice of every layer and runs the reference forward on it:
   another rank owns embeds to zeros here and the sum over ranks is its row (one non-zero addend:
   exact), and the LM head's [r, V_rank] pieces are gathered into [r, V] (`gather_vocab`).
 
-So a family adds TP per layer kind with sizes from `Shards.size` / `Shards.heads` and an
-`all_reduce` after each row-parallel linear; it never rewrites the layer. Which rows and columns
-of a stored tensor a rank reads: `verispec.gguf_shard`. The process model (who calls the
-trunk): `verispec.tensor_parallel`.
+So a family adds TP per layer kind with sizes from `shard_config` (or `Shards.size` /
+`Shards.heads`) and `reduce_partial` after each row-parallel linear; it never rewrites the layer.
+`TrunkModule` (verispec.nn.trunk) does the vocabulary-parallel embedding rows and LM head (the
+final softcap after the gather). Which rows and columns of a stored tensor a rank reads:
+`verispec.gguf_shard`. The process model (who calls the trunk): `verispec.tensor_parallel`.
 
 Exactness: the row-parallel sum is over W partial dot products, where one process sums all
 columns in its kernel's order, so logits differ from world size 1 by rounding (bounded in the
@@ -29,7 +30,7 @@ import torch
 
 from verispec.errors import VerispecError
 
-__all__ = ["HeadsNotDivisible", "Shards", "embed_vocab_rows", "gather_vocab"]
+__all__ = ["HeadsNotDivisible", "Shards", "embed_vocab_rows", "gather_vocab", "reduce_partial", "shard_config"]
 
 
 class HeadsNotDivisible(VerispecError, ValueError):
@@ -121,3 +122,20 @@ def embed_vocab_rows(embed, tokens: torch.Tensor, vocab_size: int, shards: Shard
 def gather_vocab(logits: torch.Tensor, vocab_size: int, shards: Shards) -> torch.Tensor:
     """fp32 [r, V] from this rank's [r, V_rank] LM-head columns (one all-gather)."""
     return shards.all_gather_last(logits, vocab_size)
+
+
+def reduce_partial(shards: Shards | None, partial: torch.Tensor) -> torch.Tensor:
+    """A row-parallel linear's fp32 [n, D] partial sum, summed over the ranks (returned as is
+    when shards is None: one process)."""
+    return partial if shards is None else shards.all_reduce(partial)
+
+
+def shard_config(config, shards: Shards):
+    """The sizes of one rank's modules: an attrs config with num_attention_heads,
+    num_key_value_heads, intermediate_size and vocab_size (the dense families' names) evolved to
+    H/W and Hkv/W heads and this rank's run of FFN features and vocabulary rows (Shards.range).
+    Raises HeadsNotDivisible naming both head counts."""
+    heads = shards.heads(attention=config.num_attention_heads, KV=config.num_key_value_heads)
+    return attrs.evolve(config, num_attention_heads=heads["attention"], num_key_value_heads=heads["KV"],
+                        intermediate_size=shards.size(config.intermediate_size),
+                        vocab_size=shards.size(config.vocab_size))

@@ -29,6 +29,7 @@ from torch import nn
 
 from verispec.errors import VerispecError
 from verispec.weights.quant import canonical_dtype, module_batch_invariant, rows_per_forward, swap_linears
+from verispec.nn.parallel import embed_vocab_rows, gather_vocab
 from verispec.nn.state import SequenceState
 from verispec.seams import ContextOverflow, Segment, SegmentOutput, UnsupportedTap
 
@@ -299,6 +300,10 @@ class TrunkModule(SequenceTrunk, nn.Module):
     tokenizer = None
     #: cap·tanh(x/cap) on the logits (Gemma); None = off.
     final_logit_softcap: float | None = None
+    #: this rank of a tensor-parallel group (nn.parallel.Shards); None: the whole model. A family
+    #: that sets it builds its modules with the rank's sizes (nn.parallel.shard_config) and keeps
+    #: `vocab_size` the whole model's.
+    shards = None
     speculation_refusal = None
     speculation_profitable = True
 
@@ -334,10 +339,21 @@ class TrunkModule(SequenceTrunk, nn.Module):
                                                                     device=device)
         swap_linears(self, self.dtype)
 
+    def _embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Unscaled embedding rows fp32 [n, D] of int64 tokens [n]; under `shards` the rank's
+        vocabulary rows, all-reduced (nn.parallel.embed_vocab_rows: exact), so a collective."""
+        if self.shards is not None:
+            return embed_vocab_rows(self.model.embed_tokens, tokens, self.vocab_size, self.shards)
+        return self.model.embed_tokens.rows(tokens)
+
     def _lm_head(self, normed: torch.Tensor) -> torch.Tensor:
-        """fp32 [r, V]: tied to `model.embed_tokens` unless `self.lm_head`, then the softcap."""
+        """fp32 [r, V] from normed fp32 [r, D]: tied to `model.embed_tokens` unless `self.lm_head`,
+        then the softcap. Under `shards` each rank's [r, V_rank] columns are gathered into [r, V]
+        first (nn.parallel.gather_vocab), so the softcap runs on the whole row, as in one process."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         logits = head(normed)
+        if self.shards is not None:
+            logits = gather_vocab(logits, self.vocab_size, self.shards)
         if self.final_logit_softcap:
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return logits

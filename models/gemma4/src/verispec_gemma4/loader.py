@@ -13,21 +13,29 @@
    Dequantising Q4_K/Q5_0 and requantising takes seconds, so the converted state goes
    through `verispec.weight_cache` and the next load memory-maps it (the 270M: ~0.3 s).
 4. The tokenizer from the file's own metadata (verispec.tokenizer).
+
+With `shards` (one rank of a tensor-parallel group; gemma3 only) the same table is read through
+`verispec.gguf_shard`: `splits(config)` says which tensors are cut and along which axis (whole
+heads of q/k/v and o's columns, FFN features of gate/up and down's columns, vocabulary rows of the
+embedding and output); the norms, q/k norms included, every rank reads whole.
 """
 from __future__ import annotations
 
 import os
 
 import attrs
-from verispec.gguf_io import GGUFFile
+from verispec.errors import UnsupportedVariant
+from verispec.gguf_io import GGUFFile, read_architecture
 from verispec.gguf_load import Arch, load_trunk
+from verispec.gguf_shard import Split
 from verispec.gguf_table import Stack, Tensor
 from verispec.nn.kv_cache import MAX_VERIFY_ROWS
 
 from verispec_gemma4.modeling_gemma3 import Gemma3Config, Gemma3ForCausalLM
 from verispec_gemma4.modeling_gemma4 import Gemma4Config, Gemma4ForCausalLM
 
-__all__ = ["ARCHS", "DEFAULT_DTYPE", "GEMMA3_TENSORS", "GEMMA4_TENSORS", "ROPE_FREQS", "config_from_gguf", "load"]
+__all__ = ["ARCHS", "DEFAULT_DTYPE", "GEMMA3_TENSORS", "GEMMA4_TENSORS", "ROPE_FREQS", "config_from_gguf", "load",
+           "splits"]
 
 #: weight dtype when the caller does not choose one. "gguf": the file's own blocks (Q4_K, Q5_0,
 #: Q6_K, Q8_0 in the 270M) in the block kernel, nothing requantised, each Gemma 3 layer one C
@@ -90,6 +98,20 @@ GEMMA4_TENSORS = GEMMA3_TENSORS + (
 #: proportional RoPE's per-pair divisors: read into the config, not the state dict.
 ROPE_FREQS = "rope_freqs.weight"
 
+def splits(config: Gemma3Config) -> list[Split]:
+    """The gemma3 tensors a tensor-parallel rank reads a slice of (torch order: axis 0 rows, -1
+    columns); the rest (every norm) each rank reads whole."""
+    c, dh = config, config.head_dim
+    h, hkv = c.num_attention_heads, c.num_key_value_heads
+    return [
+        Split("blk.{i}.attn_q.weight", 0, h, dh), Split("blk.{i}.attn_k.weight", 0, hkv, dh),
+        Split("blk.{i}.attn_v.weight", 0, hkv, dh), Split("blk.{i}.attn_output.weight", -1, h, dh),
+        Split("blk.{i}.ffn_gate.weight", 0, c.intermediate_size), Split("blk.{i}.ffn_up.weight", 0, c.intermediate_size),
+        Split("blk.{i}.ffn_down.weight", -1, c.intermediate_size),
+        Split("token_embd.weight", 0, c.vocab_size), Split("output.weight", 0, c.vocab_size),
+    ]
+
+
 ARCHS = {
     "gemma3": Arch(lambda gguf: config_from_gguf(gguf), Gemma3ForCausalLM, GEMMA3_TENSORS, layout="gemma",
                    family="gemma3", default_dtype=DEFAULT_DTYPE),
@@ -101,7 +123,7 @@ ARCHS = {
 def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: int | None = None,
          max_rows_per_forward: int | None = None, max_verify_rows: int = MAX_VERIFY_ROWS,
          use_cache: bool = True, tokenizer: bool = True,
-         progress: bool | None = None) -> Gemma3ForCausalLM | Gemma4ForCausalLM:
+         progress: bool | None = None, shards=None) -> Gemma3ForCausalLM | Gemma4ForCausalLM:
     """Load a gemma3 or gemma4 GGUF as a `Gemma3ForCausalLM` / `Gemma4ForCausalLM` trunk
     (verispec.gguf_load.load_trunk).
 
@@ -112,13 +134,19 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     max_rows_per_forward, max_verify_rows: chunk length and ring slack (see Gemma3ForCausalLM).
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
+    shards: one rank of a tensor-parallel group (verispec.nn.parallel.Shards): the rank's slices
+      only (gguf_load.load_trunk's shards); gemma3 only (a gemma4 file raises
+      errors.UnsupportedVariant); raises nn.parallel.HeadsNotDivisible.
     Threads are the caller's (`verispec.api.load_registered_trunk` sets them).
     Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.UnsupportedArchitecture,
     errors.DamagedFile, errors.UnusedTensors (a file holding tensors the math would not use, listed),
     weights.quant.UnknownWeightDtype.
     """
+    if shards is not None and (arch := read_architecture(path)) != "gemma3":
+        raise UnsupportedVariant(os.fspath(path), f"tensor parallelism (--tp {shards.world_size}) of a {arch} file",
+                                 "only gemma3 trunks have a tensor-parallel form yet; leave --tp out")
     return load_trunk(path, ARCHS, dtype=dtype, use_cache=use_cache, tokenizer=tokenizer, progress=progress,
-                      context_length=context_length, max_rows_per_forward=max_rows_per_forward,
+                      shards=shards, splits=splits, context_length=context_length, max_rows_per_forward=max_rows_per_forward,
                       max_verify_rows=max_verify_rows)
 
 

@@ -13,6 +13,18 @@ Attention: QK-norm, RoPE (local base 1e4 on sliding layers, global base + option
 scaling on full layers), scale query_pre_attn_scalar^-0.5, sliding window 0 <= q-k < W on
 5 of every 6 layers. MLP: GeGLU (gelu-tanh). Tied embeddings scaled by sqrt(D); optional
 final logit softcap. Norm weights are used as stored: gemma3 GGUFs hold 1 + w already.
+
+Tensor parallelism (`shards`, verispec.nn.parallel), as the llama family: each rank builds the
+modules with its sizes (nn.parallel.shard_config: H/W query and Hkv/W KV heads, with their
+caches, sliding and full layers alike; its run of F and of V). q/k/v and gate|up are
+column-parallel; o_proj and down_proj are row-parallel, their partial sums all-reduced
+(nn.parallel.reduce_partial) before post_attention_layernorm / post_feedforward_layernorm, which
+need the whole row. The q/k norms are per head (every rank holds the whole [Dh] weight), and so
+are the attention softcap and the sliding window. The tied embedding / LM head is
+vocabulary-parallel (nn.trunk.TrunkModule): the √D scale multiplies the all-reduced row, and the
+final logit softcap runs after the vocabulary gather (one process's op on the whole [r, V] row,
+not per shard: an elementwise tanh over a different width need not round the same way under
+vectorisation). Such a layer runs op by op (the fused C layer has no collective).
 """
 from __future__ import annotations
 
@@ -31,6 +43,7 @@ from verispec.nn.layers import DecoderLayerKernel, fused_kernel
 from verispec.nn.kv_cache import MAX_VERIFY_ROWS, PagedKVCache, RingKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
+from verispec.nn.parallel import Shards, reduce_partial, shard_config
 from verispec.nn.rope import RotaryEmbedding, linear_scaling
 from verispec.nn.trunk import Rows, TrunkModule
 
@@ -133,9 +146,13 @@ def sliding_layer_types(pattern, num_layers: int, *, source: str = "the GGUF") -
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, config: Gemma3Config, layer_idx: int, device=None):
+    """QK-normed GQA self-attention of one layer. x: fp32 [n, D] -> fp32 [n, D] (under `shards`
+    the sum over ranks of the row-parallel o_proj; config is then the rank's, shard_config)."""
+
+    def __init__(self, config: Gemma3Config, layer_idx: int, device=None, shards: Shards | None = None):
         super().__init__()
         c = config
+        self.shards = shards
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.is_sliding = c.layer_types[layer_idx] == SLIDING
         self.sliding_window = c.sliding_window if self.is_sliding else None
@@ -158,7 +175,7 @@ class Gemma3Attention(nn.Module):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = attend_rows(q, k, v, rows, layer_idx, scaling=self.scaling, sliding_window=self.sliding_window,
                           softcap=self.softcap)  # [n, H, Dh]
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))  # [n, D]
+        return reduce_partial(self.shards, self.o_proj(out.reshape(n, self.num_heads * self.head_dim)))  # [n, D]
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -166,11 +183,12 @@ class Gemma3DecoderLayer(nn.Module):
     #: are built; same bits as the op-by-op forward below (the tests switch it off to compare)
     fused = True
 
-    def __init__(self, config: Gemma3Config, layer_idx: int, device=None):
+    def __init__(self, config: Gemma3Config, layer_idx: int, device=None, shards: Shards | None = None):
         super().__init__()
         c = config
+        self.shards = shards
         self.is_sliding = c.layer_types[layer_idx] == SLIDING
-        self.self_attn = Gemma3Attention(c, layer_idx, device)
+        self.self_attn = Gemma3Attention(c, layer_idx, device, shards)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, "gelu_tanh", kernel_activation=True, device=device)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -180,9 +198,9 @@ class Gemma3DecoderLayer(nn.Module):
 
     def _fused_kernel(self, rope: RotaryEmbedding) -> DecoderLayerKernel | None:
         """The layer's nn.layers kernel (nn.layers.fused_kernel); None when it runs op by op (also
-        with an attention softcap, which the kernel does not take)."""
+        with an attention softcap, which the kernel does not take, and under shards)."""
         a, mlp = self.self_attn, self.mlp
-        if not self.fused or a.softcap is not None:
+        if not self.fused or a.softcap is not None or self.shards is not None:
             return None
 
         def make() -> DecoderLayerKernel:
@@ -199,21 +217,23 @@ class Gemma3DecoderLayer(nn.Module):
         return fused_kernel(self, linears, make)
 
     def forward(self, x, rows, layer_idx, rope, cos, sin):
+        """x: fp32 [n, D] -> fp32 [n, D]; the post norms see the all-reduced block outputs."""
         kernel = self._fused_kernel(rope)
         if kernel is not None:
             return kernel(x, cos, sin, rows, layer_idx)
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rows, layer_idx, rope, cos, sin))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        ffn = reduce_partial(self.shards, self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.post_feedforward_layernorm(ffn)
 
 
 class Gemma3TextModel(nn.Module):
     """embed_tokens (also the tied LM head), layers, final norm — HF's submodule names."""
 
-    def __init__(self, config: Gemma3Config, device=None):
+    def __init__(self, config: Gemma3Config, device=None, shards: Shards | None = None):
         super().__init__()
         c = config
         self.embed_tokens = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device=device)  # weight [V, D]
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(c, i, device) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(c, i, device, shards) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary_local = RotaryEmbedding.default(c.head_dim, c.rope_local_base_freq)
         scaling = linear_scaling(c.rope_scaling_factor) if c.rope_scaling_factor else None
@@ -234,6 +254,10 @@ class Gemma3ForCausalLM(TrunkModule):
       (nn.state); `keep` after a wider verify raises RewindBeyondWindow.
     key_block: attention key-length granularity (nn.state).
     context_length: max positions (default: the GGUF's context_length).
+    shards: this rank of a tensor-parallel group (verispec.nn.parallel; None: the whole model). The
+      modules then hold the rank's slices (`shard_config`), `config` stays the whole model's, and
+      every forward (and `view().embed` / `logits`) is a collective all ranks must enter together
+      (verispec.tensor_parallel). Raises nn.parallel.HeadsNotDivisible.
     Built on the meta device; `load_state_dict(state, assign=True)` fills the weights.
     """
 
@@ -245,17 +269,20 @@ class Gemma3ForCausalLM(TrunkModule):
 
     def __init__(self, config: Gemma3Config, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
                  max_verify_rows: int = MAX_VERIFY_ROWS, key_block: int = 64, context_length: int | None = None,
-                 device="meta"):
+                 device="meta", shards: Shards | None = None):
         super().__init__()
-        self._init_sizes(config, dtype, max_rows_per_forward, context_length)
+        self.shards = shards
+        self.shard_config = c = config if shards is None else shard_config(config, shards)
+        self._init_sizes(c, dtype, max_rows_per_forward, context_length)
         self.ring_rows = max(self.max_rows_per_forward, max_verify_rows)
         self.key_block = key_block
         self.final_logit_softcap = config.final_logit_softcapping
-        self.model = Gemma3TextModel(config, device)
+        self.model = Gemma3TextModel(c, device, shards)
         self._finish_linears(device)
+        self.config, self.vocab_size = config, config.vocab_size  # the seam's sizes are the whole model's
 
     def _new_layer_states(self) -> list:
-        c = self.config
+        c = self.shard_config  # a rank caches its own KV heads
         return [RingKVCache(c.num_key_value_heads, c.head_dim, window=c.sliding_window, max_rows=self.ring_rows,
                             key_block=self.key_block) if layer.is_sliding else
                 PagedKVCache(c.num_key_value_heads, c.head_dim, key_block=self.key_block,
@@ -263,7 +290,7 @@ class Gemma3ForCausalLM(TrunkModule):
                 for layer in self.model.layers]
 
     def _embed(self, tokens):
-        return self.model.embed_tokens.rows(tokens) * self.model.embed_scale  # [n, D] fp32
+        return self._embed_rows(tokens) * self.model.embed_scale  # [n, D] fp32 (vocabulary-parallel under shards)
 
     def _forward_rows(self, rows: Rows):
         m = self.model

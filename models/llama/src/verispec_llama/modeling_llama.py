@@ -27,9 +27,9 @@ int8 or bf16 weights every op is per row, so a row inside an n-row verify is bit
 computed alone (`spec_batch_invariant`, declared by `TrunkModule` from the linears).
 
 Tensor parallelism (`shards`, verispec.nn.parallel): the same modules built with one rank's
-sizes (`shard_config`: H/W and Hkv/W heads, its run of I and of V) and an all-reduce after the
+sizes (nn.parallel.shard_config: H/W and Hkv/W heads, its run of I and of V) and an all-reduce after the
 two row-parallel linears, o_proj and down_proj (the o bias after it); the embedding and LM head
-are vocabulary-parallel. Such a layer runs op by op (the fused C layer has no collective).
+are vocabulary-parallel (nn.trunk.TrunkModule). Such a layer runs op by op (the fused C layer has no collective).
 Sources: transformers models/llama/modeling_llama.py, models/qwen2/modeling_qwen2.py (5.24);
 llama.cpp src/models/llama.cpp, src/models/qwen2.cpp.
 """
@@ -48,7 +48,7 @@ from verispec.nn.attention import attend_rows
 from verispec.nn.kv_cache import PagedKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
-from verispec.nn.parallel import Shards, embed_vocab_rows, gather_vocab
+from verispec.nn.parallel import Shards, reduce_partial, shard_config
 from verispec.nn.rope import RotaryEmbedding, default_inv_freq, freq_factors, linear_scaling
 from verispec.nn.trunk import Rows, TrunkModule
 
@@ -189,13 +189,8 @@ class LlamaAttention(nn.Module):
         qk = rope(qk, cos, sin)  # [n, H + Hkv, Dh]: one RoPE call
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = attend_rows(q, k, v, rows, layer_idx, scaling=self.scaling)  # [n, H, Dh]
-        return _add(_reduce(self.shards, self.o_proj(out.reshape(n, self.num_heads * self.head_dim))),
+        return _add(reduce_partial(self.shards, self.o_proj(out.reshape(n, self.num_heads * self.head_dim))),
                     self.o_bias)  # [n, D]
-
-
-def _reduce(shards: Shards | None, partial: torch.Tensor) -> torch.Tensor:
-    """A row-parallel linear's output summed over the ranks (as is in one process)."""
-    return partial if shards is None else shards.all_reduce(partial)
 
 
 def _bias(size: int, present: bool) -> nn.Parameter | None:
@@ -245,7 +240,7 @@ class LlamaDecoderLayer(nn.Module):
             return kernel(hidden_states, cos, sin, rows, layer_idx)
         attn = self.self_attn(self.input_layernorm(hidden_states), rope, cos, sin, rows, layer_idx)
         hidden_states = hidden_states + attn
-        return hidden_states + _reduce(self.shards, self.mlp(self.post_attention_layernorm(hidden_states)))
+        return hidden_states + reduce_partial(self.shards, self.mlp(self.post_attention_layernorm(hidden_states)))
 
 
 class LlamaModel(nn.Module):
@@ -304,13 +299,7 @@ class LlamaForCausalLM(TrunkModule):
                 for _ in range(self.num_layers)]
 
     def _embed(self, tokens):
-        if self.shards is not None:
-            return embed_vocab_rows(self.model.embed_tokens, tokens, self.vocab_size, self.shards)
-        return self.model.embed_tokens.rows(tokens)  # [n, D] fp32
-
-    def _lm_head(self, normed):
-        logits = super()._lm_head(normed)  # [r, V] (a rank: [r, its V share])
-        return logits if self.shards is None else gather_vocab(logits, self.vocab_size, self.shards)
+        return self._embed_rows(tokens)  # [n, D] fp32 (vocabulary-parallel under shards)
 
     def _forward_rows(self, rows: Rows):
         """Final-normed rows fp32 [n, D] and the residual rows entering each layer (index L = after the last)."""
@@ -323,15 +312,6 @@ class LlamaForCausalLM(TrunkModule):
             x = layer(x, m.rotary_emb, cos, sin, rows, i)
         taps[self.num_layers] = x
         return m.norm(x), taps
-
-
-def shard_config(config: LlamaConfig, shards: Shards) -> LlamaConfig:
-    """The sizes of one rank's modules: H/W and Hkv/W heads, its run of FFN features and of
-    vocabulary rows (nn.parallel.Shards.range). Raises HeadsNotDivisible."""
-    heads = shards.heads(attention=config.num_attention_heads, KV=config.num_key_value_heads)
-    return attrs.evolve(config, num_attention_heads=heads["attention"], num_key_value_heads=heads["KV"],
-                        intermediate_size=shards.size(config.intermediate_size),
-                        vocab_size=shards.size(config.vocab_size))
 
 
 def _rope_scaling(config: LlamaConfig):
