@@ -38,8 +38,8 @@ def load_registered_trunk(path: str, registry: Registry, *, dtype: str | None = 
     threads: torch's intra-op thread count, set here and nowhere else (loaders take none);
       "auto": the cores idle now (`verispec.cpu.default_threads`, as the CLI does); None: torch's own.
     tensor_parallel: N > 1 loads rank 0's `tensor_parallel.BroadcastTrunk` over N ranks (threads
-      per rank); raises VerispecError when the family's loader has no
-      `shards` parameter, nn.parallel.HeadsNotDivisible.
+      per rank); raises VerispecError when the family declares no tensor-parallel form for the
+      file's architecture (TrunkSpec.tensor_parallel), nn.parallel.HeadsNotDivisible.
     """
     from verispec.gguf_io import read_architecture
     from verispec.progress import elapsed
@@ -53,18 +53,18 @@ def load_registered_trunk(path: str, registry: Registry, *, dtype: str | None = 
         import torch
 
         torch.set_num_threads(threads)
-    spec = registry.trunk_for_architecture(read_architecture(path))
+    arch = read_architecture(path)
+    spec = registry.trunk_for_architecture(arch)
     with elapsed(f"loading {os.path.basename(path)}"):  # on a terminal, once it takes over a second
         if tensor_parallel and tensor_parallel > 1:
-            import inspect
-
             from verispec.errors import VerispecError
             from verispec.tensor_parallel import load_parallel_trunk
 
+            if arch not in spec.tensor_parallel:
+                has = f" (it has one for {', '.join(spec.tensor_parallel)})" if spec.tensor_parallel else ""
+                raise VerispecError(f"--tp {tensor_parallel}: {arch} files have no tensor-parallel form yet in the "
+                                    f"{spec.name} trunk{has}; leave --tp out")
             loader = resolve(spec.loader)
-            if "shards" not in inspect.signature(loader).parameters:
-                raise VerispecError(f"--tp {tensor_parallel}: the {spec.name} trunk has no tensor-parallel form yet; "
-                                    "leave --tp out")
             return load_parallel_trunk(loader, path, world_size=tensor_parallel, dtype=dtype,
                                        context_length=context_length, threads=_torch_threads())
         return resolve(spec.loader)(path, dtype=dtype, context_length=context_length)

@@ -75,13 +75,17 @@ class SpeculatorSpec:
 class TrunkSpec:
     """A model family: loads GGUF files whose `general.architecture` is one of `architectures`.
     `loader(path, *, dtype, context_length)` returns a Trunk; the thread count is
-    the caller's (`verispec.api.load_registered_trunk` sets it before calling the loader)."""
+    the caller's (`verispec.api.load_registered_trunk` sets it before calling the loader).
+    `tensor_parallel`: the architectures among them with a tensor-parallel form (the loader
+    then also takes `shards=`, verispec.tensor_parallel); `--tp` on any other is refused before
+    a rank is spawned."""
 
     name: str = attrs.field(validator=_check_name)
     summary: str = attrs.field(validator=attrs.validators.instance_of(str))
     architectures: tuple[str, ...] = attrs.field(converter=_tuple_of_str,
                                                  validator=attrs.validators.min_len(1))
     loader: Any = attrs.field(validator=_check_ref)
+    tensor_parallel: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
 
 
 @attrs.frozen

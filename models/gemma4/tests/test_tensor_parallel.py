@@ -99,3 +99,11 @@ def test_gemma4_has_no_tensor_parallel_form_and_says_so(tmp_path):
                       vocab=None)
     with pytest.raises(UnsupportedVariant, match="tensor parallelism.*gemma4.*only gemma3"):
         load(path, dtype="fp32", use_cache=False, shards=Shards(0, 2))
+    # through the registry (--tp): refused by the family's declaration, before a rank is spawned
+    from verispec.errors import VerispecError
+    from verispec.model_files import load_registered_trunk
+    from verispec.registry import Registry
+
+    with pytest.raises(VerispecError, match=r"--tp 2: gemma4 files have no tensor-parallel form yet in the gemma "
+                                            r"trunk \(it has one for gemma3\)"):
+        load_registered_trunk(str(path), Registry.discover(), tensor_parallel=2)

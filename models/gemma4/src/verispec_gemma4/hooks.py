@@ -18,6 +18,7 @@ def register_trunks(register):
         summary="Gemma 3 and Gemma 4 text trunks (sliding-window rings, gguf/int8/int4/bf16/fp32 weights, batch-invariant)",
         architectures=("gemma3", "gemma4"),
         loader="verispec_gemma4.loader:load",
+        tensor_parallel=("gemma3",),
     ))
 
 

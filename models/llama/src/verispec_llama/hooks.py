@@ -14,6 +14,7 @@ def register_trunks(register):
         summary="llama and qwen2 dense trunks (GQA, SwiGLU, RMSNorm; qwen2 QKV bias)",
         architectures=("llama", "qwen2"),
         loader="verispec_llama.loader:load",
+        tensor_parallel=("llama", "qwen2"),
     ))
 
 
