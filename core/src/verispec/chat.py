@@ -14,6 +14,7 @@ from typing import TextIO
 from verispec.engine import InferenceEngine
 from verispec.errors import VerispecError
 from verispec.sampling import SamplingParams
+from verispec.streamed_text import warnings_on_their_own_line
 from verispec.tokenizer import TokenizerError, text_problem
 
 HELP = "/reset starts a new conversation; end of input (Ctrl-D) exits"
@@ -76,8 +77,9 @@ def _turn(engine, messages, *, sampling, max_tokens, stop, ignore_eos, stdout, s
         hint = " (/reset starts a new conversation)" if len(messages) > 1 else ""
         print(f"verispec: error: {e}{hint}", file=stderr)
         return None
-    for event in generation:
-        print(event.text, end="", file=stdout, flush=True)
+    with warnings_on_their_own_line(stdout, stderr) as text:
+        for event in generation:
+            text.write(event.text)
     print(file=stdout, flush=True)
     r = generation.result
     print(f"[{len(r.tokens)} tokens, finish={r.finish_reason}, reused {r.reused_prefix_tokens}/{r.prompt_tokens} "

@@ -10,9 +10,7 @@ is an error naming the byte and its offset; paths (--model) go to the OS as give
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
 import os
 import sys
 import traceback
@@ -259,46 +257,6 @@ def load_engine(args):
                 kv_cache_gb=args.kv_cache_gb, **({"tensor_parallel": tp} if tp and tp > 1 else {}))
 
 
-class _StreamedText:
-    """stdout as text streams to it, remembering whether the last character ended a line."""
-
-    def __init__(self):
-        self.mid_line = False
-
-    def write(self, text: str) -> None:
-        if text:
-            print(text, end="", flush=True)
-            self.mid_line = not text.endswith("\n")
-
-
-class _LineStartHandler(logging.StreamHandler):
-    """verispec's warnings while text streams to the same terminal start on a line of their own,
-    not inside the text."""
-
-    def __init__(self, text: _StreamedText):
-        super().__init__(sys.stderr)
-        self.text = text
-        self.setLevel(logging.WARNING)
-
-    def emit(self, record) -> None:
-        if self.text.mid_line and sys.stdout.isatty() and self.stream.isatty():
-            self.stream.write("\n")
-            self.text.mid_line = False
-        super().emit(record)
-
-
-@contextlib.contextmanager
-def _warnings_on_their_own_line():
-    """`with _warnings_on_their_own_line() as text: text.write(...)` (see _LineStartHandler)."""
-    text = _StreamedText()
-    handler, logger = _LineStartHandler(text), logging.getLogger("verispec")
-    logger.addHandler(handler)
-    try:
-        yield text
-    finally:
-        logger.removeHandler(handler)
-
-
 def cmd_plugins(args) -> int:
     from verispec.registry import Registry, format_plugin_table
 
@@ -330,7 +288,9 @@ def cmd_generate(args) -> int:
         sampling = attrs.evolve(sampling, seed=random.randrange(2 ** 31))
     run = dict(max_tokens=args.max_tokens, sampling=sampling, stop=stop, ignore_eos=args.ignore_eos, chat=args.chat)
     generation = engine.generate(prompt, **run)
-    with _warnings_on_their_own_line() as text:
+    from verispec.streamed_text import warnings_on_their_own_line
+
+    with warnings_on_their_own_line(sys.stdout, sys.stderr) as text:
         for event in generation:
             if not args.json:
                 text.write(event.text)
