@@ -38,7 +38,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType
 from torch import nn
@@ -141,7 +140,7 @@ class WeightPlan:
         """The stored blocks of a 2-D part, or of expert `expert`'s slice of a 3-D one."""
         raw, ggml_type, shape = self.gguf.raw_tensor(part)
         raw = raw if expert is None else raw[expert]
-        return GGUFBlocks(ggml_type, torch.from_numpy(np.array(raw)), shape[-1])  # copied out of the map
+        return GGUFBlocks.from_raw(raw, ggml_type, shape)
 
     def load(self, *, dtype: str, layout: str, use_cache: bool = True, progress: bool | None = None) -> None:
         """Fill the model: `check`, the converted state from `weight_cache.cached_state` (read

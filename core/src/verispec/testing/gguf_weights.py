@@ -28,7 +28,7 @@ def assert_file_block_tensors_exact(path: str | os.PathLike) -> dict[str, int]:
         raw, ggml_type, shape = gguf.raw_tensor(name)
         if ggml_type not in BLOCK_FORMATS or len(shape) != 2:
             continue
-        blocks = GGUFBlocks(ggml_type, torch.from_numpy(np.array(raw)), shape[-1])
+        blocks = GGUFBlocks.from_raw(raw, ggml_type, shape)
         expected = torch.from_numpy(dequantize(np.array(raw), ggml_type))
         assert torch.equal(unpack(blocks).dequantize(), expected), name
         linear = block_linear_class(ggml_type).from_gguf([blocks])

@@ -81,6 +81,14 @@ class GGUFBlocks:
     data: torch.Tensor
     cols: int
 
+    @classmethod
+    def from_raw(cls, raw, ggml_type: GGMLQuantizationType, shape) -> GGUFBlocks:
+        """The blocks of `GGUFFile.raw_tensor(name)`'s (raw uint8 array, type, shape), copied out of
+        the file's memory map; `raw` may be one expert's slice of a 3-D tensor."""
+        import numpy as np
+
+        return cls(ggml_type, torch.from_numpy(np.array(raw)), shape[-1])
+
     @property
     def rows(self) -> int:
         return self.data.shape[0]

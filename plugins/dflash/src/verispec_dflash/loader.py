@@ -69,8 +69,6 @@ def load(path: str | os.PathLike, trunk, *, use_conv: bool = True, use_selector:
 def block_linears(gguf: GGUFFile, tensors) -> dict:
     """GGUF name -> BlockLinear over the stored blocks, for each linear weight whose type the block
     kernel reads and whose input width is a multiple of 32 (F32/F16 weights are left out)."""
-    import numpy as np
-    import torch
     from verispec.weights.block_linear import block_linear_class
 
     out = {}
@@ -80,6 +78,5 @@ def block_linears(gguf: GGUFFile, tensors) -> dict:
         raw, ggml_type, shape = gguf.raw_tensor(name)
         if ggml_type not in BLOCK_FORMATS or shape[-1] % 32:
             continue
-        blocks = GGUFBlocks(ggml_type, torch.from_numpy(np.array(raw)), shape[-1])
-        out[name] = block_linear_class(ggml_type).from_gguf([blocks])
+        out[name] = block_linear_class(ggml_type).from_gguf([GGUFBlocks.from_raw(raw, ggml_type, shape)])
     return out
