@@ -144,6 +144,11 @@ def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), m.float()
 
 
+def _group_ints(x: torch.Tensor) -> torch.Tensor:
+    """A K type's per-group integers fp32 [rows, nb, groups a block] -> int8 [rows, nb · groups] (exact)."""
+    return x.reshape(x.shape[0], -1).to(torch.int8)
+
+
 def unpack(blocks: GGUFBlocks) -> BlockValues:
     """The stored blocks as BLOCK_FORMATS values (table above). Raises ValueError for a type
     outside BLOCK_FORMATS (the caller chooses the class by type)."""
@@ -169,7 +174,7 @@ def unpack(blocks: GGUFBlocks) -> BlockValues:
         d, neg_dmin = _f16(b[..., 0:2]), -_f16(b[..., 2:4])
         s = d[..., None] * sc
         m = neg_dmin[..., None] * mins  # = -(dmin · m) bitwise: negation is exact
-        factors = (d, sc, neg_dmin, mins)
+        factors = (d, _group_ints(sc), neg_dmin, _group_ints(mins))
         if kind == T.Q4_K:
             u = _nibbles(b[..., 16:], 32)  # 32-byte chunk c: sub-block 2c, then 2c + 1
         else:
@@ -181,14 +186,10 @@ def unpack(blocks: GGUFBlocks) -> BlockValues:
         u = low | (high << 4)
         d, sc = _f16(b[..., 208:210]), b[..., 192:208].contiguous().view(torch.int8).float()
         s = d[..., None] * sc  # [rows, nb, 16]
-        factors = (d, sc, None, None)
+        factors = (d, _group_ints(sc), None, None)
     else:  # Q8_0
         s = _f16(b[..., 0:2])
         u = (b[..., 2:].contiguous().view(torch.int8).int() + 128).to(torch.uint8)
     rows = blocks.rows
-    if factors is not None:
-        factors = tuple(None if f is None else f.reshape(rows, -1) if i % 2 else f for i, f in enumerate(factors))
-        factors = (factors[0], factors[1].to(torch.int8), factors[2],
-                   None if factors[3] is None else factors[3].to(torch.int8))
     return BlockValues(BLOCK_FORMATS[kind], u.reshape(rows, blocks.cols).to(torch.uint8), s.reshape(rows, -1),
                        None if m is None else m.reshape(rows, -1), factors)
