@@ -93,11 +93,12 @@ class DFlashHead:
     def flush(self, state: DFlashState) -> None:
         """Pass A + B of the pending committed rows, one batched call per contiguous run."""
         runs: list[tuple[int, list[torch.Tensor]]] = []
+        end = None  # the position after the current run
         for start, rows in state.pending:
-            if runs and runs[-1][0] + sum(r.shape[0] for r in runs[-1][1]) == start:
-                runs[-1][1].append(rows)
-            else:
-                runs.append((start, [rows]))
+            if start != end:
+                runs.append((start, []))
+            runs[-1][1].append(rows)
+            end = start + rows.shape[0]
         state.pending.clear()
         for start, parts in runs:
             self.drafter.inject(state.rings, torch.cat(parts), start)
