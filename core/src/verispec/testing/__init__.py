@@ -16,6 +16,8 @@ _EXPORTS = {
     "run_greedy_requests": "verispec.testing.conformance",
     "forward_one": "verispec.testing.conformance",
     "plain_logits": "verispec.testing.conformance",
+    "teacher_forced_logits": "verispec.testing.conformance",
+    "assert_rows_within": "verispec.testing.conformance",
     "ToyTrunk": "verispec.testing.toy",
     "MarkovTrunk": "verispec.testing.toy",
     "ScriptedSpeculator": "verispec.testing.toy",
