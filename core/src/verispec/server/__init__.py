@@ -19,7 +19,11 @@ the batch at the next step and its sequence is freed (a request abandoned while 
 runs). A generation that runs longer than `request_timeout` seconds (`verispec serve
 --request-timeout`, default 600; queueing time not counted) ends at that token with
 finish_reason "length", as if max_tokens had been reached. An engine error fails the
-requests of that step (HTTP 500), never the server. Tokenising a prompt (and rendering the
+requests of that step (HTTP 500), never the server, except a lost tensor-parallel rank
+(`verispec serve --tp N`; verispec.tensor_parallel.RankLost): the model cannot run again, so
+its requests answer 503 (mid-stream: a last `data: {"error": ...}` event) naming the rank, and
+the server shuts down, `verispec serve` exiting with status 1 and that message (a supervisor
+then restarts the whole group). Tokenising a prompt (and rendering the
 chat template) runs in a worker thread, never on the event loop. Shutting down (Ctrl-C,
 SIGTERM: see `server()`) ends every running or waiting generation at its next token
 (finish_reason "length"), so the server exits at once, its responses complete.

@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.engine import Generation, InferenceEngine, TokenEvent
@@ -29,7 +29,17 @@ from verispec.server.protocol import (ASSISTANT, ChatBody, CompletionBody, DEFAU
                                       RequestRejected, SHUTDOWN_GRACE_S, check_text, error_response,
                                       validation_problem)
 from verispec.server.responses import EventStream, ResponseShape, sse, usage_body, verispec_body
+from verispec.tensor_parallel import RankLost
 from verispec.tokenizer import TokenizerError
+
+
+def error_body(exc: VerispecError) -> dict[str, Any]:
+    """OpenAI's error body for one of verispec's errors: its `http_status` (400 unless it says,
+    e.g. 500 for a model's chat template that fails, 503 for a lost tensor-parallel rank) picks
+    the type, "server_error" from 500 up."""
+    status = getattr(exc, "http_status", 400)
+    return {"error": {"message": str(exc), "type": "server_error" if status >= 500 else "invalid_request_error",
+                      "param": getattr(exc, "param", None), "code": getattr(exc, "code", None)}}
 
 
 def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
@@ -73,9 +83,8 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
     # RequestRejected, SamplingParams, the engine (max_tokens, empty prompt), ContextOverflow, ...
     @app.exception_handler(VerispecError)
     async def _rejected(request: Request, exc: VerispecError):
-        status = getattr(exc, "http_status", 400)  # 500: the model file's fault (a chat template that fails)
-        return error_response(str(exc), getattr(exc, "param", None), getattr(exc, "code", None), status_code=status,
-                      kind="server_error" if status >= 500 else "invalid_request_error")
+        body = error_body(exc)
+        return JSONResponse(body, status_code=getattr(exc, "http_status", 400))
 
     @app.exception_handler(Exception)  # a bug: OpenAI's body, status 500 (the exception is still logged)
     async def _internal(request: Request, exc: Exception):
@@ -123,13 +132,16 @@ def serve(engine: InferenceEngine, *, host: str = "127.0.0.1", port: int = 8000,
     """Run the server with uvicorn until interrupted (Ctrl-C or SIGTERM: running generations end
     at their next token, their responses finish, and the server exits; uvicorn then re-raises
     the signal, so Ctrl-C reaches the caller as KeyboardInterrupt). A host other than loopback
-    without an api_key gets a warning line on stderr first (exposure_warning)."""
+    without an api_key gets a warning line on stderr first (exposure_warning). A lost
+    tensor-parallel rank shuts the server down (see `server`), then raises its RankLost."""
     app = create_app(engine, model_name=model_name, request_timeout=request_timeout,
                      max_body_bytes=max_body_bytes, body_timeout=body_timeout, api_key=api_key)
     warning = None if api_key else exposure_warning(host, port)
     if warning:
         print(warning, file=sys.stderr, flush=True)
     server(app, host=host, port=port).run()
+    if app.state.verispec.lost is not None:
+        raise app.state.verispec.lost
 
 
 def exposure_warning(host: str, port: int) -> str | None:
@@ -151,7 +163,10 @@ def server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, **config:
     when it begins (Ctrl-C, SIGTERM, `should_exit`), every running or waiting generation ends at
     its next token with finish_reason "length", as a client's cancel does; a response still
     unfinished after SHUTDOWN_GRACE_S seconds is dropped. When it returns, the engine thread has
-    ended (no forward runs while the interpreter exits). config: more uvicorn.Config fields."""
+    ended (no forward runs while the interpreter exits). A lost tensor-parallel rank
+    (tensor_parallel.RankLost: the model cannot run again) begins the shutdown once its requests
+    have their 503s: a supervisor (systemd, Kubernetes) then restarts the whole group, where a
+    server left up would refuse every request. config: more uvicorn.Config fields."""
     import uvicorn
 
     served: Served = app.state.verispec
@@ -173,7 +188,9 @@ def server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, **config:
                 await anyio.to_thread.run_sync(served.engine_thread.stop, SHUTDOWN_GRACE_S)
 
     config.setdefault("timeout_graceful_shutdown", SHUTDOWN_GRACE_S)
-    return _Server(uvicorn.Config(app, host=host, port=port, **config))
+    running = _Server(uvicorn.Config(app, host=host, port=port, **config))
+    served.on_lost = lambda: setattr(running, "should_exit", True)
+    return running
 
 
 
@@ -223,6 +240,10 @@ class Served:
         #: one leaves when its response is gone).
         self.live: weakref.WeakSet[Generation] = weakref.WeakSet()
         self.closing = False
+        #: the RankLost that ended a tensor-parallel trunk (None while every rank answers), and what
+        #: to call then (`server()` shuts down; a bare create_app stays up answering 503s).
+        self.lost: RankLost | None = None
+        self.on_lost = lambda: None
 
     def check_token_ids(self, ids: list[int]) -> None:
         vocab_size = self.engine.trunk.vocab_size
@@ -295,7 +316,14 @@ class Served:
                 pass
         generation.listener = wake
         while True:
-            for event in generation.poll():
+            try:
+                events = generation.poll()
+            except RankLost as e:
+                if self.lost is None:
+                    self.lost = e
+                    self.on_lost()
+                raise
+            for event in events:
                 yield event
             if generation.done:
                 return
@@ -334,6 +362,9 @@ class Served:
                 yield sse(shape.chunk({"role": ASSISTANT, "content": ""}))
             async for event in self.events(generation):
                 yield sse(shape.token_chunk(event))
+        except VerispecError as e:  # after the 200 went out: the error is the stream's last event
+            yield sse(error_body(e))
+            return
         finally:  # the client left mid-stream (see EventStream): its request leaves the batch
             self.cancel(generation)
         result = generation.result
