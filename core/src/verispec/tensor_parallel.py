@@ -10,16 +10,20 @@ because every rank sees the same calls in the same order. This sits here, in one
 because it is the same for every family (only the shard math is a family's), and it uses
 torch.distributed alone: no transport of ours.
 
-Two process groups: the math collectives run under `timeout_s` (a rank that dies mid-request
-makes rank 0's next collective raise `RankLost` within it: never a hang); the call broadcast,
-which idle followers wait on between requests, has a long timeout (a dead rank 0 closes its
-sockets, and the followers' wait fails then).
+Two process groups: the math collectives run under `timeout_s` (VERISPEC_TP_TIMEOUT seconds,
+default DEFAULT_TIMEOUT_S; a rank that dies mid-request makes rank 0's next collective raise
+`RankLost` within it: never a hang); the call broadcast, which idle followers wait on between
+requests, has a long timeout (a dead rank 0 closes its sockets, and the followers' wait fails
+then). After a loss every call raises the same RankLost at once, except `release`, which frees
+rank 0's own shard of the sequence (so the engine can fail its requests and release them); the
+engine's requests fail with it (the server answers 503 and exits: verispec.server).
 
 Launch: `start(world_size)` (what `--tp N` does) spawns ranks 1..N-1 on this machine as
 `python -m verispec.tensor_parallel MODEL ...` with MASTER_ADDR / MASTER_PORT / RANK /
 WORLD_SIZE set; when RANK and WORLD_SIZE are already in the environment (torchrun, or the same
 command run on each machine with MASTER_ADDR set) nothing is spawned and this process is that rank.
-gloo on CPU (CUDA/NCCL is not wired yet).
+Backend: gloo for CPU tensors; where CUDA is present the math group also routes CUDA tensors to
+NCCL ("cpu:gloo,cuda:nccl"), so a trunk on CUDA reduces over NCCL. The call broadcast is gloo.
 """
 from __future__ import annotations
 
@@ -36,11 +40,12 @@ import attrs
 from verispec.errors import VerispecError
 from verispec.nn.parallel import Shards
 
-__all__ = ["DEFAULT_TIMEOUT_S", "BroadcastTrunk", "Group", "RankLost", "follow", "init_group", "load_parallel_trunk",
-           "start"]
+__all__ = ["DEFAULT_TIMEOUT_S", "BroadcastTrunk", "Group", "RankLost", "collective_timeout", "follow", "init_group",
+           "load_parallel_trunk", "start"]
 
-#: seconds a math collective may wait for another rank before RankLost.
+#: seconds a math collective may wait for another rank before RankLost (VERISPEC_TP_TIMEOUT overrides).
 DEFAULT_TIMEOUT_S = 120.0
+TIMEOUT_ENV = "VERISPEC_TP_TIMEOUT"
 #: seconds idle followers wait for rank 0's next call.
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 
@@ -50,7 +55,10 @@ VIEW_CALLS = frozenset({"embed", "logits"})
 
 
 class RankLost(VerispecError, RuntimeError):
-    """A tensor-parallel rank stopped answering (died, or slower than the collective timeout)."""
+    """A tensor-parallel rank stopped answering (died, or slower than the collective timeout).
+    The server answers it with HTTP 503 (the model cannot serve until restarted)."""
+
+    http_status = 503
 
 
 @attrs.frozen
@@ -82,8 +90,11 @@ def init_group(rank: int | None = None, world_size: int | None = None, address: 
     rank = int(os.environ["RANK"]) if rank is None else rank
     world = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
     address = address or f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    import torch
+
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=world,
+        dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         calls = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S))
     except RuntimeError as e:  # DistStoreError / DistNetworkError subclass it
@@ -143,9 +154,9 @@ class BroadcastTrunk:
         except RuntimeError as e:
             if isinstance(e, VerispecError):
                 raise
-            self._lost = RankLost(f"a tensor-parallel rank of {self._group.world_size} stopped answering during "
-                                  f"{name} (collective timeout {self._group.timeout_s:g} s): {e}; the model is "
-                                  "unusable, restart it")
+            self._lost = RankLost(f"{_who_stopped(self._group)} stopped answering during {name} (collective "
+                                  f"timeout {self._group.timeout_s:g} s): {e}; the model cannot run without every "
+                                  "rank: restart it (all ranks)")
             raise self._lost from e
 
     def forward(self, batch):
@@ -164,6 +175,8 @@ class BroadcastTrunk:
         return self._call("trunk", "fork", seq, length)
 
     def release(self, seq):
+        if self._lost is not None:  # the followers are gone: free rank 0's shard of it alone
+            return self._trunk.release(seq)
         return self._call("trunk", "release", seq)
 
     def view(self):
@@ -189,6 +202,19 @@ class BroadcastTrunk:
                 p.wait(timeout=self._group.timeout_s)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def _who_stopped(group: Group) -> str:
+    """"rank 1 of 2 (exited, signal 9)" for the local ranks this process spawned that have
+    ended; "a tensor-parallel rank of N" when none has (a remote rank, or one that hangs)."""
+    ended = []
+    for rank, process in enumerate(group.followers, start=1):
+        code = process.poll()
+        if code is not None:
+            ended.append(f"rank {rank}" + (f" (killed by signal {-code})" if code < 0 else f" (exit status {code})"))
+    if not ended:
+        return f"a tensor-parallel rank of {group.world_size}"
+    return f"{', '.join(ended)} of {group.world_size} tensor-parallel ranks"
 
 
 class _BroadcastView:
@@ -235,13 +261,16 @@ def follow(trunk, group: Group) -> None:
 
 def load_parallel_trunk(loader, path: str, *, world_size: int, dtype: str | None = None,
                         context_length: int | None = None, threads: int | None = None,
-                        timeout_s: float = DEFAULT_TIMEOUT_S):
+                        timeout_s: float | None = None):
     """Rank 0's BroadcastTrunk over `world_size` ranks of `loader` (a family's TrunkSpec loader,
     called with shards=...). Spawns local ranks unless RANK/WORLD_SIZE are set; on a rank other
     than 0 this follows rank 0 until it closes, then exits the process (SystemExit 0).
-    Raises nn.parallel.HeadsNotDivisible (before anything is spawned), RankLost, the loader's errors."""
+    timeout_s: seconds each collective waits for a rank (None: VERISPEC_TP_TIMEOUT, else
+    DEFAULT_TIMEOUT_S). Raises nn.parallel.HeadsNotDivisible (before anything is spawned),
+    InvalidArgument (a VERISPEC_TP_TIMEOUT that is not a positive number), RankLost, the loader's errors."""
     from verispec.gguf_io import GGUFFile
 
+    timeout_s = collective_timeout() if timeout_s is None else timeout_s
     _check_heads(GGUFFile.open(path), world_size)
     args = [path, "--world-size", str(world_size), "--timeout", str(timeout_s)]
     args += ["--dtype", dtype] if dtype else []
@@ -253,6 +282,24 @@ def load_parallel_trunk(loader, path: str, *, world_size: int, dtype: str | None
         follow(trunk, group)
         raise SystemExit(0)
     return BroadcastTrunk(trunk, group)
+
+
+def collective_timeout() -> float:
+    """Seconds a collective waits for another rank: VERISPEC_TP_TIMEOUT when set, else
+    DEFAULT_TIMEOUT_S. Raises InvalidArgument when it is not a positive number."""
+    from verispec.errors import InvalidArgument
+
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise InvalidArgument(f"{TIMEOUT_ENV}={text!r}: give the seconds a tensor-parallel collective may wait "
+                              f"for a rank as a positive number (default {DEFAULT_TIMEOUT_S:g})")
+    return value
 
 
 def _load_shard(loader, path, group: Group, dtype, context_length):
