@@ -34,6 +34,11 @@ TINY_CONFIGS = {
                 "num_experts_per_tok": 3, "n_shared_experts": 2, "first_k_dense_replace": 2,
                 "num_hidden_layers": 4, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
                 "tie_word_embeddings": True},
+    # for benchmarks/verify_cost.py (`python models/glm5/tests/tiny_glm4moe.py bench OUT.gguf`): GLM-4.5-Air's
+    # proportions at 1/8 the width (D 512, 64 experts of width 256, top-8, one shared, 1 dense layer of 4)
+    "bench": {**_COMMON, "vocab_size": 4096, "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2,
+              "head_dim": 64, "intermediate_size": 1408, "moe_intermediate_size": 256, "n_routed_experts": 64,
+              "num_experts_per_tok": 8, "num_hidden_layers": 4, "use_qk_norm": False, "max_position_embeddings": 2048},
 }
 
 
@@ -191,3 +196,11 @@ def nextn_reference(mtp, tokens: torch.Tensor, hidden: torch.Tensor, positions: 
     h_out = mtp.forward_layer(0, hidden, position_ids, None, input_ids=tokens)
     logits = mtp._project_to_logits(h_out)
     return (logits, h_out) if batched else (logits[0], h_out[0])
+
+
+if __name__ == "__main__":
+    import sys
+
+    name, out = sys.argv[1:3]
+    hf_model, hf_mtp = build_hf_model(name)
+    print(write_fixture(hf_model, out, mtp=hf_mtp))
