@@ -11,23 +11,16 @@ weights is fp32. Measured: dense 784.1662 (llama.cpp) vs 784.1638 (ours), MoE 19
 1976.7429: within 3e-6 relative; the bound is 2e-5. The MTP block is in both files (llama.cpp
 loads it by its NEXTN names; perplexity does not run it).
 """
-import math
-import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 llama_cpp = pytest.importorskip("llama_cpp", reason="benchmarks/llama_cpp.py not found")  # our script, not the pip package
 from tiny_qwen35 import TINY_CONFIGS, _COMMON, build_hf_model, write_fixture  # noqa: E402
-from verispec.seams import Segment  # noqa: E402
+from verispec.testing import llama_cpp_perplexity, our_perplexity  # noqa: E402
 from verispec_qwen35.loader import load  # noqa: E402
-
-N_CTX = 64
-TEXT = " ".join(["the cat sat on the mat and then the dog ran to the park with a ball"] * 12) + "\n"
 
 
 def _perplexity_binary() -> Path:
@@ -35,24 +28,6 @@ def _perplexity_binary() -> Path:
     if not root.is_file():
         pytest.skip("llama.cpp's llama-perplexity is not built: python benchmarks/llama_cpp.py --build")
     return root
-
-
-def _ours(path: str) -> float:
-    trunk = load(path, dtype="float32", use_cache=False)
-    ids = trunk.tokenizer.encode(TEXT)
-    nll, count = 0.0, 0
-    for start in range(0, len(ids) // N_CTX * N_CTX, N_CTX):
-        chunk = ids[start:start + N_CTX]
-        if trunk.tokenizer.add_bos:  # llama-perplexity: BOS replaces each chunk's first token
-            chunk[0] = trunk.tokenizer.bos_id
-        seq = trunk.new_sequence()
-        logits = trunk.forward([Segment(seq, torch.tensor(chunk), logits="all")])[0].logits.double()
-        trunk.release(seq)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        for k in range(N_CTX // 2, N_CTX - 1):  # the second half, as llama-perplexity scores
-            nll -= float(logprobs[k, chunk[k + 1]])
-            count += 1
-    return math.exp(nll / count)
 
 
 @pytest.mark.parametrize("name", ["dense_mtp", "moe_fused_mtp"])
@@ -64,14 +39,6 @@ def test_llama_cpp_perplexity_equals_ours(name, tmp_path):
     hf_model, mtp = build_hf_model(f"{name}_dk_eq_dv")
     path = write_fixture(hf_model, tmp_path / "model.gguf", mtp=mtp, options=options,
                          extra_metadata={"tokenizer.ggml.pre": "default"})  # this llama.cpp refuses "gpt2"
-    (tmp_path / "text.txt").write_text(TEXT)
-    for attempt in range(2):  # llama-perplexity ended without its last chunk and estimate 1 run in ~20 here
-        done = subprocess.run([str(binary), "-m", path, "-f", str(tmp_path / "text.txt"), "-c", str(N_CTX),
-                               "-b", str(N_CTX), "-t", "1", "-ctk", "f32", "-ctv", "f32"],
-                              capture_output=True, text=True, timeout=300)
-        found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
-        if found:
-            break
-    assert found, f"exit {done.returncode}: " + (done.stdout + done.stderr)[-3000:]
-    theirs = float(found.group(1))
-    assert abs(_ours(path) - theirs) <= 2e-5 * theirs
+    theirs = llama_cpp_perplexity(binary, path, tmp_path)
+    ours = our_perplexity(load(path, dtype="float32", use_cache=False))
+    assert abs(ours - theirs) <= 2e-5 * theirs

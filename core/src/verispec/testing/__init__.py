@@ -3,6 +3,7 @@
 - `TrunkConformance`, `SpeculatorConformance`: suites to subclass (see `conformance`).
 - `ToyTrunk`, `MarkovTrunk`, `ScriptedSpeculator`, `oracle_speculator`: toy trunks and drafters.
 - `fixture_writer`: writes tiny GGUF fixtures with llama.cpp's key and tensor names.
+- `our_perplexity`, `llama_cpp_perplexity`: llama-perplexity's score, ours and llama.cpp's (cross-checks).
 - `real_checkpoint`, `built_once` (and the `one_thread` fixture): shared test scaffolding (see `plugin`).
 
 Imports are lazy so that loading the pytest plugin does not import torch.
@@ -24,6 +25,8 @@ _EXPORTS = {
     "oracle_speculator": "verispec.testing.toy",
     "real_checkpoint": "verispec.testing.plugin",
     "built_once": "verispec.testing.plugin",
+    "our_perplexity": "verispec.testing.perplexity",
+    "llama_cpp_perplexity": "verispec.testing.perplexity",
 }
 
 __all__ = list(_EXPORTS)

@@ -1,0 +1,59 @@
+"""Perplexity as llama.cpp's `llama-perplexity` scores it, ours and its, for cross-checks of a
+family's math against llama.cpp's own loader and graph on the same GGUF fixture.
+
+llama-perplexity (tools/perplexity: `perplexity()`) cuts the tokenized text into chunks of
+`n_ctx` tokens, replaces each chunk's first token by BOS when the vocabulary adds one, runs each
+chunk as a fresh sequence and scores only the second half: the log-probability of token k + 1
+from row k, k = n_ctx/2 .. n_ctx − 2. `our_perplexity` applies the same rule to a trunk's fp32
+logits; `llama_cpp_perplexity` runs the binary with an fp32 KV cache.
+"""
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+from pathlib import Path
+
+#: a text whose repetitions give a tiny model's perplexity something to learn within a chunk
+TEXT = " ".join(["the cat sat on the mat and then the dog ran to the park with a ball"] * 12) + "\n"
+
+
+def our_perplexity(trunk, text: str = TEXT, n_ctx: int = 64) -> float:
+    """exp(mean NLL) over every chunk's second half, llama-perplexity's rule, from `trunk`'s logits
+    (computed in float64 from the fp32 rows). Raises ValueError when the text is under one chunk."""
+    import torch
+    from verispec.seams import Segment
+
+    ids = trunk.tokenizer.encode(text)
+    if len(ids) < n_ctx:
+        raise ValueError(f"{len(ids)} tokens of text is less than one chunk of {n_ctx}")
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) // n_ctx * n_ctx, n_ctx):
+        chunk = ids[start:start + n_ctx]
+        if trunk.tokenizer.add_bos:
+            chunk[0] = trunk.tokenizer.bos_id
+        seq = trunk.new_sequence()
+        logits = trunk.forward([Segment(seq, torch.tensor(chunk), logits="all")])[0].logits.double()
+        trunk.release(seq)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        for k in range(n_ctx // 2, n_ctx - 1):
+            nll -= float(logprobs[k, chunk[k + 1]])
+            count += 1
+    return math.exp(nll / count)
+
+
+def llama_cpp_perplexity(binary: str | Path, model_path: str | Path, workdir: str | Path, *, text: str = TEXT,
+                         n_ctx: int = 64, attempts: int = 2) -> float:
+    """llama-perplexity's "Final estimate" on `model_path` (one thread, batch = n_ctx, fp32 KV).
+    Retried once: the binary ended without its estimate in ~1 run of 20 on this machine.
+    Raises AssertionError with the tail of its output when no estimate appears."""
+    text_file = Path(workdir) / "perplexity.txt"
+    text_file.write_text(text)
+    for _ in range(attempts):
+        done = subprocess.run([str(binary), "-m", str(model_path), "-f", str(text_file), "-c", str(n_ctx),
+                               "-b", str(n_ctx), "-t", "1", "-ctk", "f32", "-ctv", "f32"],
+                              capture_output=True, text=True, timeout=300)
+        found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+        if found:
+            return float(found.group(1))
+    raise AssertionError(f"llama-perplexity exit {done.returncode}: " + (done.stdout + done.stderr)[-3000:])
