@@ -34,6 +34,9 @@ TINY_CONFIGS = {
                 "num_experts_per_tok": 3, "n_shared_experts": 2, "first_k_dense_replace": 2,
                 "num_hidden_layers": 4, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
                 "tie_word_embeddings": True},
+    # block-quantisable widths (every linear's input a multiple of 32) for the `gguf` weight mode
+    "blocks": {**_COMMON, "vocab_size": 160, "hidden_size": 64, "head_dim": 32, "intermediate_size": 96,
+               "moe_intermediate_size": 32, "num_mtp_layers": 1},
     # for benchmarks/verify_cost.py (`python models/glm5/tests/tiny_glm4moe.py bench OUT.gguf`): GLM-4.5-Air's
     # proportions at 1/8 the width (D 512, 64 experts of width 256, top-8, one shared, 1 dense layer of 4)
     "bench": {**_COMMON, "vocab_size": 4096, "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -175,13 +178,16 @@ def hf_to_gguf(model, mtp=None) -> tuple[str, dict, dict]:
     return a, metadata, tensors
 
 
-def write_fixture(model, path, *, mtp=None, extra_metadata=None, extra_tensors=None, drop_tensors=()) -> str:
-    """Write `model` (+ its NextN block) as a GGUF at `path`; extra_* / drop_tensors make variants."""
+def write_fixture(model, path, *, mtp=None, extra_metadata=None, extra_tensors=None, drop_tensors=(),
+                  tensor_types=None) -> str:
+    """Write `model` (+ its NextN block) as a GGUF at `path`; extra_* / drop_tensors make variants;
+    tensor_types: GGUF name -> block type (`write_gguf`), the rest F32."""
     from verispec.testing.fixture_writer import write_gguf
 
     arch, metadata, tensors = hf_to_gguf(model, mtp)
     tensors = {k: v for k, v in {**tensors, **(extra_tensors or {})}.items() if k not in drop_tensors}
-    return write_gguf(path, arch=arch, metadata={**metadata, **(extra_metadata or {})}, tensors=tensors)
+    return write_gguf(path, arch=arch, metadata={**metadata, **(extra_metadata or {})}, tensors=tensors,
+                      tensor_types=tensor_types)
 
 
 def nextn_reference(mtp, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
