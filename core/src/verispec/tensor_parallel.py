@@ -10,11 +10,13 @@ because every rank sees the same calls in the same order. This sits here, in one
 because it is the same for every family (only the shard math is a family's), and it uses
 torch.distributed alone: no transport of ours.
 
-Two process groups: the math collectives run under `timeout_s` (VERISPEC_TP_TIMEOUT seconds,
-default DEFAULT_TIMEOUT_S; a rank that dies mid-request makes rank 0's next collective raise
-`RankLost` within it: never a hang); the call broadcast, which idle followers wait on between
-requests, has a long timeout (a dead rank 0 closes its sockets, and the followers' wait fails
-then). After a loss every call raises the same RankLost at once, except `release`, which frees
+Three process groups, whose timeouts gloo keeps per process: the math collectives run under
+`timeout_s` (VERISPEC_TP_TIMEOUT seconds, default DEFAULT_TIMEOUT_S), and so do rank 0's sends
+of the call broadcast (gloo's send waits for the receiver), so a rank that dies or hangs
+mid-request makes rank 0's next call raise `RankLost` within it: never a hang. The followers
+wait for the next call with a long timeout (idle between requests; a dead rank 0 closes its
+sockets, and their wait fails then), and every rank waits long at the barrier after loading
+(a long first conversion is not a lost rank). After a loss every call raises the same RankLost at once, except `release`, which frees
 rank 0's own shard of the sequence (so the engine can fail its requests and release them); the
 engine's requests fail with it (the server answers 503 and exits: verispec.server).
 
@@ -33,6 +35,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 
 import attrs
@@ -46,6 +49,8 @@ __all__ = ["DEFAULT_TIMEOUT_S", "BroadcastTrunk", "Group", "RankLost", "collecti
 #: seconds a math collective may wait for another rank before RankLost (VERISPEC_TP_TIMEOUT overrides).
 DEFAULT_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "VERISPEC_TP_TIMEOUT"
+#: seconds a lost local rank's exit status is waited for, to name it.
+EXIT_GRACE_S = 1.0
 #: seconds idle followers wait for rank 0's next call.
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 
@@ -63,13 +68,15 @@ class RankLost(VerispecError, RuntimeError):
 
 @attrs.frozen
 class Group:
-    """This process in a tensor-parallel group: `shards` (rank, world size, math group) and the
-    call-broadcast group; `timeout_s` bounds each math collective."""
+    """This process in a tensor-parallel group: `shards` (rank, world size, math group), the
+    call-broadcast group (timeout_s on rank 0, IDLE_TIMEOUT_S on the others) and the `loaded`
+    barrier's group (IDLE_TIMEOUT_S); `timeout_s` bounds each math collective."""
 
     shards: Shards
     calls: object = attrs.field(eq=False, repr=False)
     timeout_s: float
     followers: tuple = attrs.field(default=(), eq=False, repr=False)  # spawned local ranks (Popen)
+    loaded: object = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def rank(self) -> int:
@@ -96,11 +103,13 @@ def init_group(rank: int | None = None, world_size: int | None = None, address: 
     try:
         dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        calls = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S))
+        idle = datetime.timedelta(seconds=IDLE_TIMEOUT_S)
+        calls = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s) if rank == 0 else idle)
+        loaded = dist.new_group(backend="gloo", timeout=idle)
     except RuntimeError as e:  # DistStoreError / DistNetworkError subclass it
         raise RankLost(f"rank {rank} of {world} could not join the tensor-parallel group at {address} "
                        f"within {timeout_s:g} s: {e}") from e
-    return Group(Shards(rank, world), calls, timeout_s, tuple(followers))
+    return Group(Shards(rank, world), calls, timeout_s, loaded=loaded, followers=tuple(followers))
 
 
 def _free_port() -> int:
@@ -205,11 +214,15 @@ class BroadcastTrunk:
 
 
 def _who_stopped(group: Group) -> str:
-    """"rank 1 of 2 (exited, signal 9)" for the local ranks this process spawned that have
-    ended; "a tensor-parallel rank of N" when none has (a remote rank, or one that hangs)."""
-    ended = []
+    """"rank 1 (killed by signal 9) of 2 tensor-parallel ranks" for the local ranks this process
+    spawned that have ended (within EXIT_GRACE_S); "a tensor-parallel rank of N" when none has (a
+    remote rank, or one that hangs)."""
+    ended, deadline = [], time.monotonic() + EXIT_GRACE_S  # a killed rank's sockets close before it is reaped
     for rank, process in enumerate(group.followers, start=1):
-        code = process.poll()
+        try:
+            code = process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            code = None
         if code is not None:
             ended.append(f"rank {rank}" + (f" (killed by signal {-code})" if code < 0 else f" (exit status {code})"))
     if not ended:
@@ -306,7 +319,7 @@ def _load_shard(loader, path, group: Group, dtype, context_length):
     import torch.distributed as dist
 
     trunk = loader(path, dtype=dtype, context_length=context_length, shards=group.shards)
-    dist.barrier(group=group.calls)  # every rank loaded (a long first conversion is not a lost rank)
+    dist.barrier(group=group.loaded)  # every rank loaded (a long first conversion is not a lost rank)
     return trunk
 
 

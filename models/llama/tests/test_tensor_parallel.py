@@ -8,6 +8,7 @@ is measured (TP_LOGIT_BOUND states it) and an argmax may differ only where world
 margin is inside twice the measured error; the greedy streams (n-gram speculation on, several
 requests at once) are then required equal.
 """
+import signal
 import time
 
 import pytest
@@ -115,10 +116,31 @@ def test_a_killed_rank_gives_a_clear_error_within_the_timeout(tiny_fixture):
         follower.kill()
         follower.wait()
         began = time.monotonic()
-        with pytest.raises(RankLost, match="stopped answering"):
+        with pytest.raises(RankLost, match=r"rank 1 \(killed by signal 9\) of 2 tensor-parallel ranks stopped answering"):
             forward_one(tp, seq, PROMPT[6:9])
         assert time.monotonic() - began < timeout + 3.0
         with pytest.raises(RankLost):  # and stays lost, at once
             tp.new_sequence()
+        tp.release(seq)  # frees rank 0's shard of it (the engine releases a failed request's sequence)
     finally:
+        tp.close()
+
+
+def test_a_hung_rank_gives_a_clear_error_once_the_timeout_passes(tiny_fixture):
+    _, path = tiny_fixture("qwen2")
+    timeout = 3.0
+    tp = load_parallel_trunk(load, path, world_size=2, dtype="fp32", threads=1, timeout_s=timeout)
+    (follower,) = tp._group.followers
+    try:
+        seq = tp.new_sequence()
+        forward_one(tp, seq, PROMPT[:6])
+        follower.send_signal(signal.SIGSTOP)  # alive, sockets open, answering nothing
+        began = time.monotonic()
+        with pytest.raises(RankLost, match=r"a tensor-parallel rank of 2 stopped answering during forward "
+                                           r"\(collective timeout 3 s\)"):
+            forward_one(tp, seq, PROMPT[6:9])
+        assert timeout - 0.5 < time.monotonic() - began < timeout + 3.0
+    finally:
+        follower.kill()
+        follower.wait()
         tp.close()
