@@ -131,3 +131,21 @@ def test_serve_answers_the_running_requests_then_exits_naming_the_lost_rank(tiny
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "soon", "inf", "nan"])
+def test_a_collective_timeout_that_is_not_a_positive_number_is_refused_naming_the_variable(monkeypatch, value):
+    from verispec.errors import InvalidArgument
+    from verispec.tensor_parallel import collective_timeout
+
+    monkeypatch.setenv("VERISPEC_TP_TIMEOUT", value)
+    with pytest.raises(InvalidArgument, match=f"VERISPEC_TP_TIMEOUT='{value}': give the seconds .* positive number"):
+        collective_timeout()
+
+
+def test_the_collective_timeout_comes_from_the_environment_or_the_default(monkeypatch):
+    from verispec.tensor_parallel import DEFAULT_TIMEOUT_S, collective_timeout
+
+    assert collective_timeout() == TIMEOUT_S
+    monkeypatch.delenv("VERISPEC_TP_TIMEOUT")
+    assert collective_timeout() == DEFAULT_TIMEOUT_S
