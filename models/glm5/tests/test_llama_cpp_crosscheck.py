@@ -1,0 +1,39 @@
+"""Cross-check against llama.cpp itself: its own loader and graph run our tiny glm4moe fixtures
+(llama.cpp's tensor names, keys and layouts, as `tiny_glm4moe.hf_to_gguf` writes them) and its
+`llama-perplexity` must give the perplexity our trunk gives on the same text (fp32 weights,
+fp32 KV cache; llama-perplexity's scoring: `verispec.testing.perplexity`).
+
+Runs only where llama.cpp is built (`python benchmarks/llama_cpp.py --build`, ~10-20 min once;
+CI does not build it, so there it skips). The NextN block is in the `nextn` file (llama.cpp
+loads it by its NEXTN names; perplexity does not run it). Measured (llama-cpp-python 0.3.36's
+tree): nextn 580.7089 (llama.cpp) vs 580.7090 (ours), grouped 1469.7257 vs 1469.7258; the bound is
+2e-5 relative.
+"""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+llama_cpp = pytest.importorskip("llama_cpp", reason="benchmarks/llama_cpp.py not found")  # our script, not the pip package
+from tiny_glm4moe import build_hf_model, write_fixture  # noqa: E402
+from verispec.testing import llama_cpp_perplexity, our_perplexity  # noqa: E402
+from verispec_glm5.loader import load  # noqa: E402
+
+
+def _perplexity_binary() -> Path:
+    binary = llama_cpp.build_dir() / "build" / "bin" / "llama-perplexity"
+    if not binary.is_file():
+        pytest.skip("llama.cpp's llama-perplexity is not built: python benchmarks/llama_cpp.py --build")
+    return binary
+
+
+@pytest.mark.parametrize("name", ["nextn", "grouped"])
+def test_llama_cpp_perplexity_equals_ours(name, tmp_path):
+    binary = _perplexity_binary()
+    hf_model, mtp = build_hf_model(name)
+    # "default": this llama.cpp refuses the "gpt2" pre-tokenizer name
+    path = write_fixture(hf_model, tmp_path / "model.gguf", mtp=mtp, extra_metadata={"tokenizer.ggml.pre": "default"})
+    theirs = llama_cpp_perplexity(binary, path, tmp_path)
+    ours = our_perplexity(load(path, dtype="float32", use_cache=False))
+    assert abs(ours - theirs) <= 2e-5 * theirs
