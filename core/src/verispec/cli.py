@@ -251,7 +251,9 @@ def load_engine(args):
     threads = args.threads or default_threads()  # idle cores now: one busy core halves a 2-thread decode
     tp = getattr(args, "tp", None)
     if tp and tp > 1 and not args.threads and threads:
-        threads = max(1, threads // tp)  # the idle cores shared among the local ranks
+        from verispec.tensor_parallel import local_ranks
+
+        threads = max(1, threads // local_ranks(tp))  # this machine's idle cores shared among its own ranks
     return load(args.model, dtype=args.dtype, threads=threads, context_length=args.context_length,
                 spec=spec_options(args), max_running=getattr(args, "max_running", None),
                 kv_cache_gb=args.kv_cache_gb, **({"tensor_parallel": tp} if tp and tp > 1 else {}))

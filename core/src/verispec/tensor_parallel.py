@@ -118,6 +118,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_ranks(world_size: int) -> int:
+    """How many of the `world_size` ranks run on this machine: all of them when `start` spawns
+    them; under a torchrun-style launch (RANK / WORLD_SIZE set) torchrun's LOCAL_WORLD_SIZE, else 1
+    (one rank a machine, as the README's multi-machine launch runs)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return world_size
+
+
 def start(world_size: int, follower_args: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Group:
     """This process as rank 0 of `world_size` local ranks: spawn ranks 1..N-1 running
     `python -m verispec.tensor_parallel *follower_args` (their stderr is ours), then join.

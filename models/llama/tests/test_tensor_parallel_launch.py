@@ -13,7 +13,7 @@ import sys
 
 CLI = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
 #: the launch variables a test process may have inherited; each rank gets its own.
-LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def _machine(root, name: str, fixture: str) -> tuple[dict, str]:
@@ -64,3 +64,16 @@ def test_two_separately_started_ranks_stream_what_one_process_does(tiny_fixture,
     assert got["tokens"] == expected["tokens"] and len(got["tokens"]) == 24
     assert got["text"] == expected["text"]
     assert got["accepted"] > 0, "no draft was accepted: speculation untested"
+
+
+def test_the_default_threads_are_shared_only_among_this_machines_ranks(monkeypatch):
+    from verispec.tensor_parallel import local_ranks
+
+    for name in LAUNCH_VARIABLES + ("LOCAL_WORLD_SIZE",):
+        monkeypatch.delenv(name, raising=False)
+    assert local_ranks(4) == 4  # spawned here: all four share this machine
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert local_ranks(4) == 1  # one rank a machine, as the README's launch runs
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's count of ranks on this machine
+    assert local_ranks(4) == 2
