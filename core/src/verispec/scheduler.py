@@ -167,6 +167,8 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 -- that request fails, the engine goes on
                 if isinstance(exc, InvalidArgument):
                     log.warning("refused a request: %s", exc)
+                elif isinstance(exc, VerispecError):  # e.g. a lost tensor-parallel rank: one line, no traceback
+                    log.info("admitting a request failed: %s", exc)
                 else:
                     log.exception("admitting a request failed")
                 self.kv_budget.free(request)
