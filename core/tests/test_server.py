@@ -22,6 +22,7 @@ from verispec.server import create_app
 from verispec.testing import toy_plugin
 from verispec.testing.terminal import default_sigint
 from verispec.testing.toy import CHAT_TEMPLATE, write_toy_gguf
+from verispec.testing.serving import free_port, wait_until_serving
 
 PROMPT = "the cat sat on the mat. the cat"
 #: the ASGI scope of a POST /v1/completions, for tests that drive the app as a client that leaves.
@@ -352,23 +353,8 @@ def test_a_client_leaving_mid_stream_frees_the_engine_and_leaves_it_exact(tmp_pa
 
 # -- the real process --------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def _wait_until_serving(process, port: int, timeout: float = 60) -> None:
-    """Poll /health of a `verispec serve` subprocess until it answers; fail with its output if it exits."""
-    deadline = time.monotonic() + timeout
-    while True:
-        assert process.poll() is None, process.communicate()
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            assert time.monotonic() < deadline, f"verispec serve did not answer within {timeout:.0f} s"
-            time.sleep(0.2)
 
 
 def _toy_site(root) -> dict:
@@ -381,13 +367,13 @@ def _toy_site(root) -> dict:
 
 
 def test_verispec_serve_answers_on_localhost(tmp_path, model_path):
-    port = _free_port()
+    port = free_port()
     code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
     process = subprocess.Popen([sys.executable, "-c", code, "serve", "--model", str(model_path), "--port", str(port),
                                 "--no-spec", "--request-timeout", "30"], env=_toy_site(tmp_path), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_until_serving(process, port)
+        wait_until_serving(process, port)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
                        json={"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["model"] == str(model_path)
@@ -627,7 +613,7 @@ def _uvicorn(app):
 
     import uvicorn
 
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -807,13 +793,13 @@ def test_verispec_serve_stops_at_once_mid_stream(tmp_path, model_path, signals):
     traceback (Ctrl-C: one line and exit status 130; SIGTERM: ended by that signal)."""
     import signal
 
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(_slow_toy_serve(port, 0.1) + ["serve", "--model", str(model_path), "--port", str(port),
                                                              "--no-spec"],
                                env=_toy_site(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                preexec_fn=default_sigint)
     try:
-        _wait_until_serving(process, port)
+        wait_until_serving(process, port)
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=30,
                           json={"prompt": PROMPT, "max_tokens": 80, "temperature": 0, "ignore_eos": True,
                                 "stream": True}) as r:  # 80 forwards of 0.1 s: 8 s

@@ -7,9 +7,9 @@ must equal world size 1's (n-gram speculation on); rank 1 follows and exits 0 pr
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
+from verispec.testing.serving import free_port
 
 CLI = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
 #: the launch variables a test process may have inherited; each rank gets its own.
@@ -34,10 +34,6 @@ def _generate(model: str, *extra: str) -> list[str]:
             "--ignore-eos", "--spec-type", "ngram", "--spec-adaptive", "off", *extra]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_separately_started_ranks_stream_what_one_process_does(tiny_fixture, tmp_path):
@@ -45,7 +41,7 @@ def test_two_separately_started_ranks_stream_what_one_process_does(tiny_fixture,
     env, model = _machine(tmp_path, "alone", path)
     alone = subprocess.run(_generate(model), env=env, capture_output=True, text=True, timeout=60)
     assert alone.returncode == 0, alone.stderr
-    port = str(_free_port())
+    port = str(free_port())
     ranks = []
     for rank in (0, 1):
         env, model = _machine(tmp_path, f"rank{rank}", path)

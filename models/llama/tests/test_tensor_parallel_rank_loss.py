@@ -9,7 +9,6 @@ it spawned, killed with SIGKILL as a crashed or OOM-killed rank would be.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ import torch
 import verispec
 from verispec.engine import SpecOptions
 from verispec.tensor_parallel import RankLost
+from verispec.testing.serving import free_port, wait_until_serving
 
 TIMEOUT_S = 5.0
 #: the loss must surface within the collective timeout, plus this much for the step under way.
@@ -63,10 +63,6 @@ def test_engine_requests_fail_with_rank_lost_within_the_timeout(tiny_fixture):
         engine.trunk.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _children(pid: int) -> list[int]:
@@ -84,27 +80,17 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _wait_until_serving(process, port: int, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert process.poll() is None, process.communicate()
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            assert time.monotonic() < deadline, f"verispec serve --tp 2 did not answer within {timeout:.0f} s"
-            time.sleep(0.2)
 
 
 def test_serve_answers_the_running_requests_then_exits_naming_the_lost_rank(tiny_fixture):
     _, path = tiny_fixture("qwen2")
-    port = _free_port()
+    port = free_port()
     code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
     server = subprocess.Popen([sys.executable, "-c", code, "serve", "--model", path, "--port", str(port), "--tp", "2",
                                "--threads", "1", "--no-spec", "--dtype", "fp32"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_until_serving(server, port)
+        wait_until_serving(server, port, timeout=90)
         (follower,) = _children(server.pid)
         url = f"http://127.0.0.1:{port}/v1/completions"
         whole = {}
