@@ -46,10 +46,15 @@ def build_dir() -> Path:
     return cache_dir("llama.cpp") / LLAMA_CPP_PYTHON
 
 
+def built(name: str = "llama-bench") -> Path | None:
+    """The built binary `name` (llama-bench, llama-perplexity, ...), or None when `--build` has not run."""
+    binary = build_dir() / "build" / "bin" / name
+    return binary if binary.is_file() else None
+
+
 def bench_binary() -> Path | None:
     """The built llama-bench, or None when `--build` has not run."""
-    binary = build_dir() / "build" / "bin" / "llama-bench"
-    return binary if binary.is_file() else None
+    return built("llama-bench")
 
 
 def build(jobs: int = 2) -> Path:

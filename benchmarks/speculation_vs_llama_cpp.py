@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llama_cpp import build_dir, llama_bench  # noqa: E402 (this directory's build helper)
+from llama_cpp import built, llama_bench  # noqa: E402 (this directory's build helper)
 
 CODE_EDIT = {
     "name": "code-edit", "kind": "edit", "max_new_tokens": 128,
@@ -49,8 +49,8 @@ LLAMA_CPP_TOOLS = {"draft-model": ("llama-speculative", []),
 
 
 def speculative_binary(tool: str) -> Path:
-    binary = build_dir() / "build" / "bin" / tool
-    if not binary.is_file():
+    binary = built(tool)
+    if binary is None:
         raise FileNotFoundError(f"{tool} is not built: run `python benchmarks/llama_cpp.py --build`")
     return binary
 

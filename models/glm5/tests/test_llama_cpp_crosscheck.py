@@ -21,16 +21,11 @@ from verispec.testing import llama_cpp_perplexity, our_perplexity  # noqa: E402
 from verispec_glm5.loader import load  # noqa: E402
 
 
-def _perplexity_binary() -> Path:
-    binary = llama_cpp.build_dir() / "build" / "bin" / "llama-perplexity"
-    if not binary.is_file():
-        pytest.skip("llama.cpp's llama-perplexity is not built: python benchmarks/llama_cpp.py --build")
-    return binary
-
 
 @pytest.mark.parametrize("name", ["nextn", "grouped"])
 def test_llama_cpp_perplexity_equals_ours(name, tmp_path):
-    binary = _perplexity_binary()
+    binary = llama_cpp.built("llama-perplexity") or pytest.skip(
+        "llama.cpp's llama-perplexity is not built: python benchmarks/llama_cpp.py --build")
     hf_model, mtp = build_hf_model(name)
     # "default": this llama.cpp refuses the "gpt2" pre-tokenizer name
     path = write_fixture(hf_model, tmp_path / "model.gguf", mtp=mtp, extra_metadata={"tokenizer.ggml.pre": "default"})

@@ -23,16 +23,11 @@ from verispec.testing import llama_cpp_perplexity, our_perplexity  # noqa: E402
 from verispec_qwen35.loader import load  # noqa: E402
 
 
-def _perplexity_binary() -> Path:
-    root = llama_cpp.build_dir() / "build" / "bin" / "llama-perplexity"
-    if not root.is_file():
-        pytest.skip("llama.cpp's llama-perplexity is not built: python benchmarks/llama_cpp.py --build")
-    return root
-
 
 @pytest.mark.parametrize("name", ["dense_mtp", "moe_fused_mtp"])
 def test_llama_cpp_perplexity_equals_ours(name, tmp_path):
-    binary = _perplexity_binary()
+    binary = llama_cpp.built("llama-perplexity") or pytest.skip(
+        "llama.cpp's llama-perplexity is not built: python benchmarks/llama_cpp.py --build")
     model_type, _, kwargs, options = TINY_CONFIGS[name]
     TINY_CONFIGS[f"{name}_dk_eq_dv"] = (model_type, _, {**kwargs, "linear_value_head_dim": _COMMON["linear_key_head_dim"]},
                                         options)
