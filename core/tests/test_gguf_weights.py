@@ -31,24 +31,10 @@ from verispec.weights.quant import (
     swap_linears,
 )
 from verispec.testing.fixture_writer import write_gguf
+from verispec.testing.gguf_weights import random_blocks
 
 TYPES = sorted(BLOCK_FORMATS)
-#: byte offsets of each type's fp16 fields (d, m, dmin) within a block
-F16_FIELDS = {T.Q4_0: (0,), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_1: (0, 2), T.Q5_1: (0, 2), T.Q4_K: (0, 2),
-              T.Q5_K: (0, 2), T.Q6_K: (208,)}
 needs_kernels = pytest.mark.skipif(ckernels.library() is None, reason="no C compiler: the kernels are not built")
-
-
-def random_blocks(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """uint8 [rows, row_bytes]: random stored blocks, every fp16 field (d, m, dmin) a finite
-    value of either sign around 1e-3 (a real checkpoint's range), every other byte random."""
-    rng = np.random.default_rng(seed)
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    raw = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
-    for offset in F16_FIELDS[ggml_type]:
-        f16 = (rng.standard_normal((rows, cols // block_size, 1)) * 1e-3).astype(np.float16)
-        raw[..., offset:offset + 2] = f16.view(np.uint8)
-    return raw.reshape(rows, -1)
 
 
 def _blocks(ggml_type, raw, cols):
