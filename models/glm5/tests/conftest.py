@@ -1,6 +1,7 @@
 """Fixtures for the glm5 tests; the helpers live in `tiny_glm4moe.py` (on pytest's `pythonpath`,
 set in the workspace's pyproject.toml)."""
 import pytest
+import tiny_glm_dsa
 from tiny_glm4moe import build_hf_model, write_fixture
 
 from verispec.testing import built_once
@@ -20,3 +21,14 @@ def _build(name, directory):
 def tiny_fixture(tmp_path_factory):
     """tiny_fixture(name) -> (transformers model, its MtpModel or None, GGUF path), once per session."""
     return built_once(tmp_path_factory, _build)
+
+
+def _build_dsa(name, directory):
+    model = tiny_glm_dsa.build_hf_model(name)
+    return model, tiny_glm_dsa.write_fixture(model, directory / f"dsa-{name}.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_dsa_fixture(tmp_path_factory):
+    """tiny_dsa_fixture(name) -> (transformers GlmMoeDsaForCausalLM, GGUF path), once per session."""
+    return built_once(tmp_path_factory, _build_dsa)

@@ -1,4 +1,4 @@
-"""Entry point of verispec-glm5: the GLM-4.5 / 4.6 / 4.7 `glm4moe` trunk (no torch here)."""
+"""Entry point of verispec-glm5: the GLM-4.5 / 4.6 / 4.7 `glm4moe` and GLM-5.x `glm-dsa` trunks (no torch here)."""
 from verispec.hookspecs import hookimpl
 from verispec.specs import TrunkSpec
 
@@ -12,4 +12,10 @@ def register_trunks(register):
         summary="GLM-4.5 / 4.6 / 4.7 trunks (GQA, partial NeoX RoPE, sigmoid-routed MoE; NextN draft head)",
         architectures=ARCHITECTURES,
         loader="verispec_glm5.loader:load",
+    ))
+    register(TrunkSpec(
+        name="glm-dsa",
+        summary="GLM-5 / 5.1 / 5.2 trunks (MLA with the DSA top-k indexer, sigmoid-routed MoE)",
+        architectures=("glm-dsa",),
+        loader="verispec_glm5.loader_glm_dsa:load",
     ))
