@@ -24,11 +24,12 @@ def tiny_fixture(tmp_path_factory):
 
 
 def _build_dsa(name, directory):
-    model = tiny_glm_dsa.build_hf_model(name)
-    return model, tiny_glm_dsa.write_fixture(model, directory / f"dsa-{name}.gguf")
+    model, mtp = tiny_glm_dsa.build_hf_model(name)
+    return model, mtp, tiny_glm_dsa.write_fixture(model, directory / f"dsa-{name}.gguf", mtp=mtp)
 
 
 @pytest.fixture(scope="session")
 def tiny_dsa_fixture(tmp_path_factory):
-    """tiny_dsa_fixture(name) -> (transformers GlmMoeDsaForCausalLM, GGUF path), once per session."""
+    """tiny_dsa_fixture(name) -> (transformers GlmMoeDsaForCausalLM, its NextN MtpLayer or None, GGUF
+    path), once per session."""
     return built_once(tmp_path_factory, _build_dsa)

@@ -1,5 +1,5 @@
 """verispec's conformance suites on the tiny glm-dsa fixtures: TrunkConformance in fp32 and int8,
-SpeculatorConformance with `ngram` on this trunk (int8), and the state a keep leaves.
+SpeculatorConformance with `ngram` and `mtp` on this trunk (int8), and the state a keep leaves.
 
 The prompt (32 tokens) is longer than index_topk (24 / 17), so from there on every row's keys
 are a strict top-k subset and a keep or truncate that left a wrong indexer key or latent row
@@ -23,7 +23,7 @@ PROMPT = [1, 5, 9, 2, 7, 3, 11, 4, 8, 6, 10, 12, 40, 77, 101, 3, 14, 15, 92, 65,
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def loaded(request, tiny_dsa_fixture):
     name, dtype = request.param
-    return load(tiny_dsa_fixture(name)[1], dtype=dtype)
+    return load(tiny_dsa_fixture(name)[2], dtype=dtype)
 
 
 class TestGlmDsaConformance(TrunkConformance):
@@ -94,7 +94,7 @@ def test_sequence_nbytes_counts_latent_and_indexer_rows(loaded):
 
 @pytest.fixture(scope="module")
 def int8_trunk(tiny_dsa_fixture):
-    return load(tiny_dsa_fixture("shared")[1], dtype="int8")
+    return load(tiny_dsa_fixture("shared")[2], dtype="int8")
 
 
 class TestNGramOnGlmDsa(SpeculatorConformance):
@@ -108,3 +108,16 @@ class TestNGramOnGlmDsa(SpeculatorConformance):
     def make_speculator(self):
         ngram = pytest.importorskip("verispec_ngram.speculator")
         return lambda: ngram.NGramSpeculator(max_draft_tokens=4)
+
+
+class TestMtpOnGlmDsa(SpeculatorConformance):
+    """The speculator suite with `mtp` over this trunk's NextN head."""
+
+    @pytest.fixture
+    def toy_trunk(self, int8_trunk):
+        return int8_trunk
+
+    @pytest.fixture
+    def make_speculator(self, int8_trunk):
+        speculator = pytest.importorskip("verispec_mtp_nextn.speculator")
+        return lambda: speculator.MtpSpeculator(int8_trunk.draft_head, max_draft_tokens=4, min_draft_prob=0.0)

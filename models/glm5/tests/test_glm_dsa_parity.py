@@ -40,7 +40,7 @@ def _tokens(vocab, seed=1):
 
 @pytest.mark.parametrize("name", ["shared", "full"])
 def test_prefill_and_decode_logits_match_transformers(tiny_dsa_fixture, name):
-    hf_model, path = tiny_dsa_fixture(name)
+    hf_model, _, path = tiny_dsa_fixture(name)
     ours = load(path, dtype="float32")
     assert ours.config.index_topk < PROMPT and PROMPT >= UNABSORBED_MIN_ROWS
     assert ours.config.indexer_full == tuple(t == "full" for t in hf_model.config.indexer_types)
@@ -63,8 +63,8 @@ def test_the_indexer_selection_changes_the_logits(tiny_dsa_fixture, tmp_path):
     transformers' sparse ones past row index_topk, equal before it: the selection is exercised."""
     import tiny_glm_dsa
 
-    hf_model, _ = tiny_dsa_fixture("shared")
-    dense = load(tiny_glm_dsa.write_fixture(hf_model, tmp_path / "dense.gguf",
+    hf_model, mtp, _ = tiny_dsa_fixture("shared")
+    dense = load(tiny_glm_dsa.write_fixture(hf_model, tmp_path / "dense.gguf", mtp=mtp,
                                             extra_metadata={"glm-dsa.attention.indexer.top_k": 512}),
                  dtype="float32")
     prompt, _ = _tokens(hf_model.config.vocab_size)
@@ -80,7 +80,7 @@ def test_selection_restricts_rows_past_top_k(tiny_dsa_fixture):
     """Each row's allowed keys: every earlier position up to index_topk visible keys, then exactly
     index_topk of them, never a later one; the absorbed (one row at a time) and unabsorbed
     (whole chunk) selections agree."""
-    hf_model, path = tiny_dsa_fixture("full")
+    hf_model, _, path = tiny_dsa_fixture("full")
     ours = load(path, dtype="float32")
     indexer = ours.model.layers[0].self_attn.indexer
     g = torch.Generator().manual_seed(5)

@@ -1,7 +1,10 @@
 """Tiny random GLM-5-style (`glm_moe_dsa`) models in transformers, written to GGUF as llama.cpp's converter would.
 
 `build_hf_model(name)` builds the seeded transformers `GlmMoeDsaForCausalLM` of `TINY_CONFIGS[name]`
-with random weights (`tiny_glm4moe._draw`: ~unit gain). `hf_to_gguf` is the HF -> GGUF map written
+with random weights (`tiny_glm4moe._draw`: ~unit gain) and, for the names in `WITH_NEXTN`, a NextN
+block as transformers' own `MtpLayer` (modeling_layers: enorm, hnorm, eh_proj, post_norm) over a
+GlmMoeDsaDecoderLayer with the MoE and its own indexer (`_MtpBlock`; transformers 5.24 has no
+MtpModel for glm_moe_dsa, so the layer is composed here); `nextn_reference` runs it. `hf_to_gguf` is the HF -> GGUF map written
 from llama.cpp's naming (docs/reference/glm5-nemotron.md §2, §5.3, §11.3), independently of the
 loader's table: `kv_b_proj` split per head into `attn_k_b` [H, kvL, nope] (transposed) and
 `attn_v_b` [H, vh, kvL], the indexer under `blk.{i}.indexer.*` on full layers only, `ffn_norm`
@@ -40,8 +43,12 @@ TINY_CONFIGS = {
 }
 
 
+#: configs written with a NextN block blk.{L}
+WITH_NEXTN = ("shared",)
+
+
 def build_hf_model(name: str, seed: int = 0):
-    """The seeded transformers GlmMoeDsaForCausalLM, fp32, eager attention and experts."""
+    """(the seeded transformers GlmMoeDsaForCausalLM fp32 eager, its NextN MtpLayer or None)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model("glm_moe_dsa", **TINY_CONFIGS[name])
@@ -55,7 +62,50 @@ def build_hf_model(name: str, seed: int = 0):
         for pname, b in model.named_buffers():
             if pname.endswith("e_score_correction_bias"):
                 b.copy_(_draw(pname, b.shape, g))
-    return model
+    mtp = None
+    if name in WITH_NEXTN:
+        from transformers.modeling_layers import MtpLayer
+
+        mtp = MtpLayer(config, _mtp_block_class(), type(model.model.norm), 0).eval()
+        with torch.no_grad():
+            for pname, p in mtp.named_parameters():
+                p.copy_(_draw(pname, p.shape, g))
+            for pname, b in mtp.named_buffers():
+                if pname.endswith("e_score_correction_bias"):
+                    b.copy_(_draw(pname, b.shape, g))
+    return model, mtp
+
+
+def _mtp_block_class():
+    """GlmMoeDsaDecoderLayer as MtpLayer calls it: (config, 0) built as a MoE layer with its own
+    indexer (the NextN block's), returning the hidden states alone."""
+    import copy
+
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaDecoderLayer
+
+    class _MtpBlock(GlmMoeDsaDecoderLayer):
+        def __init__(self, config, layer_idx):
+            config = copy.deepcopy(config)
+            config.mlp_layer_types = ["sparse"] * config.num_hidden_layers
+            config.indexer_types = ["full"] * config.num_hidden_layers
+            super().__init__(config, layer_idx)
+
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)[0]
+
+    return _MtpBlock
+
+
+def nextn_reference(model, mtp, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+    """transformers' MtpLayer over pairs (hidden[j], tokens[j]) at positions[j], every pair causal over
+    the earlier ones, with the trunk's embedding and LM head. tokens int64 [T], hidden fp32 [T, D],
+    positions int64 [T] -> (logits fp32 [T, V], h' fp32 [T, D])."""
+    n = tokens.shape[0]
+    embeds = model.model.embed_tokens(tokens[None])
+    position_embeddings = model.model.rotary_emb(hidden[None], positions[None])
+    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    h_out = mtp(embeds, hidden[None], position_embeddings, mask, positions[None], None)
+    return model.lm_head(h_out)[0], h_out[0]
 
 
 # --- HF -> GGUF (llama.cpp: glm-dsa) ------------------------------------------------------------
@@ -77,12 +127,17 @@ _ATTN = {
 }
 
 
-def hf_to_gguf(model) -> tuple[str, dict, dict]:
-    """(arch, metadata, tensors) for `write_gguf`, in llama.cpp's glm-dsa names and layout."""
+_NEXTN = {"eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
+          "hnorm.weight": "nextn.hnorm.weight", "post_norm.weight": "nextn.shared_head_norm.weight"}
+
+
+def hf_to_gguf(model, mtp=None) -> tuple[str, dict, dict]:
+    """(arch, metadata, tensors) for `write_gguf`, in llama.cpp's glm-dsa names and layout; `mtp`:
+    the NextN MtpLayer (written as blk.{L}) or None."""
     cfg, a = model.config, "glm-dsa"
     heads, nope, rope, vh = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     metadata = {
-        f"{a}.block_count": cfg.num_hidden_layers,
+        f"{a}.block_count": cfg.num_hidden_layers + (1 if mtp is not None else 0),
         f"{a}.context_length": cfg.max_position_embeddings,
         f"{a}.embedding_length": cfg.hidden_size,
         f"{a}.feed_forward_length": cfg.intermediate_size,
@@ -112,10 +167,16 @@ def hf_to_gguf(model) -> tuple[str, dict, dict]:
         f"{a}.expert_group_used_count": cfg.topk_group,
         f"{a}.vocab_size": cfg.vocab_size,
     }
+    if mtp is not None:
+        metadata[f"{a}.nextn_predict_layers"] = 1
     if any(t != "full" for t in cfg.indexer_types):
         metadata[f"{a}.attention.indexer.types"] = [t == "full" for t in cfg.indexer_types]
     tensors = {}
-    for name, w in model.state_dict().items():
+    layers = [(name, w) for name, w in model.state_dict().items()]
+    if mtp is not None:
+        layers += [(f"model.layers.{cfg.num_hidden_layers}.{k.removeprefix('mtp_block.')}", w)
+                   for k, w in mtp.state_dict().items()]
+    for name, w in layers:
         w = w.detach().clone()
         if name == "model.embed_tokens.weight":
             tensors["token_embd.weight"] = w
@@ -128,7 +189,9 @@ def hf_to_gguf(model) -> tuple[str, dict, dict]:
             continue
         else:
             _, _, bid, rest = name.split(".", 3)
-            if rest == "self_attn.kv_b_proj.weight":  # [H·(nope + vh), kvL] -> k_b [H, kvL, nope], v_b [H, vh, kvL]
+            if rest in _NEXTN and int(bid) == cfg.num_hidden_layers:
+                tensors[f"blk.{bid}.{_NEXTN[rest]}"] = w
+            elif rest == "self_attn.kv_b_proj.weight":  # [H·(nope + vh), kvL] -> k_b [H, kvL, nope], v_b [H, vh, kvL]
                 per_head = w.view(heads, nope + vh, -1)
                 tensors[f"blk.{bid}.attn_k_b.weight"] = per_head[:, :nope].transpose(1, 2).contiguous()
                 tensors[f"blk.{bid}.attn_v_b.weight"] = per_head[:, nope:].contiguous()
@@ -140,13 +203,13 @@ def hf_to_gguf(model) -> tuple[str, dict, dict]:
     return a, metadata, tensors
 
 
-def write_fixture(model, path, *, extra_metadata=None, extra_tensors=None, drop_tensors=(), drop_metadata=(),
+def write_fixture(model, path, *, mtp=None, extra_metadata=None, extra_tensors=None, drop_tensors=(), drop_metadata=(),
                   tensor_types=None) -> str:
     """Write `model` as a GGUF at `path`; extra_* / drop_* make variants; tensor_types: GGUF name
     -> block type (`write_gguf`), the rest F32."""
     from verispec.testing.fixture_writer import write_gguf
 
-    arch, metadata, tensors = hf_to_gguf(model)
+    arch, metadata, tensors = hf_to_gguf(model, mtp)
     tensors = {k: v for k, v in {**tensors, **(extra_tensors or {})}.items() if k not in drop_tensors}
     metadata = {k: v for k, v in {**metadata, **(extra_metadata or {})}.items() if k not in drop_metadata}
     return write_gguf(path, arch=arch, metadata=metadata, tensors=tensors, tensor_types=tensor_types)
@@ -156,4 +219,5 @@ if __name__ == "__main__":
     import sys
 
     name, out = sys.argv[1:3]
-    print(write_fixture(build_hf_model(name), out))
+    hf_model, hf_mtp = build_hf_model(name)
+    print(write_fixture(hf_model, out, mtp=hf_mtp))

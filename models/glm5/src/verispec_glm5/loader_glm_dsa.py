@@ -4,7 +4,8 @@
 (docs/reference/glm5-nemotron.md §5.2), then `TENSORS` through `verispec.gguf_load.load_trunk`
 (values as stored: plain norm weights, k_b / v_b in llama.cpp's per-head split, §5.3). Indexer
 rows are looked up only on full layers (a shared layer has no indexer module); a file holding
-tensors the math would not use is refused (errors.UnusedTensors).
+tensors the math would not use is refused (errors.UnusedTensors). The NextN block `blk.{L}` maps
+onto `mtp.*` (`nextn_tensors`) and becomes the trunk's `draft_head`.
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from verispec.gguf_load import Arch, load_trunk
 from verispec.gguf_table import Stack, Tensor
 
 from verispec_glm5.loader import LAYER_TENSORS as GLM4MOE_LAYER_TENSORS
+from verispec_glm5.modeling_glm4moe import check_file_kind
 from verispec_glm5.modeling_glm_dsa import ARCHITECTURES, GlmDsaConfig, GlmDsaForCausalLM
 
-__all__ = ["ARCHS", "DEFAULT_DTYPE", "TENSORS", "load"]
+__all__ = ["ARCHS", "DEFAULT_DTYPE", "TENSORS", "load", "nextn_tensors"]
 
 #: int8 weight-only: batch-invariant (a verify row is bitwise the one-row decode).
 DEFAULT_DTYPE = "int8"
@@ -47,10 +49,38 @@ TENSORS = (
     Tensor("blk.{i}.indexer.proj.weight", _A + "indexer.weights_proj.weight"),
     *_FFN,
 )
-assert all(isinstance(t.source, (str, Stack)) for t in TENSORS)
 
-ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), GlmDsaForCausalLM, TENSORS, layout="glm-dsa",
-                    family=name, default_dtype=DEFAULT_DTYPE)
+
+
+def nextn_tensors(n: int) -> tuple[Tensor, ...]:
+    """The NextN block `blk.{n}` (n = trunk layer count) onto `mtp.*`: its decoder layer with the
+    trunk's per-layer rows (`mtp.mtp_block.*`), and its nextn.* tensors (§5.3)."""
+    def at(source):
+        return source.format(i=n) if isinstance(source, str) else Stack(*(p.format(i=n) for p in source.parts))
+
+    b = f"blk.{n}.nextn."
+    return (
+        Tensor(b + "eh_proj.weight", "mtp.eh_proj.weight"),
+        Tensor(b + "enorm.weight", "mtp.enorm.weight"),
+        Tensor(b + "hnorm.weight", "mtp.hnorm.weight"),
+        # absent: llama.cpp falls back to output_norm (and to token_embd / output for the two below)
+        Tensor(b + "shared_head_norm.weight", "mtp.post_norm.weight", alternatives=("output_norm.weight",)),
+        Tensor(b + "embed_tokens.weight", "mtp.embed_tokens.weight"),
+        Tensor(b + "shared_head_head.weight", "mtp.shared_head.weight"),
+        *(Tensor(at(t.source), t.state_name.replace(_L, "mtp.mtp_block."),
+                 alternatives=tuple(at(a) for a in t.alternatives), per_expert=t.per_expert)
+          for t in TENSORS if t.state_name.startswith(_L)),
+    )
+
+
+def main_tensors(config: GlmDsaConfig) -> tuple[Tensor, ...]:
+    """A file's table: `TENSORS`, and the NextN block's rows when the file has one."""
+    return TENSORS + (nextn_tensors(config.num_hidden_layers) if config.num_nextn_predict_layers else ())
+
+
+ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), GlmDsaForCausalLM, main_tensors, layout="glm-dsa",
+                    family=name, default_dtype=DEFAULT_DTYPE,
+                    check_kind=lambda gguf: check_file_kind(gguf.metadata, gguf, source=gguf.path))
          for name in ARCHITECTURES}
 
 
@@ -63,10 +93,16 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     context_length: max positions (default: the file's context_length).
     Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.UnsupportedArchitecture,
     errors.DamagedFile, errors.UnusedTensors, UnsupportedGlm4MoeVariant (non-sigmoid gating, YaRN,
-    a NextN block, indexer types that do not fit), weights.quant.UnknownWeightDtype.
+    several NextN blocks, an MTP-only file, indexer types that do not fit),
+    weights.quant.UnknownWeightDtype. `.draft_head` is set when the file holds a NextN block.
     """
-    return load_trunk(path, ARCHS, dtype=dtype, use_cache=use_cache, tokenizer=tokenizer, progress=progress,
-                      context_length=context_length, max_rows_per_forward=max_rows_per_forward)
+    model = load_trunk(path, ARCHS, dtype=dtype, use_cache=use_cache, tokenizer=tokenizer, progress=progress,
+                       context_length=context_length, max_rows_per_forward=max_rows_per_forward)
+    if model.config.num_nextn_predict_layers:
+        from verispec_glm5.draft_head_glm_dsa import GlmDsaNextNHead
+
+        model.draft_head = GlmDsaNextNHead(model)
+    return model
 
 
 def config_from_gguf(gguf: GGUFFile) -> GlmDsaConfig:

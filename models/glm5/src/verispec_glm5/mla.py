@@ -44,8 +44,10 @@ from torch import nn
 from torch.nn import functional as F
 from verispec.nn.kv_cache import MAX_VERIFY_ROWS, storage_nbytes
 from verispec.nn.norm import RMSNorm
+from verispec.nn.rope import default_inv_freq
 
-__all__ = ["UNABSORBED_MIN_ROWS", "DsaIndexer", "MlaAttention", "MlaLayerCache", "PagedRows", "rope_pairs"]
+__all__ = ["UNABSORBED_MIN_ROWS", "DsaIndexer", "HeadRows", "MlaAttention", "MlaHeadCache", "MlaLayerCache",
+           "PagedRows", "PairRope", "rope_pairs"]
 
 #: a sequence's rows in one forward from which the unabsorbed form runs: above any verify.
 UNABSORBED_MIN_ROWS = MAX_VERIFY_ROWS + 1
@@ -63,6 +65,20 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos, sin = cos.view(shape), sin.view(shape)
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+
+
+class PairRope(nn.Module):
+    """cos / sin of `rope_pairs` at given positions: theta^(-2j/r) · position, j < r/2 (transformers
+    compute_default_rope_parameters; fp32)."""
+
+    def __init__(self, rotary_dim: int, theta: float):
+        super().__init__()
+        self.register_buffer("inv_freq", default_inv_freq(rotary_dim, theta), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int64 [n] -> cos, sin fp32 [n, r/2]."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        return angles.cos(), angles.sin()
 
 
 class PagedRows:
@@ -168,6 +184,56 @@ class MlaLayerCache:
         return new
 
 
+class HeadRows:
+    """A draft head's rows: one contiguous run of positions [base, end), grown on demand. Writing
+    into an empty run starts it anywhere (a head restarting after a gap); otherwise a write
+    starts at or before `end` and ends the run after it. Row: fp32 [width]."""
+
+    def __init__(self, width: int):
+        self.rows = torch.zeros(0, width)
+        self.base = self.end = 0
+
+    def write(self, start_pos: int, rows: torch.Tensor) -> None:
+        """rows fp32 [m, width] for positions start_pos ..; raises ValueError past the run's end."""
+        if self.end == self.base:
+            self.base = self.end = start_pos
+        if not self.base <= start_pos <= self.end:
+            raise ValueError(f"head rows at {start_pos}: the run holds [{self.base}, {self.end}); "
+                             "drop_from the first position to rewrite before writing")
+        end = start_pos + rows.shape[0]
+        if end - self.base > self.rows.shape[0]:
+            grow = max(end - self.base, 2 * self.rows.shape[0], 64) - self.rows.shape[0]
+            self.rows = torch.cat([self.rows, self.rows.new_zeros(grow, self.rows.shape[1])])
+        self.rows[start_pos - self.base:end - self.base] = rows
+        self.end = end
+
+    def read(self, num_positions: int) -> torch.Tensor:
+        """fp32 [num_positions - base, width]: positions base .. num_positions - 1."""
+        return self.rows[:num_positions - self.base]
+
+    def drop_from(self, pos: int) -> None:
+        """Forget every row at position >= pos."""
+        self.end = max(self.base, min(self.end, pos))
+
+
+class MlaHeadCache:
+    """A NextN head's MLA state for one sequence: latent rows and indexer keys over one run of
+    positions from `base` (the `nn.nextn_head` bookkeeping restarts it after a gap)."""
+
+    def __init__(self, latent_width: int, index_width: int | None):
+        self.latent = HeadRows(latent_width)
+        self.index_keys = None if index_width is None else HeadRows(index_width)
+
+    @property
+    def base(self) -> int:
+        return self.latent.base
+
+    def drop_from(self, pos: int) -> None:
+        self.latent.drop_from(pos)
+        if self.index_keys is not None:
+            self.index_keys.drop_from(pos)
+
+
 class DsaIndexer(nn.Module):
     """The lightning indexer of one full layer (transformers' parameter names). `select` gives the
     keys each row may attend to."""
@@ -243,8 +309,9 @@ class MlaAttention(nn.Module):
         """a fp32 [n, D] (all sequences' rows of the forward), cos/sin fp32 [n, r/2]; caches: each
         sequence's MlaLayerCache; sequences: `nn.trunk.RowsOfSequence` (row ranges, start
         positions); shared_selection: on a layer without an indexer, each sequence's allowed-key
-        mask from the previous full layer. Writes these rows into the caches first. Returns
-        (fp32 [n, D], each sequence's allowed-key mask bool [n_s, T_s])."""
+        mask from the previous full layer. Writes these rows into the caches first. A cache whose
+        rows start at a position `base` > 0 (a draft head's) reads keys base .. only. Returns
+        (fp32 [n, D], each sequence's allowed-key mask bool [n_s, T_s - base])."""
         n, heads, nope, r = a.shape[0], self.num_heads, self.nope_dim, self.rope_dim
         cq = self.q_a_layernorm(self.q_a_proj(a))
         q = self.q_b_proj(cq).view(n, heads, nope + r)
@@ -260,16 +327,16 @@ class MlaAttention(nn.Module):
             cache.latent.write(s.start_pos, latent[rows])
             total = s.start_pos + m
             rowwise = m < UNABSORBED_MIN_ROWS
+            start = s.start_pos - getattr(cache, "base", 0)  # the rows' first position among the keys read
             if self.indexer is not None:
                 cache.index_keys.write(s.start_pos, ik[rows])
-                allowed = self.indexer.select(iq[rows], iw[rows], cache.index_keys.read(total), s.start_pos,
-                                              rowwise)
+                allowed = self.indexer.select(iq[rows], iw[rows], cache.index_keys.read(total), start, rowwise)
             else:
                 allowed = shared_selection[j]
             selections.append(allowed)
             keys = cache.latent.read(total)  # [T, W]
             attend = self._absorbed if rowwise else self._unabsorbed
-            out[rows] = attend(q_nope[rows], q_pe[rows], keys, allowed, s.start_pos)
+            out[rows] = attend(q_nope[rows], q_pe[rows], keys, allowed, start)
         return self.o_proj(out.reshape(n, heads * self.v_head_dim)), selections
 
     def _absorbed(self, q_nope, q_pe, keys, allowed, start_pos):

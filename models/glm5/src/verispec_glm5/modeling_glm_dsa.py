@@ -32,14 +32,13 @@ from torch import nn
 from verispec.gguf_io import MissingTensor, arch_value
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
-from verispec.nn.rope import default_inv_freq
 from verispec.nn.trunk import Rows, TrunkModule
 
-from verispec_glm5.mla import DsaIndexer, MlaAttention, MlaLayerCache
+from verispec_glm5.mla import DsaIndexer, MlaAttention, MlaLayerCache, PairRope
 from verispec_glm5.modeling_glm4moe import (SIGMOID_GATING, Glm4MoeMoE, UnsupportedGlm4MoeVariant,
-                                            _uniform)
+                                            _uniform, check_file_kind)
 
-__all__ = ["ARCHITECTURES", "GLM52_CONTEXT", "GlmDsaConfig", "GlmDsaForCausalLM", "default_indexer_types"]
+__all__ = ["ARCHITECTURES", "GLM52_CONTEXT", "GlmDsaConfig", "GlmDsaForCausalLM", "GlmDsaNextN", "default_indexer_types"]
 
 ARCHITECTURES = ("glm-dsa",)
 #: context_length from which a file without `attention.indexer.types` takes the GLM-5.2 schedule.
@@ -86,7 +85,9 @@ class GlmDsaConfig:
     index_topk: int
     indexer_full: tuple[bool, ...]  # per trunk layer: runs its own indexer
     tie_word_embeddings: bool
-    num_nextn_predict_layers: int
+    num_nextn_predict_layers: int  # 1: the file holds the NextN block blk.{L}
+    nextn_has_embed_tokens: bool = False  # blk.{L}.nextn.embed_tokens (else the trunk's embedding)
+    nextn_has_shared_head: bool = False  # blk.{L}.nextn.shared_head_head (else the trunk's LM head)
 
     @property
     def num_experts(self) -> int:
@@ -97,7 +98,8 @@ class GlmDsaConfig:
     def from_gguf(cls, metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple], *,
                   source: str = "the GGUF") -> "GlmDsaConfig":
         """Read the config from `glm-dsa.*` keys (§5.2). tensor_shapes: GGUF name -> torch-order shape.
-        Raises MissingKey, MissingTensor (token_embd), UnsupportedGlm4MoeVariant."""
+        Raises MissingKey, MissingTensor (token_embd), UnsupportedGlm4MoeVariant (also for an MTP-only
+        file and a declared NextN block that is absent: `modeling_glm4moe.check_file_kind`)."""
         arch = metadata.get("general.architecture")
         if arch not in ARCHITECTURES:
             raise UnsupportedGlm4MoeVariant(source, f"general.architecture is {arch!r}",
@@ -113,11 +115,12 @@ class GlmDsaConfig:
             raise UnsupportedGlm4MoeVariant(source, "glm-dsa with RoPE scaling (YaRN)",
                                             "only unscaled RoPE is implemented (GLM-5.x files have none)")
         num_nextn = int(key("nextn_predict_layers", 0))
-        if num_nextn:
-            raise UnsupportedGlm4MoeVariant(source, "a glm-dsa file with a NextN block",
-                                            "drop the NextN block (nextn_predict_layers and blk.{L}.*): "
-                                            "the glm-dsa NextN head is not implemented yet")
+        if num_nextn > 1:
+            raise UnsupportedGlm4MoeVariant(source, f"{num_nextn} NextN blocks", "only one NextN block is supported")
+        check_file_kind(metadata, tensor_shapes, source=source)
         num_layers = int(key("block_count")) - num_nextn
+        nextn = f"blk.{num_layers}.nextn."
+        has_nextn = num_nextn == 1
         rope = int(key("rope.dimension_count"))
         kv_lora = int(key("attention.kv_lora_rank"))
         if int(key("attention.key_length", kv_lora + rope)) != kv_lora + rope:
@@ -167,7 +170,9 @@ class GlmDsaConfig:
             index_topk=int(key("attention.indexer.top_k")),
             indexer_full=full,
             tie_word_embeddings="output.weight" not in tensor_shapes,
-            num_nextn_predict_layers=num_nextn,
+            num_nextn_predict_layers=int(has_nextn),
+            nextn_has_embed_tokens=has_nextn and nextn + "embed_tokens.weight" in tensor_shapes,
+            nextn_has_shared_head=has_nextn and nextn + "shared_head_head.weight" in tensor_shapes,
         )
 
 
@@ -193,6 +198,26 @@ class GlmDsaDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h)), selection
 
 
+class GlmDsaNextN(nn.Module):
+    """The NextN (MTP) block `blk.{L}` in transformers' MtpLayer names: enorm, hnorm, eh_proj
+    ([embedding ‖ hidden] 2D -> D), mtp_block (a MoE decoder layer with its own indexer),
+    post_norm (GGUF shared_head_norm); its own embed_tokens / shared_head only where the file has
+    them. The math of a draft step lives in `draft_head_glm_dsa`."""
+
+    def __init__(self, c: GlmDsaConfig, *, device=None):
+        super().__init__()
+        d = c.hidden_size
+        self.enorm = RMSNorm(d, c.rms_norm_eps)
+        self.hnorm = RMSNorm(d, c.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False, device=device)
+        self.mtp_block = GlmDsaDecoderLayer(c, is_moe=True, full=True, device=device)
+        self.post_norm = RMSNorm(d, c.rms_norm_eps)
+        self.embed_tokens = (nn.Linear(d, c.vocab_size, bias=False, device=device)
+                             if c.nextn_has_embed_tokens else None)  # read by rows
+        self.shared_head = (nn.Linear(d, c.vocab_size, bias=False, device=device)
+                            if c.nextn_has_shared_head else None)
+
+
 class GlmDsaModel(nn.Module):
     def __init__(self, c: GlmDsaConfig, *, device=None):
         super().__init__()
@@ -201,7 +226,7 @@ class GlmDsaModel(nn.Module):
             GlmDsaDecoderLayer(c, is_moe=i >= c.first_k_dense_replace, full=c.indexer_full[i], device=device)
             for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.register_buffer("inv_freq", default_inv_freq(c.qk_rope_head_dim, c.rope_theta), persistent=False)
+        self.rotary_emb = PairRope(c.qk_rope_head_dim, c.rope_theta)
 
 
 class GlmDsaForCausalLM(TrunkModule):
@@ -210,6 +235,8 @@ class GlmDsaForCausalLM(TrunkModule):
 
     dtype: weight dtype of the linears ("int8" | "bfloat16" | "float32" | "int4"); k_b / v_b,
     the router, norms and all state stay fp32. Built on the meta device; the loader fills it.
+    `mtp` is the NextN block when the file has one (never run as a trunk layer), and
+    `draft_head` its PER_TOKEN head (set by the loader).
     """
 
     # as glm4moe: NextN acceptance falls with depth, and a k-row verify touches up to k·top_k experts
@@ -220,8 +247,9 @@ class GlmDsaForCausalLM(TrunkModule):
         super().__init__()
         self._init_sizes(config, dtype, max_rows_per_forward, context_length)
         self.model = GlmDsaModel(config, device=device)
+        self.mtp = GlmDsaNextN(config, device=device) if config.num_nextn_predict_layers else None
         self._finish_linears(device)
-        self.draft_head = None
+        self.draft_head = None  # set by the loader when the file has a NextN block
 
     def _new_layer_states(self) -> list:
         c = self.config
@@ -234,8 +262,7 @@ class GlmDsaForCausalLM(TrunkModule):
     def _forward_rows(self, rows: Rows):
         """Final-normed rows fp32 [n, D] and the residual rows entering each layer (L = after the last)."""
         m = self.model
-        angles = rows.positions.float()[:, None] * m.inv_freq[None, :]  # [n, r/2]
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = m.rotary_emb.cos_sin(rows.positions)  # [n, r/2]
         x = self._embed(rows.tokens)
         taps, selection = {}, None
         for i, layer in enumerate(m.layers):
