@@ -98,14 +98,19 @@ def _mtp_block_class():
 
 def nextn_reference(model, mtp, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
     """transformers' MtpLayer over pairs (hidden[j], tokens[j]) at positions[j], every pair causal over
-    the earlier ones, with the trunk's embedding and LM head. tokens int64 [T], hidden fp32 [T, D],
-    positions int64 [T] -> (logits fp32 [T, V], h' fp32 [T, D])."""
-    n = tokens.shape[0]
-    embeds = model.model.embed_tokens(tokens[None])
-    position_embeddings = model.model.rotary_emb(hidden[None], positions[None])
+    the earlier ones, with the trunk's embedding and LM head. tokens int64 [T] (or [B, T]), hidden
+    fp32 [T, D] ([B, T, D]), positions int64 [T] -> (logits [T, V], h' [T, D]) (batched: [B, T, V],
+    [B, T, D])."""
+    batched = tokens.dim() == 2
+    if not batched:
+        tokens, hidden = tokens[None], hidden[None]
+    n = tokens.shape[1]
+    embeds = model.model.embed_tokens(tokens)
+    position_embeddings = model.model.rotary_emb(hidden, positions[None])
     mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-    h_out = mtp(embeds, hidden[None], position_embeddings, mask, positions[None], None)
-    return model.lm_head(h_out)[0], h_out[0]
+    h_out = mtp(embeds, hidden, position_embeddings, mask, positions[None], None)
+    logits = model.lm_head(h_out)
+    return (logits, h_out) if batched else (logits[0], h_out[0])
 
 
 # --- HF -> GGUF (llama.cpp: glm-dsa) ------------------------------------------------------------
