@@ -1,6 +1,7 @@
 """The Triton GGUF block matmul under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors):
 bitwise `block_linear.reference_matmul` (the PyTorch statement the C kernel is held to) for
-every block type, and a row's bits the same whatever rows and tile sizes share its call."""
+every block type, a row's bits the same whatever rows and tile sizes share its call, and
+BlockLinear's forward dispatched to it."""
 import os
 
 import pytest
@@ -10,42 +11,66 @@ from gguf.constants import GGMLQuantizationType as T
 os.environ["TRITON_INTERPRET"] = "1"  # read as triton is imported and as the kernel is built
 pytest.importorskip("triton", reason="the Triton kernels' tests need triton: pip install 'verispec[test]'")
 
-from verispec.kernels.triton_qmatmul import TritonBlockWeights, qmatmul  # noqa: E402
+from verispec.kernels import ckernels, triton_dispatch  # noqa: E402
+from verispec.kernels.triton_qmatmul import qmatmul  # noqa: E402
 from verispec.testing.gguf_weights import random_blocks  # noqa: E402
-from verispec.weights.block_linear import reference_matmul  # noqa: E402
+from verispec.weights.block_linear import (  # noqa: E402
+    block_linear_class,
+    quantize_activations,
+    reference_matmul,
+    signed_values,
+)
 from verispec.weights.gguf_blocks import BLOCK_FORMATS, GGUFBlocks, unpack  # noqa: E402
 
 ROWS, COLS = 40, 256  # 40 outputs: the last output tile partly masked; 256 columns: one K super-block
 
 
-def _values(ggml_type, seed=0):
-    return unpack(GGUFBlocks(ggml_type, torch.from_numpy(random_blocks(ggml_type, ROWS, COLS, seed)), COLS))
+def _blocks(ggml_type, seed=0):
+    return GGUFBlocks(ggml_type, torch.from_numpy(random_blocks(ggml_type, ROWS, COLS, seed)), COLS)
 
 
 def _x(n, seed=3):
     return torch.randn(n, COLS, generator=torch.Generator().manual_seed(seed))
 
 
+def _triton(x, values, **tiles):
+    return qmatmul(*quantize_activations(x), *signed_values(values), values.format.group, **tiles)
+
+
 @pytest.mark.parametrize("ggml_type", sorted(BLOCK_FORMATS))
 def test_bitwise_the_pytorch_statement(ggml_type):
-    values = _values(ggml_type)
+    values = unpack(_blocks(ggml_type))
     x = _x(5)
     x[1] = 0.0  # an all-zero row: activation scale 0
-    y = qmatmul(x, TritonBlockWeights.from_values(values))
-    assert torch.equal(y, reference_matmul(x, values))
+    assert torch.equal(_triton(x, values), reference_matmul(x, values))
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_K, T.Q6_K])
 def test_a_rows_bits_do_not_depend_on_the_batch_or_the_tiles(ggml_type):
-    weights = TritonBlockWeights.from_values(_values(ggml_type, seed=1))
+    values = unpack(_blocks(ggml_type, seed=1))
     x = _x(17, seed=4)
-    alone = torch.cat([qmatmul(x[i:i + 1], weights) for i in range(17)])
+    alone = torch.cat([_triton(x[i:i + 1], values) for i in range(17)])
     for n in (2, 5, 9, 17):  # a verify's k + 1 rows
-        assert torch.equal(qmatmul(x[:n], weights), alone[:n])
-    assert torch.equal(qmatmul(x, weights, block_m=4, block_n=16), alone)
+        assert torch.equal(_triton(x[:n], values), alone[:n])
+    assert torch.equal(_triton(x, values, block_m=4, block_n=16), alone)
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q5_K])
+def test_block_linear_dispatches_to_triton(ggml_type, monkeypatch):
+    linear = block_linear_class(ggml_type).from_gguf([_blocks(ggml_type, seed=2)])
+    x = _x(3, seed=5)
+    monkeypatch.setenv("VERISPEC_TRITON", "1")  # CPU tensors under the interpreter: as on CUDA
+    assert triton_dispatch.use_triton(x)
+    expected = reference_matmul(x, linear.values())
+    calls = []
+    monkeypatch.setattr(linear, "_triton_matmul", lambda x, f=linear._triton_matmul: calls.append(1) or f(x))
+    assert torch.equal(linear(x), expected) and calls
+    if ckernels.library() is not None:  # VERISPEC_TRITON=0: the C kernel, the same bits
+        monkeypatch.setenv("VERISPEC_TRITON", "0")
+        assert torch.equal(linear(x), expected) and len(calls) == 1
 
 
 def test_a_k_that_is_not_the_weights_is_refused():
-    weights = TritonBlockWeights.from_values(_values(T.Q4_0))
-    with pytest.raises(ValueError, match="x has 224 columns; the weight takes 256"):
-        qmatmul(torch.zeros(1, 224), weights)
+    values = unpack(_blocks(T.Q4_0))
+    with pytest.raises(ValueError, match="the activations have 224 columns; the weight takes 256"):
+        _triton(torch.zeros(1, 224), values)

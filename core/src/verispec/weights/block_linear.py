@@ -6,7 +6,8 @@ activation row to int8 per 32 columns, as llama.cpp's CPU dot products do, and s
 integer products per group before one fp32 scale per group. `reference_matmul` states that
 arithmetic in PyTorch (the tests hold the C kernel to it bitwise; it is also the path without
 a C compiler), so a row's output depends on the row and the weights alone: batch-invariant
-for any row count.
+for any row count. On CUDA tensors the forward runs the same arithmetic in Triton
+(kernels.triton_qmatmul, chosen by kernels.triton_dispatch.use_triton; `signed_values` is its weight).
 
 One class per ggml type (`block_linear_class`): its buffers' shapes depend on the type's
 format (4, 5, 6 or 8 bits a weight, groups of 16 or 32, fp16 scales or a K type's int8 × fp16 factors, mins or not).
@@ -21,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType
 
-from verispec.kernels import ckernels
+from verispec.kernels import ckernels, triton_dispatch
 from verispec.weights.gguf_blocks import BLOCK_FORMATS, SUPER_BLOCK, BlockFormat, BlockValues, GGUFBlocks, unpack
 from verispec.weights.quant import Float32Linear
 
-__all__ = ["BlockLinear", "block_linear_class", "pack", "reference_matmul", "quantize_activations"]
+__all__ = ["BlockLinear", "block_linear_class", "pack", "reference_matmul", "quantize_activations", "signed_values"]
 
 TILE = 16  # output rows per tile: one 16-lane fp32 vector
 BLOCK = 32  # input columns per activation scale
@@ -77,6 +78,7 @@ class BlockLinear(Float32Linear):
         self.register_buffer("mins", torch.empty(groups if fmt.has_mins else (0,), dtype=dtype, device=device))
         self._kernel: tuple | None = None  # (packed tensor, kernel_args()) once computed
         self._unpacked: tuple | None = None  # (packed tensor, values()) for the PyTorch path
+        self._signed: tuple | None = None  # (packed tensor, signed_values(...) on the device) for Triton
 
     @classmethod
     def from_gguf(cls, parts: Sequence[GGUFBlocks]) -> BlockLinear:
@@ -127,7 +129,9 @@ class BlockLinear(Float32Linear):
         lead = x.shape[:-1]
         if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
             x = x.reshape(-1, self.in_features).float().contiguous()
-        if ckernels.library() is None:  # no C compiler: the kernel's arithmetic in PyTorch
+        if triton_dispatch.use_triton(x):  # CUDA tensors: the same arithmetic in Triton
+            y = self._triton_matmul(x)
+        elif ckernels.library() is None:  # no C compiler: the kernel's arithmetic in PyTorch
             if self._unpacked is None or self._unpacked[0] is not self._buffers["packed"]:
                 self._unpacked = (self._buffers["packed"], self.values())  # a byte a weight, kept
             y = reference_matmul(x, self._unpacked[1])
@@ -135,6 +139,20 @@ class BlockLinear(Float32Linear):
             y = torch.empty(x.shape[0], self.out_features)
             ckernels.qmatmul(x, self.kernel_args(), y)
         return y if len(lead) == 1 else y.reshape(*lead, self.out_features)
+
+    def _triton_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """kernels.triton_qmatmul on x's device; the weight unpacked there once (from CPU copies
+        of the packed buffers: unpack_tiles builds its bit masks on the CPU)."""
+        from verispec.kernels import triton_qmatmul
+
+        packed = self._buffers["packed"]
+        if self._signed is None or self._signed[0] is not packed:
+            mins = self.mins.cpu() if self.FORMAT.has_mins else None
+            u, s, m = unpack_tiles(self.FORMAT, packed.cpu(), self.scales.cpu(), mins)
+            rows = slice(0, self.out_features)
+            values = BlockValues(self.FORMAT, u[rows], s[rows], None if m is None else m[rows])
+            self._signed = (packed, tuple(None if t is None else t.to(x.device) for t in signed_values(values)))
+        return triton_qmatmul.qmatmul(*quantize_activations(x), *self._signed[1], self.FORMAT.group)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 [n, in]: rows `ids` dequantised, gguf-py's values bitwise (a tied embedding's lookup;
@@ -233,6 +251,13 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     inv = torch.where(d > 0, torch.ones_like(d) / d, torch.zeros_like(d))
     a = torch.round(blocks * inv[..., None]).to(torch.int8).reshape(n, k)
     return a, d, a.reshape(n, k // 16, 16).int().sum(dim=-1, dtype=torch.int32)
+
+
+def signed_values(values: BlockValues) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The Triton kernel's weight (kernels.triton_qmatmul): w = u - z int8 [rows, cols] (exact:
+    every type's u - z is in [-128, 127]), s and m fp32 contiguous."""
+    w = (values.u.to(torch.int16) - values.format.zero).to(torch.int8).contiguous()
+    return w, values.s.float().contiguous(), None if values.m is None else values.m.float().contiguous()
 
 
 def reference_matmul(x: torch.Tensor, values: BlockValues, chunk: int = 8192) -> torch.Tensor:
