@@ -8,6 +8,11 @@ CI does not build it, so there it skips). The NextN block is in the `nextn` file
 loads it by its NEXTN names; perplexity does not run it). Measured (llama-cpp-python 0.3.36's
 tree): nextn 580.7089 (llama.cpp) vs 580.7090 (ours), grouped 1469.7257 vs 1469.7258; the bound is
 2e-5 relative.
+
+glm-dsa (`tiny_glm_dsa`, 64-token windows past index_topk, so llama.cpp's sparse selection runs
+too): shared 1002.7482 vs 1002.7482, full 1441.7599 vs 1441.7596. Those files set the rms epsilon
+to 1e-6: llama.cpp's graph uses the file's epsilon for the q_a / kv_a latent norms, where
+transformers (and this package) use 1e-6 whatever the config says.
 """
 import sys
 from pathlib import Path
@@ -19,6 +24,7 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="benchmarks/llama_cpp.py not
 from tiny_glm4moe import build_hf_model, write_fixture  # noqa: E402
 from verispec.testing import llama_cpp_perplexity, our_perplexity  # noqa: E402
 from verispec_glm5.loader import load  # noqa: E402
+from verispec_glm5.loader_glm_dsa import load as load_glm_dsa  # noqa: E402
 
 
 
@@ -31,4 +37,18 @@ def test_llama_cpp_perplexity_equals_ours(name, tmp_path):
     path = write_fixture(hf_model, tmp_path / "model.gguf", mtp=mtp, extra_metadata={"tokenizer.ggml.pre": "default"})
     theirs = llama_cpp_perplexity(binary, path, tmp_path)
     ours = our_perplexity(load(path, dtype="float32", use_cache=False))
+    assert abs(ours - theirs) <= 2e-5 * theirs
+
+
+@pytest.mark.parametrize("name", ["shared", "full"])
+def test_llama_cpp_perplexity_equals_ours_glm_dsa(name, tmp_path):
+    import tiny_glm_dsa
+
+    binary = llama_cpp.built("llama-perplexity") or pytest.skip(
+        "llama.cpp's llama-perplexity is not built: python benchmarks/llama_cpp.py --build")
+    hf_model, mtp = tiny_glm_dsa.build_hf_model(name)
+    path = tiny_glm_dsa.write_fixture(hf_model, tmp_path / "model.gguf", mtp=mtp, extra_metadata={
+        "tokenizer.ggml.pre": "default", "glm-dsa.attention.layer_norm_rms_epsilon": 1e-6})
+    theirs = llama_cpp_perplexity(binary, path, tmp_path)
+    ours = our_perplexity(load_glm_dsa(path, dtype="float32", use_cache=False))
     assert abs(ours - theirs) <= 2e-5 * theirs
