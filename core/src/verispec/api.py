@@ -53,7 +53,7 @@ def kv_budget_bytes(kv_cache_gb: float | None) -> int | None:
 def load(model: str | None = None, *, dtype: str | None = None, threads: int | str | None = None,
          context_length: int | None = None, spec=None, registry: Registry | None = None,
          prefill_chunk: int | None = None, max_running: int | None = None, kv_cache_gb: float | None = None,
-         tensor_parallel: int | None = None, **spec_options):
+         tensor_parallel: int | None = None, device: str | None = None, **spec_options):
     """Load `model` and return an InferenceEngine.
 
     model: GGUF path, checkpoint alias (e.g. "gemma3-270m"), or None for the default.
@@ -63,13 +63,18 @@ def load(model: str | None = None, *, dtype: str | None = None, threads: int | s
       request that does not fit waits. None = half of the memory available once the model is
       loaded; 0 = no budget.
     tensor_parallel: ranks of a tensor-parallel trunk (verispec.tensor_parallel; None or 1: one process).
-    Raises InvalidArgument when both `spec` and its fields as keywords are given.
+    device: "cpu" (None: the default), "cuda" or "auto" (verispec.device.resolve_device).
+    Raises InvalidArgument when both `spec` and its fields as keywords are given, or for a device
+    torch does not see; VerispecError for a device the trunks do not run on.
     """
     from verispec.engine import InferenceEngine, SpecOptions
     from verispec.errors import InvalidArgument
 
     if spec is not None and spec_options:
         raise InvalidArgument(f"give either spec= or its fields as keywords ({', '.join(spec_options)}), not both")
+    from verispec.device import require_trunk_device, resolve_device
+
+    require_trunk_device(resolve_device(device))  # refused before the model loads
     budget = kv_budget_bytes(kv_cache_gb) if kv_cache_gb is not None else None  # refused before the model loads
     registry = registry or Registry.discover()
     spec = spec or SpecOptions(**spec_options)

@@ -117,6 +117,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF path or checkpoint alias (default: the embedded default model)")
     p.add_argument("--dtype", choices=["gguf", "int8", "int4", "bf16", "fp32"],
                    help="weight dtype (default: the model's choice; gguf: the file's own quantised blocks, see README)")
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
+                   help="where the trunk runs (default cpu; auto: cuda when torch sees a GPU)")
     p.add_argument("--threads", type=_ranged(int, 1, 1024),
                    help="torch threads (default: the cores idle at start-up, sampled for 0.2 s)")
     p.add_argument("--context-length", type=_ranged(int, 16, 1 << 20))
@@ -256,7 +258,8 @@ def load_engine(args):
         threads = max(1, threads // local_ranks(tp))  # this machine's idle cores shared among its own ranks
     return load(args.model, dtype=args.dtype, threads=threads, context_length=args.context_length,
                 spec=spec_options(args), max_running=getattr(args, "max_running", None),
-                kv_cache_gb=args.kv_cache_gb, **({"tensor_parallel": tp} if tp and tp > 1 else {}))
+                kv_cache_gb=args.kv_cache_gb, device=getattr(args, "device", None),
+                **({"tensor_parallel": tp} if tp and tp > 1 else {}))
 
 
 def cmd_plugins(args) -> int:
