@@ -46,8 +46,11 @@ def _state_rows(trunk, seq):
     """Each layer's committed latent rows and indexer keys (None on a shared layer)."""
     state = trunk._state(seq)
     n = state.seq_len
-    return [(cache.latent.read(n).clone(), None if cache.index_keys is None else cache.index_keys.read(n).clone())
-            for cache in state.layers]
+    rows = []
+    for cache in state.layers:
+        keys = None if cache.index_keys is None else cache.index_keys.read(n).clone()
+        rows.append((cache.latent.read(n).clone(), keys))
+    return rows
 
 
 @pytest.mark.parametrize("accepted", [0, 2, 5])

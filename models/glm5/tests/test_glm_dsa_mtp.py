@@ -66,7 +66,8 @@ def test_head_restarts_after_a_gap(tiny_dsa_fixture):
     head.draft_catch_up(state, tokens[8:14].tolist(), None, 8)  # a gap: no hidden rows
     head.draft_catch_up(state, tokens[14:20].tolist(), hidden[14:20], 14)
     logits, _ = head.draft_step(state, int(tokens[20]), hidden[19], 20)
-    expected, _ = _reference(hf_model, mtp, tokens[15:21], hidden[14:20], torch.arange(15, 21))  # pairs 14..19
+    # pairs j = 14..19
+    expected, _ = _reference(hf_model, mtp, tokens[15:21], hidden[14:20], torch.arange(15, 21))
     torch.testing.assert_close(logits, expected[-1], atol=ATOL, rtol=0)
 
 

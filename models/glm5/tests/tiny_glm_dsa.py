@@ -1,16 +1,18 @@
-"""Tiny random GLM-5-style (`glm_moe_dsa`) models in transformers, written to GGUF as llama.cpp's converter would.
+"""Tiny random GLM-5-style (`glm_moe_dsa`) models in transformers, written to GGUF as llama.cpp's
+converter would.
 
 `build_hf_model(name)` builds the seeded transformers `GlmMoeDsaForCausalLM` of `TINY_CONFIGS[name]`
-with random weights (`tiny_glm4moe._draw`: ~unit gain) and, for the names in `WITH_NEXTN`, a NextN
-block as transformers' own `MtpLayer` (modeling_layers: enorm, hnorm, eh_proj, post_norm) over a
-GlmMoeDsaDecoderLayer with the MoE and its own indexer (`_MtpBlock`; transformers 5.24 has no
-MtpModel for glm_moe_dsa, so the layer is composed here); `nextn_reference` runs it. `hf_to_gguf` is the HF -> GGUF map written
-from llama.cpp's naming (docs/reference/glm5-nemotron.md §2, §5.3, §11.3), independently of the
-loader's table: `kv_b_proj` split per head into `attn_k_b` [H, kvL, nope] (transposed) and
-`attn_v_b` [H, vh, kvL], the indexer under `blk.{i}.indexer.*` on full layers only, `ffn_norm`
-for the pre-FFN norm, and the `glm-dsa.*` keys (MLA stored as MQA: head_count_kv 1, key_length
-kvL + rope, value_length kvL; the decompressed sizes in *_mla; `attention.indexer.types` as
-a bool array, true = full).
+with random weights (`tiny_glm4moe._draw`: ~unit gain) and, for the names in `WITH_NEXTN`, a
+NextN block as transformers' own `MtpLayer` (modeling_layers: enorm, hnorm, eh_proj, post_norm)
+over a GlmMoeDsaDecoderLayer with the MoE and its own indexer (`_MtpBlock`; transformers 5.24 has
+no MtpModel for glm_moe_dsa, so the layer is composed here); `nextn_reference` runs it.
+`hf_to_gguf` is the HF -> GGUF map written from llama.cpp's naming (docs/reference/glm5-nemotron.md
+§2, §5.3, §11.3), independently of the loader's table: `kv_b_proj` split per head into
+`attn_k_b` [H, kvL, nope] (transposed) and `attn_v_b` [H, vh, kvL], the indexer under
+`blk.{i}.indexer.*` on full layers only, `ffn_norm` for the pre-FFN norm, the NextN block as
+`blk.{L}` with its nextn.* tensors, and the `glm-dsa.*` keys (MLA stored as MQA: head_count_kv
+1, key_length kvL + rope, value_length kvL; the decompressed sizes in *_mla;
+`attention.indexer.types` as a bool array, true = full).
 
 Sizes are odd and distinct (qL 24, kvL 20, nope 12, rope 8, vh 14, H 3, D 48), index_topk 24 is
 below the 80-token contexts the tests run (so the selection is not the identity), and the
@@ -140,7 +142,8 @@ def hf_to_gguf(model, mtp=None) -> tuple[str, dict, dict]:
     """(arch, metadata, tensors) for `write_gguf`, in llama.cpp's glm-dsa names and layout; `mtp`:
     the NextN MtpLayer (written as blk.{L}) or None."""
     cfg, a = model.config, "glm-dsa"
-    heads, nope, rope, vh = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    heads, nope, rope = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    vh = cfg.v_head_dim
     metadata = {
         f"{a}.block_count": cfg.num_hidden_layers + (1 if mtp is not None else 0),
         f"{a}.context_length": cfg.max_position_embeddings,
@@ -196,7 +199,8 @@ def hf_to_gguf(model, mtp=None) -> tuple[str, dict, dict]:
             _, _, bid, rest = name.split(".", 3)
             if rest in _NEXTN and int(bid) == cfg.num_hidden_layers:
                 tensors[f"blk.{bid}.{_NEXTN[rest]}"] = w
-            elif rest == "self_attn.kv_b_proj.weight":  # [H·(nope + vh), kvL] -> k_b [H, kvL, nope], v_b [H, vh, kvL]
+            elif rest == "self_attn.kv_b_proj.weight":
+                # [H·(nope + vh), kvL] -> k_b [H, kvL, nope] (transposed per head), v_b [H, vh, kvL]
                 per_head = w.view(heads, nope + vh, -1)
                 tensors[f"blk.{bid}.attn_k_b.weight"] = per_head[:, :nope].transpose(1, 2).contiguous()
                 tensors[f"blk.{bid}.attn_v_b.weight"] = per_head[:, nope:].contiguous()
@@ -208,8 +212,8 @@ def hf_to_gguf(model, mtp=None) -> tuple[str, dict, dict]:
     return a, metadata, tensors
 
 
-def write_fixture(model, path, *, mtp=None, extra_metadata=None, extra_tensors=None, drop_tensors=(), drop_metadata=(),
-                  tensor_types=None) -> str:
+def write_fixture(model, path, *, mtp=None, extra_metadata=None, extra_tensors=None, drop_tensors=(),
+                  drop_metadata=(), tensor_types=None) -> str:
     """Write `model` as a GGUF at `path`; extra_* / drop_* make variants; tensor_types: GGUF name
     -> block type (`write_gguf`), the rest F32."""
     from verispec.testing.fixture_writer import write_gguf

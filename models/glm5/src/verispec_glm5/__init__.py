@@ -1,7 +1,9 @@
-"""verispec trunks for the GLM family; this slice: GLM-4.5 / 4.6 / 4.7 (`glm4moe`) and its NextN head.
+"""verispec trunks for the GLM family: GLM-4.5 / 4.6 / 4.7 (`glm4moe`) and GLM-5.x (`glm-dsa`),
+each with its NextN head.
 
-- `hooks`: the entry point (TrunkSpec "glm4moe"); no torch.
-- `modeling_glm4moe`: the math (`Glm4MoeConfig`, `Glm4MoeForCausalLM`); never opens a file.
-- `draft_head`: the built-in NextN block as a PER_TOKEN `DraftHead` bound to the trunk.
-- `loader`: GGUF -> config -> module, tokenizer, converted-weight cache.
+- `hooks`: the entry points (TrunkSpecs "glm4moe", "glm-dsa"); no torch.
+- `modeling_glm4moe`, `modeling_glm_dsa`: the math (configs, trunks); never open a file.
+- `mla`: multi-head latent attention over a paged latent cache and the DSA top-k indexer.
+- `draft_head`, `draft_head_glm_dsa`: the built-in NextN blocks as PER_TOKEN `DraftHead`s.
+- `loader`, `loader_glm_dsa`: GGUF -> config -> module, tokenizer, converted-weight cache.
 """

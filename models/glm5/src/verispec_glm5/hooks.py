@@ -1,4 +1,5 @@
-"""Entry point of verispec-glm5: the GLM-4.5 / 4.6 / 4.7 `glm4moe` and GLM-5.x `glm-dsa` trunks (no torch here)."""
+"""Entry point of verispec-glm5: the GLM-4.5 / 4.6 / 4.7 `glm4moe` and GLM-5.x `glm-dsa` trunks
+(no torch here)."""
 from verispec.hookspecs import hookimpl
 from verispec.specs import TrunkSpec
 

@@ -56,7 +56,9 @@ def nextn_tensors(n: int) -> tuple[Tensor, ...]:
     """The NextN block `blk.{n}` (n = trunk layer count) onto `mtp.*`: its decoder layer with the
     trunk's per-layer rows (`mtp.mtp_block.*`), and its nextn.* tensors (§5.3)."""
     def at(source):
-        return source.format(i=n) if isinstance(source, str) else Stack(*(p.format(i=n) for p in source.parts))
+        if isinstance(source, str):
+            return source.format(i=n)
+        return Stack(*(p.format(i=n) for p in source.parts))
 
     b = f"blk.{n}.nextn."
     return (

@@ -288,19 +288,21 @@ class MlaAttention(nn.Module):
     """MLA with an optional DSA indexer (module docstring; transformers' parameter names, `k_b` /
     `v_b` the per-head up-projections). a: fp32 [n, D] -> fp32 [n, D]."""
 
-    def __init__(self, *, hidden_size: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int, nope_dim: int,
-                 rope_dim: int, v_head_dim: int, indexer: DsaIndexer | None, device=None):
+    def __init__(self, *, hidden_size: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
+                 nope_dim: int, rope_dim: int, v_head_dim: int, indexer: DsaIndexer | None, device=None):
         super().__init__()
-        self.num_heads, self.kv_lora_rank, self.nope_dim, self.rope_dim = num_heads, kv_lora_rank, nope_dim, rope_dim
-        self.v_head_dim = v_head_dim
+        self.num_heads, self.kv_lora_rank, self.v_head_dim = num_heads, kv_lora_rank, v_head_dim
+        self.nope_dim, self.rope_dim = nope_dim, rope_dim
         self.scaling = (nope_dim + rope_dim) ** -0.5
         self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False, device=device)
         self.q_a_layernorm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)
         self.q_b_proj = nn.Linear(q_lora_rank, num_heads * (nope_dim + rope_dim), bias=False, device=device)
         self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + rope_dim, bias=False, device=device)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
-        self.k_b = nn.Parameter(torch.empty(num_heads, kv_lora_rank, nope_dim, device=device), requires_grad=False)
-        self.v_b = nn.Parameter(torch.empty(num_heads, v_head_dim, kv_lora_rank, device=device), requires_grad=False)
+        self.k_b = nn.Parameter(torch.empty(num_heads, kv_lora_rank, nope_dim, device=device),
+                                requires_grad=False)
+        self.v_b = nn.Parameter(torch.empty(num_heads, v_head_dim, kv_lora_rank, device=device),
+                                requires_grad=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False, device=device)
         self.indexer = indexer
 
@@ -330,7 +332,8 @@ class MlaAttention(nn.Module):
             start = s.start_pos - getattr(cache, "base", 0)  # the rows' first position among the keys read
             if self.indexer is not None:
                 cache.index_keys.write(s.start_pos, ik[rows])
-                allowed = self.indexer.select(iq[rows], iw[rows], cache.index_keys.read(total), start, rowwise)
+                index_keys = cache.index_keys.read(total)
+                allowed = self.indexer.select(iq[rows], iw[rows], index_keys, start, rowwise)
             else:
                 allowed = shared_selection[j]
             selections.append(allowed)
@@ -348,7 +351,8 @@ class MlaAttention(nn.Module):
             q_lat = torch.bmm(self.k_b, q_nope[i, :, :, None])[..., 0]  # [H, kvL]
             scores = torch.matmul(torch.cat([q_lat, q_pe[i]], dim=-1), keys[:visible].t()) * self.scaling
             scores = scores.masked_fill(~allowed[i, :visible], float("-inf"))  # [H, visible]
-            o_lat = torch.matmul(torch.softmax(scores, dim=-1), keys[:visible, :self.kv_lora_rank])  # [H, kvL]
+            probs = torch.softmax(scores, dim=-1)
+            o_lat = torch.matmul(probs, keys[:visible, :self.kv_lora_rank])  # [H, kvL]
             out[i] = torch.bmm(self.v_b, o_lat[:, :, None])[..., 0]
         return out
 

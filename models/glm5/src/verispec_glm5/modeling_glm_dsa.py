@@ -38,7 +38,8 @@ from verispec_glm5.mla import DsaIndexer, MlaAttention, MlaLayerCache, PairRope
 from verispec_glm5.modeling_glm4moe import (SIGMOID_GATING, Glm4MoeMoE, UnsupportedGlm4MoeVariant,
                                             _uniform, check_file_kind)
 
-__all__ = ["ARCHITECTURES", "GLM52_CONTEXT", "GlmDsaConfig", "GlmDsaForCausalLM", "GlmDsaNextN", "default_indexer_types"]
+__all__ = ["ARCHITECTURES", "GLM52_CONTEXT", "GlmDsaConfig", "GlmDsaForCausalLM", "GlmDsaNextN",
+           "default_indexer_types"]
 
 ARCHITECTURES = ("glm-dsa",)
 #: context_length from which a file without `attention.indexer.types` takes the GLM-5.2 schedule.
@@ -116,7 +117,8 @@ class GlmDsaConfig:
                                             "only unscaled RoPE is implemented (GLM-5.x files have none)")
         num_nextn = int(key("nextn_predict_layers", 0))
         if num_nextn > 1:
-            raise UnsupportedGlm4MoeVariant(source, f"{num_nextn} NextN blocks", "only one NextN block is supported")
+            raise UnsupportedGlm4MoeVariant(source, f"{num_nextn} NextN blocks",
+                                            "only one NextN block is supported")
         check_file_kind(metadata, tensor_shapes, source=source)
         num_layers = int(key("block_count")) - num_nextn
         nextn = f"blk.{num_layers}.nextn."
@@ -130,14 +132,14 @@ class GlmDsaConfig:
         index_dim = int(key("attention.indexer.key_length"))
         if index_dim < rope:
             raise UnsupportedGlm4MoeVariant(source, f"indexer key_length {index_dim} < rope dims {rope}",
-                                            "the indexer's roped part lives inside its head: reconvert the file")
+                                            "the indexer's roped part lives inside its head: reconvert it")
         context = int(key("context_length"))
         types = key("attention.indexer.types", None)
         full = (default_indexer_types(num_layers, context) if types is None
                 else tuple(bool(t) for t in list(types)[:num_layers]))
         if len(full) != num_layers or not full[0]:
             raise UnsupportedGlm4MoeVariant(source, f"attention.indexer.types {list(full)}",
-                                            f"give one entry per trunk layer ({num_layers}), the first one full")
+                                            f"give one entry per trunk layer ({num_layers}), the first full")
         n_group = int(key("expert_group_count", 1) or 1)
         uniform = functools.partial(_uniform, source=source)
         return cls(
@@ -180,8 +182,8 @@ class GlmDsaDecoderLayer(nn.Module):
     def __init__(self, c: GlmDsaConfig, *, is_moe: bool, full: bool, device=None):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        indexer = (DsaIndexer(c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim,
-                              c.index_topk, device=device) if full else None)
+        indexer = (DsaIndexer(c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim,
+                              c.qk_rope_head_dim, c.index_topk, device=device) if full else None)
         self.self_attn = MlaAttention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
                                       q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
                                       nope_dim=c.qk_nope_head_dim, rope_dim=c.qk_rope_head_dim,
