@@ -288,6 +288,9 @@ class Arch:
     check_kind: `gguf -> None`, raising the family's UnsupportedVariant for a file of this
       architecture that is no trunk (e.g. a standalone MTP head); run before `check_numbers`,
       whose block-count rule such a file would break with a misleading "damaged" message.
+    ignored: `config -> tensor names` the file may hold and the math deliberately does not read
+      (llama.cpp skips them too, e.g. GLM-5.2's indexer on layers that reuse another's
+      selection); not refused as unused.
     """
 
     config: Callable[[GGUFFile], Any]
@@ -298,6 +301,7 @@ class Arch:
     read_elsewhere: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
     default_dtype: str = "int8"
     check_kind: Callable[[GGUFFile], None] | None = None
+    ignored: Callable[[Any], Iterable[str]] | None = None
 
 
 def load_trunk(path: str | os.PathLike, archs: Mapping[str, Arch], *, dtype: str | None = None,
@@ -342,7 +346,8 @@ def load_trunk(path: str | os.PathLike, archs: Mapping[str, Arch], *, dtype: str
     table = arch.tensors(config) if callable(arch.tensors) else arch.tensors
     plan = plan_weights(source, model, table, num_layers=config.num_hidden_layers,
                         num_experts=getattr(config, "num_experts", 0))
-    unused = plan.unused_tensors(read_elsewhere=arch.read_elsewhere)
+    ignored = set(arch.ignored(config)) if arch.ignored is not None else set()
+    unused = plan.unused_tensors(read_elsewhere=arch.read_elsewhere | ignored)
     if unused:
         raise UnusedTensors(path, arch.family, unused)
     plan.load(dtype=dtype, layout=layout, use_cache=use_cache, progress=progress)
