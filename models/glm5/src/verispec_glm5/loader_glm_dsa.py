@@ -3,8 +3,9 @@
 `load(path, dtype=..., context_length=...)` is the TrunkSpec loader: `GlmDsaConfig.from_gguf`
 (docs/reference/glm5-nemotron.md §5.2), then `TENSORS` through `verispec.gguf_load.load_trunk`
 (values as stored: plain norm weights, k_b / v_b in llama.cpp's per-head split, §5.3). Indexer
-rows are looked up only on full layers (a shared layer has no indexer module); a file holding
-tensors the math would not use is refused (errors.UnusedTensors). The NextN block `blk.{L}` maps
+rows are looked up only on full layers (a shared layer has no indexer module; its indexer tensors,
+where a file carries them, are ignored: `shared_layer_indexers`); a file holding other tensors
+the math would not use is refused (errors.UnusedTensors). The NextN block `blk.{L}` maps
 onto `mtp.*` (`nextn_tensors`) and becomes the trunk's `draft_head`.
 """
 from __future__ import annotations
@@ -80,9 +81,17 @@ def main_tensors(config: GlmDsaConfig) -> tuple[Tensor, ...]:
     return TENSORS + (nextn_tensors(config.num_hidden_layers) if config.num_nextn_predict_layers else ())
 
 
+def shared_layer_indexers(config: GlmDsaConfig) -> list[str]:
+    """Indexer tensors of shared layers: GLM-5.2 files may carry them (unsloth's do); the layer reuses
+    the previous full layer's selection, so they are never read (nor by llama.cpp)."""
+    names = ("attn_q_b.weight", "attn_k.weight", "k_norm.weight", "k_norm.bias", "proj.weight")
+    return [f"blk.{i}.indexer.{n}" for i, full in enumerate(config.indexer_full) if not full for n in names]
+
+
 ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), GlmDsaForCausalLM, main_tensors, layout="glm-dsa",
                     family=name, default_dtype=DEFAULT_DTYPE,
-                    check_kind=lambda gguf: check_file_kind(gguf.metadata, gguf, source=gguf.path))
+                    check_kind=lambda gguf: check_file_kind(gguf.metadata, gguf, source=gguf.path),
+                    ignored=shared_layer_indexers)
          for name in ARCHITECTURES}
 
 
