@@ -67,3 +67,23 @@ def test_bad_indexer_types_are_refused(tiny_dsa_fixture, tmp_path, types, messag
                     extra_metadata={"glm-dsa.attention.indexer.types": types})
     with pytest.raises(UnsupportedGlm4MoeVariant, match=message):
         load(path, dtype="float32", use_cache=False)
+
+
+def test_a_file_without_the_selection_bias_routes_by_the_unbiased_scores(tmp_path):
+    """exp_probs_b is optional for glm-dsa (llama.cpp): absent, the bias is zero, and the logits equal
+    transformers' with its e_score_correction_bias zeroed."""
+    import tiny_glm_dsa
+
+    hf_model, _ = tiny_glm_dsa.build_hf_model("full")
+    with torch.no_grad():
+        for layer in hf_model.model.layers[hf_model.config.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.zero_()
+    _, _, tensors = tiny_glm_dsa.hf_to_gguf(hf_model)
+    path = tiny_glm_dsa.write_fixture(hf_model, tmp_path / "nobias.gguf",
+                                      drop_tensors=[t for t in tensors if "exp_probs_b" in t])
+    trunk = load(path, dtype="float32", use_cache=False)
+    prompt = torch.arange(5, 45)
+    with torch.no_grad():
+        expected = hf_model(prompt[None]).logits[0]
+    torch.testing.assert_close(forward_one(trunk, trunk.new_sequence(), prompt.tolist()).logits, expected,
+                               atol=1e-4, rtol=0)

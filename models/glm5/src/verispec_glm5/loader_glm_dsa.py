@@ -27,7 +27,9 @@ DEFAULT_DTYPE = "int8"
 
 _L = "model.layers.{i}."
 _A = _L + "self_attn."
-_FFN = tuple(t for t in GLM4MOE_LAYER_TENSORS if ".mlp." in t.state_name)  # dense SwiGLU and MoE rows
+#: dense SwiGLU and MoE rows as glm4moe's; the selection bias optional (llama.cpp: absent = zero)
+_FFN = tuple(Tensor(t.source, t.state_name, optional=True) if "exp_probs_b" in str(t.source) else t
+             for t in GLM4MOE_LAYER_TENSORS if ".mlp." in t.state_name)
 #: GGUF tensor -> parameter; entries the model does not have are never looked up.
 TENSORS = (
     Tensor("token_embd.weight", "model.embed_tokens.weight"),

@@ -192,6 +192,9 @@ class GlmDsaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = (Glm4MoeMoE(c, device=device) if is_moe
                     else GatedMLP(c.hidden_size, c.intermediate_size, "silu", device=device))
+        if is_moe:  # zero unless the file has exp_probs_b (optional for glm-dsa in llama.cpp)
+            self.mlp.gate.e_score_correction_bias = nn.Parameter(torch.zeros(c.n_routed_experts),
+                                                                 requires_grad=False)
 
     def forward(self, h: torch.Tensor, cos, sin, caches, sequences, selection):
         """h fp32 [n, D] -> (fp32 [n, D], each sequence's allowed-key mask); as MlaAttention.forward."""
