@@ -4,8 +4,9 @@ Covers MLA (q and kv LoRA, per-head k_b / v_b from llama.cpp's split, interleave
 20 q·k dims), the DSA indexer with index_topk below the context (rows past it attend to a
 strict subset of keys), a shared-indexer layer (GLM-5.2's types array) and all-full layers (no
 types key: the context-length switch), dense leading layers, sigmoid-routed MoE with expert
-groups, tied and untied heads. An 80-row prefill (one chunk: the unabsorbed form), 16 one-row
-decodes (the absorbed form), and the prefill again in 8-row chunks (absorbed).
+groups, tied and untied heads. An 80-row prefill in one chunk (the unabsorbed form; the default
+chunk of 64 rows never reaches it), 16 one-row decodes (the absorbed form), and the prefill
+again in 8-row chunks (absorbed), which must also be within fp32 rounding of the one-chunk rows.
 
 Tolerance: max |Δlogit| <= 1e-4 (logits up to ~9; measured <= 2e-5).
 """
@@ -13,7 +14,7 @@ import pytest
 import torch
 from verispec.testing import forward_one
 from verispec_glm5.loader_glm_dsa import load
-from verispec_glm5.mla import UNABSORBED_MIN_ROWS
+from verispec_glm5.mla import UNABSORBED_MIN_ROWS, MlaAttention
 
 pytest.importorskip("transformers")
 
@@ -39,23 +40,30 @@ def _tokens(vocab, seed=1):
 
 
 @pytest.mark.parametrize("name", ["shared", "full"])
-def test_prefill_and_decode_logits_match_transformers(tiny_dsa_fixture, name):
+def test_prefill_and_decode_logits_match_transformers(tiny_dsa_fixture, name, monkeypatch):
     hf_model, _, path = tiny_dsa_fixture(name)
-    ours = load(path, dtype="float32")
+    ours = load(path, dtype="float32", max_rows_per_forward=128)  # the 80-row prompt in one chunk
     assert ours.config.index_topk < PROMPT and PROMPT >= UNABSORBED_MIN_ROWS
     assert ours.config.indexer_full == tuple(t == "full" for t in hf_model.config.indexer_types)
     prompt, continuation = _tokens(hf_model.config.vocab_size)
     expected_prefill, expected_decodes = _hf_prefill_and_decodes(hf_model, prompt, continuation)
 
+    unabsorbed_rows = []
+    original = MlaAttention._unabsorbed
+    monkeypatch.setattr(MlaAttention, "_unabsorbed",
+                        lambda self, q_nope, *a: unabsorbed_rows.append(len(q_nope)) or original(self, q_nope, *a))
     seq = ours.new_sequence()
     prefill = forward_one(ours, seq, prompt).logits
+    assert unabsorbed_rows == [PROMPT] * ours.num_layers  # then only the absorbed form
     decodes = torch.cat([forward_one(ours, seq, [t], logits="last").logits for t in continuation])
     chunked = ours.new_sequence()
     absorbed = torch.cat([forward_one(ours, chunked, prompt[i:i + 8]).logits for i in range(0, PROMPT, 8)])
+    assert len(unabsorbed_rows) == ours.num_layers
     assert expected_prefill.abs().max() > 5  # sharp logits: parity is not trivially small numbers
     torch.testing.assert_close(prefill, expected_prefill, atol=ATOL, rtol=0)
     torch.testing.assert_close(decodes, expected_decodes, atol=ATOL, rtol=0)
     torch.testing.assert_close(absorbed, expected_prefill, atol=ATOL, rtol=0)
+    torch.testing.assert_close(absorbed, prefill, atol=2e-5, rtol=0)
 
 
 def test_the_indexer_selection_changes_the_logits(tiny_dsa_fixture, tmp_path):
