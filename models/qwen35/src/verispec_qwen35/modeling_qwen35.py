@@ -18,7 +18,8 @@ What the GGUF holds (docs/reference/qwen35.md §4), so the math here is plain:
 
 The GDN layer runs the delta rule one row at a time (exact; the reference a fused kernel must
 match) and hands the state after every row to its `nn.state.RecurrentState` during a verify,
-so `keep(seq, a)` selects the state after row a with no re-forward. Every op is per row with
+so `keep(seq, a)` selects the state after row a with no re-forward. On CUDA tensors the row
+loop is triton_delta_rule's kernel (its own fixed order of the dk sums). Every op is per row with
 the same shapes whatever n, so with batch-invariant linears (int8) a row is the same bits
 alone or inside an n-row verify.
 Sources: transformers models/qwen3_5/modeling_qwen3_5.py, qwen3_5_moe (5.24);
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from verispec.errors import DamagedFile, UnsupportedVariant
 from verispec.gguf_io import MissingTensor, arch_value
+from verispec.kernels import triton_dispatch
 from verispec.nn.attention import attend_rows
 from verispec.nn.elementwise import rowwise
 from verispec.nn.mlp import GatedMLP
@@ -44,6 +46,8 @@ from verispec.nn.rope import RotaryEmbedding
 from verispec.nn.kv_cache import PagedKVCache
 from verispec.nn.state import RecurrentState
 from verispec.nn.trunk import Rows, TrunkModule
+
+from verispec_qwen35 import triton_delta_rule
 
 __all__ = ["ARCHITECTURES", "Qwen35Config", "Qwen35ForCausalLM", "UnsupportedQwen35Variant", "check_file_kind"]
 
@@ -270,6 +274,11 @@ class Qwen35GatedDeltaNet(nn.Module):
             state.update({"conv": x[:, m:].contiguous()[None], "ssm": ssm[None]})
             return out
         decay = g.exp()  # [m, nv]
+        if triton_dispatch.use_triton(mix):  # CUDA: the rows in Triton, the state after each emitted
+            out, ssms = triton_delta_rule.delta_rule(q, k, v, beta, decay, state.values["ssm"])
+            convs = windows[:, :, 1:].permute(1, 0, 2).contiguous()  # [m, C, W-1]: the tail after each row
+            state.update({"conv": convs, "ssm": ssms} if record_rows else {"conv": convs[-1:], "ssm": ssms[-1:]})
+            return out
         ssm, ssms, outputs = state.values["ssm"], [], []
         for t in range(m):  # the delta rule, state [nv, dk, dv]
             ssm = ssm * decay[t][:, None, None]
