@@ -35,9 +35,11 @@ def use_triton(x: torch.Tensor) -> bool:
     """True when a kernel given `x` should be the Triton one (module docstring). Raises ValueError
     for a VERISPEC_TRITON other than 0 or 1."""
     switch = os.environ.get("VERISPEC_TRITON")
-    if switch not in (None, "0", "1"):
+    if switch is None:  # the default, first: a CPU forward asks ~100 times a token
+        return x.is_cuda and available()
+    if switch not in ("0", "1"):
         raise ValueError(f"VERISPEC_TRITON={switch!r}: set it to 0 (the PyTorch path on the GPU) or 1 (the "
                          "Triton kernels, also on CPU tensors under TRITON_INTERPRET=1), or leave it unset")
     if switch == "0" or not available():
         return False
-    return x.is_cuda or (switch == "1" and _interpreting())
+    return x.is_cuda or _interpreting()
