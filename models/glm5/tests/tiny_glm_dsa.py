@@ -42,11 +42,15 @@ TINY_CONFIGS = {
     "full": {**_COMMON, "num_hidden_layers": 4, "indexer_types": ["full"] * 4, "n_routed_experts": 8,
              "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3, "first_k_dense_replace": 2,
              "tie_word_embeddings": True, "index_topk": 17},
+    # block-quantisable widths (every linear's input a multiple of 32) for the `gguf` weight mode
+    "blocks": {**_COMMON, "vocab_size": 160, "hidden_size": 64, "num_attention_heads": 4,
+               "num_key_value_heads": 4, "intermediate_size": 96, "moe_intermediate_size": 32, "q_lora_rank": 32, "kv_lora_rank": 32,
+               "qk_nope_head_dim": 16, "v_head_dim": 16, "indexer_types": ["full", "shared", "full"]},
 }
 
 
 #: configs written with a NextN block blk.{L}
-WITH_NEXTN = ("shared",)
+WITH_NEXTN = ("shared", "blocks")
 
 
 def build_hf_model(name: str, seed: int = 0):

@@ -102,7 +102,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
          progress: bool | None = None) -> GlmDsaForCausalLM:
     """Load a glm-dsa GGUF as a `GlmDsaForCausalLM` trunk (verispec.gguf_load.load_trunk).
 
-    dtype: "int8" (default) | "bfloat16" | "float32" | "int4" (linears; everything else fp32).
+    dtype: "int8" (default) | "bfloat16" | "float32" | "int4" | "gguf" (linears; everything else fp32).
     context_length: max positions (default: the file's context_length).
     Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.UnsupportedArchitecture,
     errors.DamagedFile, errors.UnusedTensors, UnsupportedGlm4MoeVariant (non-sigmoid gating, YaRN,

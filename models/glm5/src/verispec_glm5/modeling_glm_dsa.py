@@ -14,7 +14,7 @@ Which layers are full (§5.2): the file's `attention.indexer.types` (bool per tr
 full) where present; else every layer when context_length < 1048576 (GLM-5 / 5.1), else
 llama.cpp's built-in GLM-5.2 schedule (layers 0, 1, 2, then every 4th from 2). Layer 0 must be full.
 
-Batch invariance: with int8 / int4 linears, decode and verify rows (fewer than
+Batch invariance: with int8 / int4 / gguf linears, decode and verify rows (fewer than
 `mla.UNABSORBED_MIN_ROWS` per sequence) run per row throughout (the absorbed MLA and the indexer
 one row at a time, the router one row at a time, experts per row as in glm4moe), so a verify row
 is bitwise the one-row decode. Prefill chunks of more rows run the unabsorbed form.
@@ -238,7 +238,7 @@ class GlmDsaForCausalLM(TrunkModule):
     """The glm-dsa trunk: a `Trunk` over one `mla.MlaLayerCache` per layer (latent rows, plus indexer
     keys on full layers; keep and truncate move an integer, fork shares blocks).
 
-    dtype: weight dtype of the linears ("int8" | "bfloat16" | "float32" | "int4"); k_b / v_b,
+    dtype: weight dtype of the linears ("int8" | "bfloat16" | "float32" | "int4" | "gguf"); k_b / v_b,
     the router, norms and all state stay fp32. Built on the meta device; the loader fills it.
     `mtp` is the NextN block when the file has one (never run as a trunk layer), and
     `draft_head` its PER_TOKEN head (set by the loader).
