@@ -6,8 +6,11 @@ import os
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # read as triton is imported and as the kernel is built
+# read as triton is imported and as the kernel is built; TRITON_INTERPRET=0 on a GPU machine runs the
+# kernel tests on CUDA instead (the references stay on the CPU)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="the Triton kernels' tests need triton: pip install 'verispec[test]'")
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 
 from verispec.kernels.ckernels import reference_attend  # noqa: E402
 from verispec.kernels.triton_attend import attend  # noqa: E402
@@ -38,7 +41,8 @@ def _call(q, pools, tables, seqs, slot_pos=None, window=0):
     num_slots = torch.zeros(tables.shape[0], dtype=torch.int32)
     for s, p, n in seqs:
         num_slots[s] = max(int(num_slots[s]), p + n)
-    return attend(q, *pools, tables, row_seq, positions, num_slots, slot_pos, scaling=0.3, window=window)
+    on = [None if t is None else t.to(DEVICE) for t in (q, *pools, tables, row_seq, positions, num_slots, slot_pos)]
+    return attend(*on, scaling=0.3, window=window).cpu()
 
 
 def _expected(q, pools, tables, seqs, slot_pos=None, window=0):

@@ -8,8 +8,11 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
-os.environ["TRITON_INTERPRET"] = "1"  # read as triton is imported and as the kernel is built
+# read as triton is imported and as the kernel is built; TRITON_INTERPRET=0 on a GPU machine runs the
+# kernel tests on CUDA instead (the references stay on the CPU)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="the Triton kernels' tests need triton: pip install 'verispec[test]'")
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 
 from verispec.kernels import ckernels, triton_dispatch  # noqa: E402
 from verispec.kernels.triton_qmatmul import qmatmul  # noqa: E402
@@ -34,7 +37,8 @@ def _x(n, seed=3):
 
 
 def _triton(x, values, **tiles):
-    return qmatmul(*quantize_activations(x), *signed_values(values), values.format.group, **tiles)
+    args = [None if t is None else t.to(DEVICE) for t in (*quantize_activations(x.to(DEVICE)), *signed_values(values))]
+    return qmatmul(*args, values.format.group, **tiles).cpu()
 
 
 @pytest.mark.parametrize("ggml_type", sorted(BLOCK_FORMATS))
@@ -55,6 +59,7 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_the_tiles(ggml_type):
     assert torch.equal(_triton(x, values, block_m=4, block_n=16), alone)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="drives BlockLinear on CPU tensors under the interpreter")
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q5_K])
 def test_block_linear_dispatches_to_triton(ggml_type, monkeypatch):
     linear = block_linear_class(ggml_type).from_gguf([_blocks(ggml_type, seed=2)])

@@ -8,8 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-os.environ["TRITON_INTERPRET"] = "1"  # read as triton is imported and as the kernel is built
+# read as triton is imported and as the kernel is built; TRITON_INTERPRET=0 on a GPU machine runs the
+# kernel tests on CUDA instead (the references stay on the CPU)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="the Triton kernels' tests need triton: pip install 'verispec[test]'")
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 
 from verispec.nn.state import RecurrentState  # noqa: E402
 from verispec_qwen35 import triton_delta_rule  # noqa: E402
@@ -28,19 +31,23 @@ def _inputs(m, seed=0):
     return q, k, v, beta, decay, torch.randn(NV, DK, DV, generator=g)
 
 
+def _on_device(*args):
+    return tuple(t.cpu() for t in delta_rule(*(t.to(DEVICE) for t in args)))
+
+
 def test_bitwise_the_pytorch_statement_with_every_rows_state():
     args = _inputs(5)
-    out, states = delta_rule(*args)
+    out, states = _on_device(*args)
     ref_out, ref_states = reference_delta_rule(*args)
     assert torch.equal(out, ref_out) and torch.equal(states, ref_states)
 
 
 def test_verify_rows_are_one_row_decodes_and_near_the_einsum_loop():
     q, k, v, beta, decay, state = _inputs(17, seed=1)
-    out, states = delta_rule(q, k, v, beta, decay, state)
+    out, states = _on_device(q, k, v, beta, decay, state)
     s = state
     for t in range(17):  # decodes: one row at a time, each from the state the last one emitted
-        o1, s1 = delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], beta[t:t + 1], decay[t:t + 1], s)
+        o1, s1 = _on_device(q[t:t + 1], k[t:t + 1], v[t:t + 1], beta[t:t + 1], decay[t:t + 1], s)
         assert torch.equal(o1[0], out[t]) and torch.equal(s1[0], states[t])
         # the layer's CPU loop (einsum: ATen's order of the dk sums): the same function
         ref = s * decay[t][:, None, None]
@@ -49,6 +56,7 @@ def test_verify_rows_are_one_row_decodes_and_near_the_einsum_loop():
         s = s1[0]
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="drives the layer on CPU tensors under the interpreter")
 def test_the_layer_recurrence_runs_it_and_keeps_every_rows_state(monkeypatch):
     from verispec_qwen35.modeling_qwen35 import Qwen35GatedDeltaNet
 
