@@ -33,3 +33,16 @@ def tiny_dsa_fixture(tmp_path_factory):
     """tiny_dsa_fixture(name) -> (transformers GlmMoeDsaForCausalLM, its NextN MtpLayer or None, GGUF
     path), once per session."""
     return built_once(tmp_path_factory, _build_dsa)
+
+
+def _build_glm5next(name, directory):
+    import tiny_glm5next
+
+    model = tiny_glm5next.build_hf_model(name)
+    return model, tiny_glm5next.write_fixture(model, directory / f"glm5next-{name}.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm5next_fixture(tmp_path_factory):
+    """tiny_glm5next_fixture(name) -> (tiny_glm5next.TinyGlm5Next, GGUF path), once per session."""
+    return built_once(tmp_path_factory, _build_glm5next)

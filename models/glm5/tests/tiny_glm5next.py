@@ -86,7 +86,7 @@ def hf_prefill_and_decodes(model: TinyGlm5Next, prompt: list[int], continuation:
     with torch.no_grad():
         prefill = model(torch.tensor([prompt]), cache=cache, use_cache=True)[0]
         decodes = [model(torch.tensor([[t]]), cache=cache, use_cache=True)[0] for t in continuation]
-    return prefill, torch.cat(decodes)
+    return prefill, torch.cat(decodes) if decodes else prefill[:0]
 
 
 # --- HF -> GGUF (llama.cpp: glm5-next) -----------------------------------------------------------
