@@ -67,7 +67,8 @@ def test_keep_at_every_row_count_is_a_plain_run(tiny_glm5next_fixture):
             assert trunk.seq_len(seq) == len(PROMPT) + accepted
             for got, want in zip(_kda_states(trunk, seq), states[accepted]):
                 assert all(torch.equal(got[k], want[k]) for k in want), (width, accepted)
-            assert torch.equal(forward_one(trunk, seq, [DRAFT[accepted]]).logits, logits[accepted]), (width, accepted)
+            after = forward_one(trunk, seq, [DRAFT[accepted]]).logits
+            assert torch.equal(after, logits[accepted]), (width, accepted)
             trunk.release(seq)
 
 
@@ -94,8 +95,8 @@ def test_sequence_nbytes_counts_recurrent_latent_and_indexer_state(loaded):
     KDA layer the conv windows 3·di·(K-1) and the delta state H·hd·hd floats."""
     c = loaded.config
     di = c.num_attention_heads * c.linear_head_dim
-    recurrent = sum(4 * (3 * di * (c.linear_conv_kernel_dim - 1) + c.num_attention_heads * c.linear_head_dim ** 2)
-                    for kda in c.kda_layers if kda)
+    kda_floats = 3 * di * (c.linear_conv_kernel_dim - 1) + c.num_attention_heads * c.linear_head_dim ** 2
+    recurrent = sum(4 * kda_floats for kda in c.kda_layers if kda)
     per_position = sum(4 * (c.kv_lora_rank + 2 * c.index_head_dim) for kda in c.kda_layers if not kda)
     assert loaded.sequence_nbytes(1) == recurrent + 64 * per_position
     assert loaded.sequence_nbytes(65) == recurrent + 128 * per_position

@@ -117,8 +117,8 @@ _NAMES = {
     "self_attn.indexer.index_kpool_compress_gate": "indexer_compressor_gate.weight",
     "self_attn.indexer.index_kpool_compress_ape": "indexer_compressor_ape.weight",
     # mHC
-    "attn_hc.fn": "hc_attn_fn.weight", "attn_hc.base": "hc_attn_base.weight", "attn_hc.scale": "hc_attn_scale.weight",
-    "ffn_hc.fn": "hc_ffn_fn.weight", "ffn_hc.base": "hc_ffn_base.weight", "ffn_hc.scale": "hc_ffn_scale.weight",
+    **{f"{part}_hc.{name}": f"hc_{part}_{name}.weight"
+       for part in ("attn", "ffn") for name in ("fn", "base", "scale")},
 }
 
 

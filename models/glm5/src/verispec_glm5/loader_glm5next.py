@@ -33,7 +33,8 @@ TENSORS = (
     Tensor("blk.{i}.indexer_compressor_gate.weight", _A + "indexer.compress_gate.weight"),
     Tensor("blk.{i}.indexer_compressor_ape.weight", _A + "indexer.compress_ape"),
     # KDA
-    Tensor(Stack("blk.{i}.attn_q.weight", "blk.{i}.attn_k.weight", "blk.{i}.attn_v.weight"), _A + "qkv_proj.weight"),
+    Tensor(Stack("blk.{i}.attn_q.weight", "blk.{i}.attn_k.weight", "blk.{i}.attn_v.weight"),
+           _A + "qkv_proj.weight"),
     Tensor(Stack("blk.{i}.ssm_conv1d_q.weight", "blk.{i}.ssm_conv1d_k.weight", "blk.{i}.ssm_conv1d_v.weight"),
            _A + "conv1d_weight"),
     Tensor("blk.{i}.ssm_f_a.weight", _A + "f_a_proj.weight"),

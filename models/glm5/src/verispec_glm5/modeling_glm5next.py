@@ -133,7 +133,8 @@ class Glm5NextConfig:
             raise UnsupportedGlm4MoeVariant(source, problem, fix)
 
         if int(key("expert_gating_func", SIGMOID_GATING)) != SIGMOID_GATING:
-            refuse(f"{arch}.expert_gating_func is not sigmoid (2)", "only sigmoid expert gating is implemented")
+            refuse(f"{arch}.expert_gating_func is not sigmoid (2)",
+                   "only sigmoid expert gating is implemented")
         if int(key("rope.dimension_count", 0)):
             refuse(f"{arch}.rope.dimension_count = {key('rope.dimension_count')}",
                    "GLM-5.3-Flash's MLA is NoPE: reconvert with rope.dimension_count 0")
@@ -161,7 +162,8 @@ class Glm5NextConfig:
         if kpool < 2 or topk % kpool:
             refuse(f"indexer top_k {topk} with kpool {kpool}", "kpool must be > 1 and divide top_k")
         if not bool(key("attention.indexer.kpool_select_tail", True)):
-            refuse("attention.indexer.kpool_select_tail false", "only the tail-selecting k-pool is implemented")
+            refuse("attention.indexer.kpool_select_tail false",
+                   "only the tail-selecting k-pool is implemented")
         hc = int(key("hyper_connection.count"))
         if hc != 4:
             refuse(f"hyper_connection.count {hc}", "GLM-5.3-Flash files have 4 streams")
@@ -282,7 +284,8 @@ class HyperConnection(nn.Module):
         return post, comb, (pre[..., None] * streams).sum(dim=1)
 
 
-def hc_merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor,
+             comb: torch.Tensor) -> torch.Tensor:
     """X'[k] = post[k] · out + Σ_j comb[j, k] · X[j]: streams fp32 [n, HC, D], out [n, D] -> [n, HC, D]."""
     return post[..., None] * out[:, None, :] + torch.bmm(comb.transpose(1, 2), streams)
 
@@ -308,9 +311,11 @@ class KdaAttention(nn.Module):
     def __init__(self, c: Glm5NextConfig, *, device=None):
         super().__init__()
         d, self.heads, self.hd = c.hidden_size, c.num_attention_heads, c.linear_head_dim
-        self.di, self.kernel, self.lower_bound = self.heads * self.hd, c.linear_conv_kernel_dim, c.linear_lower_bound
+        self.di, self.kernel = self.heads * self.hd, c.linear_conv_kernel_dim
+        self.lower_bound = c.linear_lower_bound
         self.qkv_proj = nn.Linear(d, 3 * self.di, bias=False, device=device)
-        self.conv1d_weight = nn.Parameter(torch.empty(3 * self.di, 1, self.kernel, device=device), requires_grad=False)
+        self.conv1d_weight = nn.Parameter(torch.empty(3 * self.di, 1, self.kernel, device=device),
+                                          requires_grad=False)
         self.f_a_proj = nn.Linear(d, self.hd, bias=False, device=device)
         self.f_b_proj = nn.Linear(self.hd, self.di, bias=False, device=device)
         self.dt_bias = nn.Parameter(torch.empty(self.di, device=device), requires_grad=False)
@@ -394,7 +399,8 @@ class KpoolIndexer(DsaIndexer):
         n = a.shape[0]
         q = self.wq_b(cq).view(n, self.num_heads, self.head_dim)
         k = self.k_norm(self.wk(a).float())
-        return q, torch.cat([k, self.compress_gate(a)], dim=-1), self.weights_proj(a).float() * self.num_heads ** -0.5
+        weights = self.weights_proj(a).float() * self.num_heads ** -0.5
+        return q, torch.cat([k, self.compress_gate(a)], dim=-1), weights
 
     def pool_keys(self, rows: torch.Tensor) -> torch.Tensor:
         """rows fp32 [p·P, 2·ID] -> pooled keys [p, ID]; each pool's bits depend on its rows alone."""
@@ -435,8 +441,8 @@ class Glm5NextDecoderLayer(nn.Module):
         if self.is_kda:
             self.self_attn = KdaAttention(c, device=device)
         else:
-            indexer = KpoolIndexer(c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim, c.index_topk,
-                                   c.index_kpool, c.indexer_norm_eps, device=device)
+            indexer = KpoolIndexer(c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim,
+                                   c.index_topk, c.index_kpool, c.indexer_norm_eps, device=device)
             self.self_attn = MlaAttention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
                                           q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
                                           nope_dim=c.qk_nope_head_dim, rope_dim=0, v_head_dim=c.v_head_dim,
@@ -445,7 +451,8 @@ class Glm5NextDecoderLayer(nn.Module):
             self.self_attn.q_a_layernorm.eps = self.self_attn.kv_a_layernorm.eps = c.rms_norm_eps
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = (Glm5NextMoE(c, i, device=device) if i >= c.first_k_dense_replace
-                    else ClampedGatedMLP(c.hidden_size, c.intermediate_size, c.swiglu_limits[i], device=device))
+                    else ClampedGatedMLP(c.hidden_size, c.intermediate_size, c.swiglu_limits[i],
+                                         device=device))
         self.attn_hc = HyperConnection(c, device=device)
         self.ffn_hc = HyperConnection(c, device=device)
 
@@ -468,7 +475,8 @@ class Glm5NextModel(nn.Module):
     def __init__(self, c: Glm5NextConfig, *, device=None):
         super().__init__()
         self.embed_tokens = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device=device)  # read by rows
-        self.layers = nn.ModuleList(Glm5NextDecoderLayer(c, i, device=device) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(Glm5NextDecoderLayer(c, i, device=device)
+                                    for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -485,8 +493,8 @@ class Glm5NextForCausalLM(TrunkModule):
     # as the Qwen 3.5 trunk: the per-row recurrence makes a k-row verify cost grow ~linearly
     spec_preferred_max_draft_tokens = 4
 
-    def __init__(self, config: Glm5NextConfig, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
-                 context_length: int | None = None, device="meta"):
+    def __init__(self, config: Glm5NextConfig, *, dtype: str = "int8",
+                 max_rows_per_forward: int | None = None, context_length: int | None = None, device="meta"):
         super().__init__()
         self._init_sizes(config, dtype, max_rows_per_forward, context_length)
         self.model = Glm5NextModel(config, device=device)
@@ -496,7 +504,8 @@ class Glm5NextForCausalLM(TrunkModule):
     def _new_layer_states(self) -> list:
         c = self.config
         return [RecurrentState(layer.self_attn.state_shapes()) if layer.is_kda
-                else MlaLayerCache(c.kv_lora_rank, 2 * c.index_head_dim, max_positions=self.max_context_length)
+                else MlaLayerCache(c.kv_lora_rank, 2 * c.index_head_dim,
+                                   max_positions=self.max_context_length)
                 for layer in self.model.layers]
 
     def _embed(self, tokens):
