@@ -3,7 +3,10 @@ llama.cpp's converter would.
 
 `build_hf_model(name)` builds the seeded transformers `Glm5NextTextModel` of `TINY_CONFIGS[name]`
 with an untied LM head (`TinyGlm5Next`; transformers 5.24 has no text-only causal LM for
-glm5_next), random weights at ~unit gain (`tiny_glm4moe._draw`).
+glm5_next), random weights at ~unit gain (`tiny_glm4moe._draw`), and a NextN block `mtp`:
+transformers' own `MtpLayer` (enorm, hnorm, eh_proj, post_norm) over a plain-residual layer of
+Glm5NextTextAttention and Glm5NextTextMoE (`_MtpBlock`; transformers 5.24 has no MTP model for
+glm5_next, so the layer is composed here, §6.9); `nextn_reference` runs it.
 `hf_to_gguf` is the HF -> GGUF map written from llama.cpp's naming (docs/reference/glm5-nemotron.md
 §2, §6.3, §6.4, §11.4), independently of the loader's table: the KDA conv split into
 `ssm_conv1d_{q,k,v}` [d_inner, 1, K], `ssm_a` = -exp(A_log), `kv_b_proj` split per head into
@@ -44,15 +47,56 @@ class TinyGlm5Next(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+        from transformers.modeling_layers import MtpLayer
+        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel, Glm5NextTextRMSNorm
 
         self.config = config
         self.model = Glm5NextTextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = MtpLayer(config, _MtpBlock, Glm5NextTextRMSNorm, 0)  # drawn after the trunk
 
     def forward(self, input_ids, cache=None, use_cache=False):
         out = self.model(input_ids=input_ids, cache=cache, use_cache=use_cache)
         return self.lm_head(out.last_hidden_state)
+
+
+class _MtpBlock(nn.Module):
+    """The NextN block's decoder layer as MtpLayer calls it: NoPE MLA with its own k-pool indexer
+    over the whole run (no cache), the MoE, plain residuals."""
+
+    def __init__(self, config, layer_idx):
+        import copy
+
+        from transformers.models.glm5_next.modeling_glm5_next import (Glm5NextTextAttention, Glm5NextTextMoE,
+                                                                      Glm5NextTextRMSNorm)
+
+        super().__init__()
+        config = copy.deepcopy(config)
+        config.indexer_types = ["full"] * config.num_hidden_layers
+        self.input_layernorm = Glm5NextTextRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Glm5NextTextAttention(config, layer_idx)
+        self.post_attention_layernorm = Glm5NextTextRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = Glm5NextTextMoE(config)
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        x = self.input_layernorm(hidden_states)
+        mask = torch.ones(x.shape[:2], dtype=torch.bool)
+        hidden_states = hidden_states + self.self_attn(x, attention_mask=mask, cache=None)[0]
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+def nextn_reference(model: TinyGlm5Next, tokens: torch.Tensor, hidden: torch.Tensor):
+    """The MtpLayer over pairs (hidden[j], tokens[j]), every pair causal over the earlier ones, with
+    the trunk's embedding and LM head: tokens int64 [T], hidden fp32 [T, D] -> (logits [T, V], h' [T, D])."""
+    with torch.no_grad():
+        h_out = model.mtp(model.model.embed_tokens(tokens[None]), hidden[None], None, None, None, None)[0]
+        return model.lm_head(h_out), h_out
+
+
+def trunk_hidden(model: TinyGlm5Next, tokens: torch.Tensor) -> torch.Tensor:
+    """The trunk's final-normed rows fp32 [T, D] of tokens int64 [T]."""
+    with torch.no_grad():
+        return model.model(input_ids=tokens[None]).last_hidden_state[0]
 
 
 def build_hf_model(name: str, seed: int = 0) -> TinyGlm5Next:
@@ -126,14 +170,16 @@ def hf_to_gguf(model: TinyGlm5Next, arch: str = "glm5-next") -> tuple[str, dict,
     """(arch, metadata, tensors) for `write_gguf`, in llama.cpp's glm5-next names and layout."""
     cfg, a = model.config, arch
     heads, nope, vh, n = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.num_hidden_layers
+    blocks = n + 1  # the NextN block blk.{n}
     dense = sum(t == "dense" for t in cfg.mlp_layer_types)
     metadata = {
-        f"{a}.block_count": n,
+        f"{a}.block_count": blocks,
+        f"{a}.nextn_predict_layers": 1,
         f"{a}.context_length": cfg.max_position_embeddings,
         f"{a}.embedding_length": cfg.hidden_size,
         f"{a}.feed_forward_length": cfg.intermediate_size,
         f"{a}.attention.head_count": heads,
-        f"{a}.attention.head_count_kv": [0 if t == "linear_attention" else 1 for t in cfg.layer_types],
+        f"{a}.attention.head_count_kv": [0 if t == "linear_attention" else 1 for t in cfg.layer_types] + [1],
         f"{a}.attention.key_length": cfg.kv_lora_rank,
         f"{a}.attention.value_length": cfg.kv_lora_rank,
         f"{a}.attention.key_length_mla": nope,
@@ -154,8 +200,8 @@ def hf_to_gguf(model: TinyGlm5Next, arch: str = "glm5-next") -> tuple[str, dict,
         f"{a}.expert_gating_func": 2,
         f"{a}.expert_weights_scale": float(cfg.routed_scaling_factor),
         f"{a}.expert_weights_norm": bool(cfg.norm_topk_prob),
-        f"{a}.swiglu_clamp_exp": [float(cfg.swiglu_limit)] * n,
-        f"{a}.swiglu_clamp_shexp": [float(cfg.swiglu_limit)] * n,
+        f"{a}.swiglu_clamp_exp": [float(cfg.swiglu_limit)] * blocks,
+        f"{a}.swiglu_clamp_shexp": [float(cfg.swiglu_limit)] * blocks,
         f"{a}.attention.indexer.head_count": cfg.index_n_heads,
         f"{a}.attention.indexer.key_length": cfg.index_head_dim,
         f"{a}.attention.indexer.top_k": cfg.index_topk,
@@ -167,8 +213,16 @@ def hf_to_gguf(model: TinyGlm5Next, arch: str = "glm5-next") -> tuple[str, dict,
         f"{a}.vocab_size": cfg.vocab_size,
     }
     tensors = {}
+    nextn = {"mtp.eh_proj.weight": "nextn.eh_proj.weight", "mtp.enorm.weight": "nextn.enorm.weight",
+             "mtp.hnorm.weight": "nextn.hnorm.weight",
+             "mtp.post_norm.weight": "nextn.shared_head_norm.weight"}
     for name, w in model.state_dict().items():
         w = w.detach().clone()
+        if name in nextn:
+            tensors[f"blk.{n}.{nextn[name]}"] = w
+            continue
+        if name.startswith("mtp.mtp_block."):
+            name = f"model.layers.{n}.{name.removeprefix('mtp.mtp_block.')}"
         if name == "model.embed_tokens.weight":
             tensors["token_embd.weight"] = w
         elif name == "model.norm.weight":

@@ -3,10 +3,9 @@
 `load(path, dtype=..., context_length=...)` is the TrunkSpec loader: `Glm5NextConfig.from_gguf`
 (docs/reference/glm5-nemotron.md §6.3), then `TENSORS` through `verispec.gguf_load.load_trunk`
 (values as stored: `ssm_a` = -exp(A_log), plain norm weights, k_b / v_b in llama.cpp's per-head
-split, §6.4). KDA rows are looked up on KDA layers only, MLA and indexer rows on MLA layers. A
-NextN block `blk.{L}` is not run (no draft head yet): its tensors are ignored, as llama.cpp
-b11434 does with MTP off. A file holding other tensors the math would not use is refused
-(errors.UnusedTensors).
+split, §6.4). KDA rows are looked up on KDA layers only, MLA and indexer rows on MLA layers. The
+NextN block `blk.{L}` maps onto `mtp.*` (`nextn_tensors`) and becomes the trunk's `draft_head`. A
+file holding other tensors the math would not use is refused (errors.UnusedTensors).
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from verispec_glm5.loader_glm_dsa import TENSORS as GLM_DSA_TENSORS
 from verispec_glm5.modeling_glm4moe import check_file_kind
 from verispec_glm5.modeling_glm5next import ARCHITECTURES, Glm5NextConfig, Glm5NextForCausalLM
 
-__all__ = ["ARCHS", "DEFAULT_DTYPE", "TENSORS", "load"]
+__all__ = ["ARCHS", "DEFAULT_DTYPE", "TENSORS", "load", "nextn_tensors"]
 
 #: int8 weight-only: batch-invariant (a verify row is bitwise the one-row decode).
 DEFAULT_DTYPE = "int8"
@@ -50,27 +49,39 @@ TENSORS = (
       for part in ("attn", "ffn") for name in ("fn", "base", "scale")),
 )
 
-#: the NextN block's own tensors besides its decoder layer's (§6.4, §6.9)
-_NEXTN = ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight",
-          "nextn.embed_tokens.weight", "nextn.shared_head_head.weight")
 
 
-def nextn_block_names(config: Glm5NextConfig) -> list[str]:
-    """Every tensor name a NextN block `blk.{L}` may hold (an MLA + indexer + MoE layer and its
-    nextn.* tensors): ignored by the trunk."""
-    if not config.num_nextn_predict_layers:
-        return []
-    n = config.num_hidden_layers
-    names = [f"blk.{n}.{suffix}" for suffix in _NEXTN]
-    for t in TENSORS:
-        for source in (t.source.parts if isinstance(t.source, Stack) else (t.source,)) + t.alternatives:
-            if "{i}" in source:
-                names.append(source.format(i=n))
-    return names
+def nextn_tensors(n: int) -> tuple[Tensor, ...]:
+    """The NextN block `blk.{n}` (n = trunk layer count) onto `mtp.*`: its decoder layer with the
+    trunk's per-layer rows (`mtp.mtp_block.*`; only the MLA, indexer and MoE rows exist there),
+    and its nextn.* tensors (§6.4)."""
+    def at(source):
+        if isinstance(source, str):
+            return source.format(i=n)
+        return Stack(*(p.format(i=n) for p in source.parts))
+
+    b = f"blk.{n}.nextn."
+    return (
+        Tensor(b + "eh_proj.weight", "mtp.eh_proj.weight"),
+        Tensor(b + "enorm.weight", "mtp.enorm.weight"),
+        Tensor(b + "hnorm.weight", "mtp.hnorm.weight"),
+        # absent: llama.cpp falls back to output_norm (and to token_embd / output for the two below)
+        Tensor(b + "shared_head_norm.weight", "mtp.post_norm.weight", alternatives=("output_norm.weight",)),
+        Tensor(b + "embed_tokens.weight", "mtp.embed_tokens.weight"),
+        Tensor(b + "shared_head_head.weight", "mtp.shared_head.weight"),
+        *(Tensor(at(t.source), t.state_name.replace(_L, "mtp.mtp_block."),
+                 alternatives=tuple(at(a) for a in t.alternatives), per_expert=t.per_expert)
+          for t in TENSORS if t.state_name.startswith(_L)),
+    )
 
 
-ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), Glm5NextForCausalLM, TENSORS, layout="glm5-next",
-                    family=name, default_dtype=DEFAULT_DTYPE, ignored=nextn_block_names,
+def main_tensors(config: Glm5NextConfig) -> tuple[Tensor, ...]:
+    """A file's table: `TENSORS`, and the NextN block's rows when the file has one."""
+    return TENSORS + (nextn_tensors(config.num_hidden_layers) if config.num_nextn_predict_layers else ())
+
+
+ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), Glm5NextForCausalLM, main_tensors,
+                    layout="glm5-next", family=name, default_dtype=DEFAULT_DTYPE,
                     check_kind=lambda gguf: check_file_kind(gguf.metadata, gguf, source=gguf.path))
          for name in ARCHITECTURES}
 
@@ -78,7 +89,8 @@ ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), Glm5NextForCausalLM, TE
 def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: int | None = None,
          max_rows_per_forward: int | None = None, use_cache: bool = True, tokenizer: bool = True,
          progress: bool | None = None) -> Glm5NextForCausalLM:
-    """Load a glm5-next / glm5next GGUF as a `Glm5NextForCausalLM` trunk (verispec.gguf_load.load_trunk).
+    """Load a glm5-next / glm5next GGUF as a `Glm5NextForCausalLM` trunk (verispec.gguf_load.load_trunk),
+    with `.draft_head` when the file holds a NextN block.
 
     dtype: "int8" (default) | "bfloat16" | "float32" | "int4" | "gguf" (linears; everything else fp32).
     context_length: max positions (default: the file's context_length).
@@ -86,8 +98,13 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     errors.DamagedFile, errors.UnusedTensors, UnsupportedGlm4MoeVariant (RoPE dims, softmax gating,
     a shared indexer layer, HC other than 4, ...), weights.quant.UnknownWeightDtype.
     """
-    return load_trunk(path, ARCHS, dtype=dtype, use_cache=use_cache, tokenizer=tokenizer, progress=progress,
-                      context_length=context_length, max_rows_per_forward=max_rows_per_forward)
+    model = load_trunk(path, ARCHS, dtype=dtype, use_cache=use_cache, tokenizer=tokenizer, progress=progress,
+                       context_length=context_length, max_rows_per_forward=max_rows_per_forward)
+    if model.config.num_nextn_predict_layers:
+        from verispec_glm5.draft_head_glm5next import Glm5NextNextNHead
+
+        model.draft_head = Glm5NextNextNHead(model)
+    return model
 
 
 def config_from_gguf(gguf: GGUFFile) -> Glm5NextConfig:

@@ -49,8 +49,8 @@ from verispec.nn.trunk import Rows, TrunkModule
 from verispec_glm5.mla import DsaIndexer, MlaAttention, MlaLayerCache
 from verispec_glm5.modeling_glm4moe import SIGMOID_GATING, UnsupportedGlm4MoeVariant
 
-__all__ = ["ARCHITECTURES", "Glm5NextConfig", "Glm5NextForCausalLM", "HyperConnection", "KdaAttention",
-           "KpoolIndexer"]
+__all__ = ["ARCHITECTURES", "Glm5NextConfig", "Glm5NextForCausalLM", "Glm5NextNextN", "HyperConnection",
+           "KdaAttention", "KpoolIndexer", "NoRope", "nope_mla"]
 
 #: the upstream llama.cpp spelling and the fork lineage's (unsloth GGUFs), §6.1.
 ARCHITECTURES = ("glm5-next", "glm5next")
@@ -94,8 +94,8 @@ class Glm5NextConfig:
     norm_topk_prob: bool
     n_group: int
     topk_group: int
-    swiglu_limits: tuple[float, ...]  # per trunk layer, dense and routed experts (0: no clamp)
-    swiglu_limits_shared: tuple[float, ...]  # per trunk layer, the shared expert
+    swiglu_limits: tuple[float, ...]  # per block (NextN included), dense and routed experts (0: no clamp)
+    swiglu_limits_shared: tuple[float, ...]  # per block, the shared expert
     index_n_heads: int
     index_head_dim: int
     index_topk: int
@@ -104,7 +104,9 @@ class Glm5NextConfig:
     hc_sinkhorn_iters: int
     hc_eps: float
     tie_word_embeddings: bool
-    num_nextn_predict_layers: int
+    num_nextn_predict_layers: int  # 1: the file holds the NextN block blk.{L}
+    nextn_has_embed_tokens: bool = False  # blk.{L}.nextn.embed_tokens (else the trunk's embedding)
+    nextn_has_shared_head: bool = False  # blk.{L}.nextn.shared_head_head (else the trunk's LM head)
 
     @property
     def num_experts(self) -> int:
@@ -141,7 +143,9 @@ class Glm5NextConfig:
         num_nextn = int(key("nextn_predict_layers", 0))
         if num_nextn > 1:
             refuse(f"{num_nextn} NextN blocks", "only one NextN block is supported")
-        num_layers = int(key("block_count")) - num_nextn
+        blocks = int(key("block_count"))
+        num_layers = blocks - num_nextn
+        nextn = f"blk.{num_layers}.nextn."
         head_kv = key("attention.head_count_kv", None)
         recurrent = key("attention.recurrent_layers", None)
         if isinstance(head_kv, (list, tuple, np.ndarray)):
@@ -199,8 +203,8 @@ class Glm5NextConfig:
             norm_topk_prob=bool(key("expert_weights_norm", False)),
             n_group=n_group,
             topk_group=int(key("expert_group_used_count", n_group) or n_group),
-            swiglu_limits=_per_layer(clamp, num_layers),
-            swiglu_limits_shared=_per_layer(key("swiglu_clamp_shexp", clamp), num_layers),
+            swiglu_limits=_per_layer(clamp, blocks),
+            swiglu_limits_shared=_per_layer(key("swiglu_clamp_shexp", clamp), blocks),
             index_n_heads=int(key("attention.indexer.head_count")),
             index_head_dim=int(key("attention.indexer.key_length")),
             index_topk=topk,
@@ -210,6 +214,8 @@ class Glm5NextConfig:
             hc_eps=float(key("hyper_connection.epsilon")),
             tie_word_embeddings="output.weight" not in tensor_shapes,
             num_nextn_predict_layers=num_nextn,
+            nextn_has_embed_tokens=bool(num_nextn) and nextn + "embed_tokens.weight" in tensor_shapes,
+            nextn_has_shared_head=bool(num_nextn) and nextn + "shared_head_head.weight" in tensor_shapes,
         )
 
 
@@ -433,6 +439,64 @@ class KpoolIndexer(DsaIndexer):
 # -- layers and trunk ---------------------------------------------------------------------------
 
 
+class NoRope(nn.Module):
+    """The NoPE stand-in for a rotary table: empty cos / sin (r = 0) at any positions."""
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int64 [n] -> cos, sin fp32 [n, 0]."""
+        empty = torch.zeros(positions.shape[0], 0)
+        return empty, empty
+
+
+def nope_mla(c: Glm5NextConfig, *, device=None) -> MlaAttention:
+    """NoPE MLA with its k-pool indexer (§6.6); the latents normalised with the config's epsilon,
+    as transformers' Glm5NextTextAttention does."""
+    indexer = KpoolIndexer(c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim,
+                           c.index_topk, c.index_kpool, c.indexer_norm_eps, device=device)
+    attn = MlaAttention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads, q_lora_rank=c.q_lora_rank,
+                        kv_lora_rank=c.kv_lora_rank, nope_dim=c.qk_nope_head_dim, rope_dim=0,
+                        v_head_dim=c.v_head_dim, indexer=indexer, device=device)
+    attn.q_a_layernorm.eps = attn.kv_a_layernorm.eps = c.rms_norm_eps
+    return attn
+
+
+class Glm5NextMtpBlock(nn.Module):
+    """The NextN block's decoder layer (§6.9): NoPE MLA + k-pool indexer and the MoE with plain
+    residuals (no mHC). Called as `GlmDsaDecoderLayer` (h fp32 [n, D], cos, sin, caches,
+    sequences, selection) -> (fp32 [n, D], selection)."""
+
+    def __init__(self, c: Glm5NextConfig, *, device=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = nope_mla(c, device=device)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = Glm5NextMoE(c, c.num_hidden_layers, device=device)
+
+    def forward(self, h, cos, sin, caches, sequences, selection):
+        attn, selection = self.self_attn(self.input_layernorm(h), cos, sin, caches, sequences, selection)
+        h = h + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), selection
+
+
+class Glm5NextNextN(nn.Module):
+    """The NextN (MTP) block `blk.{L}` in transformers' MtpLayer names: enorm, hnorm, eh_proj
+    ([embedding ‖ hidden] 2D -> D), mtp_block (`Glm5NextMtpBlock`), post_norm (GGUF
+    shared_head_norm); its own embed_tokens / shared_head only where the file has them."""
+
+    def __init__(self, c: Glm5NextConfig, *, device=None):
+        super().__init__()
+        d = c.hidden_size
+        self.enorm = RMSNorm(d, c.rms_norm_eps)
+        self.hnorm = RMSNorm(d, c.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False, device=device)
+        self.mtp_block = Glm5NextMtpBlock(c, device=device)
+        self.post_norm = RMSNorm(d, c.rms_norm_eps)
+        self.embed_tokens = (nn.Linear(d, c.vocab_size, bias=False, device=device)
+                             if c.nextn_has_embed_tokens else None)  # read by rows
+        self.shared_head = (nn.Linear(d, c.vocab_size, bias=False, device=device)
+                            if c.nextn_has_shared_head else None)
+
+
 class Glm5NextDecoderLayer(nn.Module):
     def __init__(self, c: Glm5NextConfig, i: int, *, device=None):
         super().__init__()
@@ -441,14 +505,7 @@ class Glm5NextDecoderLayer(nn.Module):
         if self.is_kda:
             self.self_attn = KdaAttention(c, device=device)
         else:
-            indexer = KpoolIndexer(c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim,
-                                   c.index_topk, c.index_kpool, c.indexer_norm_eps, device=device)
-            self.self_attn = MlaAttention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
-                                          q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
-                                          nope_dim=c.qk_nope_head_dim, rope_dim=0, v_head_dim=c.v_head_dim,
-                                          indexer=indexer, device=device)
-            # transformers Glm5NextTextAttention normalises the latents with the config's epsilon
-            self.self_attn.q_a_layernorm.eps = self.self_attn.kv_a_layernorm.eps = c.rms_norm_eps
+            self.self_attn = nope_mla(c, device=device)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = (Glm5NextMoE(c, i, device=device) if i >= c.first_k_dense_replace
                     else ClampedGatedMLP(c.hidden_size, c.intermediate_size, c.swiglu_limits[i],
@@ -478,6 +535,7 @@ class Glm5NextModel(nn.Module):
         self.layers = nn.ModuleList(Glm5NextDecoderLayer(c, i, device=device)
                                     for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary_emb = NoRope()
 
 
 class Glm5NextForCausalLM(TrunkModule):
@@ -486,8 +544,10 @@ class Glm5NextForCausalLM(TrunkModule):
 
     dtype: weight dtype of the linears ("int8" | "bfloat16" | "float32" | "int4"); conv kernel,
     decay parameters, k_b / v_b, the router, mHC, norms and all state stay fp32. Built on the
-    meta device; the loader fills it. Truncation to a non-zero prefix is refused
-    (CannotTruncate): the KDA state is a fixed-size summary; fork at the full length only.
+    meta device; the loader fills it. `mtp` is the NextN block when the file has one (never run
+    as a trunk layer), and `draft_head` its PER_TOKEN head (set by the loader). Truncation to a
+    non-zero prefix is refused (CannotTruncate): the KDA state is a fixed-size summary; fork at
+    the full length only.
     """
 
     # as the Qwen 3.5 trunk: the per-row recurrence makes a k-row verify cost grow ~linearly
@@ -498,8 +558,9 @@ class Glm5NextForCausalLM(TrunkModule):
         super().__init__()
         self._init_sizes(config, dtype, max_rows_per_forward, context_length)
         self.model = Glm5NextModel(config, device=device)
+        self.mtp = Glm5NextNextN(config, device=device) if config.num_nextn_predict_layers else None
         self._finish_linears(device)
-        self.draft_head = None
+        self.draft_head = None  # set by the loader when the file has a NextN block
 
     def _new_layer_states(self) -> list:
         c = self.config
