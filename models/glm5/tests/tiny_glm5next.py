@@ -87,10 +87,14 @@ class _MtpBlock(nn.Module):
 
 def nextn_reference(model: TinyGlm5Next, tokens: torch.Tensor, hidden: torch.Tensor):
     """The MtpLayer over pairs (hidden[j], tokens[j]), every pair causal over the earlier ones, with
-    the trunk's embedding and LM head: tokens int64 [T], hidden fp32 [T, D] -> (logits [T, V], h' [T, D])."""
-    with torch.no_grad():
-        h_out = model.mtp(model.model.embed_tokens(tokens[None]), hidden[None], None, None, None, None)[0]
-        return model.lm_head(h_out), h_out
+    the trunk's embedding and LM head (differentiable in the head's weights): tokens int64 [T],
+    hidden fp32 [T, D] -> (logits [T, V], h' [T, D]); batched: [B, T], [B, T, D] -> [B, T, V], [B, T, D]."""
+    batched = tokens.dim() == 2
+    if not batched:
+        tokens, hidden = tokens[None], hidden[None]
+    h_out = model.mtp(model.model.embed_tokens(tokens), hidden, None, None, None, None)
+    logits = model.lm_head(h_out)
+    return (logits, h_out) if batched else (logits[0], h_out[0])
 
 
 def trunk_hidden(model: TinyGlm5Next, tokens: torch.Tensor) -> torch.Tensor:
