@@ -95,3 +95,49 @@ def test_hyper_connection_matches_transformers(reference):
     got = ours(streams[0])
     for a, b in zip(got, (post[0], comb[0], collapsed[0])):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def _layer_input(hf_model, n=40, seed=4):
+    return torch.randn(1, n, hf_model.config.hidden_size, generator=torch.Generator().manual_seed(seed))
+
+
+def test_kda_layer_alone_matches_transformers(reference):
+    """Layer 0's KDA over 40 rows from a zero state against Glm5NextTextLinearAttention (its
+    chunked form, within fp32 rounding of our row-by-row recurrence)."""
+    from verispec.nn.state import RecurrentState, SequenceState
+    from verispec.nn.trunk import Rows, RowsOfSequence
+
+    hf_model, path, _, _, _, _ = reference
+    ours = load(path, dtype="float32").model.layers[0].self_attn
+    theirs = hf_model.model.layers[0].self_attn
+    x = _layer_input(hf_model)
+    state = SequenceState([RecurrentState(ours.state_shapes())])
+    state.begin(x.shape[1], verify=False)
+    rows = Rows(tokens=None, positions=None, sequences=[RowsOfSequence(state, 0, 0, x.shape[1])])
+    got = ours(x[0], rows, 0)
+    with torch.no_grad():
+        expected = theirs(x)[0]
+    assert expected.abs().max() > 0.1
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_nope_mla_with_the_kpool_indexer_alone_matches_transformers(reference):
+    """Layer 1's NoPE MLA + k-pool indexer over 40 rows (past top-k 16 + kpool 4: rows choose 4 of
+    up to 10 pools plus their tail) against Glm5NextTextAttention with its indexer."""
+    from verispec.nn.trunk import RowsOfSequence
+    from verispec_glm5.mla import MlaLayerCache
+
+    hf_model, path, _, _, _, _ = reference
+    trunk = load(path, dtype="float32")
+    ours, c = trunk.model.layers[1].self_attn, trunk.config
+    theirs = hf_model.model.layers[1].self_attn
+    x = _layer_input(hf_model, seed=5)
+    n = x.shape[1]
+    cache = MlaLayerCache(c.kv_lora_rank, 2 * c.index_head_dim, max_positions=64)
+    cache.ensure_capacity(n)
+    empty = torch.zeros(n, 0)
+    got, _ = ours(x[0], empty, empty, [cache], [RowsOfSequence(None, 0, 0, n)], None)
+    with torch.no_grad():
+        expected = theirs(x, attention_mask=torch.ones(1, n, dtype=torch.bool), cache=None)[0][0]
+    assert expected.abs().max() > 0.1
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
