@@ -46,6 +46,14 @@ TINY_CONFIGS = {
     "blocks": {**_COMMON, "vocab_size": 160, "hidden_size": 64, "num_attention_heads": 4,
                "num_key_value_heads": 4, "intermediate_size": 96, "moe_intermediate_size": 32, "q_lora_rank": 32, "kv_lora_rank": 32,
                "qk_nope_head_dim": 16, "v_head_dim": 16, "indexer_types": ["full", "shared", "full"]},
+    # for benchmarks/verify_cost.py (`python models/glm5/tests/tiny_glm_dsa.py bench OUT.gguf`): GLM-5's
+    # proportions at 1/12 its width (D 512, 8 heads, latent 64 + rope 8; 64 experts of width 256, top-8,
+    # one shared; 1 dense layer of 4; top-k 128 keys of ~200 cached, so the selection is sparse)
+    "bench": {**_COMMON, "vocab_size": 4096, "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8,
+              "intermediate_size": 1024, "moe_intermediate_size": 256, "n_routed_experts": 64,
+              "num_experts_per_tok": 8, "num_hidden_layers": 4, "q_lora_rank": 256, "kv_lora_rank": 64,
+              "qk_nope_head_dim": 24, "qk_rope_head_dim": 8, "v_head_dim": 32, "index_topk": 128,
+              "index_head_dim": 32, "index_n_heads": 4, "indexer_types": ["full"] * 4, "max_position_embeddings": 2048},
 }
 
 
