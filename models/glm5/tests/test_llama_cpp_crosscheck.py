@@ -13,6 +13,10 @@ glm-dsa (`tiny_glm_dsa`, 64-token windows past index_topk, so llama.cpp's sparse
 too): shared 1002.7482 vs 1002.7482, full 1441.7599 vs 1441.7596. Those files set the rms epsilon
 to 1e-6: llama.cpp's graph uses the file's epsilon for the q_a / kv_a latent norms, where
 transformers (and this package) use 1e-6 whatever the config says.
+
+glm5-next (`tiny_glm5next` "flash": KDA and NoPE MLA layers, the k-pool indexer selecting 4 of 16
+pools in each 64-token window, mHC, the NextN block in the file): 1035.8212 vs 1035.8219
+(6.6e-7 relative), with the fixture's own epsilons (rms 1e-5, indexer k-norm 1e-6) unchanged.
 """
 import sys
 from pathlib import Path
@@ -25,6 +29,7 @@ from tiny_glm4moe import build_hf_model, write_fixture  # noqa: E402
 from verispec.testing import llama_cpp_perplexity, our_perplexity  # noqa: E402
 from verispec_glm5.loader import load  # noqa: E402
 from verispec_glm5.loader_glm_dsa import load as load_glm_dsa  # noqa: E402
+from verispec_glm5.loader_glm5next import load as load_glm5next  # noqa: E402
 
 
 
@@ -51,4 +56,16 @@ def test_llama_cpp_perplexity_equals_ours_glm_dsa(name, tmp_path):
         "tokenizer.ggml.pre": "default", "glm-dsa.attention.layer_norm_rms_epsilon": 1e-6})
     theirs = llama_cpp_perplexity(binary, path, tmp_path)
     ours = our_perplexity(load_glm_dsa(path, dtype="float32", use_cache=False))
+    assert abs(ours - theirs) <= 2e-5 * theirs
+
+
+def test_llama_cpp_perplexity_equals_ours_glm5next(tmp_path):
+    import tiny_glm5next
+
+    binary = llama_cpp.built("llama-perplexity") or pytest.skip(
+        "llama.cpp's llama-perplexity is not built: python benchmarks/llama_cpp.py --build")
+    hf_model = tiny_glm5next.build_hf_model("flash")
+    path = tiny_glm5next.write_fixture(hf_model, tmp_path / "model.gguf", extra_metadata={"tokenizer.ggml.pre": "default"})
+    theirs = llama_cpp_perplexity(binary, path, tmp_path)
+    ours = our_perplexity(load_glm5next(path, dtype="float32", use_cache=False))
     assert abs(ours - theirs) <= 2e-5 * theirs
