@@ -65,7 +65,8 @@ def test_llama_cpp_perplexity_equals_ours_glm5next(tmp_path):
     binary = llama_cpp.built("llama-perplexity") or pytest.skip(
         "llama.cpp's llama-perplexity is not built: python benchmarks/llama_cpp.py --build")
     hf_model = tiny_glm5next.build_hf_model("flash")
-    path = tiny_glm5next.write_fixture(hf_model, tmp_path / "model.gguf", extra_metadata={"tokenizer.ggml.pre": "default"})
+    path = tiny_glm5next.write_fixture(hf_model, tmp_path / "model.gguf",
+                                       extra_metadata={"tokenizer.ggml.pre": "default"})
     theirs = llama_cpp_perplexity(binary, path, tmp_path)
     ours = our_perplexity(load_glm5next(path, dtype="float32", use_cache=False))
     assert abs(ours - theirs) <= 2e-5 * theirs
