@@ -44,8 +44,8 @@ TINY_CONFIGS = {
     # block-quantisable widths (every linear's input a multiple of 32) for the `gguf` weight mode
     # (a file has one head count: KDA's heads are the MLA's)
     "blocks": {**_COMMON, "vocab_size": 160, "hidden_size": 64, "num_attention_heads": 2,
-               "num_key_value_heads": 2, "intermediate_size": 96, "moe_intermediate_size": 32, "q_lora_rank": 32,
-               "kv_lora_rank": 32,
+               "num_key_value_heads": 2, "intermediate_size": 96, "moe_intermediate_size": 32,
+               "q_lora_rank": 32, "kv_lora_rank": 32,
                "qk_nope_head_dim": 32, "v_head_dim": 32, "linear_head_dim": 32, "linear_num_heads": 2},
 }
 
