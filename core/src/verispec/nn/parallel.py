@@ -42,10 +42,11 @@ class HeadsNotDivisible(VerispecError, ValueError):
         for n in counts.values():
             common = n if not common else _gcd(common, n)
         choices = [w for w in range(1, common + 1) if common % w == 0]
-        named = ", ".join(f"{n} {what}" for what, n in counts.items())
+        named = ", ".join(f"{n} {what[:-1] if n == 1 and what.endswith('s') else what}" for what, n in counts.items())
+        fix = ("this model cannot be split: leave --tp out" if choices == [1]
+               else f"choose --tp among {', '.join(map(str, choices[1:]))} (or leave it out)")
         super().__init__(f"tensor parallelism over {world_size} ranks shards whole heads, but this model has "
-                         f"{named}, which {world_size} does not divide; choose --tp among "
-                         f"{', '.join(map(str, choices))}")
+                         f"{named}, which {world_size} does not divide; {fix}")
 
 
 def _gcd(a: int, b: int) -> int:
