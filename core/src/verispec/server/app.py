@@ -26,20 +26,20 @@ from verispec.server.engine_thread import EngineThread
 from verispec.server.page import add_chat_page
 from verispec.server.protocol import (ASSISTANT, ChatBody, CompletionBody, DEFAULT_BODY_TIMEOUT,
                                       DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT, RequestBody,
-                                      RequestRejected, SHUTDOWN_GRACE_S, check_text, error_response,
+                                      RequestRejected, SHUTDOWN_GRACE_S, check_text, error_body, error_response,
                                       validation_problem)
 from verispec.server.responses import EventStream, ResponseShape, sse, usage_body, verispec_body
 from verispec.tensor_parallel import RankLost
 from verispec.tokenizer import TokenizerError
 
 
-def error_body(exc: VerispecError) -> dict[str, Any]:
-    """OpenAI's error body for one of verispec's errors: its `http_status` (400 unless it says,
-    e.g. 500 for a model's chat template that fails, 503 for a lost tensor-parallel rank) picks
-    the type, "server_error" from 500 up."""
+def verispec_error(exc: VerispecError) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, OpenAI's error body) of one of verispec's errors: its `http_status` (400 unless
+    it says, e.g. 500 for a model's chat template that fails, 503 for a lost tensor-parallel rank),
+    which picks the type, "server_error" from 500 up."""
     status = getattr(exc, "http_status", 400)
-    return {"error": {"message": str(exc), "type": "server_error" if status >= 500 else "invalid_request_error",
-                      "param": getattr(exc, "param", None), "code": getattr(exc, "code", None)}}
+    return status, error_body(str(exc), getattr(exc, "param", None), getattr(exc, "code", None),
+                              kind="server_error" if status >= 500 else "invalid_request_error")
 
 
 def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
@@ -83,8 +83,8 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
     # RequestRejected, SamplingParams, the engine (max_tokens, empty prompt), ContextOverflow, ...
     @app.exception_handler(VerispecError)
     async def _rejected(request: Request, exc: VerispecError):
-        body = error_body(exc)
-        return JSONResponse(body, status_code=getattr(exc, "http_status", 400))
+        status, body = verispec_error(exc)
+        return JSONResponse(body, status_code=status)
 
     @app.exception_handler(Exception)  # a bug: OpenAI's body, status 500 (the exception is still logged)
     async def _internal(request: Request, exc: Exception):
@@ -363,7 +363,7 @@ class Served:
             async for event in self.events(generation):
                 yield sse(shape.token_chunk(event))
         except VerispecError as e:  # after the 200 went out: the error is the stream's last event
-            yield sse(error_body(e))
+            yield sse(verispec_error(e)[1])
             return
         finally:  # the client left mid-stream (see EventStream): its request leaves the batch
             self.cancel(generation)

@@ -176,10 +176,15 @@ class ChatBody(RequestBody):
 
 
 
+def error_body(message: str, param: str | None = None, code: str | None = None, *,
+               kind: str = "invalid_request_error") -> dict:
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 def error_response(message: str, param: str | None = None, code: str | None = None, *, status_code: int = 400,
            kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status_code)
+    return JSONResponse(error_body(message, param, code, kind=kind), status_code=status_code)
 
 
 #: pydantic names the member of a union it tried ("str", "list[int]"): not a part of the field's path.
