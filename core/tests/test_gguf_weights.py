@@ -145,17 +145,21 @@ def _cpu_has(*flags: str) -> bool:
 @needs_kernels
 @pytest.mark.parametrize("flags, path", [(["-DVERISPEC_PORTABLE"], 0),
                                          pytest.param(["-march=x86-64-v3"], 1, marks=pytest.mark.skipif(
-                                             not _cpu_has("avx2", "f16c", "fma"), reason="no AVX2 here"))],
-                         ids=["portable", "avx2"])
+                                             not _cpu_has("avx2", "f16c", "fma"), reason="no AVX2 here")),
+                                         pytest.param(["-DVERISPEC_NO_AMX"], 2, marks=pytest.mark.skipif(
+                                             ckernels.library() is None or ckernels.library().verispec_qmatmul_path() != 3,
+                                             reason="this machine's build does not run AMX"))],
+                         ids=["portable", "avx2", "vnni"])
 def test_every_path_of_the_kernel_gives_the_same_bits(tmp_path, monkeypatch, flags, path):
     """qmatmul.c built for another instruction set (the plain loop other CPUs run, AVX2 without
-    AVX-512) gives the same bits as this machine's build, for every format, 1 and 9 rows."""
+    AVX-512, AVX-512 VNNI without AMX's tile products) gives the same bits as this machine's build,
+    for every format, at 1, 9 and 40 rows (40: runs of 16 rows through AMX where this machine has it)."""
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
     other = ctypes.CDLL(str(ckernels.LIBRARY.build(extra_flags=flags)))
     assert other.verispec_qmatmul_path() == path
     for ggml_type in TYPES:
         linear, _ = _linear(ggml_type, seed=4)
-        for n in (1, 9):
+        for n in (1, 9, 40):
             x = _x(n, 512)
             y = torch.empty(n, 40)
             assert other.verispec_qmatmul(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(n), ctypes.c_int64(512),

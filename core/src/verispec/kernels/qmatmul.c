@@ -35,7 +35,7 @@
  * A row's bits therefore depend on nothing but the row and the weights: not on the other rows
  * of the call, the threads, or the instruction set.
  *
- * Speed: each path is compiled once per block format and row count 8, 4, 2, 1 (FORMAT_KERNEL),
+ * Speed: each path is compiled once per block format and row count (16 with AMX,) 8, 4, 2, 1 (FORMAT_KERNEL),
  * so the format's branches go and (VNNI) 8 rows' accumulators stay in registers and share each
  * unpacked weight block; a task passes over its tiles CHUNK rows at a time, so those rows'
  * activations stay in L2. On Zen 5, one core: VNNI at 512 rows ~90 -> ~195 GMAC/s; the AVX2
@@ -58,6 +58,13 @@
 #else
 #define VNNI 0
 #define AVX2 0
+#endif
+#if VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__) && !defined(VERISPEC_NO_AMX)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX 1
+#else
+#define AMX 0
 #endif
 
 /* ---- activations */
@@ -121,6 +128,7 @@ struct qjob {
     float *y;
     int64_t n, k, out, bits, group, zero, kind, ldy;
     rows_fn rows; /* computes rows r0 .. r0 + R - 1 of tile t */
+    int amx;      /* runs of 16 rows through the tile registers */
 };
 
 /* Bytes of one tile's block of 32 columns. */
@@ -282,6 +290,130 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(q->y + (r0 + r) * q->ldy + 16 * t, mask, acc[r]);
 }
 
+
+#if AMX
+/* AMX (Sapphire Rapids and later): 16 rows of a tile at a time, each block's 16 x 16 integer sums
+ * I from one tile product (TDPBSUD: int8 activations A [16 rows, 32 columns] times the block's
+ * unpacked weights B, which load_block already lays out as AMX's B [8, 16 outputs x 4 columns]);
+ * a format with groups of 16 (Q6_K) takes two products of 16 columns. The sums are exact, so the
+ * fp32 steps that follow are the VNNI path's in the same order: the same bits. Products run two
+ * blocks ahead of the scaling (tiles of sums in turns of three), so neither waits. Linux lends
+ * a process the tile registers on request (arch_prctl); where it refuses, or VERISPEC_AMX=0,
+ * the VNNI path runs. */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* 1 when this process may use the tile registers (asked once), else 0. */
+static int amx_usable(void) {
+    static int state = -1;
+    if (state < 0) {
+        const char *env = getenv("VERISPEC_AMX");
+        state = (env && env[0] == '0') ? 0 : syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return state;
+}
+
+/* Tiles, for groups of G columns: sums of blocks in turns of three, 0, 1 and 4 (group 0), with
+ * 5, 6 and 7 (group 1: G = 16); 2 activations [16 rows, G bytes], 3 weights [G / 4, 64 bytes]. */
+static void amx_configure(const int gpb) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((packed, aligned(64))) config = {.palette = 1};
+    const int g = 32 / gpb;
+    for (int i = 0; i < 8; i++) config.rows[i] = 16, config.colsb[i] = 64;
+    config.colsb[2] = (uint16_t)g;
+    config.rows[3] = (uint8_t)(g / 4);
+    _tile_loadconfig(&config);
+}
+
+/* One block's unpacked weights (wbuf, 512 bytes) times 16 rows of its activations (ab, row stride
+ * k) into the sums tiles T (group 0) and U (group 1); tile numbers are literals (the intrinsics'
+ * syntax). */
+#define AMX_PRODUCT(T, U, wbuf, ab, k, gpb)                                 \
+    do {                                                                   \
+        _tile_loadd(3, (wbuf), 64);                                        \
+        _tile_loadd(2, (ab), (k));                                         \
+        _tile_zero(T);                                                     \
+        _tile_dpbsud(T, 2, 3);                                             \
+        if ((gpb) == 2) {                                                  \
+            _tile_loadd(3, (const uint8_t *)(wbuf) + 256, 64);             \
+            _tile_loadd(2, (const int8_t *)(ab) + 16, (k));                \
+            _tile_zero(U);                                                 \
+            _tile_dpbsud(U, 2, 3);                                         \
+        }                                                                  \
+    } while (0)
+
+/* Sums tiles T and U to memory: int32 [group][16 rows][16 outputs]. */
+#define AMX_STORE(T, U, sums, gpb)                                          \
+    do {                                                                   \
+        _tile_stored(T, (sums), 64);                                       \
+        if ((gpb) == 2) _tile_stored(U, (int32_t *)(sums) + 256, 64);      \
+    } while (0)
+
+/* Rows r0 .. r0 + 15 of tile t for one block format (tiles configured by amx_configure). */
+static inline __attribute__((always_inline)) void tile_rows16_format(const qjob *q, int64_t t, int64_t r0, const int bits,
+                                                                     const int gpb, const int mins, const int kind) {
+    const int64_t nb = q->k / 32, bytes = tile_block_bytes(bits), groups = nb * gpb;
+    uint8_t wbuf[3][512] __attribute__((aligned(64)));
+    int32_t sums[2][2 * 16 * 16] __attribute__((aligned(64))); /* [turn][group h][row][output] */
+    __m512 acc[16];
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    const int8_t *a0 = q->a + r0 * q->k;
+    /* Three stages a step: block b's product, block b - 1's sums to memory, block b - 2 scaled. */
+    for (int64_t b = 0; b < nb + 2; b++) {
+        if (b < nb) {
+            const uint8_t *wb = q->w + (t * nb + b) * bytes;
+            for (int64_t p = 0; p < bytes; p += 64) _mm_prefetch((const char *)wb + PREFETCH * bytes + p, _MM_HINT_T0);
+            __m512i wv[8];
+            load_block(wb, bits, wv);
+            uint8_t *buf = wbuf[b % 3];
+            for (int j = 0; j < 8; j++) _mm512_store_si512(buf + 64 * j, wv[j]);
+            switch (b % 3) {
+            case 0: AMX_PRODUCT(0, 5, buf, a0 + 32 * b, q->k, gpb); break;
+            case 1: AMX_PRODUCT(1, 6, buf, a0 + 32 * b, q->k, gpb); break;
+            default: AMX_PRODUCT(4, 7, buf, a0 + 32 * b, q->k, gpb);
+            }
+        }
+        if (b >= 1 && b <= nb) {
+            int32_t *to = sums[(b - 1) & 1];
+            switch ((b - 1) % 3) {
+            case 0: AMX_STORE(0, 5, to, gpb); break;
+            case 1: AMX_STORE(1, 6, to, gpb); break;
+            default: AMX_STORE(4, 7, to, gpb);
+            }
+        }
+        if (b < 2) continue;
+        const int64_t c = b - 2;
+        const int32_t *from = sums[c & 1];
+        const void *sb = group_vals(q, q->s, t, c), *mb = mins ? group_vals(q, q->m, t, c) : NULL;
+        const uint16_t *sf = kind == 2 ? super_factors(q, q->s, t, c) : NULL;
+        const uint16_t *mf = kind == 2 && mins ? super_factors(q, q->m, t, c) : NULL;
+        __m512 sv[2], mv[2];
+        for (int h = 0; h < gpb; h++) {
+            sv[h] = load_group(kind, sb, sf, h);
+            if (mins) mv[h] = load_group(kind, mb, mf, h);
+        }
+        for (int r = 0; r < 16; r++) {
+            const __m512 db = _mm512_set1_ps(q->d[(r0 + r) * nb + c]);
+            for (int h = 0; h < gpb; h++) {
+                const int64_t g = (r0 + r) * groups + gpb * c + h;
+                const __m512i I = _mm512_load_si512(from + 256 * h + 16 * r);
+                const __m512i Ih = mins ? I : _mm512_sub_epi32(I, _mm512_set1_epi32(zero_sum(q, g)));
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(Ih), _mm512_mul_ps(sv[h], db)));
+                if (mins) {
+                    const __m512 md = _mm512_mul_ps(mv[h], db);
+                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(md, _mm512_set1_ps(float_sum(q, g))));
+                }
+            }
+        }
+    }
+    const int64_t lanes = q->out - 16 * t < 16 ? q->out - 16 * t : 16;
+    const __mmask16 mask = (__mmask16)((1u << lanes) - 1);
+    for (int r = 0; r < 16; r++) _mm512_mask_storeu_ps(q->y + (r0 + r) * q->ldy + 16 * t, mask, acc[r]);
+}
+#endif
 #else
 /* Rows r0 .. r0 + R - 1 (R <= ROWS) of tile t: y[r][16 t + lane]; inlined with constant
  * arguments as the VNNI path's. */
@@ -420,9 +552,17 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
     X(q6_k, 6, 2, 0, 2)  \
     X(q8_0, 8, 1, 0, 1)
 
-/* Rows r0 .. r0 + R - 1 of tile t in runs of 8, 4, 2 and 1, each a compiled instance. */
+/* Rows r0 .. r0 + R - 1 of tile t in runs of 16 (AMX), 8, 4, 2 and 1, each a compiled instance. */
+#if AMX
+#define AMX_ROWS(bits, gpb, mins, kind) \
+    if (q->amx)                         \
+        for (; R >= 16; r0 += 16, R -= 16) tile_rows16_format(q, t, r0, bits, gpb, mins, kind);
+#else
+#define AMX_ROWS(bits, gpb, mins, kind)
+#endif
 #define FORMAT_KERNEL(name, bits, gpb, mins, kind)                                              \
     static void rows_##name(const qjob *q, int64_t t, int64_t r0, int64_t R) {                   \
+        AMX_ROWS(bits, gpb, mins, kind)                                                          \
         for (; R >= ROWS; r0 += ROWS, R -= ROWS) tile_rows_format(q, t, r0, ROWS, bits, gpb, mins, kind); \
         if (R & 4) tile_rows_format(q, t, r0, 4, bits, gpb, mins, kind), r0 += 4;                \
         if (R & 2) tile_rows_format(q, t, r0, 2, bits, gpb, mins, kind), r0 += 2;                \
@@ -445,8 +585,14 @@ static void qmatmul_task(void *arg, int64_t task, int64_t tasks) {
     const qjob *q = arg;
     const int64_t tiles = (q->out + 15) / 16;
     const int64_t first = tiles * task / tasks, last = tiles * (task + 1) / tasks;
+#if AMX
+    if (q->amx) amx_configure(32 / (int)q->group);
+#endif
     for (int64_t r0 = 0; r0 < q->n; r0 += CHUNK)
         for (int64_t t = first; t < last; t++) q->rows(q, t, r0, q->n - r0 < CHUNK ? q->n - r0 : CHUNK);
+#if AMX
+    if (q->amx) _tile_release();
+#endif
 }
 
 /* y fp32 [n, sum of the parts' out] (row stride ldy) = x fp32 [n, k] times `parts` packed
@@ -468,7 +614,10 @@ int verispec_qmatmul_parts(const float *x, int64_t n, int64_t k, const verispec_
     run_tasks(quantize_task, &quantize, n * k < PARALLEL_QUANTIZE ? 1 : (threads < n ? threads : n));
     for (int64_t p = 0; p < parts; p++) {
         const verispec_qweight *wp = &w[p];
-        qjob q = {wp->w, wp->s, wp->m, a, d, G, y, n, k, wp->out, wp->bits, wp->group, wp->zero, wp->kind, ldy, NULL};
+        qjob q = {wp->w, wp->s, wp->m, a, d, G, y, n, k, wp->out, wp->bits, wp->group, wp->zero, wp->kind, ldy, NULL, 0};
+#if AMX
+        q.amx = n >= 16 && amx_usable();
+#endif
         q.rows = format_kernel(&q);
         if (!q.rows) {
             free(a);
@@ -522,5 +671,11 @@ int verispec_block_rows(const uint8_t *w, const void *s, const void *m, int64_t 
     return 0;
 }
 
-/* Which path this build runs: 2 AVX-512 VNNI, 1 AVX2, 0 the portable loop. */
-int verispec_qmatmul_path(void) { return VNNI ? 2 : AVX2 ? 1 : 0; }
+/* Which path this build runs: 3 AMX (runs of 16 rows; fewer rows take VNNI), 2 AVX-512 VNNI, 1 AVX2,
+ * 0 the portable loop. */
+int verispec_qmatmul_path(void) {
+#if AMX
+    if (amx_usable()) return 3;
+#endif
+    return VNNI ? 2 : AVX2 ? 1 : 0;
+}
