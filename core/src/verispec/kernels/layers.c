@@ -19,8 +19,16 @@ static void glu(const float *gu, float *out, int64_t n, int64_t F, v16 (*act)(v1
     for (int64_t r = 0; r < n; r++) {
         const float *g = gu + r * 2 * F, *u = g + F;
         float *o = out + r * F;
-        for (int64_t i = 0; i < F; i += 16) {
-            const int64_t w = F - i < 16 ? F - i : 16;
+        int64_t i = 0;
+        for (; i + 16 <= F; i += 16) {
+            v16 gv, uv;
+            memcpy(&gv, g + i, sizeof gv);
+            memcpy(&uv, u + i, sizeof uv);
+            const v16 res = act(gv) * uv;
+            memcpy(o + i, &res, sizeof res);
+        }
+        if (i < F) {
+            const int64_t w = F - i;
             float gl[16] = {0}, ul[16] = {0}, ol[16];
             memcpy(gl, g + i, sizeof(float) * w);
             memcpy(ul, u + i, sizeof(float) * w);
@@ -53,6 +61,19 @@ static v16 gelu_tanh(v16 x) {
     const v16 e = vexp((v16)((v16i)y | (v16i)splat(-0.0f)) * splat(2.0f)); /* vexp(-2|y|) */
     const v16 t = (v16)((v16i)((splat(1.0f) - e) / (splat(1.0f) + e)) | sign);
     return (splat(0.5f) * x) * (splat(1.0f) + t);
+}
+
+typedef struct {
+    const float *gu;
+    float *out;
+    int64_t n, F;
+    v16 (*act)(v16);
+} glu_job;
+
+static void glu_task(void *arg, int64_t task, int64_t tasks) {
+    const glu_job *j = arg;
+    const int64_t r0 = j->n * task / tasks, r1 = j->n * (task + 1) / tasks;
+    glu(j->gu + r0 * 2 * j->F, j->out + r0 * j->F, r1 - r0, j->F, j->act);
 }
 
 /* SwiGLU / GeGLU: out fp32 [n, F] = act(gate) · up for gu fp32 [n, 2F] (gate | up); the
@@ -137,7 +158,8 @@ int verispec_decoder_layer(const decoder_layer *L, const float *h, float *out, i
     residual(h, y, L->post_attn_norm, out, n, D, L->eps);
     verispec_rms_norm(out, L->pre_ff_norm, x, n, D, L->eps);
     status |= verispec_qmatmul_parts(x, n, D, L->gate_up.part, L->gate_up.parts, gu, 2 * F, threads);
-    (L->act ? verispec_gelu_tanh_mul : verispec_silu_mul)(gu, act, n, F);
+    glu_job glu_rows = {gu, act, n, F, L->act ? gelu_tanh : silu}; /* rows split between threads: the same bits */
+    run_tasks(glu_task, &glu_rows, n * F < (1 << 16) ? 1 : threads < n ? threads : n);
     status |= verispec_qmatmul_parts(act, n, F, L->down.part, L->down.parts, y, D, threads);
     residual(out, y, L->post_ff_norm, out, n, D, L->eps);
     free(buf);

@@ -129,6 +129,8 @@ struct qjob {
     int64_t n, k, out, bits, group, zero, kind, ldy;
     rows_fn rows; /* computes rows r0 .. r0 + R - 1 of tile t */
     int amx;      /* runs of 16 rows through the tile registers */
+    int64_t run;  /* tiles a unit of work (qmatmul_task) */
+    int64_t *next; /* the next unit to take */
 };
 
 /* Bytes of one tile's block of 32 columns. */
@@ -293,8 +295,9 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
 
 #if AMX
 /* AMX (Sapphire Rapids and later): 16 rows of a tile at a time, each block's 16 x 16 integer sums
- * I from one tile product (TDPBSUD: int8 activations A [16 rows, 32 columns] times the block's
- * unpacked weights B, which load_block already lays out as AMX's B [8, 16 outputs x 4 columns]);
+ * I from one tile product (int8 activations A [16 rows, 32 columns] times the block's unpacked
+ * weights B, which load_block already lays out as AMX's B [8, 16 outputs x 4 columns]: TDPBSUD
+ * of u, or for a type without mins TDPBSSD of u - z, which is I - z S at once);
  * a format with groups of 16 (Q6_K) takes two products of 16 columns. The sums are exact, so the
  * fp32 steps that follow are the VNNI path's in the same order: the same bits. Products run two
  * blocks ahead of the scaling (tiles of sums in turns of three), so neither waits. Linux lends
@@ -328,20 +331,26 @@ static void amx_configure(const int gpb) {
     _tile_loadconfig(&config);
 }
 
-/* One block's unpacked weights (wbuf, 512 bytes) times 16 rows of its activations (ab, row stride
- * k) into the sums tiles T (group 0) and U (group 1); tile numbers are literals (the intrinsics'
- * syntax). */
-#define AMX_PRODUCT(T, U, wbuf, ab, k, gpb)                                 \
+/* One block's unpacked weights (wbuf, 512 bytes: u, or u - z as int8 for a type without mins) times
+ * 16 rows of its activations (ab, row stride k) into the sums tiles T (group 0) and U (group 1);
+ * tile numbers are literals (the intrinsics' syntax). */
+#define AMX_PRODUCT(T, U, wbuf, ab, k, gpb, mins)                           \
     do {                                                                   \
         _tile_loadd(3, (wbuf), 64);                                        \
         _tile_loadd(2, (ab), (k));                                         \
         _tile_zero(T);                                                     \
-        _tile_dpbsud(T, 2, 3);                                             \
+        if (mins)                                                          \
+            _tile_dpbsud(T, 2, 3);                                         \
+        else                                                               \
+            _tile_dpbssd(T, 2, 3);                                         \
         if ((gpb) == 2) {                                                  \
             _tile_loadd(3, (const uint8_t *)(wbuf) + 256, 64);             \
             _tile_loadd(2, (const int8_t *)(ab) + 16, (k));                \
             _tile_zero(U);                                                 \
-            _tile_dpbsud(U, 2, 3);                                         \
+            if (mins)                                                      \
+                _tile_dpbsud(U, 2, 3);                                     \
+            else                                                           \
+                _tile_dpbssd(U, 2, 3);                                     \
         }                                                                  \
     } while (0)
 
@@ -368,12 +377,14 @@ static inline __attribute__((always_inline)) void tile_rows16_format(const qjob 
             for (int64_t p = 0; p < bytes; p += 64) _mm_prefetch((const char *)wb + PREFETCH * bytes + p, _MM_HINT_T0);
             __m512i wv[8];
             load_block(wb, bits, wv);
+            if (!mins) /* u - z fits int8 for every such type: the product then subtracts z · S itself */
+                for (int j = 0; j < 8; j++) wv[j] = _mm512_sub_epi8(wv[j], _mm512_set1_epi8((char)q->zero));
             uint8_t *buf = wbuf[b % 3];
             for (int j = 0; j < 8; j++) _mm512_store_si512(buf + 64 * j, wv[j]);
             switch (b % 3) {
-            case 0: AMX_PRODUCT(0, 5, buf, a0 + 32 * b, q->k, gpb); break;
-            case 1: AMX_PRODUCT(1, 6, buf, a0 + 32 * b, q->k, gpb); break;
-            default: AMX_PRODUCT(4, 7, buf, a0 + 32 * b, q->k, gpb);
+            case 0: AMX_PRODUCT(0, 5, buf, a0 + 32 * b, q->k, gpb, mins); break;
+            case 1: AMX_PRODUCT(1, 6, buf, a0 + 32 * b, q->k, gpb, mins); break;
+            default: AMX_PRODUCT(4, 7, buf, a0 + 32 * b, q->k, gpb, mins);
             }
         }
         if (b >= 1 && b <= nb) {
@@ -399,8 +410,7 @@ static inline __attribute__((always_inline)) void tile_rows16_format(const qjob 
             const __m512 db = _mm512_set1_ps(q->d[(r0 + r) * nb + c]);
             for (int h = 0; h < gpb; h++) {
                 const int64_t g = (r0 + r) * groups + gpb * c + h;
-                const __m512i I = _mm512_load_si512(from + 256 * h + 16 * r);
-                const __m512i Ih = mins ? I : _mm512_sub_epi32(I, _mm512_set1_epi32(zero_sum(q, g)));
+                const __m512i Ih = _mm512_load_si512(from + 256 * h + 16 * r); /* u a - z S: exact */
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(Ih), _mm512_mul_ps(sv[h], db)));
                 if (mins) {
                     const __m512 md = _mm512_mul_ps(mv[h], db);
@@ -579,17 +589,22 @@ static rows_fn format_kernel(const qjob *q) {
     return NULL;
 }
 
-/* Task `task` of `tasks` takes an equal run of whole tiles (every row of each), CHUNK rows at a
- * time over all of them. */
+/* The work of a call in units of CHUNK rows by a run of q->run tiles, chunk by chunk; a task
+ * takes the next unit until none is left, so a thread slowed by something else on its core
+ * holds up no one (the bits do not depend on who computes a unit). */
 static void qmatmul_task(void *arg, int64_t task, int64_t tasks) {
+    (void)task, (void)tasks;
     const qjob *q = arg;
-    const int64_t tiles = (q->out + 15) / 16;
-    const int64_t first = tiles * task / tasks, last = tiles * (task + 1) / tasks;
+    const int64_t tiles = (q->out + 15) / 16, runs = (tiles + q->run - 1) / q->run;
+    const int64_t units = runs * ((q->n + CHUNK - 1) / CHUNK);
 #if AMX
     if (q->amx) amx_configure(32 / (int)q->group);
 #endif
-    for (int64_t r0 = 0; r0 < q->n; r0 += CHUNK)
+    for (int64_t u; (u = __atomic_fetch_add(q->next, 1, __ATOMIC_RELAXED)) < units;) {
+        const int64_t r0 = u / runs * CHUNK, first = u % runs * q->run;
+        const int64_t last = first + q->run < tiles ? first + q->run : tiles;
         for (int64_t t = first; t < last; t++) q->rows(q, t, r0, q->n - r0 < CHUNK ? q->n - r0 : CHUNK);
+    }
 #if AMX
     if (q->amx) _tile_release();
 #endif
@@ -614,7 +629,7 @@ int verispec_qmatmul_parts(const float *x, int64_t n, int64_t k, const verispec_
     run_tasks(quantize_task, &quantize, n * k < PARALLEL_QUANTIZE ? 1 : (threads < n ? threads : n));
     for (int64_t p = 0; p < parts; p++) {
         const verispec_qweight *wp = &w[p];
-        qjob q = {wp->w, wp->s, wp->m, a, d, G, y, n, k, wp->out, wp->bits, wp->group, wp->zero, wp->kind, ldy, NULL, 0};
+        qjob q = {wp->w, wp->s, wp->m, a, d, G, y, n, k, wp->out, wp->bits, wp->group, wp->zero, wp->kind, ldy, NULL, 0, 1, NULL};
 #if AMX
         q.amx = n >= 16 && amx_usable();
 #endif
@@ -628,6 +643,9 @@ int verispec_qmatmul_parts(const float *x, int64_t n, int64_t k, const verispec_
         int64_t tasks = threads < tiles ? threads : tiles;
         /* below ~64k weight bytes a call is cheaper on one thread than handing out tasks */
         if (tasks > 1 && tiles * (k / 32) * tile_block_bytes(wp->bits) * (n < ROWS ? n : ROWS) < (1 << 16)) tasks = 1;
+        int64_t next = 0;
+        q.run = (tiles + 4 * tasks - 1) / (4 * tasks); /* four units a task and chunk */
+        q.next = &next;
         run_tasks(qmatmul_task, &q, tasks);
         y += wp->out;
     }
