@@ -1,8 +1,9 @@
 /* GGUF-block linears on the CPU: y = x · Wᵀ with W the file's own quantised values.
  * `verispec.weights.block_linear` packs the weights and states this arithmetic in PyTorch for the
- * tests. Three paths, chosen by what -march=native offers, all giving the same bits: AVX-512
- * VNNI (vpdpbusd), AVX2 (maddubs; ~3x VNNI's time), and a plain loop the compiler vectorises as
- * it can (other CPUs, or -DVERISPEC_PORTABLE; ~20x). Threads: torch's OpenMP team.
+ * tests. Four paths, chosen by what -march=native offers, all giving the same bits: AMX tile
+ * products for runs of 16 rows (Sapphire Rapids and later), AVX-512 VNNI (vpdpbusd), AVX2
+ * (maddubs; ~3x VNNI's time), and a plain loop the compiler vectorises as it can (other CPUs, or
+ * -DVERISPEC_PORTABLE; ~20x). Threads: torch's OpenMP team.
  *
  * Weights (packed by block_linear.pack): every weight is u · s + m with u an unsigned integer
  * the file stores (Q8_0's q + 128, Q5_0's q + 16, Q6_K's q + 32, Q4_x's nibble, ...), s and m
@@ -22,24 +23,32 @@
  *     which is exact (11 + 8 significant bits), so it multiplies by the file's s bit for bit
  *     while reading a byte a group instead of four: Q4_K 4.6 bits a weight instead of 6.
  *
- * Activations: each row of x is quantised per block of 32 columns as llama.cpp's
- * quantize_row_q8_0 does (ggml-quants.c):
+ * Activations: each row of x is quantised per block of B columns, B = 32 as llama.cpp's
+ * quantize_row_q8_0 does (ggml-quants.c) for scale kind 1, B = 256 (a super-block, as llama.cpp
+ * quantises for its K-type dot products, Q8_K) for kind 2:
  *   d = amax_i |x_i| / 127,  id = d > 0 ? 1 / d : 0,  a_i = rint(x_i · id)   (int8, ties to even)
  * and the a_i of each 16 columns are summed (S_h, an integer).
  *
  * Output (each step one IEEE fp32 operation; -ffp-contract=off): for row r, output o, y = 0, then
- * for every block b in order, for each group h of the block in order:
- *   I  = sum_i u_i a_i - z · S_h                    (exact int32: any order, any vector width)
- *   y  = y + (float)I · (s_h · d_b)
+ *   I_h = sum_i u_i a_i - z · S_h  per group h      (exact int32: any order, any vector width)
+ * kind 1: for every block b in order, for each group h of the block in order:
+ *   y  = y + (float)I_h · (s_h · d_b)
  *   y  = y + (m_h · d_b) · (float)S_h               (types with mins only)
+ * kind 2: for every super-block j in order (D_j its activation scale, f_j its fp16 -dmin):
+ *   t  = 0;  t = t + (float)I_h · s_h  for each group h of j in order
+ *   t  = t + f_j · (float)(sum_h m_h · S_h)         (types with mins only; m_h the integers: exact)
+ *   y  = y + t · D_j
  * A row's bits therefore depend on nothing but the row and the weights: not on the other rows
  * of the call, the threads, or the instruction set.
  *
- * Speed: each path is compiled once per block format and row count (16 with AMX,) 8, 4, 2, 1 (FORMAT_KERNEL),
- * so the format's branches go and (VNNI) 8 rows' accumulators stay in registers and share each
- * unpacked weight block; a task passes over its tiles CHUNK rows at a time, so those rows'
- * activations stay in L2. On Zen 5, one core: VNNI at 512 rows ~90 -> ~195 GMAC/s; the AVX2
- * build at one row (a decode) 12-20 -> 20-41 GMAC/s.
+ * Speed: each path is compiled once per block format and row count (16 with AMX,) 8, 4, 2, 1
+ * (FORMAT_KERNEL), so the format's branches go and (VNNI) 8 rows' accumulators stay in registers
+ * and share each unpacked weight block; a call's work is units of CHUNK rows by a run of tiles
+ * (those rows' activations stay in L2), taken by threads as they free up. A K type's scaling is
+ * one fp32 multiply-add a group and row instead of two, plus one a super-block. On Zen 5, one
+ * core: VNNI at 512 rows ~90 -> ~195 GMAC/s; the AVX2 build at one row (a decode) 12-20 -> 20-41
+ * GMAC/s. Sapphire Rapids, two cores, 512 rows of the Qwen2.5 1.5B's Q4_K: VNNI ~300 GMAC/s,
+ * AMX with kind 1's arithmetic ~410, with kind 2's ~470.
  */
 #include <math.h>
 #include <stdint.h>

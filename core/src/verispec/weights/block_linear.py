@@ -2,8 +2,8 @@
 
 `BlockLinear.from_gguf` unpacks the file's blocks (weights.gguf_blocks: u, s, m, nothing
 requantised) and `pack`s them into the tiles `qmatmul.c` reads; the forward quantises each
-activation row to int8 per 32 columns, as llama.cpp's CPU dot products do, and sums exact
-integer products per group before one fp32 scale per group. `reference_matmul` states that
+activation row to int8 per 32 columns, or per 256 for a K type, as llama.cpp's CPU dot products
+do (Q8_0, Q8_K), and sums exact integer products per group before the fp32 scales. `reference_matmul` states that
 arithmetic in PyTorch (the tests hold the C kernel to it bitwise; it is also the path without
 a C compiler), so a row's output depends on the row and the weights alone: batch-invariant
 for any row count. On CUDA tensors the forward runs the same arithmetic in Triton
