@@ -338,8 +338,10 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
  * weights B, which load_block already lays out as AMX's B [8, 16 outputs x 4 columns]: TDPBSUD
  * of u, or for a type without mins TDPBSSD of u - z, which is I - z S at once);
  * a format with groups of 16 (Q6_K) takes two products of 16 columns. The sums are exact, so the
- * fp32 steps that follow are the VNNI path's in the same order: the same bits. Products run two
- * blocks ahead of the scaling (tiles of sums in turns of three), so neither waits. Linux lends
+ * fp32 steps that follow are the VNNI path's (or kind 2's) in the same order: the same bits. A
+ * block is unpacked a step before its product, which runs two steps before its scaling (tiles of
+ * sums in turns of three), so none waits on another (a tile load waiting for the unpacking's
+ * stores to reach the cache held the Q4_K product at ~470 GMAC/s; ~540 a step apart). Linux lends
  * a process the tile registers on request (arch_prctl); where it refuses, or VERISPEC_AMX=0,
  * the VNNI path runs. */
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -409,17 +411,22 @@ static inline __attribute__((always_inline)) void tile_rows16_format(const qjob 
     __m512 acc[16], tv[16]; /* tv: kind 2's sum over the super-block so far */
     for (int r = 0; r < 16; r++) acc[r] = tv[r] = _mm512_setzero_ps();
     const int8_t *a0 = q->a + r0 * q->k;
-    /* Three stages a step: block b's product, block b - 1's sums to memory, block b - 2 scaled. */
-    for (int64_t b = 0; b < nb + 2; b++) {
-        if (b < nb) {
-            const uint8_t *wb = q->w + (t * nb + b) * bytes;
+    /* Four stages a step: block b + 1 unpacked to memory (a tile load cannot take a store's data
+     * before it reaches the cache: a step later it has), block b's product, block b - 1's sums to
+     * memory, block b - 2 scaled. */
+    for (int64_t b = -1; b < nb + 2; b++) {
+        if (b + 1 < nb) {
+            const uint8_t *wb = q->w + (t * nb + b + 1) * bytes;
             for (int64_t p = 0; p < bytes; p += 64) _mm_prefetch((const char *)wb + PREFETCH * bytes + p, _MM_HINT_T0);
             __m512i wv[8];
             load_block(wb, bits, wv);
             if (!mins) /* u - z fits int8 for every such type: the product then subtracts z · S itself */
                 for (int j = 0; j < 8; j++) wv[j] = _mm512_sub_epi8(wv[j], _mm512_set1_epi8((char)q->zero));
-            uint8_t *buf = wbuf[b % 3];
-            for (int j = 0; j < 8; j++) _mm512_store_si512(buf + 64 * j, wv[j]);
+            for (int j = 0; j < 8; j++) _mm512_store_si512(wbuf[(b + 1) % 3] + 64 * j, wv[j]);
+        }
+        if (b < 0) continue;
+        if (b < nb) {
+            const uint8_t *buf = wbuf[b % 3];
             switch (b % 3) {
             case 0: AMX_PRODUCT(0, 5, buf, a0 + 32 * b, q->k, gpb, mins); break;
             case 1: AMX_PRODUCT(1, 6, buf, a0 + 32 * b, q->k, gpb, mins); break;
