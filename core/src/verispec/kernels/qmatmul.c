@@ -258,6 +258,53 @@ static inline __attribute__((always_inline)) __m512 load_group(const int kind, c
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + 16 * h)));
 }
 
+/* One group's exact sums I of row `row` (16 outputs) into its accumulators, block b, group g
+ * (qjob's numbering): kind 1 y += I · (s · d_b) [+ (m · d_b) · S]; kind 2 t += I · s. */
+static inline __attribute__((always_inline)) void scale_group(const qjob *q, __m512 *acc, __m512 *tv, __m512i I,
+                                                               __m512 sv, __m512 mv, int64_t row, int64_t b, int64_t g,
+                                                               const int mins, const int kind) {
+    if (kind == 2) {
+        *tv = _mm512_add_ps(*tv, _mm512_mul_ps(_mm512_cvtepi32_ps(I), sv));
+        return;
+    }
+    const __m512 db = _mm512_set1_ps(q->d[row * (q->k / 32) + b]);
+    *acc = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(sv, db)));
+    if (mins) *acc = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_mul_ps(mv, db), _mm512_set1_ps(float_sum(q, g))));
+}
+
+/* The end of kind 2's super-block holding block b, rows r0 .. r0 + R - 1 of tile t: t += f · (sum
+ * of m · S, exact: vpdpwssd over int16 pairs of blocks; types with mins have one group a block),
+ * y += t · D, t = 0. */
+static inline __attribute__((always_inline)) void end_super_block(const qjob *q, __m512 *acc, __m512 *tv, int64_t t,
+                                                                   int64_t b, int64_t r0, const int R, const int mins) {
+    const int64_t nb = q->k / 32;
+    __m512 mf = _mm512_setzero_ps();
+    __m512i pairs[4]; /* lane o: m of blocks 2p (low 16 bits) and 2p + 1 (high) */
+    if (mins) {
+        mf = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)super_factors(q, q->m, t, b)));
+        for (int p = 0; p < 4; p++) {
+            const int8_t *m0 = group_vals(q, q->m, t, b - 7 + 2 * p), *m1 = group_vals(q, q->m, t, b - 6 + 2 * p);
+            pairs[p] = _mm512_or_si512(_mm512_and_si512(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)m0)),
+                                                        _mm512_set1_epi32(0xFFFF)),
+                                       _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)m1)), 16));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        if (mins) {
+            const int16_t *S = (const int16_t *)q->G + (r0 + r) * nb + b - 7;
+            __m512i msum = _mm512_setzero_si512();
+            for (int p = 0; p < 4; p++) {
+                int32_t pair;
+                memcpy(&pair, S + 2 * p, 4);
+                msum = _mm512_dpwssd_epi32(msum, pairs[p], _mm512_set1_epi32(pair));
+            }
+            tv[r] = _mm512_add_ps(tv[r], _mm512_mul_ps(mf, _mm512_cvtepi32_ps(msum)));
+        }
+        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(tv[r], _mm512_set1_ps(q->d[(r0 + r) * (q->k / 256) + b / 8])));
+        tv[r] = _mm512_setzero_ps();
+    }
+}
+
 /* Rows r0 .. r0 + R - 1 (R <= ROWS) of tile t for one block format. Always inlined with constant
  * arguments, so the R accumulators stay in registers and the format's branches go. Each row's
  * integer sums run as `chains` independent dpbusd chains: with 8 rows the rows already overlap. */
@@ -275,7 +322,7 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
         load_block(wb, bits, wv);
         const void *sb = group_vals(q, q->s, t, b), *mb = mins ? group_vals(q, q->m, t, b) : NULL;
         const uint16_t *sf = kind == 2 ? super_factors(q, q->s, t, b) : NULL;
-        __m512 sv[2], mv[2];
+        __m512 sv[2], mv[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int h = 0; h < gpb; h++) {
             sv[h] = load_group(kind, sb, sf, h);
             if (mins && kind == 1) mv[h] = load_group(kind, mb, NULL, h);
@@ -294,38 +341,10 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
             for (int h = 0; h < gpb; h++) {
                 const int64_t g = (r0 + r) * groups + gpb * b + h;
                 const __m512i Ih = mins ? I[h] : _mm512_sub_epi32(I[h], _mm512_set1_epi32(zero_sum(q, g)));
-                if (kind == 2) {
-                    tv[r] = _mm512_add_ps(tv[r], _mm512_mul_ps(_mm512_cvtepi32_ps(Ih), sv[h]));
-                    continue;
-                }
-                const __m512 db = _mm512_set1_ps(q->d[(r0 + r) * nb + b]);
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(Ih), _mm512_mul_ps(sv[h], db)));
-                if (mins) {
-                    const __m512 md = _mm512_mul_ps(mv[h], db);
-                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(md, _mm512_set1_ps(float_sum(q, g))));
-                }
+                scale_group(q, &acc[r], &tv[r], Ih, sv[h], mv[h], r0 + r, b, g, mins, kind);
             }
         }
-        if (kind == 2 && b % 8 == 7) { /* the super-block's end: its mins, then its activation scale */
-            const int64_t js = b / 8;
-            const __m512 mf = mins ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)super_factors(q, q->m, t, b)))
-                                   : _mm512_setzero_ps();
-            for (int r = 0; r < R; r++) {
-                if (mins) {
-                    __m512i msum = _mm512_setzero_si512();
-                    for (int64_t bb = b - 7; bb <= b; bb++) {
-                        const int8_t *mi = group_vals(q, q->m, t, bb);
-                        for (int h = 0; h < gpb; h++) {
-                            const __m512i msc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(mi + 16 * h)));
-                            msum = _mm512_add_epi32(msum, _mm512_mullo_epi32(msc, _mm512_set1_epi32(int_sum(q, (r0 + r) * groups + gpb * bb + h))));
-                        }
-                    }
-                    tv[r] = _mm512_add_ps(tv[r], _mm512_mul_ps(mf, _mm512_cvtepi32_ps(msum)));
-                }
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(tv[r], _mm512_set1_ps(q->d[(r0 + r) * (q->k / 256) + js])));
-                tv[r] = _mm512_setzero_ps();
-            }
-        }
+        if (kind == 2 && b % 8 == 7) end_super_block(q, acc, tv, t, b, r0, R, mins);
     }
     const int64_t lanes = q->out - 16 * t < 16 ? q->out - 16 * t : 16;
     const __mmask16 mask = (__mmask16)((1u << lanes) - 1);
@@ -446,54 +465,17 @@ static inline __attribute__((always_inline)) void tile_rows16_format(const qjob 
         const int32_t *from = sums[c & 1];
         const void *sb = group_vals(q, q->s, t, c), *mb = mins ? group_vals(q, q->m, t, c) : NULL;
         const uint16_t *sf = kind == 2 ? super_factors(q, q->s, t, c) : NULL;
-        __m512 sv[2], mv[2];
+        __m512 sv[2], mv[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int h = 0; h < gpb; h++) {
             sv[h] = load_group(kind, sb, sf, h);
             if (mins && kind == 1) mv[h] = load_group(kind, mb, NULL, h);
         }
         for (int r = 0; r < 16; r++) {
-            for (int h = 0; h < gpb; h++) {
-                const __m512i Ih = _mm512_load_si512(from + 256 * h + 16 * r); /* u a - z S: exact */
-                if (kind == 2) {
-                    tv[r] = _mm512_add_ps(tv[r], _mm512_mul_ps(_mm512_cvtepi32_ps(Ih), sv[h]));
-                    continue;
-                }
-                const int64_t g = (r0 + r) * groups + gpb * c + h;
-                const __m512 db = _mm512_set1_ps(q->d[(r0 + r) * nb + c]);
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(Ih), _mm512_mul_ps(sv[h], db)));
-                if (mins) {
-                    const __m512 md = _mm512_mul_ps(mv[h], db);
-                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(md, _mm512_set1_ps(float_sum(q, g))));
-                }
-            }
+            for (int h = 0; h < gpb; h++) /* u a - z S, exact */
+                scale_group(q, &acc[r], &tv[r], _mm512_load_si512(from + 256 * h + 16 * r), sv[h], mv[h], r0 + r, c,
+                            (r0 + r) * groups + gpb * c + h, mins, kind);
         }
-        if (kind == 2 && c % 8 == 7) { /* the super-block's end: its mins, then its activation scale */
-            __m512 mf = _mm512_setzero_ps();
-            __m512i mpair[4]; /* int16 pairs (sc_m of blocks 2p, 2p + 1) an output (mins: one group a block) */
-            if (mins) {
-                mf = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)super_factors(q, q->m, t, c)));
-                for (int p = 0; p < 4; p++) {
-                    const int8_t *m0 = group_vals(q, q->m, t, c - 7 + 2 * p), *m1 = group_vals(q, q->m, t, c - 6 + 2 * p);
-                    mpair[p] = _mm512_or_si512(_mm512_and_si512(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)m0)),
-                                                                _mm512_set1_epi32(0xFFFF)),
-                                               _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)m1)), 16));
-                }
-            }
-            for (int r = 0; r < 16; r++) {
-                if (mins) {
-                    const int16_t *S = (const int16_t *)q->G + (r0 + r) * groups + c - 7;
-                    __m512i msum = _mm512_setzero_si512();
-                    for (int p = 0; p < 4; p++) {
-                        int32_t pair;
-                        memcpy(&pair, S + 2 * p, 4);
-                        msum = _mm512_dpwssd_epi32(msum, mpair[p], _mm512_set1_epi32(pair));
-                    }
-                    tv[r] = _mm512_add_ps(tv[r], _mm512_mul_ps(mf, _mm512_cvtepi32_ps(msum)));
-                }
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(tv[r], _mm512_set1_ps(q->d[(r0 + r) * (q->k / 256) + c / 8])));
-                tv[r] = _mm512_setzero_ps();
-            }
-        }
+        if (kind == 2 && c % 8 == 7) end_super_block(q, acc, tv, t, c, r0, 16, mins);
     }
     const int64_t lanes = q->out - 16 * t < 16 ? q->out - 16 * t : 16;
     const __mmask16 mask = (__mmask16)((1u << lanes) - 1);
