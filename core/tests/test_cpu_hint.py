@@ -2,7 +2,7 @@
 import torch
 
 from verispec import cpu
-from verispec.cpu import SLOW_FACTOR, slow_decode_hint, weight_bytes
+from verispec.cpu import SLOW_FACTOR, STEP_ALLOWANCE_MS, slow_decode_hint, weight_bytes
 
 
 def test_weight_bytes_counts_a_shared_tensor_once():
@@ -14,11 +14,23 @@ def test_weight_bytes_counts_a_shared_tensor_once():
 
 
 def test_hint_only_when_far_above_the_weight_streaming_cost():
-    num_bytes = 100_000_000  # 10 ms at the 10 GB/s floor
-    assert slow_decode_hint(SLOW_FACTOR * 10 - 1, num_bytes, threads=2) is None
+    num_bytes = 100_000_000  # 10 ms at the 10 GB/s floor, plus the per-step allowance
+    expected_ms = 10 + STEP_ALLOWANCE_MS
+    assert slow_decode_hint(SLOW_FACTOR * expected_ms - 1, num_bytes, threads=2) is None
+    assert slow_decode_hint(SLOW_FACTOR * expected_ms + 1, num_bytes, threads=2) is not None
     hint = slow_decode_hint(600.0, num_bytes, threads=2)
     assert hint.startswith("hint: decode took 600 ms/token") and "100 MB" in hint and "--threads 1" in hint
+    assert f"the {expected_ms:.0f} ms that" in hint
     assert "--threads 1" not in slow_decode_hint(600.0, num_bytes, threads=1)
+
+
+def test_a_tiny_model_at_the_fixed_step_cost_gets_no_hint():
+    """A model of a few hundred kB decodes at ~1 ms/token on a quiet machine, all of it the
+    step's fixed overhead rather than its weights: that is not slow."""
+    assert STEP_ALLOWANCE_MS >= 1
+    assert slow_decode_hint(1.0, 300_000, threads=1) is None
+    assert slow_decode_hint(SLOW_FACTOR * STEP_ALLOWANCE_MS - 0.5, 300_000, threads=2) is None
+    assert "the 2 ms that" in slow_decode_hint(50.0, 300_000, threads=2)
 
 
 def test_api_threads_auto_sets_the_idle_cores(monkeypatch, tmp_path):
@@ -63,12 +75,12 @@ def test_gguf_weights_without_the_kernels_get_their_own_hint(monkeypatch):
 
 
 def test_a_decode_slow_only_for_its_drafting_names_the_speculator(monkeypatch):
-    """80 ms/token against a 30 ms hint threshold: with 65 ms of each token in propose the
+    """80 ms/token against a 36 ms hint threshold: with 65 ms of each token in propose the
     plugin is named, with 20 ms the rest is still slow and the machine hint stands."""
     from verispec.execution import ExecutionStats
 
     engine = type("Engine", (), {"trunk": torch.nn.Linear(250, 100, bias=False)})()  # 100 kB of fp32
-    monkeypatch.setattr(cpu, "FLOOR_BYTES_PER_S", 1e7)  # 10 ms a token to stream them; SLOW_FACTOR x is 30 ms
+    monkeypatch.setattr(cpu, "FLOOR_BYTES_PER_S", 1e7)  # 10 ms a token to stream them, 12 with the step; 3x is 36 ms
 
     def hint(draft_ms_per_token):
         result = type("Result", (), {"decode_tokens_per_s": 12.5, "tokens": list(range(64)),

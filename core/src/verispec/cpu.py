@@ -53,6 +53,9 @@ def default_threads(interval_s: float = 0.1, samples: int = 2) -> int | None:
 #: compile, 600 ms/token against 21 ms quiet).
 FLOOR_BYTES_PER_S = 10e9
 SLOW_FACTOR = 3.0
+#: the fixed cost of one decode step besides reading the weights (Python, scheduling, the
+#: sampler: ~1 ms on a quiet machine), so a model of a few MB is not "slow" at 1 ms/token
+STEP_ALLOWANCE_MS = 2.0
 
 
 def weight_bytes(module) -> int:
@@ -66,16 +69,19 @@ def weight_bytes(module) -> int:
 
 
 def slow_decode_hint(ms_per_token: float, num_bytes: int, threads: int | None) -> str | None:
-    """One line when a decode ran far slower than streaming its weights should take, else None.
+    """One line when a decode ran far slower than a step should take, else None.
 
+    A step should take its weights streamed at FLOOR_BYTES_PER_S plus STEP_ALLOWANCE_MS (2 ms)
+    of fixed per-step overhead; the line comes when the decode is over SLOW_FACTOR (3x) that.
     ms_per_token: measured decode time per emitted token (ms); num_bytes: `weight_bytes`.
     """
-    expected_ms = 1e3 * num_bytes / FLOOR_BYTES_PER_S
+    expected_ms = 1e3 * num_bytes / FLOOR_BYTES_PER_S + STEP_ALLOWANCE_MS
     if ms_per_token <= SLOW_FACTOR * expected_ms:
         return None
     fix = "pass --threads 1" if (threads or 0) > 1 else "stop the other work on the cores"
     return (f"hint: decode took {ms_per_token:.0f} ms/token, over {SLOW_FACTOR:.0f}x the {expected_ms:.0f} ms that "
-            f"reading its {num_bytes / 1e6:.0f} MB of weights should take; another process is probably using the "
+            f"reading its {num_bytes / 1e6:.0f} MB of weights and a step's {STEP_ALLOWANCE_MS:.0f} ms of overhead "
+            f"should take; another process is probably using the "
             f"cores: {fix}")
 
 
