@@ -114,10 +114,11 @@ def test_a_template_error_is_reported_and_the_chat_goes_on(tmp_path, registry):
     assert rc == 0 and "verispec: error: the chat template refused these messages: no bad words" in err and len(summaries) == 1
 
 
-def test_a_model_without_a_chat_template_exits_2(tmp_path, registry):
+def test_a_model_without_a_chat_template_is_bad_input_naming_verispec_generate(tmp_path, registry):
     engine = api.load(write_toy_gguf(tmp_path / "plain.gguf", vocab_size=110), registry=registry)
     rc, out, err, _ = chat(engine, f"{CAT}\n")
-    assert rc == 2 and out == "" and "has no tokenizer.chat_template" in err
+    assert rc == 1 and out == "" and len(err.splitlines()) == 1
+    assert "has no chat template" in err and "`verispec generate` with plain text" in err and "--chat" not in err
 
 
 def test_a_terminal_gets_help_and_a_prompt(model_path, registry):

@@ -172,9 +172,9 @@ def test_a_prompt_that_is_not_utf8_is_an_error_naming_the_byte(env, tmp_path):
     for args in ([b"caf\xe9 au lait"], [b"ok", b"--stop", b"x\xff"]):
         r = run_code(env, code, "generate", "--model", str(path), *args)
         stderr = r.stderr.decode()
-        assert r.returncode == 2, stderr
+        assert r.returncode == 1, stderr  # bad input, as on standard input; not a bad flag
         lines = stderr.strip().splitlines()
-        assert len(lines) == 2 and "Traceback" not in stderr
+        assert len(lines) == 1 and "Traceback" not in stderr and "usage:" not in stderr
         assert "is not UTF-8 text: byte 0x" in lines[0] and "at byte" in lines[0]
     assert "byte 0xe9 at byte 3" in run_code(env, code, "generate", b"caf\xe9").stderr.decode()
     # a path is the OS's business: a non-UTF-8 name is looked up as given
@@ -247,6 +247,12 @@ def test_chat_on_a_model_without_a_template_is_a_one_line_error(env, tmp_path):
     path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
     r = verispec(env, "generate", "hi", "--model", str(path), "--chat")
     assert r.returncode == 1 and "has no tokenizer.chat_template" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-c", "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))",
+                        "chat", "--model", str(path), "--no-spec"], input="hi\n", env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
+    assert "has no chat template" in r.stderr and "use `verispec generate` with plain text" in r.stderr
+    assert "--chat" not in r.stderr
 
 
 @pytest.mark.parametrize("command, template, problem", [

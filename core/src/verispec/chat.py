@@ -15,7 +15,7 @@ from verispec.engine import InferenceEngine
 from verispec.errors import VerispecError
 from verispec.sampling import SamplingParams
 from verispec.streamed_text import warnings_on_their_own_line
-from verispec.tokenizer import TokenizerError, text_problem
+from verispec.tokenizer import NoChatTemplate, TokenizerError, text_problem
 
 HELP = "/reset starts a new conversation; end of input (Ctrl-D) exits"
 
@@ -27,7 +27,7 @@ def run_chat(engine: InferenceEngine, *, sampling: SamplingParams | None = None,
 
     sampling: how every turn draws (default greedy); max_tokens, stop, ignore_eos: per turn.
 
-    Returns the exit status: 0, or 2 when the model has no chat template. A turn the
+    Returns the exit status: 0, or 1 when the model has no chat template. A turn the
     engine rejects (e.g. the conversation outgrew the context) is reported on stderr and
     left out of the conversation.
     """
@@ -35,9 +35,14 @@ def run_chat(engine: InferenceEngine, *, sampling: SamplingParams | None = None,
     sampling = sampling or SamplingParams()
     try:
         engine.tokenizer.render_chat([{"role": "user", "content": ""}])
+    except NoChatTemplate as e:
+        print(f"verispec: error: this {e.architecture!r} model has no chat template (no tokenizer.chat_template "
+              "in the GGUF, and verispec has no default for the family), so it cannot chat: use `verispec generate` "
+              "with plain text, or a GGUF converted with its chat template", file=stderr)
+        return 1
     except TokenizerError as e:
         print(f"verispec: error: {e}", file=stderr)
-        return 2
+        return 1
     interactive = stdin.isatty()
     if interactive:
         print(f"[{HELP}]", file=stderr)

@@ -79,22 +79,21 @@ class _Parser(argparse.ArgumentParser):
         return " ".join(parts)
 
 
-def _text(name):
-    """argparse type: UTF-8 text (see the module docstring)."""
-    def parse(text):
-        from verispec.tokenizer import text_problem
+def _check_text_args(args) -> None:
+    """The text arguments (the prompt, --stop) are UTF-8 (see the module docstring): raises
+    InvalidArgument naming the first byte that is not, a bad input (exit 1) as on stdin."""
+    from verispec.errors import InvalidArgument
+    from verispec.tokenizer import text_problem
 
-        problem = text_problem(text, os_bytes=True)
-        if problem:
-            raise argparse.ArgumentTypeError(
-                f"{name} is not UTF-8 text: {problem}; verispec reads text arguments as UTF-8 "
-                "(set the terminal's encoding to UTF-8, e.g. LANG=C.UTF-8)")
-        return text
-    return parse
+    for name, texts in [("the prompt", [getattr(args, "prompt", None)]), ("--stop", getattr(args, "stop", None))]:
+        for text in texts or []:
+            problem = text_problem(text, os_bytes=True) if text is not None else None
+            if problem:
+                raise InvalidArgument(f"{name} is not UTF-8 text: {problem}; verispec reads text arguments as UTF-8 "
+                                      "(set the terminal's encoding to UTF-8, e.g. LANG=C.UTF-8)")
 
 
 def _stop_string(text):
-    text = _text("--stop")(text)
     if not text:
         raise argparse.ArgumentTypeError("stop strings must be non-empty; leave the empty one out")
     return text
@@ -164,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
-    gen.add_argument("prompt", nargs="?", type=_text("the prompt"),
+    gen.add_argument("prompt", nargs="?",
                      help="UTF-8 text, or - to read it from standard input (a prompt past the OS's "
                           "argument limit, ~128 KiB) (default: a built-in one, copying out a poem, "
                           "stopping at its end and compared with plain decoding)")
@@ -429,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_removed_flags(argv)
         args = build_parser().parse_args(argv)
+        _check_text_args(args)
         rc = COMMANDS[args.command](args)
         sys.stdout.flush()  # a reader that left shows up here, not at interpreter exit
         return rc
