@@ -63,6 +63,19 @@ def test_removed_flags_fail_naming_their_replacement(env, flag, replacement):
     assert f"use {replacement} instead" in r.stderr
 
 
+@pytest.mark.parametrize("args,replacement", [(["--draft-max", "8"], "--spec-draft"), (["--draft=8"], "--spec-draft"),
+                                              (["--draft-n", "8"], "--spec-draft"),
+                                              (["--draft-p-min", "0.5"], "--spec-pmin"),
+                                              (["--model-draft", "d.gguf"], "--draft-model"),
+                                              (["-md", "d.gguf"], "--draft-model")])
+def test_llama_cpp_flags_fail_naming_verispecs(env, args, replacement):
+    """Not argparse's bare "unrecognized arguments", nor `--draft 8` read as --draft-model 8."""
+    r = verispec(env, "generate", "hi", *args)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    flag = args[0].split("=")[0]
+    assert f"verispec: error: {flag} is llama.cpp's spelling; verispec's is {replacement}" in r.stderr
+
+
 @pytest.mark.parametrize("args,message", [(["--spec-draft", "0"], "argument --spec-draft: 0: choose 1..64"),
                                           (["--spec-pmin", "2"], "argument --spec-pmin: 2.0: choose 0.0..1.0"),
                                           (["--temperature", "-1"], "argument --temperature: -1.0: choose")])

@@ -23,6 +23,17 @@ REMOVED_FLAGS = {
     "--mtp-draft-model": "--draft-model",
     "--spec-draft-model": "--draft-model",
 }
+#: llama.cpp's speculative-decoding flags → verispec's; argparse would call them unrecognized,
+#: or read `--draft 8` as an abbreviation of --draft-model. (llama.cpp's --draft-min has none:
+#: verispec's drafters draft as many tokens as pay, up to --spec-draft.)
+LLAMA_CPP_FLAGS = {
+    "--draft-max": "--spec-draft",
+    "--draft": "--spec-draft",
+    "--draft-n": "--spec-draft",
+    "--draft-p-min": "--spec-pmin",
+    "--model-draft": "--draft-model",
+    "-md": "--draft-model",
+}
 
 #: the built-in prompt (`verispec generate` with none): quoting a document, where drafting pays;
 #: it stops at DEFAULT_STOP and is compared with plain decoding in the same run.
@@ -227,6 +238,8 @@ def _check_removed_flags(argv: list[str]) -> None:
         flag = arg.split("=", 1)[0]
         if flag in REMOVED_FLAGS:
             raise CliError(f"{flag} was removed; use {REMOVED_FLAGS[flag]} instead")
+        if flag in LLAMA_CPP_FLAGS:
+            raise CliError(f"{flag} is llama.cpp's spelling; verispec's is {LLAMA_CPP_FLAGS[flag]}")
 
 
 def spec_options(args):
