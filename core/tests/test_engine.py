@@ -156,6 +156,19 @@ def test_block_head_from_a_draft_file_with_drafter_requested_taps(model_path, re
     assert spec.tokens == plain.tokens
 
 
+def test_a_draft_model_no_installed_speculator_takes_names_the_plugin_to_install(model_path, registry, caplog):
+    """--draft-model naming a whole model with no draft-model speculator installed: the warning
+    says so and names its install line, not the first speculator's decline."""
+    from verispec.install_hints import checkout_root
+
+    with caplog.at_level("WARNING", logger="verispec"):
+        engine = api.load(model_path, registry=registry, draft_model=model_path)
+    assert engine.choice.name == "echo"
+    warning, = [r.getMessage() for r in caplog.records if "is not used" in r.getMessage()]
+    assert "is not used: no installed speculator drafts with a draft model" in warning
+    assert f"pip install -e {checkout_root()}/plugins/draft_model " in warning and "toy-block" not in warning
+
+
 def test_drafter_bound_to_another_trunk_is_refused(model_path, registry, tmp_path):
     drafter = toy_plugin.write_block_drafter(tmp_path / "drafter.gguf", vocab_size=111)
     with pytest.raises(toy_plugin.DrafterMismatch, match="111 != trunk vocabulary 110"):

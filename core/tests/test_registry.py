@@ -152,7 +152,42 @@ def test_requires_draft_head_without_one_declines(registry, head):
     with pytest.raises(SpeculationUnavailable) as info:
         choose_speculator(registry, "headed", Trunk(), draft_head=head, max_draft_tokens=8)
     assert "draft head" in info.value.reasons["headed"]
-    assert "--draft-model" in str(info.value)
+
+
+def test_no_draft_head_suggests_draft_model_only_where_a_drafter_file_can_load():
+    """Where no installed plugin loads a separate drafter file (a family whose NextN/MTP head
+    comes only inside the model file), --draft-model cannot help: the line says the file has no
+    head and names ngram / auto; with a drafter format installed it names the formats."""
+    headed = spec("mtp", requires_draft_head=True)
+    alone = Registry.from_plugins({"toys": Toy(headed)})
+    with pytest.raises(SpeculationUnavailable) as info:
+        choose_speculator(alone, "mtp", Trunk(), max_draft_tokens=8)
+    assert "--draft-model" not in str(info.value)
+    assert "the model file has no NextN/MTP head" in info.value.reasons["mtp"]
+    assert "--spec-type ngram or auto" in info.value.reasons["mtp"]
+    with_files = Registry.from_plugins({"toys": Toy(headed, DraftFileSpec(
+        name="nextn-file", summary="toy", architectures=("nextn-drafter",), loader="toy_models:load_head"))})
+    with pytest.raises(SpeculationUnavailable) as info:
+        choose_speculator(with_files, "mtp", Trunk(), max_draft_tokens=8)
+    assert "installed formats: nextn-file" in str(info.value) and "--draft-model PATH|ALIAS" in str(info.value)
+
+
+def test_a_draft_model_no_installed_speculator_takes_names_the_draft_model_plugin():
+    """--draft-model loaded a whole model and only speculators that decline it (their factory
+    returns None) are installed: the unused-drafter line names plugins/draft_model's install
+    line, not the first decline."""
+    from verispec.speculator_choice import unused_drafter_reason
+
+    registry = Registry.from_plugins({"toys": Toy(spec("mtp", never, requires_draft_head=True, priority=20),
+                                                  spec("ngram", priority=10))})
+    model = Head(DraftHeadKind.MODEL)
+    choice = choose_speculator(registry, "auto", Trunk(), draft_head=model, max_draft_tokens=8)
+    assert choice.name == "ngram"
+    why = unused_drafter_reason(registry, model, choice.declines)
+    assert why.startswith("no installed speculator drafts with a draft model") and "mtp" not in why
+    assert f"pip install -e {checkout_root()}/plugins/draft_model " in why
+    # a decline that says something else (a drafter that does not fit) is passed on as it is
+    assert unused_drafter_reason(registry, model, {"mtp": "vocabularies differ"}) == "mtp: vocabularies differ"
 
 
 def test_draft_head_and_block_groups():
@@ -164,18 +199,19 @@ def test_draft_head_and_block_groups():
     per_token, block = Head(DraftHeadKind.PER_TOKEN), Head(DraftHeadKind.BLOCK)
     assert choose_speculator(registry, "draft-head", Trunk(), draft_head=per_token,
                                       max_draft_tokens=8).name == "per-token"
-    with pytest.raises(SpeculationUnavailable) as info:
+    with pytest.raises(SpeculationUnavailable) as info:  # one reason, named for what was asked for
         choose_speculator(registry, "block", Trunk(), draft_head=per_token, max_draft_tokens=8)
-    assert set(info.value.reasons) == {"per-token", "blocky"}
-    assert "block draft head" in info.value.reasons["blocky"] and "per_token" in info.value.reasons["blocky"]
+    assert set(info.value.reasons) == {"block"}
+    assert "block draft head" in info.value.reasons["block"] and "per_token" in info.value.reasons["block"]
+    assert str(info.value).startswith("--spec-type block cannot be served: block: it needs a block draft head")
     choice = choose_speculator(registry, "block", Trunk(), draft_head=block, max_draft_tokens=8)
     assert choice.name == "per-token" and "block speculator" in choice.reason
     with pytest.raises(SpeculationUnavailable, match="draft head"):
         choose_speculator(registry, "draft-head", Trunk(), max_draft_tokens=8)
     with pytest.raises(SpeculationUnavailable) as info:  # no head at all: say block, not "no draft head"
         choose_speculator(registry, "block", Trunk(), max_draft_tokens=8)
-    assert all(r.startswith("--spec-type block needs a block draft head and none is loaded")
-               for r in info.value.reasons.values())
+    assert info.value.reasons == {"block": "it needs a block draft head and none is loaded; pass a block "
+                                          "drafter GGUF with --draft-model PATH"}
 
 
 def test_group_without_members_and_unknown_name():

@@ -22,7 +22,7 @@ from verispec.sampling import SamplingParams
 from verispec.requests import Generation, GenerationResult, Request, Speculation, TokenEvent
 from verispec.scheduler import DEFAULT_MAX_IDLE_SEQUENCES, DEFAULT_MAX_RUNNING, Scheduler
 from verispec.seams import ContextOverflow, declared
-from verispec.speculator_choice import SpeculationUnavailable, choose_speculator
+from verispec.speculator_choice import SpeculationUnavailable, choose_speculator, unused_drafter_reason
 from verispec.draft_length import DraftLengthPolicy
 
 __all__ = ["InferenceEngine", "SpecOptions", "Generation", "GenerationResult", "TokenEvent"]
@@ -120,10 +120,8 @@ class InferenceEngine:
         log.info("speculation: %s", self.choice.reason)
         if draft_head is not None and spec.draft_model is not None and not (
                 self.speculator is not None and self.speculator.spec.requires_draft_head):
-            unused = {name: why for name, why in self.choice.declines.items()
-                      if self.registry.speculators[name].spec.requires_draft_head}
             log.warning("--draft-model %s is not used: %s", spec.draft_model,
-                        "; ".join(f"{name}: {why}" for name, why in unused.items()) or "no speculator drafts with it")
+                        unused_drafter_reason(self.registry, draft_head, self.choice.declines))
         return SpeculationReason("declined", self.choice.reason) if self.speculator is None else None
 
     def _speculation(self) -> Speculation | None:

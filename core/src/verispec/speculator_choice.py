@@ -61,8 +61,13 @@ def choose_speculator(registry: Registry, spec_type: str, trunk: Any, *, draft_h
     Raises SpeculationUnavailable when an explicit spec_type cannot be served.
     """
     declines: dict[str, str] = {}
-    for entry in _candidates(registry, spec_type):
-        reason = _precheck(entry.spec, spec_type, trunk, draft_head)
+    candidates = _candidates(registry, spec_type)
+    if spec_type == "block" and declared(trunk, "speculation_refusal") is None:
+        missing = _no_block_head(draft_head)
+        if missing:  # one reason for the whole group, under the name asked for
+            raise SpeculationUnavailable(spec_type, {spec_type: missing})
+    for entry in candidates:
+        reason = _precheck(entry.spec, spec_type, trunk, draft_head, registry)
         speculator = None
         if reason is None:
             speculator, reason = _build(entry.spec, trunk, draft_head, max_draft_tokens, min_draft_prob)
@@ -106,7 +111,16 @@ def _install_advice(name: str) -> str:
         "pip install the distribution that provides it"
 
 
-def _precheck(spec: SpeculatorSpec, spec_type: str, trunk: Any, draft_head: Any) -> str | None:
+def _no_block_head(draft_head: Any) -> str | None:
+    """Why --spec-type block cannot serve with `draft_head` (not a BLOCK head), or None."""
+    head_kind = getattr(draft_head, "draft_head_kind", DraftHeadKind.NONE)
+    if head_kind is DraftHeadKind.BLOCK:
+        return None
+    loaded = "none is loaded" if head_kind is DraftHeadKind.NONE else f"the loaded one is {head_kind.value}"
+    return f"it needs a block draft head and {loaded}; pass a block drafter GGUF with --draft-model PATH"
+
+
+def _precheck(spec: SpeculatorSpec, spec_type: str, trunk: Any, draft_head: Any, registry: Registry) -> str | None:
     """Why `spec` cannot serve, from declarations alone (nothing imported), or None."""
     refusal = declared(trunk, "speculation_refusal")
     if refusal is not None:
@@ -114,14 +128,44 @@ def _precheck(spec: SpeculatorSpec, spec_type: str, trunk: Any, draft_head: Any)
     if spec_type == "auto" and not declared(trunk, "speculation_profitable"):
         return "the trunk declares speculation unprofitable (an explicit --spec-type still runs)"
     head_kind = getattr(draft_head, "draft_head_kind", DraftHeadKind.NONE)
-    if spec_type == "block" and head_kind is not DraftHeadKind.BLOCK:  # before the generic no-head line
-        loaded = "none is loaded" if head_kind is DraftHeadKind.NONE else f"the loaded one is {head_kind.value}"
-        return (f"--spec-type block needs a block draft head and {loaded}; pass a block drafter GGUF with "
-                "--draft-model PATH")
     if spec.requires_draft_head and head_kind is DraftHeadKind.NONE:
-        return (f"no draft head: {spec.name} needs a draft head or a draft model and none is loaded for this "
-                "trunk; pass --draft-model PATH|ALIAS")
+        return f"no draft head: {spec.name} needs a draft head and {_no_head_advice(registry)}"
     return None
+
+
+def _no_head_advice(registry: Registry) -> str:
+    """The rest of the no-draft-head line: --draft-model only where an installed plugin loads a
+    drafter file (a model family whose NextN/MTP head comes in the model file alone has none)."""
+    formats = sorted(registry.draft_files)
+    if formats:
+        return (f"none is loaded for this trunk; pass a drafter file (installed formats: {', '.join(formats)}) "
+                "or a draft model with --draft-model PATH|ALIAS, or use --spec-type ngram or auto")
+    model = (" (or a smaller model of the same tokenizer with --draft-model PATH|ALIAS and --spec-type "
+             "draft-model)") if "draft-model" in registry.speculators else ""
+    return ("the model file has no NextN/MTP head, and no installed plugin loads a separate drafter file; use "
+            f"--spec-type ngram or auto{model}")
+
+
+def unused_drafter_reason(registry: Registry, draft_head: Any, declines: Mapping[str, str]) -> str:
+    """Why the drafter --draft-model loaded drafts for no speculator, from `Choice.declines`: the
+    declines of those that need a draft head, or, when each of them just does not take a drafter
+    of this kind, that no installed speculator does (and what to install for a draft model)."""
+    unused = {name: why for name, why in declines.items() if registry.speculators[name].spec.requires_draft_head}
+    kind = getattr(draft_head, "draft_head_kind", DraftHeadKind.NONE)
+    if any(why != _not_taken(name, draft_head) for name, why in unused.items()):
+        return _reasons(unused)
+    if kind is DraftHeadKind.MODEL:
+        return ("no installed speculator drafts with a draft model (a smaller model of the same tokenizer); the "
+                f"draft-model speculator does, {_install_advice('draft-model')}")
+    return (f"no installed speculator drafts with a {kind.value} draft head; pip install the distribution that "
+            "provides one")
+
+
+def _not_taken(name: str, draft_head: Any) -> str:
+    """A speculator's decline when its factory returned None (it does not take this drafter)."""
+    kind = getattr(getattr(draft_head, "draft_head_kind", None), "value", None)
+    drafter = f" with the {kind} drafter loaded (--draft-model)" if kind else ""
+    return f"{name} cannot serve this trunk{drafter}"
 
 
 def _build(spec: SpeculatorSpec, trunk, draft_head, max_draft_tokens, min_draft_prob):
@@ -141,9 +185,7 @@ def _build(spec: SpeculatorSpec, trunk, draft_head, max_draft_tokens, min_draft_
                        exc_info=os.environ.get("VERISPEC_DEBUG") == "1")  # the traceback on request
         return None, f"{spec.name} failed to build: {_text(exc)}"
     if speculator is None:
-        kind = getattr(getattr(draft_head, "draft_head_kind", None), "value", None)
-        drafter = f" with the {kind} drafter loaded (--draft-model)" if kind else ""
-        return None, f"{spec.name} cannot serve this trunk{drafter}"
+        return None, _not_taken(spec.name, draft_head)
     taps = getattr(speculator, "tap_layers", None)
     if spec.needs_hidden_state and taps is not None:
         try:
