@@ -19,6 +19,21 @@ def _write(hf_model, path, *, metadata=None, tensors=None):
     return write_gguf(path, arch=arch, metadata={**md, **(metadata or {})}, tensors={**ts, **(tensors or {})})
 
 
+def test_the_fixture_module_writes_a_gguf_from_the_command_line(tmp_path):
+    """`python tiny_glm5next.py NAME OUT.gguf` writes the fixture and prints its path, as
+    tiny_glm4moe.py and tiny_glm_dsa.py do (the README's recipe for a `verispec generate` model)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "flash.gguf"
+    r = subprocess.run([sys.executable, tiny_glm5next.__file__, "flash", str(out)], capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(out)
+    assert load(str(out), dtype="float32").draft_head is not None
+
+
 def test_the_nextn_block_is_the_head_not_a_trunk_layer(tiny_glm5next_fixture, tmp_path):
     """The fixture's blk.4 is its NextN block: the trunk is blocks 0..3 with a draft head; without
     the block (and its key) the same trunk loads with no head and the same logits; a stray tensor

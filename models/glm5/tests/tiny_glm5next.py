@@ -269,3 +269,10 @@ def write_fixture(model: TinyGlm5Next, path, *, arch: str = "glm5-next", extra_m
     arch, metadata, tensors = hf_to_gguf(model, arch)
     metadata = {k: v for k, v in {**metadata, **(extra_metadata or {})}.items() if k not in drop_metadata}
     return write_gguf(path, arch=arch, metadata=metadata, tensors=tensors, tensor_types=tensor_types)
+
+
+if __name__ == "__main__":
+    import sys
+
+    name, out = sys.argv[1:3]
+    print(write_fixture(build_hf_model(name), out))
