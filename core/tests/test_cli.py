@@ -63,8 +63,8 @@ def test_removed_flags_fail_naming_their_replacement(env, flag, replacement):
     assert f"use {replacement} instead" in r.stderr
 
 
-@pytest.mark.parametrize("args,replacement", [(["--draft-max", "8"], "--spec-draft"), (["--draft=8"], "--spec-draft"),
-                                              (["--draft-n", "8"], "--spec-draft"),
+@pytest.mark.parametrize("args,replacement", [(["--draft-max", "8"], "--spec-draft"),
+                                              (["--draft=8"], "--spec-draft"), (["--draft-n", "8"], "--spec-draft"),
                                               (["--draft-p-min", "0.5"], "--spec-pmin"),
                                               (["--model-draft", "d.gguf"], "--draft-model"),
                                               (["-md", "d.gguf"], "--draft-model")])
@@ -260,9 +260,9 @@ def test_chat_on_a_model_without_a_template_is_a_one_line_error(env, tmp_path):
     path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
     r = verispec(env, "generate", "hi", "--model", str(path), "--chat")
     assert r.returncode == 1 and "has no tokenizer.chat_template" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "-c", "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))",
-                        "chat", "--model", str(path), "--no-spec"], input="hi\n", env=env, capture_output=True,
-                       text=True, timeout=120)
+    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    r = subprocess.run([sys.executable, "-c", code, "chat", "--model", str(path), "--no-spec"], input="hi\n",
+                       env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
     assert "has no chat template" in r.stderr and "use `verispec generate` with plain text" in r.stderr
     assert "--chat" not in r.stderr

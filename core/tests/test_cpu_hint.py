@@ -80,7 +80,7 @@ def test_a_decode_slow_only_for_its_drafting_names_the_speculator(monkeypatch):
     from verispec.execution import ExecutionStats
 
     engine = type("Engine", (), {"trunk": torch.nn.Linear(250, 100, bias=False)})()  # 100 kB of fp32
-    monkeypatch.setattr(cpu, "FLOOR_BYTES_PER_S", 1e7)  # 10 ms a token to stream them, 12 with the step; 3x is 36 ms
+    monkeypatch.setattr(cpu, "FLOOR_BYTES_PER_S", 1e7)  # 10 ms a token to stream, 12 with the step; 3x: 36
 
     def hint(draft_ms_per_token):
         result = type("Result", (), {"decode_tokens_per_s": 12.5, "tokens": list(range(64)),

@@ -36,9 +36,10 @@ def run_chat(engine: InferenceEngine, *, sampling: SamplingParams | None = None,
     try:
         engine.tokenizer.render_chat([{"role": "user", "content": ""}])
     except NoChatTemplate as e:
-        print(f"verispec: error: this {e.architecture!r} model has no chat template (no tokenizer.chat_template "
-              "in the GGUF, and verispec has no default for the family), so it cannot chat: use `verispec generate` "
-              "with plain text, or a GGUF converted with its chat template", file=stderr)
+        print(f"verispec: error: this {e.architecture!r} model has no chat template (no "
+              "tokenizer.chat_template in the GGUF, and verispec has no default for the family), so it "
+              "cannot chat: use `verispec generate` with plain text, or a GGUF converted with its chat "
+              "template", file=stderr)
         return 1
     except TokenizerError as e:
         print(f"verispec: error: {e}", file=stderr)

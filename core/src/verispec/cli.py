@@ -100,8 +100,8 @@ def _check_text_args(args) -> None:
         for text in texts or []:
             problem = text_problem(text, os_bytes=True) if text is not None else None
             if problem:
-                raise InvalidArgument(f"{name} is not UTF-8 text: {problem}; verispec reads text arguments as UTF-8 "
-                                      "(set the terminal's encoding to UTF-8, e.g. LANG=C.UTF-8)")
+                raise InvalidArgument(f"{name} is not UTF-8 text: {problem}; verispec reads text arguments as "
+                                      "UTF-8 (set the terminal's encoding to UTF-8, e.g. LANG=C.UTF-8)")
 
 
 def _stop_string(text):

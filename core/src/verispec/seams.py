@@ -107,7 +107,7 @@ TRUNK_DECLARATIONS: dict[str, Any] = {
     "sequence_held_nbytes": None,
     # Context: the positions the model was trained on; None = unknown (a larger --context-length is suggested unbounded).
     "trained_context_length": None,
-    # Drafting: the DraftHead the model file carries (e.g. MTP weights); None = none, or load one with --draft-model.
+    # Drafting: the DraftHead the model file carries (e.g. MTP weights); None = none, or --draft-model loads one.
     "draft_head": None,
     # Text: the verispec.tokenizer.Tokenizer turning text into ids and back; None = the trunk takes ids only.
     "tokenizer": None,

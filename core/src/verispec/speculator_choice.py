@@ -120,7 +120,8 @@ def _no_block_head(draft_head: Any) -> str | None:
     return f"it needs a block draft head and {loaded}; pass a block drafter GGUF with --draft-model PATH"
 
 
-def _precheck(spec: SpeculatorSpec, spec_type: str, trunk: Any, draft_head: Any, registry: Registry) -> str | None:
+def _precheck(spec: SpeculatorSpec, spec_type: str, trunk: Any, draft_head: Any,
+              registry: Registry) -> str | None:
     """Why `spec` cannot serve, from declarations alone (nothing imported), or None."""
     refusal = declared(trunk, "speculation_refusal")
     if refusal is not None:
