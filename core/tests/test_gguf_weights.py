@@ -18,7 +18,7 @@ from verispec.gguf_io import GGUFFile
 from verispec.gguf_load import plan_weights
 from verispec.gguf_table import Stack, Tensor
 from verispec.kernels import ckernels
-from verispec.weights.block_linear import activation_block, block_linear_class, quantize_activations, reference_matmul
+from verispec.weights.block_linear import block_linear_class, quantize_activations, reference_matmul
 from verispec.weights.gguf_blocks import BLOCK_FORMATS, GGUFBlocks, unpack
 from verispec.weights.gguf_mode import UnmappedGGUFType
 from verispec.weights.quant import (
@@ -80,36 +80,28 @@ def test_module_rows_are_the_files_weights_bitwise(ggml_type):
             lookup(torch.tensor([3, 40]))
 
 
-@pytest.mark.parametrize("block", [32, 256])
-def test_activations_are_quantised_per_block_as_llama_cpp_does(block):
-    """Per 32 columns as quantize_row_q8_0 (fp16-scale types), per 256 as Q8_K (K types)."""
-    x = _x(3, 2 * block)
-    x[1, :block] = 0  # an all-zero block: scale 0, values 0
-    a, d, S = quantize_activations(x, block)
-    assert a.dtype == torch.int8 and d.shape == (3, 2) and S.shape == (3, 2 * block // 16)
-    assert d[1, 0] == 0 and not a[1, :block].any()
-    blocks = x.reshape(3, 2, block)
+def test_activations_are_quantised_per_32_as_llama_cpp_does():
+    x = _x(3, 64)
+    x[1, :32] = 0  # an all-zero block: scale 0, values 0
+    a, d, S = quantize_activations(x)
+    assert a.dtype == torch.int8 and d.shape == (3, 2) and S.shape == (3, 4)
+    assert d[1, 0] == 0 and not a[1, :32].any()
+    blocks = x.reshape(3, 2, 32)
     assert torch.equal(d, blocks.abs().amax(-1) / 127)
-    assert (a.reshape(3, 2, block).float() * d[..., None] - blocks).abs().max() <= d.max() / 2 + 1e-7
-    assert torch.equal(S, a.reshape(3, -1, 16).int().sum(-1))
+    assert (a.reshape(3, 2, 32).float() * d[..., None] - blocks).abs().max() <= d.max() / 2 + 1e-7
+    assert torch.equal(S, a.reshape(3, 4, 16).int().sum(-1))
     assert int(a.abs().max()) == 127
-
-
-def test_each_type_takes_its_activation_block():
-    assert {activation_block(fmt) for t, fmt in BLOCK_FORMATS.items() if t.name.endswith("_K")} == {256}
-    assert {activation_block(fmt) for t, fmt in BLOCK_FORMATS.items() if not t.name.endswith("_K")} == {32}
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
 def test_the_product_is_the_dense_product_within_the_activation_rounding(ggml_type):
     """y - x·Wᵀ is the activations' rounding alone: |Σ w_i (x_i - a_i d)| <= Σ |w_i| d / 2 per
-    activation block (32 columns, or 256 for a K type), plus fp32 accumulation (relative 1e-5 of Σ |w x|)."""
+    block, plus fp32 accumulation (relative 1e-5 of Σ |w x|)."""
     linear, blocks = _linear(ggml_type, seed=1)
     w = torch.from_numpy(dequantize(blocks.data.numpy(), ggml_type)).double()
     x = _x(5, 512)
-    block = activation_block(BLOCK_FORMATS[ggml_type])
-    _, d, _ = quantize_activations(x, block)
-    bound = (w.abs().reshape(40, -1, block).sum(-1) @ (d.double() / 2).t()).t()  # [5, 40]
+    _, d, _ = quantize_activations(x)
+    bound = (w.abs().reshape(40, 16, 32).sum(-1) @ (d.double() / 2).t()).t()  # [5, 40]
     exact = x.double() @ w.t()
     slack = 1e-5 * (x.double().abs() @ w.abs().t())
     assert ((linear(x).double() - exact).abs() <= bound + slack).all()

@@ -18,7 +18,6 @@ from verispec.kernels import ckernels, triton_dispatch  # noqa: E402
 from verispec.kernels.triton_qmatmul import qmatmul  # noqa: E402
 from verispec.testing.gguf_weights import random_blocks  # noqa: E402
 from verispec.weights.block_linear import (  # noqa: E402
-    activation_block,
     block_linear_class,
     quantize_activations,
     reference_matmul,
@@ -26,7 +25,7 @@ from verispec.weights.block_linear import (  # noqa: E402
 )
 from verispec.weights.gguf_blocks import BLOCK_FORMATS, GGUFBlocks, unpack  # noqa: E402
 
-ROWS, COLS = 40, 512  # 40 outputs: the last output tile partly masked; 512 columns: two K super-blocks
+ROWS, COLS = 40, 256  # 40 outputs: the last output tile partly masked; 256 columns: one K super-block
 
 
 def _blocks(ggml_type, seed=0):
@@ -38,10 +37,8 @@ def _x(n, seed=3):
 
 
 def _triton(x, values, **tiles):
-    fmt = values.format
-    args = [None if t is None else t.to(DEVICE)
-            for t in (*quantize_activations(x.to(DEVICE), activation_block(fmt)), *signed_values(values))]
-    return qmatmul(*args, fmt.group, super_block=not fmt.half_scales, **tiles).cpu()
+    args = [None if t is None else t.to(DEVICE) for t in (*quantize_activations(x.to(DEVICE)), *signed_values(values))]
+    return qmatmul(*args, values.format.group, **tiles).cpu()
 
 
 @pytest.mark.parametrize("ggml_type", sorted(BLOCK_FORMATS))
@@ -80,5 +77,5 @@ def test_block_linear_dispatches_to_triton(ggml_type, monkeypatch):
 
 def test_a_k_that_is_not_the_weights_is_refused():
     values = unpack(_blocks(T.Q4_0))
-    with pytest.raises(ValueError, match="the activations have 480 columns; the weight takes 512"):
-        _triton(torch.zeros(1, 480), values)
+    with pytest.raises(ValueError, match="the activations have 224 columns; the weight takes 256"):
+        _triton(torch.zeros(1, 224), values)

@@ -23,32 +23,26 @@
  *     which is exact (11 + 8 significant bits), so it multiplies by the file's s bit for bit
  *     while reading a byte a group instead of four: Q4_K 4.6 bits a weight instead of 6.
  *
- * Activations: each row of x is quantised per block of B columns, B = 32 as llama.cpp's
- * quantize_row_q8_0 does (ggml-quants.c) for scale kind 1, B = 256 (a super-block, as llama.cpp
- * quantises for its K-type dot products, Q8_K) for kind 2:
+ * Activations: each row of x is quantised per block of 32 columns as llama.cpp's
+ * quantize_row_q8_0 does (ggml-quants.c):
  *   d = amax_i |x_i| / 127,  id = d > 0 ? 1 / d : 0,  a_i = rint(x_i · id)   (int8, ties to even)
  * and the a_i of each 16 columns are summed (S_h, an integer).
  *
  * Output (each step one IEEE fp32 operation; -ffp-contract=off): for row r, output o, y = 0, then
- *   I_h = sum_i u_i a_i - z · S_h  per group h      (exact int32: any order, any vector width)
- * kind 1: for every block b in order, for each group h of the block in order:
- *   y  = y + (float)I_h · (s_h · d_b)
+ * for every block b in order, for each group h of the block in order:
+ *   I  = sum_i u_i a_i - z · S_h                    (exact int32: any order, any vector width)
+ *   y  = y + (float)I · (s_h · d_b)
  *   y  = y + (m_h · d_b) · (float)S_h               (types with mins only)
- * kind 2: for every super-block j in order (D_j its activation scale, f_j its fp16 -dmin):
- *   t  = 0;  t = t + (float)I_h · s_h  for each group h of j in order
- *   t  = t + f_j · (float)(sum_h m_h · S_h)         (types with mins only; m_h the integers: exact)
- *   y  = y + t · D_j
  * A row's bits therefore depend on nothing but the row and the weights: not on the other rows
  * of the call, the threads, or the instruction set.
  *
  * Speed: each path is compiled once per block format and row count (16 with AMX,) 8, 4, 2, 1
  * (FORMAT_KERNEL), so the format's branches go and (VNNI) 8 rows' accumulators stay in registers
  * and share each unpacked weight block; a call's work is units of CHUNK rows by a run of tiles
- * (those rows' activations stay in L2), taken by threads as they free up. A K type's scaling is
- * one fp32 multiply-add a group and row instead of two, plus one a super-block. On Zen 5, one
- * core: VNNI at 512 rows ~90 -> ~195 GMAC/s; the AVX2 build at one row (a decode) 12-20 -> 20-41
+ * (those rows' activations stay in L2), taken by threads as they free up. On Zen 5, one core:
+ * VNNI at 512 rows ~90 -> ~195 GMAC/s; the AVX2 build at one row (a decode) 12-20 -> 20-41
  * GMAC/s. Sapphire Rapids, two cores, 512 rows of the Qwen2.5 1.5B's Q4_K: VNNI ~300 GMAC/s,
- * AMX with kind 1's arithmetic ~410, with kind 2's ~470.
+ * AMX ~480.
  */
 #include <math.h>
 #include <stdint.h>
@@ -78,44 +72,41 @@
 
 /* ---- activations */
 
-/* Row r of x fp32 [n, k] (k % bs == 0) -> a int8 [n, k], d fp32 [n, k / bs], S int32 [n, k / 16],
- * with bs = 32 or 256 columns a scale. */
-static void quantize_row(const float *x, int64_t r, int64_t k, int64_t bs, int8_t *a, float *d, int32_t *S) {
-    for (int64_t b = 0; b < k / bs; b++) {
-        const float *xb = x + r * k + b * bs;
-        int8_t *ab = a + r * k + b * bs;
-        int32_t *Sb = S + r * (k / 16) + b * (bs / 16);
+/* Row r of x fp32 [n, k] (k % 32 == 0) -> a int8 [n, k], d fp32 [n, k / 32], S int32 [n, k / 16]. */
+static void quantize_row(const float *x, int64_t r, int64_t k, int8_t *a, float *d, int32_t *S) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float *xb = x + r * k + b * 32;
+        int8_t *ab = a + r * k + b * 32;
 #if VNNI /* the same operations 16 lanes at a time (cvtps rounds to nearest even, as rintf does) */
-        __m512 m = _mm512_setzero_ps();
-        for (int64_t i = 0; i < bs; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
-        const float amax = _mm512_reduce_max_ps(m);
+        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
         const float db = amax / 127.0f, id = db > 0.0f ? 1.0f / db : 0.0f;
-        for (int64_t i = 0; i < bs; i += 16) {
-            const __m512i ai = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), _mm512_set1_ps(id)));
-            _mm_storeu_si128((__m128i *)(ab + i), _mm512_cvtepi32_epi8(ai));
-            Sb[i / 16] = _mm512_reduce_add_epi32(ai);
-        }
+        const __m512i a0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)));
+        const __m512i a1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)ab, _mm512_cvtepi32_epi8(a0));
+        _mm_storeu_si128((__m128i *)(ab + 16), _mm512_cvtepi32_epi8(a1));
+        S[r * (k / 16) + 2 * b] = _mm512_reduce_add_epi32(a0);
+        S[r * (k / 16) + 2 * b + 1] = _mm512_reduce_add_epi32(a1);
 #else
         float amax = 0.0f;
-        for (int64_t i = 0; i < bs; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
         const float db = amax / 127.0f, id = db > 0.0f ? 1.0f / db : 0.0f;
-        for (int64_t h = 0; h < bs / 16; h++) {
+        for (int h = 0; h < 2; h++) {
             int32_t sum = 0;
-            for (int64_t i = 16 * h; i < 16 * h + 16; i++) {
+            for (int i = 16 * h; i < 16 * h + 16; i++) {
                 ab[i] = (int8_t)rintf(xb[i] * id);
                 sum += ab[i];
             }
-            Sb[h] = sum;
+            S[r * (k / 16) + 2 * b + h] = sum;
         }
 #endif
-        d[r * (k / bs) + b] = db;
+        d[r * (k / 32) + b] = db;
     }
 }
 
-/* x's rows quantised per bs columns: a int8 [n, k], d fp32 [n, k / bs], S int32 [n, k / 16]. */
 typedef struct {
     const float *x;
-    int64_t n, k, bs;
+    int64_t n, k;
     int8_t *a;
     float *d;
     int32_t *S;
@@ -123,8 +114,7 @@ typedef struct {
 
 static void quantize_task(void *arg, int64_t task, int64_t tasks) {
     const quantize_job *j = arg;
-    for (int64_t r = j->n * task / tasks; r < j->n * (task + 1) / tasks; r++)
-        quantize_row(j->x, r, j->k, j->bs, j->a, j->d, j->S);
+    for (int64_t r = j->n * task / tasks; r < j->n * (task + 1) / tasks; r++) quantize_row(j->x, r, j->k, j->a, j->d, j->S);
 }
 
 /* ---- the product */
@@ -190,9 +180,8 @@ static inline int32_t tile_value(const uint8_t *wb, int64_t bits, int64_t r, int
 }
 
 /* Group g (row-major over rows and the weight's groups) of the activations: z · S (formats
- * without mins), S as a float (kind 1 with mins: z = 0) or S as int16 (kind 2 with mins). */
+ * without mins) or S as a float (formats with mins: z = 0). */
 static inline int32_t zero_sum(const qjob *q, int64_t g) { return ((const int32_t *)q->G)[g]; }
-static inline int32_t int_sum(const qjob *q, int64_t g) { return ((const int16_t *)q->G)[g]; }
 static inline float float_sum(const qjob *q, int64_t g) { return ((const float *)q->G)[g]; }
 
 #define ROWS 8     /* activation rows sharing each weight load */
@@ -200,15 +189,12 @@ static inline float float_sum(const qjob *q, int64_t g) { return ((const float *
 #define PARALLEL_QUANTIZE (1 << 15) /* activations from which quantising them is split between threads */
 
 /* G for weight q: per row, the sum S of the activations of each of the weight's groups (16 or
- * 32 columns) from S int32 [n, k / 16], times z (no mins), as a float (kind 1 with mins) or as
- * int16 (kind 2 with mins: pairs of groups feed vpdpwssd). */
+ * 32 columns) from S int32 [n, k / 16], times z (no mins) or as a float (mins). */
 static void group_sums(const qjob *q, const int32_t *S, int32_t *G) {
     const int64_t per16 = q->group / 16, groups = q->n * (q->k / q->group);
     for (int64_t g = 0; g < groups; g++) {
         const int32_t sum = per16 == 1 ? S[g] : S[2 * g] + S[2 * g + 1];
-        if (q->m && q->kind == 2)
-            ((int16_t *)G)[g] = (int16_t)sum; /* |S| <= 32 · 127 */
-        else if (q->m) {
+        if (q->m) {
             const float f = (float)sum;
             memcpy(&G[g], &f, 4);
         } else
@@ -258,51 +244,15 @@ static inline __attribute__((always_inline)) __m512 load_group(const int kind, c
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + 16 * h)));
 }
 
-/* One group's exact sums I of row `row` (16 outputs) into its accumulators, block b, group g
- * (qjob's numbering): kind 1 y += I · (s · d_b) [+ (m · d_b) · S]; kind 2 t += I · s. */
-static inline __attribute__((always_inline)) void scale_group(const qjob *q, __m512 *acc, __m512 *tv, __m512i I,
-                                                               __m512 sv, __m512 mv, int64_t row, int64_t b, int64_t g,
-                                                               const int mins, const int kind) {
-    if (kind == 2) {
-        *tv = _mm512_add_ps(*tv, _mm512_mul_ps(_mm512_cvtepi32_ps(I), sv));
-        return;
-    }
+/* One group's exact sums I of row `row` (16 outputs) into its accumulator, block b, group g
+ * (qjob's numbering): y += I · (s · d_b), then for types with mins y += (m · d_b) · S. */
+static inline __attribute__((always_inline)) __m512 scale_group(const qjob *q, __m512 acc, __m512i I, __m512 sv,
+                                                                 __m512 mv, int64_t row, int64_t b, int64_t g,
+                                                                 const int mins) {
     const __m512 db = _mm512_set1_ps(q->d[row * (q->k / 32) + b]);
-    *acc = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(sv, db)));
-    if (mins) *acc = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_mul_ps(mv, db), _mm512_set1_ps(float_sum(q, g))));
-}
-
-/* The end of kind 2's super-block holding block b, rows r0 .. r0 + R - 1 of tile t: t += f · (sum
- * of m · S, exact: vpdpwssd over int16 pairs of blocks; types with mins have one group a block),
- * y += t · D, t = 0. */
-static inline __attribute__((always_inline)) void end_super_block(const qjob *q, __m512 *acc, __m512 *tv, int64_t t,
-                                                                   int64_t b, int64_t r0, const int R, const int mins) {
-    const int64_t nb = q->k / 32;
-    __m512 mf = _mm512_setzero_ps();
-    __m512i pairs[4]; /* lane o: m of blocks 2p (low 16 bits) and 2p + 1 (high) */
-    if (mins) {
-        mf = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)super_factors(q, q->m, t, b)));
-        for (int p = 0; p < 4; p++) {
-            const int8_t *m0 = group_vals(q, q->m, t, b - 7 + 2 * p), *m1 = group_vals(q, q->m, t, b - 6 + 2 * p);
-            pairs[p] = _mm512_or_si512(_mm512_and_si512(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)m0)),
-                                                        _mm512_set1_epi32(0xFFFF)),
-                                       _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)m1)), 16));
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        if (mins) {
-            const int16_t *S = (const int16_t *)q->G + (r0 + r) * nb + b - 7;
-            __m512i msum = _mm512_setzero_si512();
-            for (int p = 0; p < 4; p++) {
-                int32_t pair;
-                memcpy(&pair, S + 2 * p, 4);
-                msum = _mm512_dpwssd_epi32(msum, pairs[p], _mm512_set1_epi32(pair));
-            }
-            tv[r] = _mm512_add_ps(tv[r], _mm512_mul_ps(mf, _mm512_cvtepi32_ps(msum)));
-        }
-        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(tv[r], _mm512_set1_ps(q->d[(r0 + r) * (q->k / 256) + b / 8])));
-        tv[r] = _mm512_setzero_ps();
-    }
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(sv, db)));
+    if (mins) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(mv, db), _mm512_set1_ps(float_sum(q, g))));
+    return acc;
 }
 
 /* Rows r0 .. r0 + R - 1 (R <= ROWS) of tile t for one block format. Always inlined with constant
@@ -313,8 +263,8 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
                                                                    const int kind) {
     const int64_t nb = q->k / 32, bytes = tile_block_bytes(bits), groups = nb * gpb;
     const int chains = gpb == 2 ? 2 : R >= 8 ? 1 : R >= 4 ? 2 : 4;
-    __m512 acc[ROWS], tv[ROWS]; /* tv: kind 2's sum over the super-block so far */
-    for (int r = 0; r < R; r++) acc[r] = tv[r] = _mm512_setzero_ps();
+    __m512 acc[ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = q->w + (t * nb + b) * bytes;
         for (int64_t p = 0; p < bytes; p += 64) _mm_prefetch((const char *)wb + PREFETCH * bytes + p, _MM_HINT_T0);
@@ -322,10 +272,11 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
         load_block(wb, bits, wv);
         const void *sb = group_vals(q, q->s, t, b), *mb = mins ? group_vals(q, q->m, t, b) : NULL;
         const uint16_t *sf = kind == 2 ? super_factors(q, q->s, t, b) : NULL;
+        const uint16_t *mf = kind == 2 && mins ? super_factors(q, q->m, t, b) : NULL;
         __m512 sv[2], mv[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int h = 0; h < gpb; h++) {
             sv[h] = load_group(kind, sb, sf, h);
-            if (mins && kind == 1) mv[h] = load_group(kind, mb, NULL, h);
+            if (mins) mv[h] = load_group(kind, mb, mf, h);
         }
         for (int r = 0; r < R; r++) {
             const int8_t *ab = q->a + (r0 + r) * q->k + 32 * b;
@@ -341,15 +292,15 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
             for (int h = 0; h < gpb; h++) {
                 const int64_t g = (r0 + r) * groups + gpb * b + h;
                 const __m512i Ih = mins ? I[h] : _mm512_sub_epi32(I[h], _mm512_set1_epi32(zero_sum(q, g)));
-                scale_group(q, &acc[r], &tv[r], Ih, sv[h], mv[h], r0 + r, b, g, mins, kind);
+                acc[r] = scale_group(q, acc[r], Ih, sv[h], mv[h], r0 + r, b, g, mins);
             }
         }
-        if (kind == 2 && b % 8 == 7) end_super_block(q, acc, tv, t, b, r0, R, mins);
     }
     const int64_t lanes = q->out - 16 * t < 16 ? q->out - 16 * t : 16;
     const __mmask16 mask = (__mmask16)((1u << lanes) - 1);
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(q->y + (r0 + r) * q->ldy + 16 * t, mask, acc[r]);
 }
+
 
 #if AMX
 /* AMX (Sapphire Rapids and later): 16 rows of a tile at a time, each block's 16 x 16 integer sums
@@ -357,10 +308,10 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
  * weights B, which load_block already lays out as AMX's B [8, 16 outputs x 4 columns]: TDPBSUD
  * of u, or for a type without mins TDPBSSD of u - z, which is I - z S at once);
  * a format with groups of 16 (Q6_K) takes two products of 16 columns. The sums are exact, so the
- * fp32 steps that follow are the VNNI path's (or kind 2's) in the same order: the same bits. A
- * block is unpacked a step before its product, which runs two steps before its scaling (tiles of
- * sums in turns of three), so none waits on another (a tile load waiting for the unpacking's
- * stores to reach the cache held the Q4_K product at ~470 GMAC/s; ~540 a step apart). Linux lends
+ * fp32 steps that follow are the VNNI path's in the same order: the same bits. A block is
+ * unpacked a step before its product, which runs two steps before its scaling (tiles of sums in
+ * turns of three), so none waits on another (a tile load waiting for the unpacking's stores to
+ * reach the cache cost the 1.5B's Q4_K a tenth of its speed). Linux lends
  * a process the tile registers on request (arch_prctl); where it refuses, or VERISPEC_AMX=0,
  * the VNNI path runs. */
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -427,8 +378,8 @@ static inline __attribute__((always_inline)) void tile_rows16_format(const qjob 
     const int64_t nb = q->k / 32, bytes = tile_block_bytes(bits), groups = nb * gpb;
     uint8_t wbuf[3][512] __attribute__((aligned(64)));
     int32_t sums[2][2 * 16 * 16] __attribute__((aligned(64))); /* [turn][group h][row][output] */
-    __m512 acc[16], tv[16]; /* tv: kind 2's sum over the super-block so far */
-    for (int r = 0; r < 16; r++) acc[r] = tv[r] = _mm512_setzero_ps();
+    __m512 acc[16];
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
     const int8_t *a0 = q->a + r0 * q->k;
     /* Four stages a step: block b + 1 unpacked to memory (a tile load cannot take a store's data
      * before it reaches the cache: a step later it has), block b's product, block b - 1's sums to
@@ -465,17 +416,16 @@ static inline __attribute__((always_inline)) void tile_rows16_format(const qjob 
         const int32_t *from = sums[c & 1];
         const void *sb = group_vals(q, q->s, t, c), *mb = mins ? group_vals(q, q->m, t, c) : NULL;
         const uint16_t *sf = kind == 2 ? super_factors(q, q->s, t, c) : NULL;
+        const uint16_t *mf = kind == 2 && mins ? super_factors(q, q->m, t, c) : NULL;
         __m512 sv[2], mv[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int h = 0; h < gpb; h++) {
             sv[h] = load_group(kind, sb, sf, h);
-            if (mins && kind == 1) mv[h] = load_group(kind, mb, NULL, h);
+            if (mins) mv[h] = load_group(kind, mb, mf, h);
         }
-        for (int r = 0; r < 16; r++) {
+        for (int r = 0; r < 16; r++)
             for (int h = 0; h < gpb; h++) /* u a - z S, exact */
-                scale_group(q, &acc[r], &tv[r], _mm512_load_si512(from + 256 * h + 16 * r), sv[h], mv[h], r0 + r, c,
-                            (r0 + r) * groups + gpb * c + h, mins, kind);
-        }
-        if (kind == 2 && c % 8 == 7) end_super_block(q, acc, tv, t, c, r0, 16, mins);
+                acc[r] = scale_group(q, acc[r], _mm512_load_si512(from + 256 * h + 16 * r), sv[h], mv[h], r0 + r, c,
+                                     (r0 + r) * groups + gpb * c + h, mins);
     }
     const int64_t lanes = q->out - 16 * t < 16 ? q->out - 16 * t : 16;
     const __mmask16 mask = (__mmask16)((1u << lanes) - 1);
@@ -494,8 +444,8 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
     /* The tile as two halves of 8 rows (bytes 0-31 and 32-63 of each 64-byte vector). u8 · s8
      * products summed in pairs by maddubs saturate above 32767: u <= 63 (4 to 6 bits) cannot
      * reach it (63 · 127 · 2), and 8-bit u is split into its two nibbles. */
-    __m256 acc[ROWS][2], tv[ROWS][2]; /* tv: kind 2's sum over the super-block so far */
-    for (int64_t r = 0; r < R; r++) acc[r][0] = acc[r][1] = tv[r][0] = tv[r][1] = _mm256_setzero_ps();
+    __m256 acc[ROWS][2];
+    for (int64_t r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
     const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
                                             3, 3, 3, 3, 3, 3, 3);
@@ -523,16 +473,17 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
             }
         const void *sb = group_vals(q, q->s, t, b), *mb = mins ? group_vals(q, q->m, t, b) : NULL;
         const uint16_t *sf = kind == 2 ? super_factors(q, q->s, t, b) : NULL;
+        const uint16_t *mf = kind == 2 && mins ? super_factors(q, q->m, t, b) : NULL;
         __m256 sv[2][2], mv[2][2];
         for (int64_t h = 0; h < gpb; h++)
             for (int half = 0; half < 2; half++) {
                 sv[h][half] = load_group8(kind, sb, sf, 16 * h + 8 * half);
-                if (mb && kind == 1) mv[h][half] = load_group8(kind, mb, NULL, 16 * h + 8 * half);
+                if (mb) mv[h][half] = load_group8(kind, mb, mf, 16 * h + 8 * half);
             }
         for (int64_t r = 0; r < R; r++) {
             const int8_t *ab = q->a + (r0 + r) * q->k + b * 32;
             const int64_t g0 = (r0 + r) * (q->k / q->group) + gpb * b;
-            const __m256 db = _mm256_set1_ps(kind == 2 ? 0.0f : q->d[(r0 + r) * nb + b]);
+            const __m256 db = _mm256_set1_ps(q->d[(r0 + r) * nb + b]);
             int32_t a4[8];
             memcpy(a4, ab, 32);
             for (int half = 0; half < 2; half++) {
@@ -547,10 +498,6 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
                 if (gpb == 1) I[0] = _mm256_add_epi32(I[0], I[1]);
                 for (int64_t h = 0; h < gpb; h++) {
                     const __m256i Ih = mb ? I[h] : _mm256_sub_epi32(I[h], _mm256_set1_epi32(zero_sum(q, g0 + h)));
-                    if (kind == 2) {
-                        tv[r][half] = _mm256_add_ps(tv[r][half], _mm256_mul_ps(_mm256_cvtepi32_ps(Ih), sv[h][half]));
-                        continue;
-                    }
                     const __m256 sd = _mm256_mul_ps(sv[h][half], db);
                     acc[r][half] = _mm256_add_ps(acc[r][half], _mm256_mul_ps(_mm256_cvtepi32_ps(Ih), sd));
                     if (mb) {
@@ -559,27 +506,6 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
                     }
                 }
             }
-        }
-        if (kind == 2 && b % 8 == 7) { /* the super-block's end: its mins, then its activation scale */
-            for (int64_t r = 0; r < R; r++)
-                for (int half = 0; half < 2; half++) {
-                    if (mins) {
-                        __m256i msum = _mm256_setzero_si256();
-                        for (int64_t bb = b - 7; bb <= b; bb++) {
-                            const int8_t *mi = group_vals(q, q->m, t, bb);
-                            for (int64_t h = 0; h < gpb; h++) {
-                                const __m256i msc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(mi + 16 * h + 8 * half)));
-                                const int32_t S = int_sum(q, (r0 + r) * (q->k / q->group) + gpb * bb + h);
-                                msum = _mm256_add_epi32(msum, _mm256_mullo_epi32(msc, _mm256_set1_epi32(S)));
-                            }
-                        }
-                        const __m256 mf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(super_factors(q, q->m, t, b) + 8 * half)));
-                        tv[r][half] = _mm256_add_ps(tv[r][half], _mm256_mul_ps(mf, _mm256_cvtepi32_ps(msum)));
-                    }
-                    const __m256 D = _mm256_set1_ps(q->d[(r0 + r) * (q->k / 256) + b / 8]);
-                    acc[r][half] = _mm256_add_ps(acc[r][half], _mm256_mul_ps(tv[r][half], D));
-                    tv[r][half] = _mm256_setzero_ps();
-                }
         }
     }
     for (int64_t r = 0; r < R; r++) {
@@ -590,7 +516,7 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
     }
 #else
     /* Written so the compiler vectorises across the 16 rows of the tile (AVX2: 8 int32 lanes). */
-    float acc[ROWS][16] = {{0}}, tv[ROWS][16] = {{0}}; /* tv: kind 2's sum over the super-block so far */
+    float acc[ROWS][16] = {{0}};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = q->w + (t * nb + b) * bytes;
         int32_t u[32][16]; /* [column][row] */
@@ -608,7 +534,7 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
         for (int64_t r = 0; r < R; r++) {
             const int8_t *ab = q->a + (r0 + r) * q->k + b * 32;
             const int64_t g0 = (r0 + r) * (q->k / q->group) + gpb * b;
-            const float db = kind == 2 ? 0.0f : q->d[(r0 + r) * nb + b];
+            const float db = q->d[(r0 + r) * nb + b];
             int32_t I[2][16] = {{0}};
             for (int c = 0; c < 32; c++) {
                 const int32_t av = ab[c];
@@ -620,31 +546,11 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
             for (int64_t h = 0; h < gpb; h++) {
                 const int32_t zS = mb ? 0 : zero_sum(q, g0 + h);
                 for (int l = 0; l < 16; l++) {
-                    if (kind == 2) {
-                        tv[r][l] = tv[r][l] + (float)(I[h][l] - zS) * sv[h][l];
-                        continue;
-                    }
                     acc[r][l] = acc[r][l] + (float)(I[h][l] - zS) * (sv[h][l] * db);
                     if (mb) acc[r][l] = acc[r][l] + (mv[h][l] * db) * float_sum(q, g0 + h);
                 }
             }
         }
-        if (kind == 2 && b % 8 == 7) /* the super-block's end: its mins, then its activation scale */
-            for (int64_t r = 0; r < R; r++) {
-                const float D = q->d[(r0 + r) * (q->k / 256) + b / 8];
-                for (int l = 0; l < 16; l++) {
-                    if (mins) {
-                        int32_t msum = 0;
-                        for (int64_t bb = b - 7; bb <= b; bb++)
-                            for (int64_t h = 0; h < gpb; h++)
-                                msum += (int32_t)((const int8_t *)group_vals(q, q->m, t, bb))[16 * h + l] *
-                                        int_sum(q, (r0 + r) * (q->k / q->group) + gpb * bb + h);
-                        tv[r][l] = tv[r][l] + half_to_float(super_factors(q, q->m, t, b)[l]) * (float)msum;
-                    }
-                    acc[r][l] = acc[r][l] + tv[r][l] * D;
-                    tv[r][l] = 0.0f;
-                }
-            }
     }
     for (int64_t r = 0; r < R; r++) memcpy(q->y + (r0 + r) * q->ldy + 16 * t, acc[r], sizeof(float) * lanes);
 #endif
@@ -723,34 +629,24 @@ static void qmatmul_task(void *arg, int64_t task, int64_t tasks) {
  * file has no kernel for. */
 int verispec_qmatmul_parts(const float *x, int64_t n, int64_t k, const verispec_qweight *w, int64_t parts,
                            float *y, int64_t ldy, int64_t threads) {
-    /* the activations quantised per 32 columns (set 0: scale kind 1) and per 256 (set 1: kind 2), as the parts need */
-    quantize_job sets[2] = {{x, n, k, 32, NULL, NULL, NULL}, {x, n, k, 256, NULL, NULL, NULL}};
-    int8_t *scratch = malloc((size_t)(2 * n * k + 4 * n * (k / 32 + k / 256) + 12 * n * (k / 16)));
-    if (!scratch) return -1;
-    int32_t *G = (int32_t *)scratch, *S = G + n * (k / 16);
-    float *d = (float *)(S + 2 * n * (k / 16));
-    int8_t *a = (int8_t *)(d + n * (k / 32 + k / 256));
-    for (int64_t p = 0; p < parts; p++) {
-        quantize_job *set = &sets[w[p].kind == 2];
-        if (set->a) continue;
-        const int64_t first = set->bs == 32;
-        set->a = a + (first ? 0 : n * k), set->S = S + (first ? 0 : n * (k / 16)), set->d = d + (first ? 0 : n * (k / 32));
-        run_tasks(quantize_task, set, n * k < PARALLEL_QUANTIZE ? 1 : (threads < n ? threads : n));
-    }
+    int8_t *a = malloc((size_t)(n * k + 4 * n * (k / 32) + 8 * n * (k / 16)));
+    if (!a) return -1;
+    float *d = (float *)(a + n * k);
+    int32_t *S = (int32_t *)(d + n * (k / 32)), *G = S + n * (k / 16);
+    quantize_job quantize = {x, n, k, a, d, S};
+    run_tasks(quantize_task, &quantize, n * k < PARALLEL_QUANTIZE ? 1 : (threads < n ? threads : n));
     for (int64_t p = 0; p < parts; p++) {
         const verispec_qweight *wp = &w[p];
-        const quantize_job *set = &sets[wp->kind == 2];
-        qjob q = {wp->w, wp->s, wp->m, set->a, set->d, G, y, n, k, wp->out, wp->bits, wp->group, wp->zero, wp->kind,
-                  ldy, NULL, 0, 1, NULL};
+        qjob q = {wp->w, wp->s, wp->m, a, d, G, y, n, k, wp->out, wp->bits, wp->group, wp->zero, wp->kind, ldy, NULL, 0, 1, NULL};
 #if AMX
         q.amx = n >= 16 && amx_usable();
 #endif
         q.rows = format_kernel(&q);
         if (!q.rows) {
-            free(scratch);
+            free(a);
             return -2;
         }
-        group_sums(&q, set->S, G);
+        group_sums(&q, S, G);
         const int64_t tiles = (wp->out + 15) / 16;
         int64_t tasks = threads < tiles ? threads : tiles;
         /* below ~64k weight bytes a call is cheaper on one thread than handing out tasks */
@@ -761,7 +657,7 @@ int verispec_qmatmul_parts(const float *x, int64_t n, int64_t k, const verispec_
         run_tasks(qmatmul_task, &q, tasks);
         y += wp->out;
     }
-    free(scratch);
+    free(a);
     return 0;
 }
 

@@ -2,8 +2,8 @@
 
 `BlockLinear.from_gguf` unpacks the file's blocks (weights.gguf_blocks: u, s, m, nothing
 requantised) and `pack`s them into the tiles `qmatmul.c` reads; the forward quantises each
-activation row to int8 per 32 columns, or per 256 for a K type, as llama.cpp's CPU dot products
-do (Q8_0, Q8_K), and sums exact integer products per group before the fp32 scales. `reference_matmul` states that
+activation row to int8 per 32 columns, as llama.cpp's CPU dot products do, and sums exact
+integer products per group before one fp32 scale per group. `reference_matmul` states that
 arithmetic in PyTorch (the tests hold the C kernel to it bitwise; it is also the path without
 a C compiler), so a row's output depends on the row and the weights alone: batch-invariant
 for any row count. On CUDA tensors the forward runs the same arithmetic in Triton
@@ -110,7 +110,9 @@ class BlockLinear(Float32Linear):
             raise IndexError(f"row ids must be in [0, {self.out_features}): got {int(ids.min())}..{int(ids.max())}")
         tiles, lane = torch.unique(ids // TILE, return_inverse=True)
         mins = self.mins[tiles] if self.FORMAT.has_mins else None
-        return _take(unpack_tiles(self.FORMAT, self.packed[tiles], self.scales[tiles], mins), lane * TILE + ids % TILE)
+        u, s, m = unpack_tiles(self.FORMAT, self.packed[tiles], self.scales[tiles], mins)
+        at = lane * TILE + ids % TILE
+        return BlockValues(self.FORMAT, u[at], s[at], None if m is None else m[at])
 
     def kernel_args(self) -> tuple:
         """The weight's arguments to ckernels.qmatmul (pointers and format), computed once per
@@ -146,11 +148,11 @@ class BlockLinear(Float32Linear):
         packed = self._buffers["packed"]
         if self._signed is None or self._signed[0] is not packed:
             mins = self.mins.cpu() if self.FORMAT.has_mins else None
-            values = _take(unpack_tiles(self.FORMAT, packed.cpu(), self.scales.cpu(), mins),
-                           torch.arange(self.out_features))
+            u, s, m = unpack_tiles(self.FORMAT, packed.cpu(), self.scales.cpu(), mins)
+            rows = slice(0, self.out_features)
+            values = BlockValues(self.FORMAT, u[rows], s[rows], None if m is None else m[rows])
             self._signed = (packed, tuple(None if t is None else t.to(x.device) for t in signed_values(values)))
-        return triton_qmatmul.qmatmul(*quantize_activations(x, activation_block(self.FORMAT)), *self._signed[1],
-                                      self.FORMAT.group, super_block=not self.FORMAT.half_scales)
+        return triton_qmatmul.qmatmul(*quantize_activations(x), *self._signed[1], self.FORMAT.group)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 [n, in]: rows `ids` dequantised, gguf-py's values bitwise (a tied embedding's lookup;
@@ -212,9 +214,10 @@ def pack(values: BlockValues) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor 
     return packed, super_blocks(s_super, s_int), None if m_super is None else super_blocks(m_super, m_int)
 
 
-def unpack_tiles(fmt: BlockFormat, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> BlockValues:
+def unpack_tiles(fmt: BlockFormat, packed: torch.Tensor, scales: torch.Tensor,
+                 mins: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`pack`'s inverse: u uint8 [tiles·16, in], s (and m) fp32 [tiles·16, in / G] (exact: a K
-    type's factors multiplied back in fp32), and a K type's factors (BlockValues.factors)."""
+    type's factors multiplied back in fp32)."""
     tiles, nb, _ = packed.shape
     if fmt.bits == 8:
         p = packed.reshape(tiles, nb, 8, TILE, 4)
@@ -227,45 +230,22 @@ def unpack_tiles(fmt: BlockFormat, packed: torch.Tensor, scales: torch.Tensor, m
             p = p | (bits.reshape(tiles, nb, 8, TILE, 4) << bit)
     u = p.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, nb * BLOCK)
 
-    def rows(x: torch.Tensor) -> torch.Tensor:  # [t, ..., 16] -> [t·16, ...]
-        return x.movedim(-1, 1).reshape(tiles * TILE, -1)
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        if not fmt.half_scales:  # uint8 [t, ns, bytes] -> d · sc as fp32 [t, nb, gpb, 16]
+            ns, gpb = x.shape[1], BLOCK // fmt.group
+            factor = x[..., :2 * TILE].contiguous().view(torch.float16).float()  # [t, ns, 16]
+            ints = x[..., 2 * TILE:].contiguous().view(torch.int8).float().reshape(tiles, ns, 8, gpb, TILE)
+            x = (factor[:, :, None, None, :] * ints).reshape(tiles, nb, gpb, TILE)
+        return x.permute(0, 3, 1, 2).reshape(tiles * TILE, -1).float()
 
-    if fmt.half_scales:
-        return BlockValues(fmt, u, rows(scales.float()), None if mins is None else rows(mins.float()))
-
-    def factors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # uint8 [t, ns, bytes] -> fp32 [t·16, ns], int8 [t·16, groups]
-        ns = x.shape[1]
-        factor = x[..., :2 * TILE].contiguous().view(torch.float16).float()  # [t, ns, 16]
-        ints = x[..., 2 * TILE:].contiguous().view(torch.int8).reshape(tiles, ns, -1, TILE)  # [t, ns, 8·gpb, 16]
-        return rows(factor), rows(ints.reshape(tiles, -1, TILE))
-
-    def products(factor: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:  # d · sc per group, exact
-        return factor.repeat_interleave(ints.shape[1] // factor.shape[1], dim=1) * ints.float()
-
-    s_super, s_int = factors(scales)
-    m_super, m_int = factors(mins) if mins is not None else (None, None)
-    return BlockValues(fmt, u, products(s_super, s_int), None if mins is None else products(m_super, m_int),
-                       (s_super, s_int, m_super, m_int))
+    return u, flat(scales), None if mins is None else flat(mins)
 
 
-def _take(values: BlockValues, at: torch.Tensor) -> BlockValues:
-    """Output rows `at` of `values` (and of their factors)."""
-    factors = None if values.factors is None else tuple(None if f is None else f[at] for f in values.factors)
-    return BlockValues(values.format, values.u[at], values.s[at], None if values.m is None else values.m[at], factors)
-
-
-def activation_block(fmt: BlockFormat) -> int:
-    """Columns per activation scale for a weight of format `fmt`: 32 (Q8_0-style) for a type with
-    fp16 scales per block, a super-block of 256 (Q8_K-style) for a K type."""
-    return BLOCK if fmt.half_scales else SUPER_BLOCK
-
-
-def quantize_activations(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qmatmul.c's activation rounding per `block` columns (32: llama.cpp's quantize_row_q8_0;
-    256 for K-type weights, as llama.cpp's Q8_K): x fp32 [n, k] -> (a int8 [n, k], d fp32 [n, k /
-    block], S int32 [n, k / 16]) with d = amax / 127, a = rint(x / d) computed as x · (1 / d)."""
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qmatmul.c's activation rounding: x fp32 [n, k] -> (a int8 [n, k], d fp32 [n, k / 32],
+    S int32 [n, k / 16]) with d = amax / 127, a = rint(x / d) computed as x · (1 / d)."""
     n, k = x.shape
-    blocks = x.reshape(n, k // block, block)
+    blocks = x.reshape(n, k // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=-1)
     d = amax / torch.full_like(amax, 127.0)  # ATen divides by a 0-dim tensor as a · (1 / b): not C's a / b
     inv = torch.where(d > 0, torch.ones_like(d) / d, torch.zeros_like(d))
@@ -273,32 +253,24 @@ def quantize_activations(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Ten
     return a, d, a.reshape(n, k // 16, 16).int().sum(dim=-1, dtype=torch.int32)
 
 
-def signed_values(values: BlockValues) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def signed_values(values: BlockValues) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The Triton kernel's weight (kernels.triton_qmatmul): w = u - z int8 [rows, cols] (exact:
-    every type's u - z is in [-128, 127]), s fp32, and the mins: m fp32 per group and None, or for a
-    K type its super-blocks' -dmin fp32 [rows, cols / 256] and integers int32 [rows, cols / G]
-    (None, None without mins); all contiguous."""
+    every type's u - z is in [-128, 127]), s and m fp32 contiguous."""
     w = (values.u.to(torch.int16) - values.format.zero).to(torch.int8).contiguous()
-    s = values.s.float().contiguous()
-    if values.m is None:
-        return w, s, None, None
-    if values.format.half_scales:
-        return w, s, values.m.float().contiguous(), None
-    _, _, m_super, m_int = values.factors
-    return w, s, m_super.float().contiguous(), m_int.to(torch.int32).contiguous()
+    return w, values.s.float().contiguous(), None if values.m is None else values.m.float().contiguous()
 
 
 def reference_matmul(x: torch.Tensor, values: BlockValues, chunk: int = 8192) -> torch.Tensor:
     """The kernel's arithmetic in PyTorch (qmatmul.c's header), `chunk` output rows at a time:
     x fp32 [n, k] -> fp32 [n, out]. Integer sums are exact in fp32 (|sum| < 2^24), so any order
-    gives them; the fp32 steps run in the kernel's order. A K type needs `values.factors`."""
+    gives them; the fp32 steps run in the kernel's order."""
     fmt = values.format
     n, k = x.shape
-    a, d, S = quantize_activations(x, activation_block(fmt))
+    a, d, S = quantize_activations(x)
     groups, g = k // fmt.group, fmt.group
     Sg = S if g == 16 else S[:, 0::2] + S[:, 1::2]  # [n, groups]
+    dg = d.repeat_interleave(BLOCK // g, dim=1)  # [n, groups]: each group's block scale
     a_g = a.float().reshape(n, groups, g).transpose(0, 1)  # [groups, n, g]
-    per_super = SUPER_BLOCK // g  # groups a super-block (K types)
     out = []
     for start in range(0, values.u.shape[0], chunk):
         u = values.u[start:start + chunk].float().reshape(-1, groups, g).permute(1, 2, 0)  # [groups, g, rows]
@@ -306,24 +278,9 @@ def reference_matmul(x: torch.Tensor, values: BlockValues, chunk: int = 8192) ->
         s = values.s[start:start + chunk]
         m = None if values.m is None else values.m[start:start + chunk]
         y = torch.zeros(n, s.shape[0])
-        if fmt.half_scales:  # per group h: d the group's block scale
-            dg = d.repeat_interleave(BLOCK // g, dim=1)  # [n, groups]
-            for h in range(groups):
-                y = y + I[h] * (s[None, :, h] * dg[:, h, None])
-                if m is not None:
-                    y = y + (m[None, :, h] * dg[:, h, None]) * Sg[:, h, None].float()
-        else:  # per super-block j: t over its groups, the mins' exact integer sum, then the scale D_j
-            if values.factors is None:
-                raise ValueError(f"{fmt} scales are products: reference_matmul needs their factors")
-            _, _, m_super, m_int = values.factors
-            for j in range(k // SUPER_BLOCK):
-                hs = slice(j * per_super, (j + 1) * per_super)
-                t = torch.zeros(n, s.shape[0])
-                for h in range(hs.start, hs.stop):
-                    t = t + I[h] * s[None, :, h]
-                if m is not None:  # sum over the groups of msc_h · S_h: exact in float64, < 2^24
-                    msum = Sg[:, hs].double() @ m_int[start:start + chunk, hs].double().t()
-                    t = t + m_super[None, start:start + chunk, j] * msum.float()
-                y = y + t * d[:, j, None]
+        for h in range(groups):
+            y = y + I[h] * (s[None, :, h] * dg[:, h, None])
+            if m is not None:
+                y = y + (m[None, :, h] * dg[:, h, None]) * Sg[:, h, None].float()
         out.append(y)
     return torch.cat(out, dim=1)
