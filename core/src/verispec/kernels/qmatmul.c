@@ -244,6 +244,20 @@ static inline __attribute__((always_inline)) __m512 load_group(const int kind, c
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + 16 * h)));
 }
 
+/* Block b of tile t's group values, for each of its gpb groups: sv the scales, mv the mins
+ * (zero for a type without mins), as load_group gives them. */
+static inline __attribute__((always_inline)) void load_groups(const qjob *q, int64_t t, int64_t b, const int gpb,
+                                                              const int mins, const int kind, __m512 sv[2],
+                                                              __m512 mv[2]) {
+    const void *sb = group_vals(q, q->s, t, b), *mb = mins ? group_vals(q, q->m, t, b) : NULL;
+    const uint16_t *sf = kind == 2 ? super_factors(q, q->s, t, b) : NULL;
+    const uint16_t *mf = kind == 2 && mins ? super_factors(q, q->m, t, b) : NULL;
+    for (int h = 0; h < gpb; h++) {
+        sv[h] = load_group(kind, sb, sf, h);
+        mv[h] = mins ? load_group(kind, mb, mf, h) : _mm512_setzero_ps();
+    }
+}
+
 /* One group's exact sums I of row `row` (16 outputs) into its accumulator, block b, group g
  * (qjob's numbering): y += I · (s · d_b), then for types with mins y += (m · d_b) · S. */
 static inline __attribute__((always_inline)) __m512 scale_group(const qjob *q, __m512 acc, __m512i I, __m512 sv,
@@ -270,14 +284,8 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
         for (int64_t p = 0; p < bytes; p += 64) _mm_prefetch((const char *)wb + PREFETCH * bytes + p, _MM_HINT_T0);
         __m512i wv[8];
         load_block(wb, bits, wv);
-        const void *sb = group_vals(q, q->s, t, b), *mb = mins ? group_vals(q, q->m, t, b) : NULL;
-        const uint16_t *sf = kind == 2 ? super_factors(q, q->s, t, b) : NULL;
-        const uint16_t *mf = kind == 2 && mins ? super_factors(q, q->m, t, b) : NULL;
-        __m512 sv[2], mv[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int h = 0; h < gpb; h++) {
-            sv[h] = load_group(kind, sb, sf, h);
-            if (mins) mv[h] = load_group(kind, mb, mf, h);
-        }
+        __m512 sv[2], mv[2];
+        load_groups(q, t, b, gpb, mins, kind, sv, mv);
         for (int r = 0; r < R; r++) {
             const int8_t *ab = q->a + (r0 + r) * q->k + 32 * b;
             __m512i I[4];
@@ -300,7 +308,6 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
     const __mmask16 mask = (__mmask16)((1u << lanes) - 1);
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(q->y + (r0 + r) * q->ldy + 16 * t, mask, acc[r]);
 }
-
 
 #if AMX
 /* AMX (Sapphire Rapids and later): 16 rows of a tile at a time, each block's 16 x 16 integer sums
@@ -414,14 +421,8 @@ static inline __attribute__((always_inline)) void tile_rows16_format(const qjob 
         if (b < 2) continue;
         const int64_t c = b - 2;
         const int32_t *from = sums[c & 1];
-        const void *sb = group_vals(q, q->s, t, c), *mb = mins ? group_vals(q, q->m, t, c) : NULL;
-        const uint16_t *sf = kind == 2 ? super_factors(q, q->s, t, c) : NULL;
-        const uint16_t *mf = kind == 2 && mins ? super_factors(q, q->m, t, c) : NULL;
-        __m512 sv[2], mv[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int h = 0; h < gpb; h++) {
-            sv[h] = load_group(kind, sb, sf, h);
-            if (mins) mv[h] = load_group(kind, mb, mf, h);
-        }
+        __m512 sv[2], mv[2];
+        load_groups(q, t, c, gpb, mins, kind, sv, mv);
         for (int r = 0; r < 16; r++)
             for (int h = 0; h < gpb; h++) /* u a - z S, exact */
                 acc[r] = scale_group(q, acc[r], _mm512_load_si512(from + 256 * h + 16 * r), sv[h], mv[h], r0 + r, c,
