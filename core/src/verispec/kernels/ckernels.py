@@ -3,7 +3,7 @@
 - `attend`: `attention.attend_rows` runs every row of every sequence of a forward through it
   in one call (an attention softcap takes the PyTorch path in `attention`).
 - `qmatmul` / `block_rows`: the `gguf` weights' block matmul and row gather (weights.block_linear).
-- `glu`, `rms_norm`, and `verispec_decoder_layer` (nn.layers' fused layer).
+- `glu`, `rms_norm`, and `verispec_decoder_layers` (nn.layers' fused layers).
 Without them (no C compiler, `VERISPEC_C_KERNELS=0`) the PyTorch paths run. Each kernel fixes
 its own order of fp32 operations per row, so a row's bits never depend on the other rows or
 sequences of the call (the batch invariance speculation needs), and `reference_attend` /
@@ -39,10 +39,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     for glu in (lib.verispec_silu_mul, lib.verispec_gelu_tanh_mul):
         glu.restype = None
         glu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-    lib.verispec_decoder_layer.restype = ctypes.c_int
-    lib.verispec_decoder_layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    lib.verispec_decoder_layers.restype = ctypes.c_int
+    lib.verispec_decoder_layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     lib.verispec_block_rows.restype = ctypes.c_int
     lib.verispec_block_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                         *[ctypes.c_int64] * 6, ctypes.c_void_p, ctypes.c_int64,

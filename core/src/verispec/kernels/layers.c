@@ -127,16 +127,20 @@ static void residual(const float *h, float *y, const float *norm, float *out, in
     for (int64_t i = 0; i < n * D; i++) out[i] = h[i] + y[i];
 }
 
-/* out fp32 [n, D] = the layer applied to h fp32 [n, D]; cos, sin fp32 [n, rotary_dim]; desc,
- * num_seqs, attend_threads: verispec_attend's (the caches prepared for the write); threads: the
- * linears'. Returns 0, or -1 when scratch memory ran out. */
-int verispec_decoder_layer(const decoder_layer *L, const float *h, float *out, int64_t n, const float *cos,
-                           const float *sin, const int64_t *desc, int64_t num_seqs, int64_t attend_threads,
-                           int64_t threads) {
+/* Floats of scratch one layer needs for n rows. */
+static int64_t scratch_floats(const decoder_layer *L, int64_t n) {
+    const int64_t W = (L->H + 2 * L->Hkv) * L->Dh;
+    return n * (2 * L->D + W + 2 * L->H * L->Dh + 2 * L->Hkv * L->Dh + 3 * L->F);
+}
+
+/* out fp32 [n, D] = the layer applied to h fp32 [n, D] (out may not be h); cos, sin fp32
+ * [n, rotary_dim]; desc, num_seqs, attend_threads: verispec_attend's (the caches prepared for the
+ * write); threads: the linears'; buf: scratch_floats(L, n) floats. Returns 0, or -1 when a kernel's
+ * scratch memory ran out. */
+static int layer_forward(const decoder_layer *L, const float *h, float *out, int64_t n, const float *cos,
+                         const float *sin, const int64_t *desc, int64_t num_seqs, int64_t attend_threads,
+                         int64_t threads, float *buf) {
     const int64_t D = L->D, H = L->H, Hkv = L->Hkv, Dh = L->Dh, F = L->F, W = (H + 2 * Hkv) * Dh;
-    if (L->rotary_dim > 1024) return -1;
-    float *buf = malloc(sizeof(float) * (size_t)(n * (2 * D + W + 2 * H * Dh + 2 * Hkv * Dh + 3 * F)));
-    if (!buf) return -1;
     float *x = buf, *y = x + n * D, *qkv = y + n * D, *q = qkv + n * W, *k = q + n * H * Dh, *v = k + n * Hkv * Dh;
     float *att = v + n * Hkv * Dh, *gu = att + n * H * Dh, *act = gu + n * 2 * F;
     int status = 0;
@@ -162,6 +166,31 @@ int verispec_decoder_layer(const decoder_layer *L, const float *h, float *out, i
     run_tasks(glu_task, &glu_rows, n * F < (1 << 16) ? 1 : threads < n ? threads : n);
     status |= verispec_qmatmul_parts(act, n, F, L->down.part, L->down.parts, y, D, threads);
     residual(out, y, L->post_ff_norm, out, n, D, L->eps);
-    free(buf);
     return status ? -1 : 0;
+}
+
+/* A stack of layers in one call: h fp32 [n, D] through layers[0 .. num_layers) in order, out fp32
+ * [num_layers, n, D] the residual after each. Per layer l: cos[l], sin[l] fp32 [n, rotary_dim],
+ * desc + l * num_seqs * 9 its sequences' verispec_attend descriptors (the caches of that layer
+ * prepared for the write), attend_threads[l] the attention's threads; threads: the linears'.
+ * Returns 0, or -1 when scratch memory ran out or RoPE spans over 1024 dims. */
+int verispec_decoder_layers(const decoder_layer *const *layers, int64_t num_layers, const float *h, float *out,
+                            int64_t n, const float *const *cos, const float *const *sin, const int64_t *desc,
+                            int64_t num_seqs, const int64_t *attend_threads, int64_t threads) {
+    int64_t floats = 0;
+    for (int64_t l = 0; l < num_layers; l++) {
+        if (layers[l]->rotary_dim > 1024) return -1;
+        const int64_t f = scratch_floats(layers[l], n);
+        floats = f > floats ? f : floats;
+    }
+    float *buf = malloc(sizeof(float) * (size_t)floats);
+    if (!buf) return -1;
+    int status = 0;
+    for (int64_t l = 0; l < num_layers && !status; l++) {
+        const int64_t D = layers[l]->D;
+        status = layer_forward(layers[l], l ? out + (l - 1) * n * D : h, out + l * n * D, n, cos[l], sin[l],
+                               desc + l * num_seqs * 9, num_seqs, attend_threads[l], threads, buf);
+    }
+    free(buf);
+    return status;
 }

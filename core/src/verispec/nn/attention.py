@@ -73,6 +73,14 @@ def kernel_descriptors(caches: list, rows, *, write: bool, sliding_window: int |
     [sequences, 9], and the rows x slots it reads. write: the rows' K/V are about to be written
     (each cache's `prepare_write` is done here). The caches hold the block tables the
     descriptors point into."""
+    desc, work = descriptor_rows(caches, rows, write=write, sliding_window=sliding_window)
+    return torch.tensor(desc, dtype=torch.int64), work
+
+
+def descriptor_rows(caches: list, rows, *, write: bool, sliding_window: int | None = None
+                    ) -> tuple[list[tuple], int]:
+    """`kernel_descriptors` as a list of 9-tuples, one per sequence (to be stacked with other
+    layers' into one tensor), and the rows x slots read."""
     desc, work = [], 0
     for s, cache in zip(rows.sequences, caches):
         n = s.end - s.begin
@@ -83,7 +91,7 @@ def kernel_descriptors(caches: list, rows, *, write: bool, sliding_window: int |
         desc.append((s.begin, n, s.start_pos, num_slots, block, k_table.data_ptr(), v_table.data_ptr(),
                      0 if slot_pos is None else slot_pos.data_ptr(), sliding_window or 0))  # ckernels.attend
         work += n * num_slots
-    return torch.tensor(desc, dtype=torch.int64), work
+    return desc, work
 
 
 def attend(q: torch.Tensor, cache, start_pos: int, *, scaling: float, sliding_window: int | None = None,

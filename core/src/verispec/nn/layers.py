@@ -1,9 +1,10 @@
-"""Whole decoder layers in one C call (layers.c): the families' layer modules hand their
-weights here once and call `DecoderLayerKernel` per forward when every linear is block-packed
-(the `gguf` weight mode) and the C kernels are built. The arithmetic is the op-by-op forward's
-with the C kernels, so the two give the same bits (`verispec.testing.gguf_weights.
-assert_fused_layers_are_op_by_op`, run by each family's test_fused_layer.py); what goes is
-the per-op dispatch, most of a small model's one-row decode.
+"""Whole decoder layers in C (layers.c): the families' layer modules hand their weights here
+once (`DecoderLayerKernel`, when every linear is block-packed, the `gguf` weight mode, and the
+C kernels are built), and `forward_layers` runs each run of consecutive such layers as one C
+call per forward. The arithmetic is the op-by-op forward's with the C kernels, so the two give
+the same bits (`verispec.testing.gguf_weights.assert_fused_layers_are_op_by_op`, run by each
+family's test_fused_layer.py); what goes is the per-op and per-layer dispatch, most of a small
+model's one-row decode (SmolLM2-135M: ~18 µs of Python a layer when each layer was its own call).
 """
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import ctypes
 import torch
 
 from verispec.kernels import ckernels
-from verispec.nn.attention import kernel_descriptors
+from verispec.nn.attention import descriptor_rows
 from verispec.weights.block_linear import BlockLinear
 from verispec.weights.quant import PartwiseLinear
 
-__all__ = ["DecoderLayerKernel", "block_parts", "fused_kernel"]
+__all__ = ["DecoderLayerKernel", "block_parts", "forward_layers", "fused_kernel"]
 
 MAX_PARTS = 4
 
@@ -63,7 +64,7 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 class DecoderLayerKernel:
-    """One pre-norm decoder layer's weights for `verispec_decoder_layer` (layers.c): llama /
+    """One pre-norm decoder layer's weights for `verispec_decoder_layers` (layers.c): llama /
     qwen2 (input and pre-FF norms, q|k|v and o biases, SwiGLU) and Gemma 3 (sandwich norms,
     per-head q/k norms, GeGLU, sliding windows). The layer's tensors must stay alive and
     unchanged while it is used (`fused_kernel` rebuilds it when a linear or its packed weights
@@ -93,19 +94,28 @@ class DecoderLayerKernel:
                                   *map(_ptr, self._tensors), *map(_linear, parts))
         self.sliding_window = sliding_window
 
-    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows, layer: int) -> torch.Tensor:
-        """h fp32 [n, D] -> fp32 [n, D]; cos, sin fp32 contiguous [n, 1, rotary_dim]
-        (`RotaryEmbedding.cos_sin`); rows: the forward's nn.trunk.Rows, whose sequences' caches
-        of `layer` take the K/V. Raises MemoryError when the kernel's scratch allocation fails."""
+    @staticmethod
+    def run(kernels: list, h: torch.Tensor, cos_sin: list, rows, first: int) -> torch.Tensor:
+        """`verispec_decoder_layers` over layers first .. first + len(kernels) - 1: h fp32 [n, D] ->
+        fp32 [layers, n, D], the residual after each (see forward_layers)."""
         h = h.contiguous()
-        caches = [s.state.layers[layer] for s in rows.sequences]
-        desc, work = kernel_descriptors(caches, rows, write=True, sliding_window=self.sliding_window)
-        out = torch.empty_like(h)
-        if ckernels.library().verispec_decoder_layer(ctypes.addressof(self.args), h.data_ptr(), out.data_ptr(),
-                                                     h.shape[0], cos.data_ptr(), sin.data_ptr(), desc.data_ptr(),
-                                                     desc.shape[0], ckernels.attend_threads(work * self.args.H),
-                                                     torch.get_num_threads()) != 0:
-            raise MemoryError("the fused layer could not allocate its scratch")
+        n, num_layers = h.shape[0], len(kernels)
+        desc, threads = [], []
+        for i, kernel in enumerate(kernels):
+            caches = [s.state.layers[first + i] for s in rows.sequences]
+            layer_desc, work = descriptor_rows(caches, rows, write=True, sliding_window=kernel.sliding_window)
+            desc += layer_desc
+            threads.append(ckernels.attend_threads(work * kernel.args.H))
+        desc = torch.tensor(desc, dtype=torch.int64)
+        threads = torch.tensor(threads, dtype=torch.int64)
+        pointers = ctypes.c_void_p * num_layers
+        out = torch.empty(num_layers, *h.shape)
+        status = ckernels.library().verispec_decoder_layers(
+            pointers(*[ctypes.addressof(k.args) for k in kernels]), num_layers, h.data_ptr(), out.data_ptr(), n,
+            pointers(*[cos.data_ptr() for cos, _ in cos_sin]), pointers(*[sin.data_ptr() for _, sin in cos_sin]),
+            desc.data_ptr(), len(rows.sequences), threads.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("the fused layers could not allocate their scratch")
         return out
 
     def points_at(self, linears) -> bool:
@@ -136,3 +146,25 @@ def fused_kernel(layer, linears, make) -> DecoderLayerKernel | None:
     if kernel is not cached:
         layer._kernel = kernel
     return kernel
+
+
+def forward_layers(kernels: list, h: torch.Tensor, cos_sin: list, rows, layer_forward) -> list[torch.Tensor]:
+    """h fp32 [n, D] through a family's layers in order: layer i runs as `kernels[i]` (a
+    DecoderLayerKernel; consecutive ones in one C call) or, where that is None, as
+    `layer_forward(i, x)`. cos_sin[i]: layer i's RoPE tables, fp32 contiguous [n, 1, rotary_dim]
+    each (`RotaryEmbedding.cos_sin`); rows: the forward's nn.trunk.Rows, whose sequences' caches
+    of layer i take its K/V. Returns the residual after each layer, fp32 [n, D] each. Raises
+    MemoryError when the kernel's scratch allocation fails."""
+    outs, i = [], 0
+    while i < len(kernels):
+        if kernels[i] is None:
+            outs.append(layer_forward(i, outs[-1] if outs else h))
+            i += 1
+            continue
+        end = i
+        while end < len(kernels) and kernels[end] is not None:
+            end += 1
+        outs.extend(DecoderLayerKernel.run(kernels[i:end], outs[-1] if outs else h, cos_sin[i:end], rows, i))
+        i = end
+    return outs
+

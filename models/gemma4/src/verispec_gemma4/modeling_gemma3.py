@@ -39,7 +39,7 @@ from torch import nn
 from verispec.errors import DamagedFile, UnsupportedArchitecture
 from verispec.gguf_io import MissingTensor, arch_value
 from verispec.nn.attention import attend_rows
-from verispec.nn.layers import DecoderLayerKernel, fused_kernel
+from verispec.nn.layers import DecoderLayerKernel, forward_layers, fused_kernel
 from verispec.nn.kv_cache import MAX_VERIFY_ROWS, PagedKVCache, RingKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
@@ -217,10 +217,9 @@ class Gemma3DecoderLayer(nn.Module):
         return fused_kernel(self, linears, make)
 
     def forward(self, x, rows, layer_idx, rope, cos, sin):
-        """x: fp32 [n, D] -> fp32 [n, D]; the post norms see the all-reduced block outputs."""
-        kernel = self._fused_kernel(rope)
-        if kernel is not None:
-            return kernel(x, cos, sin, rows, layer_idx)
+        """x: fp32 [n, D] -> fp32 [n, D], op by op (the model runs the fused kernel,
+        nn.layers.forward_layers, where `_fused_kernel` gives one); the post norms see the
+        all-reduced block outputs."""
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rows, layer_idx, rope, cos, sin))
         ffn = reduce_partial(self.shards, self.mlp(self.pre_feedforward_layernorm(x)))
         return x + self.post_feedforward_layernorm(ffn)
@@ -296,11 +295,10 @@ class Gemma3ForCausalLM(TrunkModule):
         m = self.model
         x = self._embed(rows.tokens)
         cos_sin = {SLIDING: m.rotary_local.cos_sin(rows.positions), FULL: m.rotary_global.cos_sin(rows.positions)}
-        taps = {}  # layer index -> residual rows entering it [n, D]
-        for i, layer in enumerate(m.layers):
-            taps[i] = x
-            rope = m.rotary_local if layer.is_sliding else m.rotary_global
-            cos, sin = cos_sin[SLIDING if layer.is_sliding else FULL]
-            x = layer(x, rows, i, rope, cos, sin)
-        taps[self.num_layers] = x
-        return m.norm(x), taps  # [n, D]
+        layers = m.layers
+        ropes = [m.rotary_local if layer.is_sliding else m.rotary_global for layer in layers]
+        tables = [cos_sin[SLIDING if layer.is_sliding else FULL] for layer in layers]
+        outs = forward_layers([layer._fused_kernel(rope) for layer, rope in zip(layers, ropes)], x, tables, rows,
+                              lambda i, h: layers[i](h, rows, i, ropes[i], *tables[i]))
+        taps = dict(enumerate([x, *outs]))  # layer index -> residual rows entering it [n, D]
+        return m.norm(outs[-1]), taps  # [n, D]

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from verispec.errors import UnsupportedVariant
 from verispec.gguf_io import MissingTensor, arch_value
-from verispec.nn.layers import DecoderLayerKernel, fused_kernel
+from verispec.nn.layers import DecoderLayerKernel, forward_layers, fused_kernel
 from verispec.nn.attention import attend_rows
 from verispec.nn.kv_cache import PagedKVCache
 from verispec.nn.mlp import GatedMLP
@@ -234,10 +234,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
                 rows: Rows, layer_idx: int) -> torch.Tensor:
-        """hidden_states: fp32 [n, D] -> fp32 [n, D]."""
-        kernel = self._fused_kernel(rope)
-        if kernel is not None:
-            return kernel(hidden_states, cos, sin, rows, layer_idx)
+        """hidden_states: fp32 [n, D] -> fp32 [n, D], op by op (the model runs the fused kernel,
+        nn.layers.forward_layers, where `_fused_kernel` gives one)."""
         attn = self.self_attn(self.input_layernorm(hidden_states), rope, cos, sin, rows, layer_idx)
         hidden_states = hidden_states + attn
         return hidden_states + reduce_partial(self.shards, self.mlp(self.post_attention_layernorm(hidden_states)))
@@ -306,12 +304,12 @@ class LlamaForCausalLM(TrunkModule):
         m = self.model
         cos, sin = m.rotary_emb.cos_sin(rows.positions)  # [n, 1, r]
         x = self._embed(rows.tokens)
-        taps = {}  # layer index -> residual rows entering it [n, D]
-        for i, layer in enumerate(m.layers):
-            taps[i] = x
-            x = layer(x, m.rotary_emb, cos, sin, rows, i)
-        taps[self.num_layers] = x
-        return m.norm(x), taps
+        layers = m.layers
+        outs = forward_layers([layer._fused_kernel(m.rotary_emb) for layer in layers], x,
+                              [(cos, sin)] * len(layers), rows,
+                              lambda i, h: layers[i](h, m.rotary_emb, cos, sin, rows, i))
+        taps = dict(enumerate([x, *outs]))  # layer index -> residual rows entering it [n, D]
+        return m.norm(outs[-1]), taps
 
 
 def _rope_scaling(config: LlamaConfig):
