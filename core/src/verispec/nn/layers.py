@@ -68,7 +68,7 @@ class DecoderLayerKernel:
     qwen2 (input and pre-FF norms, q|k|v and o biases, SwiGLU) and Gemma 3 (sandwich norms,
     per-head q/k norms, GeGLU, sliding windows). The layer's tensors must stay alive and
     unchanged while it is used (`fused_kernel` rebuilds it when a linear or its packed weights
-    are replaced)."""
+    are replaced: `current`)."""
 
     def __init__(self, *, qkv: list, o, gate_up, down, input_norm: torch.Tensor, pre_ff_norm: torch.Tensor,
                  post_attn_norm: torch.Tensor | None = None, post_ff_norm: torch.Tensor | None = None,
@@ -118,13 +118,23 @@ class DecoderLayerKernel:
             raise MemoryError("the fused layers could not allocate their scratch")
         return out
 
-    def points_at(self, linears) -> bool:
-        """Whether this kernel was made over these linear modules, whose packed weights are still
-        the tensors it points at."""
-        if len(linears) != len(self.linears):
-            return False
-        for a, b in zip(linears, self.linears):
-            if a is not b:
+    def watch(self, layer, paths: tuple[str, ...]) -> None:
+        """Remember the module links from `layer` down to its linears at `paths` (dotted
+        submodule names, as `layer.get_submodule` takes), for `current`."""
+        links = {}
+        for path in paths:
+            parent = layer
+            for name in path.split("."):
+                child = parent._modules[name]
+                links[id(parent._modules), name] = (parent._modules, name, child)
+                parent = child
+        self._links = list(links.values())
+
+    def current(self) -> bool:
+        """Whether every watched link still holds the module it held, and every linear the packed
+        tensor this kernel points at (dict lookups only: a forward asks once a layer)."""
+        for modules, name, module in self._links:
+            if modules.get(name) is not module:
                 return False
         for p, packed in self._packed:
             if p._buffers["packed"] is not packed:
@@ -132,17 +142,20 @@ class DecoderLayerKernel:
         return True
 
 
-def fused_kernel(layer, linears, make) -> DecoderLayerKernel | None:
-    """A family layer's kernel for this forward, kept in `layer._kernel`: the kept one while it
-    still points at `linears`' weights, else `make()` (a new DecoderLayerKernel over them); None
-    where the layer cannot run fused (the C kernels not built, a linear not block-packed). A
-    forward asks once a layer, so the check looks at identities only (~2 µs), and `_kernel` is
-    set only when it changes (nn.Module.__setattr__ costs µs)."""
+def fused_kernel(layer, paths: tuple[str, ...], make) -> DecoderLayerKernel | None:
+    """A family layer's kernel for this forward, kept in `layer._kernel`: the kept one while it is
+    `current()`, else `make()` (a new DecoderLayerKernel over the linears at `paths`, dotted
+    submodule names of `layer`); None where the layer cannot run fused (the C kernels not built, a
+    linear not block-packed). `_kernel` is set only when it changes (nn.Module.__setattr__ costs
+    µs)."""
     cached = layer._kernel
-    if cached is not None and cached.points_at(linears):
+    if cached is not None and cached.current():
         return cached
+    linears = [layer.get_submodule(path) for path in paths]
     fusable = ckernels.library() is not None and None not in [block_parts(m) for m in linears]
     kernel = make() if fusable else None
+    if kernel is not None:
+        kernel.watch(layer, paths)
     if kernel is not cached:
         layer._kernel = kernel
     return kernel

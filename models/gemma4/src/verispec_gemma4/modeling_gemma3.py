@@ -199,11 +199,11 @@ class Gemma3DecoderLayer(nn.Module):
     def _fused_kernel(self, rope: RotaryEmbedding) -> DecoderLayerKernel | None:
         """The layer's nn.layers kernel (nn.layers.fused_kernel); None when it runs op by op (also
         with an attention softcap, which the kernel does not take, and under shards)."""
-        a, mlp = self.self_attn, self.mlp
-        if not self.fused or a.softcap is not None or self.shards is not None:
+        if not self.fused or self.self_attn.softcap is not None or self.shards is not None:
             return None
 
         def make() -> DecoderLayerKernel:
+            a, mlp = self.self_attn, self.mlp
             return DecoderLayerKernel(
                 qkv=[a.q_proj, a.k_proj, a.v_proj], o=a.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj,
                 input_norm=self.input_layernorm.weight, post_attn_norm=self.post_attention_layernorm.weight,
@@ -213,8 +213,8 @@ class Gemma3DecoderLayer(nn.Module):
                 neox=rope.style == "neox", activation="gelu_tanh", eps=self.input_layernorm.eps, scaling=a.scaling,
                 sliding_window=a.sliding_window)
 
-        linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return fused_kernel(self, linears, make)
+        return fused_kernel(self, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                   "mlp.gate_up_proj", "mlp.down_proj"), make)
 
     def forward(self, x, rows, layer_idx, rope, cos, sin):
         """x: fp32 [n, D] -> fp32 [n, D], op by op (the model runs the fused kernel,

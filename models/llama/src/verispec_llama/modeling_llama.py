@@ -220,9 +220,9 @@ class LlamaDecoderLayer(nn.Module):
         """The layer's nn.layers kernel (nn.layers.fused_kernel); None when it runs op by op."""
         if not self.fused or self.shards is not None:
             return None
-        a, mlp = self.self_attn, self.mlp
 
         def make() -> DecoderLayerKernel:
+            a, mlp = self.self_attn, self.mlp
             return DecoderLayerKernel(
                 qkv=[a.qkv_proj], o=a.o_proj, gate_up=mlp.gate_up_proj, down=mlp.down_proj,
                 input_norm=self.input_layernorm.weight, pre_ff_norm=self.post_attention_layernorm.weight,
@@ -230,7 +230,8 @@ class LlamaDecoderLayer(nn.Module):
                 head_dim=a.head_dim, intermediate_size=mlp.intermediate_size, rotary_dim=rope.rotary_dim,
                 neox=rope.style == "neox", activation="silu", eps=self.input_layernorm.eps, scaling=a.scaling)
 
-        return fused_kernel(self, (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj), make)
+        return fused_kernel(self, ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"),
+                            make)
 
     def forward(self, hidden_states: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
                 rows: Rows, layer_idx: int) -> torch.Tensor:
