@@ -172,7 +172,7 @@ class SequenceTrunk:
         hidden: list[list[torch.Tensor]] = [[] for _ in batch]
         for chunk in self._chunks(batch, starts):
             self._run_chunk(batch, states, chunk, logits, hidden)
-        return [SegmentOutput(logits=torch.cat(lg) if lg else None, hidden=torch.cat(hd) if seg.hidden else None)
+        return [SegmentOutput(logits=_cat(lg) if lg else None, hidden=_cat(hd) if seg.hidden else None)
                 for seg, lg, hd in zip(batch, logits, hidden)]
 
     def _check(self, batch: list[Segment]) -> list[SequenceState]:
@@ -252,7 +252,8 @@ class SequenceTrunk:
 
 
 def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat, without the copy when there is one piece (every decode and verify)."""
+    """torch.cat, without the copy when there is one piece (every decode and verify: the rows,
+    and the logits of a forward that runs in one chunk)."""
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
