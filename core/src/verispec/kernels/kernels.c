@@ -243,7 +243,9 @@ static void run_job(void *arg, int64_t task, int64_t tasks) {
             for (int64_t r = 0; r < n; r++) {
                 const int64_t p = dsc[START_POS] + r0 + r;
                 T[r] = dsc[NUM_SLOTS];
-                if (!slot_pos && T[r] > p + 1) T[r] = p + 1; /* slot = position: later slots are never visible */
+                /* slot = position: slots past p are never visible, so a row reads up to p's run of 16
+                 * (the masked slots between add exact zeros, and keep the loops vectorised) */
+                if (!slot_pos && T[r] > ((p + 16) & ~(int64_t)15)) T[r] = (p + 16) & ~(int64_t)15;
                 const int64_t T16r = (T[r] + 15) & ~(int64_t)15;
                 for (int64_t t = 0; t < T16r; t++) {
                     const int vis = t < T[r] && visible(slot_pos ? slot_pos[t] : t, p, dsc[WINDOW]);
