@@ -15,10 +15,13 @@ def test_the_main_job_quotes_the_poem_and_compares_with_plain_decoding():
     assert out.returncode == 0, out.stderr
     poem = DEFAULT_PROMPT.split("<poem>\n")[1].split("</poem>")[0].splitlines()
     lines = out.stdout.strip().splitlines()
-    assert len(lines) >= 4 and lines[:4] == poem[:4], out.stdout  # a faithful copy, not a loop
+    assert len(lines) >= 6 and lines[:6] == poem[:6], out.stdout  # a faithful copy, not a loop (greedy drops a word in line 7)
     assert "</poem>" not in out.stdout and "finish=stop" in out.stderr
     compared = re.search(r"\[same prompt, plain decoding: ([\d.]+) tok/s; speculative ([\d.]+) tok/s "
                          r"\(([\d.]+)x\); identical: (\S+)\]", out.stderr)
     assert compared, out.stderr
     assert compared.group(4) == "yes" and float(compared.group(1)) > 0 and float(compared.group(2)) > 0
-    assert "[speculation: armed: speculator 'ngram' drafted" in out.stderr
+    # armed on a quiet machine; under load the cost governor may measure speculation as dearer
+    # and park it, which is its job (the streams stay identical either way)
+    assert re.search(r"\[speculation: (armed: speculator 'ngram' drafted|parked: the cost governor parked "
+                     r"speculator 'ngram')", out.stderr), out.stderr
