@@ -182,8 +182,8 @@ def test_a_draft_model_no_installed_speculator_takes_names_the_draft_model_plugi
                                                   spec("ngram", priority=10))})
     model = Head(DraftHeadKind.MODEL)
     choice = choose_speculator(registry, "auto", Trunk(), draft_head=model, max_draft_tokens=8)
-    assert choice.name == "ngram"
-    why = unused_drafter_reason(registry, model, choice.declines)
+    assert choice.name == "ngram" and choice.not_taken == {"mtp"}
+    why = unused_drafter_reason(registry, model, choice.declines, choice.not_taken)
     assert why.startswith("no installed speculator drafts with a draft model") and "mtp" not in why
     assert f"pip install -e {checkout_root()}/plugins/draft_model " in why
     # a decline that says something else (a drafter that does not fit) is passed on as it is

@@ -121,7 +121,8 @@ class InferenceEngine:
         if draft_head is not None and spec.draft_model is not None and not (
                 self.speculator is not None and self.speculator.spec.requires_draft_head):
             log.warning("--draft-model %s is not used: %s", spec.draft_model,
-                        unused_drafter_reason(self.registry, draft_head, self.choice.declines))
+                        unused_drafter_reason(self.registry, draft_head, self.choice.declines,
+                                              self.choice.not_taken))
         return SpeculationReason("declined", self.choice.reason) if self.speculator is None else None
 
     def _speculation(self) -> Speculation | None:

@@ -39,6 +39,9 @@ class Choice:
     reason: str
     #: speculator name -> why it declined, for those tried before the pick.
     declines: dict[str, str]
+    #: the names among `declines` whose factory returned None: they do not take the loaded
+    #: drafter (a fit, not a fault).
+    not_taken: frozenset[str] = frozenset()
 
 
 class SpeculationUnavailable(VerispecError, RuntimeError):
@@ -61,6 +64,7 @@ def choose_speculator(registry: Registry, spec_type: str, trunk: Any, *, draft_h
     Raises SpeculationUnavailable when an explicit spec_type cannot be served.
     """
     declines: dict[str, str] = {}
+    not_taken: set[str] = set()
     candidates = _candidates(registry, spec_type)
     if spec_type == "block" and declared(trunk, "speculation_refusal") is None:
         missing = _no_block_head(draft_head)
@@ -71,8 +75,12 @@ def choose_speculator(registry: Registry, spec_type: str, trunk: Any, *, draft_h
         speculator = None
         if reason is None:
             speculator, reason = _build(entry.spec, trunk, draft_head, max_draft_tokens, min_draft_prob)
+            if speculator is None and reason is None:  # its factory does not take this drafter
+                reason = _not_taken(entry.name, draft_head)
+                not_taken.add(entry.name)
         if speculator is not None:
-            return Choice(speculator, entry.name, _picked(entry.spec, spec_type, declines), declines)
+            return Choice(speculator, entry.name, _picked(entry.spec, spec_type, declines), declines,
+                          frozenset(not_taken))
         declines[entry.name] = reason
     if spec_type != "auto":
         raise SpeculationUnavailable(spec_type, declines)
@@ -80,7 +88,7 @@ def choose_speculator(registry: Registry, spec_type: str, trunk: Any, *, draft_h
            else f"no speculator plugin is installed, e.g. {install_hint('plugins/ngram')}")
     reason = f"decoding plainly: nothing can serve this trunk ({why})"
     logger.info(reason)
-    return Choice(None, None, reason, declines)
+    return Choice(None, None, reason, declines, frozenset(not_taken))
 
 def _candidates(registry: Registry, spec_type: str) -> list[Entry]:
     ranked = sorted(registry.speculators.values(), key=lambda e: (-e.spec.priority, e.name))
@@ -147,13 +155,15 @@ def _no_head_advice(registry: Registry) -> str:
             f"--spec-type ngram or auto{model}")
 
 
-def unused_drafter_reason(registry: Registry, draft_head: Any, declines: Mapping[str, str]) -> str:
-    """Why the drafter --draft-model loaded drafts for no speculator, from `Choice.declines`: the
-    declines of those that need a draft head, or, when each of them just does not take a drafter
-    of this kind, that no installed speculator does (and what to install for a draft model)."""
+def unused_drafter_reason(registry: Registry, draft_head: Any, declines: Mapping[str, str],
+                          not_taken: frozenset[str] = frozenset()) -> str:
+    """Why the drafter --draft-model loaded drafts for no speculator, from a Choice's `declines`
+    and `not_taken`: the declines of those that need a draft head, or, when each of them just
+    does not take a drafter of this kind, that no installed speculator does (and what to install
+    for a draft model)."""
     unused = {name: why for name, why in declines.items() if registry.speculators[name].spec.requires_draft_head}
     kind = getattr(draft_head, "draft_head_kind", DraftHeadKind.NONE)
-    if any(why != _not_taken(name, draft_head) for name, why in unused.items()):
+    if any(name not in not_taken for name in unused):
         return _reasons(unused)
     if kind is DraftHeadKind.MODEL:
         return ("no installed speculator drafts with a draft model (a smaller model of the same tokenizer); the "
@@ -170,7 +180,8 @@ def _not_taken(name: str, draft_head: Any) -> str:
 
 
 def _build(spec: SpeculatorSpec, trunk, draft_head, max_draft_tokens, min_draft_prob):
-    """(speculator, None), or (None, why not): the spec's decline check, then its factory."""
+    """(speculator, None), (None, why not), or (None, None) when the factory returned None (it
+    does not take this drafter): the spec's decline check, then its factory."""
     try:
         if spec.decline is not None:
             reason = resolve(spec.decline)(trunk)
@@ -186,7 +197,7 @@ def _build(spec: SpeculatorSpec, trunk, draft_head, max_draft_tokens, min_draft_
                        exc_info=os.environ.get("VERISPEC_DEBUG") == "1")  # the traceback on request
         return None, f"{spec.name} failed to build: {_text(exc)}"
     if speculator is None:
-        return None, _not_taken(spec.name, draft_head)
+        return None, None
     taps = getattr(speculator, "tap_layers", None)
     if spec.needs_hidden_state and taps is not None:
         try:
