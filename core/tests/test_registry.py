@@ -172,6 +172,31 @@ def test_no_draft_head_suggests_draft_model_only_where_a_drafter_file_can_load()
     assert "installed formats: nextn-file" in str(info.value) and "--draft-model PATH|ALIAS" in str(info.value)
 
 
+def test_no_draft_head_names_only_the_drafter_formats_for_this_trunk():
+    """A drafter format that pairs with other trunks (DraftFileSpec.trunks) is not offered: a
+    GLM trunk is not told about the Gemma 4 assistant; a format for any trunk still is."""
+    from types import SimpleNamespace
+
+    headed = spec("mtp", requires_draft_head=True)
+    gemma_only = DraftFileSpec(name="assistant", summary="toy", architectures=("assistant-drafter",),
+                               loader="toy_models:load_head", trunks=("gemma4",))
+    any_trunk = DraftFileSpec(name="block-file", summary="toy", architectures=("block-drafter",),
+                              loader="toy_models:load_head")
+    glm = Trunk(tokenizer=SimpleNamespace(architecture="glm4moe"))
+    gemma = Trunk(tokenizer=SimpleNamespace(architecture="gemma4"))
+    only_gemma = Registry.from_plugins({"toys": Toy(headed, gemma_only)})
+    with pytest.raises(SpeculationUnavailable) as info:
+        choose_speculator(only_gemma, "mtp", glm, max_draft_tokens=8)
+    assert "--draft-model" not in str(info.value) and "the model file has no NextN/MTP head" in str(info.value)
+    with pytest.raises(SpeculationUnavailable) as info:
+        choose_speculator(only_gemma, "mtp", gemma, max_draft_tokens=8)
+    assert "installed formats: assistant" in str(info.value)
+    both = Registry.from_plugins({"toys": Toy(headed, gemma_only, any_trunk)})
+    with pytest.raises(SpeculationUnavailable) as info:
+        choose_speculator(both, "mtp", glm, max_draft_tokens=8)
+    assert "installed formats: block-file" in str(info.value) and "assistant" not in str(info.value)
+
+
 def test_a_draft_model_no_installed_speculator_takes_names_the_draft_model_plugin():
     """--draft-model loaded a whole model and only speculators that decline it (their factory
     returns None) are installed: the unused-drafter line names plugins/draft_model's install

@@ -91,13 +91,17 @@ class TrunkSpec:
 @attrs.frozen
 class DraftFileSpec:
     """A drafter file format: GGUF `general.architecture` values it loads (e.g. `dflash`).
-    `loader(path, trunk)` returns a DraftHead bound to that trunk, or raises naming the mismatch."""
+    `loader(path, trunk)` returns a DraftHead bound to that trunk, or raises naming the mismatch.
+    `trunks`: the trunks' `general.architecture` values its files pair with (empty: any trunk,
+    e.g. a drafter bound to its target like a LoRA); advice names only the formats for the trunk
+    at hand."""
 
     name: str = attrs.field(validator=_check_name)
     summary: str = attrs.field(validator=attrs.validators.instance_of(str))
     architectures: tuple[str, ...] = attrs.field(converter=_tuple_of_str,
                                                  validator=attrs.validators.min_len(1))
     loader: Any = attrs.field(validator=_check_ref)
+    trunks: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
 
 
 @attrs.frozen

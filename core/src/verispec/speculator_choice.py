@@ -138,14 +138,18 @@ def _precheck(spec: SpeculatorSpec, spec_type: str, trunk: Any, draft_head: Any,
         return "the trunk declares speculation unprofitable (an explicit --spec-type still runs)"
     head_kind = getattr(draft_head, "draft_head_kind", DraftHeadKind.NONE)
     if spec.requires_draft_head and head_kind is DraftHeadKind.NONE:
-        return f"no draft head: {spec.name} needs a draft head and {_no_head_advice(registry)}"
+        return f"no draft head: {spec.name} needs a draft head and {_no_head_advice(registry, trunk)}"
     return None
 
 
-def _no_head_advice(registry: Registry) -> str:
+def _no_head_advice(registry: Registry, trunk: Any) -> str:
     """The rest of the no-draft-head line: --draft-model only where an installed plugin loads a
-    drafter file (a model family whose NextN/MTP head comes in the model file alone has none)."""
-    formats = sorted(registry.draft_files)
+    drafter file for this trunk (DraftFileSpec.trunks; a model family whose NextN/MTP head comes
+    in the model file alone has none). The trunk's architecture is its tokenizer's (a loaded
+    GGUF's `general.architecture`); a trunk without one is offered every format."""
+    arch = getattr(getattr(trunk, "tokenizer", None), "architecture", None)
+    formats = sorted(name for name, entry in registry.draft_files.items()
+                     if arch is None or not entry.spec.trunks or arch in entry.spec.trunks)
     if formats:
         return (f"none is loaded for this trunk; pass a drafter file (installed formats: {', '.join(formats)}) "
                 "or a draft model with --draft-model PATH|ALIAS, or use --spec-type ngram or auto")

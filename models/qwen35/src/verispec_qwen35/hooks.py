@@ -22,4 +22,5 @@ def register_draft_files(register):
         summary="a standalone Qwen 3.5 / 3.6 MTP GGUF (the converter's --mtp output), paired with its main file",
         architectures=ARCHITECTURES,
         loader="verispec_qwen35.loader:load_mtp_file",
+        trunks=ARCHITECTURES,
     ))

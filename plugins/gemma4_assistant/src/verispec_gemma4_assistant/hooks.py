@@ -35,4 +35,5 @@ def register_draft_files(register):
         summary="Gemma 4 assistant (MTP drafter) GGUF: Q-only layers over the trunk's KV, paired with its Gemma 4 model",
         architectures=ARCHITECTURES,
         loader="verispec_gemma4_assistant.loader:load",
+        trunks=("gemma4",),
     ))
