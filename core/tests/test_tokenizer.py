@@ -144,7 +144,7 @@ def test_gemma_default_template(tmp_path):
 
 def test_no_template_and_no_default(tmp_path):
     tok = Tokenizer.from_gguf(_fixture(tmp_path, arch="llama"))
-    with pytest.raises(NoChatTemplate, match="no --chat"):
+    with pytest.raises(NoChatTemplate, match="without --chat, or the server's /v1/completions"):
         tok.render_chat([{"role": "user", "content": "hi"}])
 
 

@@ -97,7 +97,8 @@ class NoChatTemplate(TokenizerError):
         super().__init__(
             f"this {architecture!r} GGUF has no tokenizer.chat_template and verispec has no default for "
             f"the family (defaults: {', '.join(sorted(DEFAULT_CHAT_TEMPLATES))}); "
-            "send plain text (no --chat), or use a GGUF converted with its chat template")
+            "send plain text instead (`verispec generate` without --chat, or the server's /v1/completions), "
+            "or use a GGUF converted with its chat template")
 
 
 class ForgedControlToken(TokenizerError):
