@@ -120,7 +120,8 @@ def verify_costs(trunk, widths: list[int], clock, rounds: int) -> dict[int, floa
 
 
 def set_fused(trunk, fused: bool) -> None:
-    """Run the family's layers as one C call each (nn.layers) or op by op, where it has both."""
+    """Run the family's layers fused (nn.layers: consecutive layers in one C call) or op by op, where it
+    has both."""
     for layer in trunk.model.layers:
         if hasattr(layer, "fused"):
             layer.fused = fused
