@@ -15,8 +15,8 @@ pytest.importorskip("triton", reason="the Triton kernels' tests need triton: pip
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 
 from verispec.nn.state import RecurrentState  # noqa: E402
-from verispec_qwen35 import triton_delta_rule  # noqa: E402
-from verispec_qwen35.triton_delta_rule import delta_rule, reference_delta_rule  # noqa: E402
+from verispec.kernels import triton_delta_rule  # noqa: E402
+from verispec.kernels.triton_delta_rule import delta_rule, reference_delta_rule  # noqa: E402
 
 NV, DK, DV = 3, 8, 12  # dv 12: not a power of two (masked lanes), as the tiny fixture's
 

@@ -19,9 +19,9 @@ What the GGUF holds (docs/reference/qwen35.md §4), so the math here is plain:
 The GDN layer runs the delta rule one row at a time (exact; the reference a fused kernel must
 match) and hands the state after every row to its `nn.state.RecurrentState` during a verify,
 so `keep(seq, a)` selects the state after row a with no re-forward. On CUDA tensors the row
-loop is triton_delta_rule's kernel (its own fixed order of the dk sums). Every op is per row with
-the same shapes whatever n, so with batch-invariant linears (int8) a row is the same bits
-alone or inside an n-row verify.
+loop is verispec.kernels.triton_delta_rule's kernel (its own fixed order of the dk sums). Every
+op is per row with the same shapes whatever n, so with batch-invariant linears (int8) a row is
+the same bits alone or inside an n-row verify.
 Sources: transformers models/qwen3_5/modeling_qwen3_5.py, qwen3_5_moe (5.24);
 llama.cpp src/models/qwen35.cpp, qwen35moe.cpp, delta-net-base.cpp.
 """
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from verispec.errors import DamagedFile, UnsupportedVariant
 from verispec.gguf_io import MissingTensor, arch_value
-from verispec.kernels import triton_dispatch
+from verispec.kernels import triton_delta_rule, triton_dispatch
 from verispec.nn.attention import attend_rows
 from verispec.nn.elementwise import rowwise
 from verispec.nn.mlp import GatedMLP
@@ -46,8 +46,6 @@ from verispec.nn.rope import RotaryEmbedding
 from verispec.nn.kv_cache import PagedKVCache
 from verispec.nn.state import RecurrentState
 from verispec.nn.trunk import Rows, TrunkModule
-
-from verispec_qwen35 import triton_delta_rule
 
 __all__ = ["ARCHITECTURES", "Qwen35Config", "Qwen35ForCausalLM", "UnsupportedQwen35Variant", "check_file_kind"]
 
