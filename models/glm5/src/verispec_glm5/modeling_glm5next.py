@@ -16,7 +16,9 @@ then logits = lm_head(norm(mean over streams of X)).
 KDA (`KdaAttention`) runs the gated delta rule one row at a time with a per-channel decay
 g = lb · sigmoid(e^A_log · z) (Flash's gate lower bound lb) or -e^A_log · softplus(z), and hands
 the state after every row to its `nn.state.RecurrentState` during a verify, so `keep(seq, a)`
-selects the state after row a with no re-forward (as the Qwen 3.5 trunk's GatedDeltaNet).
+selects the state after row a with no re-forward (as the Qwen 3.5 trunk's GatedDeltaNet). On
+CUDA tensors the row loop is verispec.kernels.triton_delta_rule's kernel (its own fixed order of
+the dk sums; the CPU loop's einsum sums in ATen's order).
 The k-pool indexer (`KpoolIndexer`) caches per position [k ; gate] (2·ID floats) and pools
 consecutive groups of P positions from 0 when it reads them; only pools whose last member is
 visible to a row are candidates, so a pool completed by rejected draft rows is incomplete again
@@ -39,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from verispec.gguf_io import MissingTensor, arch_value
+from verispec.kernels import triton_delta_rule, triton_dispatch
 from verispec.nn.elementwise import rowwise
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.moe import TopkRouter, routed_experts
@@ -364,6 +367,12 @@ class KdaAttention(nn.Module):
         q, k, v = (t.reshape(m, self.heads, self.hd) for t in u.split(self.di, dim=-1))
         q, k = _l2norm(q) * self.hd ** -0.5, _l2norm(k)
         decay = rowwise(torch.exp, g)  # [m, H, hd]
+        if triton_dispatch.use_triton(mix):  # CUDA: the rows in Triton, the state after each emitted
+            out, ssms = triton_delta_rule.delta_rule(q, k, v, beta, decay, state.values["ssm"])
+            convs = windows[:, :, 1:].permute(1, 0, 2).contiguous()  # [m, 3·di, K-1]: each row's tail
+            state.update({"conv": convs, "ssm": ssms} if record_rows
+                         else {"conv": convs[-1:], "ssm": ssms[-1:]})
+            return out
         ssm, ssms, outputs = state.values["ssm"], [], []
         for t in range(m):
             ssm = ssm * decay[t][:, :, None]  # key channel i decays by e^g[i]
