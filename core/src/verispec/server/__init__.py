@@ -68,11 +68,13 @@ may be "" while a split character or a possible stop string is held back), then 
 carrying finish_reason and `verispec`, then, with include_usage, a chunk carrying usage and
 `verispec`, then `data: [DONE]`. The chunks' texts concatenate to the non-streamed text.
 
-Modules: `protocol` (request bodies, limits, the error body), `app` (routes, middleware,
-/metrics, `serve`), `auth` (the API key), `engine_thread` (the thread that steps the engine),
-`responses` (completion/chat bodies, stream chunks), `page` (the chat page; its files in static/).
+Modules: `protocol` (request bodies, limits, the error body), `app` (routes, the request
+lifecycle, `serve`), `body_limit` (the body-read middleware), `metrics` (/metrics' text), `auth`
+(the API key), `engine_thread` (the thread that steps the engine), `responses` (completion/chat
+bodies, stream chunks), `page` (the chat page; its files in static/).
 """
-from verispec.server.app import create_app, exposure_warning, prometheus_text, serve, server
+from verispec.server.app import create_app, exposure_warning, serve, server
+from verispec.server.metrics import prometheus_text
 from verispec.server.protocol import RequestRejected
 
 __all__ = ["RequestRejected", "create_app", "exposure_warning", "prometheus_text", "serve", "server"]

@@ -1,5 +1,5 @@
-"""The FastAPI app: routes, the body-read middleware, /metrics, and `serve` / `server` that run it
-under uvicorn."""
+"""The FastAPI app: routes and the request lifecycle (`Served`), and `serve` / `server` that run it
+under uvicorn; the body-read middleware is body_limit.py's, /metrics' text metrics.py's."""
 from __future__ import annotations
 
 import asyncio
@@ -18,11 +18,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.engine import Generation, InferenceEngine, TokenEvent
 from verispec.errors import VerispecError, larger_context_advice
-from verispec.execution import acceptance_rate
-from verispec.reasons import REASON_CODES
 from verispec.seams import ContextOverflow, declared
 from verispec.server.auth import APIKeyCheck
+from verispec.server.body_limit import BodyRead
 from verispec.server.engine_thread import EngineThread
+from verispec.server.metrics import prometheus_text
 from verispec.server.page import add_chat_page
 from verispec.server.protocol import (ASSISTANT, ChatBody, CompletionBody, DEFAULT_BODY_TIMEOUT,
                                       DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT, RequestBody,
@@ -194,40 +194,6 @@ def server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, **config:
 
 
 
-def prometheus_text(engine: InferenceEngine) -> str:
-    """The engine's counters in Prometheus' text exposition format (version 0.0.4)."""
-    scheduler = engine.scheduler
-    m = scheduler.metrics
-    acceptance = acceptance_rate(m.num_accepted_tokens, m.num_draft_tokens)
-    rows = [
-        ("requests_running", "gauge", "Requests in the running batch.", scheduler.num_running),
-        ("requests_waiting", "gauge", "Requests queued for admission.", scheduler.num_waiting),
-        ("requests_finished_total", "counter", "Requests finished (any reason).", m.num_finished_requests),
-        ("generated_tokens_total", "counter", "Tokens emitted to clients.", m.num_generated_tokens),
-        ("draft_tokens_total", "counter", "Draft tokens verified (finished requests).", m.num_draft_tokens),
-        ("accepted_tokens_total", "counter", "Draft tokens accepted (finished requests).", m.num_accepted_tokens),
-        ("acceptance_rate", "gauge", "accepted_tokens_total / draft_tokens_total.", acceptance),
-        ("prefix_cache_hits_total", "counter", "Requests that adopted a cached prefix.", m.num_prefix_cache_hits),
-        ("prefix_cache_reused_tokens_total", "counter", "Prompt tokens not prefilled thanks to the prefix cache.",
-         m.num_reused_prefix_tokens),
-        ("kv_budget_bytes", "gauge", "KV/state memory budget of running and idle sequences (0: none).",
-         scheduler.kv_budget.budget_bytes or 0),
-        ("kv_reserved_bytes", "gauge", "KV/state memory reserved by running requests.", scheduler.kv_budget.reserved_bytes),
-        ("kv_idle_bytes", "gauge", "KV/state memory held by idle prefix-cache sequences.", scheduler.kv_budget.idle_bytes),
-        ("kv_budget_evictions_total", "counter", "Idle sequences released to make room in the KV budget.",
-         m.num_kv_budget_evictions),
-    ]
-    lines = []
-    for name, kind, help_text, value in rows:
-        lines += [f"# HELP verispec_{name} {help_text}", f"# TYPE verispec_{name} {kind}", f"verispec_{name} {value}"]
-    lines += ["# HELP verispec_requests_by_reason_total Requests finished, by why they speculated or not "
-              "(verispec.reasons).", "# TYPE verispec_requests_by_reason_total counter"]
-    lines += [f'verispec_requests_by_reason_total{{reason="{code}"}} {m.num_requests_by_reason[code]}'
-              for code in REASON_CODES]
-    return "\n".join(lines) + "\n"
-
-
-
 class Served:
     """The engine, the thread stepping it, and the OpenAI response shapes for both endpoints."""
 
@@ -373,55 +339,3 @@ class Served:
         if usage:
             yield sse({**shape.header(), "choices": [], **usage_body(result)})
         yield "data: [DONE]\n\n"
-
-
-class BodyRead:
-    """ASGI middleware: reads an HTTP request's body before the app sees it, at most max_bytes
-    within `timeout` seconds of its headers. A larger body (by its Content-Length, or as it
-    arrives) answers 413, one still incomplete at the timeout (a client that sent headers and
-    stalled) 408, both in OpenAI's error shape naming the limit, without reading the rest, and
-    the connection closes."""
-
-    def __init__(self, app, max_bytes: int, timeout: float):
-        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_bytes:
-            return await self._too_large(scope, receive, send, f"is {int(length)} bytes")
-        chunks, size, whole = [], 0, False
-        with anyio.move_on_after(self.timeout):
-            while size <= self.max_bytes:
-                message = await receive()
-                if message["type"] != "http.request":  # the client left while sending
-                    return
-                chunks.append(message.get("body", b""))
-                size += len(chunks[-1])
-                if not message.get("more_body", False):
-                    whole = True
-                    break
-        if size > self.max_bytes:
-            return await self._too_large(scope, receive, send, "is larger")
-        if not whole:
-            came = f"{size} of its {int(length)} bytes" if length.isdigit() else f"{size} bytes"
-            return await self._close_with(scope, receive, send, error_response(
-                f"the request body did not arrive within {self.timeout:g} s ({came} came); send the whole "
-                "body with the headers", code="request_timeout", status_code=408))
-        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-
-        async def replayed():  # the body once, then the client's messages (its disconnect)
-            return replay.pop() if replay else await receive()
-        await self.app(scope, replayed, send)
-
-    async def _too_large(self, scope, receive, send, size: str) -> None:
-        mib = self.max_bytes / 2**20
-        await self._close_with(scope, receive, send, error_response(
-            f"the request body {size}; this server reads at most {self.max_bytes} bytes ({mib:g} MiB): "
-            "send a shorter prompt", code="request_too_large", status_code=413))
-
-    @staticmethod
-    async def _close_with(scope, receive, send, response: Response) -> None:
-        response.headers["connection"] = "close"  # the rest of the body is never read
-        await response(scope, receive, send)
