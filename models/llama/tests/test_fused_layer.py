@@ -100,3 +100,24 @@ def test_a_replaced_weight_rebuilds_the_fused_kernel(trunk):
         assert layer._kernel.linears[1] is attn.o_proj
     finally:
         layer.fused, o_proj.packed, attn.o_proj = True, packed, o_proj
+
+
+def test_a_layer_run_op_by_op_between_fused_ones_changes_no_bit(trunk):
+    """forward_layers runs each run of consecutive fused layers as one C call and an unfused layer
+    op by op between them: any one layer unfused gives the all-fused logits, bitwise."""
+    ids = [5, 17, 3, 44, 9, 12, 30, 8]
+
+    def logits():
+        seq = trunk.new_sequence()
+        out = [forward_one(trunk, seq, ids[:6], logits="all").logits, forward_one(trunk, seq, ids[6:7]).logits,
+               forward_one(trunk, seq, ids[7:], verify=True).logits]
+        trunk.release(seq)
+        return out
+
+    fused = logits()
+    for layer in trunk.model.layers:
+        layer.fused = False
+        try:
+            assert all(torch.equal(a, b) for a, b in zip(logits(), fused))
+        finally:
+            layer.fused = True
