@@ -48,3 +48,18 @@ def test_cli_device_cuda_without_cuda_is_one_line_and_exit_1():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stderr
     assert r.stderr.strip().count("\n") == 0 and "sees no CUDA device" in r.stderr and "--device cpu" in r.stderr
+
+
+def test_a_family_that_declares_cuda_runs_there_and_the_others_are_named():
+    from verispec.nn.trunk import TrunkModule
+
+    class OnCuda(TrunkModule):
+        devices = ("cpu", "cuda")
+
+    class CpuOnly(TrunkModule):
+        pass
+
+    require_trunk_device(torch.device("cuda"), OnCuda)
+    require_trunk_device(torch.device("cpu"), CpuOnly)
+    with pytest.raises(VerispecError, match=r"the CpuOnly trunk does not run on cuda yet .* use --device cpu"):
+        require_trunk_device(torch.device("cuda"), CpuOnly)

@@ -64,8 +64,10 @@ def load(model: str | None = None, *, dtype: str | None = None, threads: int | s
       loaded; 0 = no budget.
     tensor_parallel: ranks of a tensor-parallel trunk (verispec.tensor_parallel; None or 1: one process).
     device: "cpu" (None: the default), "cuda" or "auto" (verispec.device.resolve_device).
+      On "cuda" the trunk is placed there by `TrunkModule.to_device` (llama/qwen2 files; README
+      "GPUs"); the scheduler, sampler and speculators stay on the CPU.
     Raises InvalidArgument when both `spec` and its fields as keywords are given, or for a device
-    torch does not see; VerispecError for a device the trunks do not run on.
+    torch does not see; VerispecError for a device the file's trunk does not run on.
     """
     from verispec.engine import InferenceEngine, SpecOptions
     from verispec.errors import InvalidArgument
@@ -74,12 +76,18 @@ def load(model: str | None = None, *, dtype: str | None = None, threads: int | s
         raise InvalidArgument(f"give either spec= or its fields as keywords ({', '.join(spec_options)}), not both")
     from verispec.device import require_trunk_device, resolve_device
 
-    require_trunk_device(resolve_device(device))  # refused before the model loads
+    device = resolve_device(device)  # a device torch does not see is refused before the model loads
+    if device.type != "cpu" and tensor_parallel and tensor_parallel > 1:
+        raise InvalidArgument(f"--device {device.type} with --tp {tensor_parallel}: tensor-parallel ranks run on the "
+                              "CPU; leave one of them out")
     budget = kv_budget_bytes(kv_cache_gb) if kv_cache_gb is not None else None  # refused before the model loads
     registry = registry or Registry.discover()
     spec = spec or SpecOptions(**spec_options)
     trunk = load_registered_trunk(resolve_model_path(model, registry), registry, dtype=dtype, threads=threads,
                          context_length=context_length, tensor_parallel=tensor_parallel)
+    if device.type != "cpu":
+        require_trunk_device(device, trunk)  # the family's declaration (TrunkModule.devices)
+        trunk.to_device(device)
     engine_options = {k: v for k, v in (("prefill_chunk", prefill_chunk), ("max_running", max_running))
                       if v is not None}
     if kv_cache_gb is None:

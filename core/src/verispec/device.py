@@ -2,8 +2,9 @@
 
 `resolve_device` turns the option into a torch.device (auto: CUDA when torch sees a GPU, else
 the CPU) and refuses CUDA where torch sees none, in one line naming the fix. `require_trunk_device`
-is the loaders' gate: the trunks run on the CPU; on CUDA only their block-typed linears have a
-kernel yet (kernels.triton_qmatmul), so a CUDA trunk is refused, naming what is missing.
+is the loaders' gate: every trunk runs on the CPU; a family whose trunk class declares "cuda" in
+`devices` (llama/qwen2: `TrunkModule.to_device` places its weights, pooled KV and RoPE table
+there and runs the Triton kernels) runs on CUDA too, and the others are refused, naming why.
 """
 from __future__ import annotations
 
@@ -33,9 +34,16 @@ def resolve_device(name: str | None) -> torch.device:
     return torch.device("cuda")
 
 
-def require_trunk_device(device: torch.device) -> None:
-    """Raises VerispecError unless the trunks can run on `device` (the CPU, today)."""
-    if device.type != "cpu":
-        raise VerispecError(f"--device {device.type}: the trunks do not run on {device.type} yet (their block "
-                            "matmul has a Triton kernel, their caches, attention and recurrent states are not "
-                            "placed on the GPU); use --device cpu")
+def require_trunk_device(device: torch.device, trunk=None) -> None:
+    """Raises VerispecError unless `trunk` (a trunk or its class; None: any trunk) runs on `device`:
+    the CPU always, another device where the trunk's `devices` names it."""
+    devices = getattr(trunk, "devices", ("cpu",))
+    if device.type in devices:
+        return
+    if trunk is None:
+        raise VerispecError(f"--device {device.type}: the trunks do not run on {device.type} yet (only families "
+                            "that declare it, llama/qwen2 on cuda, do); use --device cpu")
+    name = trunk.__name__ if isinstance(trunk, type) else type(trunk).__name__
+    raise VerispecError(f"--device {device.type}: the {name} trunk does not run on {device.type} yet (its caches, "
+                        f"attention and recurrent states are not placed there; it runs on {', '.join(devices)}; "
+                        "llama/qwen2 files run on cuda); use --device cpu")

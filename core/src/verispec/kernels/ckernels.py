@@ -189,7 +189,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """`verispec_rms_norm` of the C file, operation by operation: x fp32 [rows, dim]."""
     rows, dim = x.shape
-    lanes = torch.zeros(rows, 16)
+    lanes = torch.zeros(rows, 16, device=x.device)
     padded = torch.nn.functional.pad(x, (0, -dim % 16))
     for chunk in padded.split(16, dim=1):
         lanes = lanes + chunk * chunk

@@ -43,6 +43,8 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
     (`layer` is then the source's index) wrote in this forward. Returns fp32 [n, H, Dh].
     """
     caches = [s.state.layers[layer] for s in rows.sequences]
+    if getattr(caches[0], "pool", None) is not None:  # a trunk on a device (nn.kv_pool): never the C kernels
+        return _attend_pooled(q, k, v, caches, rows, scaling=scaling, sliding_window=sliding_window, softcap=softcap)
     if softcap is None and ckernels.library() is not None:
         return _attend_kernel(q, k, v, caches, rows, scaling=scaling, sliding_window=sliding_window)
     if k is not None:
@@ -52,6 +54,49 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                    softcap=softcap, masks=s.masks)  # each sequence attends to its own cache only
             for s, cache in zip(rows.sequences, caches)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)  # one sequence (every plain decode, verify): no copy
+
+
+def _attend_pooled(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, caches: list, rows, *,
+                   scaling: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """Attention over `nn.kv_pool` caches (a trunk on a device): the rows' K/V written into the
+    pool, then every sequence's rows in one `kernels.triton_attend` call where
+    `triton_dispatch.use_triton(q)`, else the PyTorch path per sequence. q fp32 [n, H, Dh] ->
+    fp32 [n, H, Dh] on q's device."""
+    from verispec.kernels import triton_dispatch
+
+    if k is not None:
+        for s, cache in zip(rows.sequences, caches):
+            cache.write(s.start_pos, k[s.begin:s.end], v[s.begin:s.end])
+    if softcap is not None or not triton_dispatch.use_triton(q):
+        outs = [attend(q[s.begin:s.end], cache, s.start_pos, scaling=scaling, sliding_window=sliding_window,
+                       softcap=softcap, masks=s.masks) for s, cache in zip(rows.sequences, caches)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+    from verispec.kernels import triton_attend
+
+    row_seq, num_slots = _pooled_rows(caches, rows)
+    if len(caches) == 1:
+        tables = caches[0].table()[None]  # [1, blocks]
+    else:
+        width = max(len(c.ids) for c in caches)
+        tables = torch.stack([torch.nn.functional.pad(c.table(), (0, width - len(c.ids))) for c in caches])
+    pool = caches[0].pool
+    return triton_attend.attend(q.contiguous(), pool.k, pool.v, tables, row_seq, rows.positions, num_slots,
+                                scaling=scaling, window=sliding_window or 0)
+
+
+def _pooled_rows(caches: list, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's sequence int32 [n], each sequence's slots read int32 [sequences]) on the rows'
+    device, built once per forward (memoised in the first sequence's `masks`: every layer of a
+    forward asks, with caches of one key block)."""
+    memo = rows.sequences[0].masks
+    key = ("pooled rows", caches[0].key_block)
+    if key not in memo:
+        counts = [s.end - s.begin for s in rows.sequences]
+        row_seq = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(counts))
+        num_slots = torch.tensor([c.key_length(s.start_pos + s.end - s.begin - 1)
+                                  for s, c in zip(rows.sequences, caches)], dtype=torch.int32)
+        memo[key] = (row_seq.to(rows.positions.device), num_slots.to(rows.positions.device))
+    return memo[key]
 
 
 def _attend_kernel(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, caches: list, rows, *,
@@ -157,11 +202,11 @@ def _mask_bias(cache, slot_pos: torch.Tensor, start_pos: int, n: int, sliding_wi
 
 
 def _build_mask_bias(slot_pos: torch.Tensor, start_pos: int, n: int, sliding_window: int | None) -> torch.Tensor:
-    q_pos = torch.arange(start_pos, start_pos + n)[:, None]  # [n, 1]
+    q_pos = torch.arange(start_pos, start_pos + n, device=slot_pos.device)[:, None]  # [n, 1]
     visible = (slot_pos >= 0) & (slot_pos <= q_pos)  # [n, T]
     if sliding_window is not None:
         visible &= q_pos - slot_pos < sliding_window
-    return torch.zeros(n, 1, slot_pos.shape[0]).masked_fill_(~visible[:, None, :], float("-inf"))
+    return torch.zeros(n, 1, slot_pos.shape[0], device=slot_pos.device).masked_fill_(~visible[:, None, :], float("-inf"))
 
 
 def _attend_heads(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask_bias: torch.Tensor, *,

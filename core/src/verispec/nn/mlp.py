@@ -31,6 +31,10 @@ class GatedMLP(nn.Module):
     are built (its own exp), as a family's fused layers (nn.layers) do, so its op-by-op forward
     gives their bits; otherwise torch's activation."""
 
+    #: set by `TrunkModule.to_device`: `ckernels.reference_glu` (the C kernel's bits in PyTorch) on
+    #: the tensors' device where the C kernel would run
+    device_kernels = False
+
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, *, kernel_activation: bool = False,
                  device=None):
         super().__init__()
@@ -46,6 +50,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.kernel_activation and self.device_kernels:
+            act = ckernels.reference_glu(self.activation, gate_up.reshape(-1, 2 * self.intermediate_size),
+                                         self.intermediate_size)
+            return self.down_proj(act.view(*x.shape[:-1], -1))
         if self.kernel_activation and ckernels.library() is not None:
             act = ckernels.glu(self.activation, gate_up.reshape(-1, 2 * self.intermediate_size).contiguous(),
                                self.intermediate_size)

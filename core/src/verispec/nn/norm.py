@@ -24,6 +24,10 @@ class RMSNorm(nn.Module):
     Source: transformers Gemma3RMSNorm (normalise in fp32, then scale; PR #29402).
     """
 
+    #: set by `TrunkModule.to_device`: the C kernel's PyTorch statement (`reference_rms_norm`, its bits)
+    #: on the tensors' device instead of the C kernel
+    device_kernels = False
+
     def __init__(self, dim: int, eps: float = 1e-6, *, with_weight: bool = True):
         super().__init__()
         self.dim = dim
@@ -31,6 +35,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False) if with_weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.device_kernels:
+            return ckernels.reference_rms_norm(x.float().reshape(-1, self.dim), self.weight, self.eps).view(x.shape)
         if ckernels.library() is not None:  # one C call: ~3 µs against ~13 for torch's composite op
             return ckernels.rms_norm(x.float().contiguous(), self.weight, self.eps)
         return F.rms_norm(x.float(), (self.dim,), self.weight, self.eps)

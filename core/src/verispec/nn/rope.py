@@ -59,6 +59,9 @@ class RotaryEmbedding(nn.Module):
     the rotation reads them (sin signed), so a layer pays three elementwise ops.
     """
 
+    #: (cos, sin) fp32 [P, 1, r] of positions 0 .. P - 1 on a trunk's device (`tabulate`); None: computed per forward
+    table: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def __init__(self, inv_freq: torch.Tensor, *, style: str = "neox", scaling: InvFreqScaling | None = None):
         super().__init__()
         if style not in ("neox", "normal"):
@@ -78,6 +81,8 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: int64 [n] -> (cos, sin) fp32 [n, 1, r]: neox [c, c] and [-s, s] by halves,
         normal (c, c) and (-s, s) by pairs, so rope(x) = x·cos + swap(x)·sin (`forward`)."""
+        if self.table is not None:  # a trunk on a device: rows of the table, no transcendental there
+            return self.table[0][positions], self.table[1][positions]
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # [n, r/2]
         cos, sin = angles.cos(), angles.sin()
         if self.style == "neox":
@@ -86,6 +91,20 @@ class RotaryEmbedding(nn.Module):
             cos = torch.stack([cos, cos], dim=-1).flatten(-2)  # [n, r]
             sin = torch.stack([-sin, sin], dim=-1).flatten(-2)
         return cos[:, None, :], sin[:, None, :]
+
+    def tabulate(self, num_positions: int, device: torch.device) -> None:
+        """Compute (cos, sin) of positions 0 .. num_positions - 1 on the CPU, in chunks of 64 rows
+        (a forward chunk's shape), and keep them on `device`: a device forward then indexes them,
+        so its RoPE has the CPU path's bits (a GPU's cos/sin round differently) and costs no
+        transcendental. fp32 [P, 1, r] each: num_positions · r · 8 bytes."""
+        self.table = None
+        inv_freq, self.inv_freq = self.inv_freq, self.inv_freq.cpu()
+        try:
+            pieces = [self.cos_sin(torch.arange(p, min(p + 64, num_positions)))
+                      for p in range(0, num_positions, 64)]
+        finally:
+            self.inv_freq = inv_freq
+        self.table = tuple(torch.cat(part).to(device) for part in zip(*pieces))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: fp32 [n, H, Dh] -> fp32 [n, H, Dh] (new tensor).

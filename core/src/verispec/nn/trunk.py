@@ -93,6 +93,9 @@ class SequenceTrunk:
     vocab_size: int
     hidden_size: int
     num_layers: int
+    #: where the trunk's tensors live once `TrunkModule.to_device` placed them; None: the CPU trunk.
+    #: Its forwards move the tokens and positions there and the outputs back to the CPU, once each.
+    trunk_device: torch.device | None = None
 
     def __init__(self):
         self._sequences: dict[int, SequenceState] = {}
@@ -172,8 +175,12 @@ class SequenceTrunk:
         hidden: list[list[torch.Tensor]] = [[] for _ in batch]
         for chunk in self._chunks(batch, starts):
             self._run_chunk(batch, states, chunk, logits, hidden)
-        return [SegmentOutput(logits=_cat(lg) if lg else None, hidden=_cat(hd) if seg.hidden else None)
-                for seg, lg, hd in zip(batch, logits, hidden)]
+        outputs = [SegmentOutput(logits=_cat(lg) if lg else None, hidden=_cat(hd) if seg.hidden else None)
+                   for seg, lg, hd in zip(batch, logits, hidden)]
+        if self.trunk_device is not None:  # the scheduler, sampler and speculators work on the CPU
+            outputs = [SegmentOutput(logits=None if o.logits is None else o.logits.cpu(),
+                                     hidden=None if o.hidden is None else o.hidden.cpu()) for o in outputs]
+        return outputs
 
     def _check(self, batch: list[Segment]) -> list[SequenceState]:
         """Validate the whole batch before any state changes."""
@@ -214,7 +221,10 @@ class SequenceTrunk:
             positions.append(torch.arange(p.start_pos, p.start_pos + p.n))
             sequences.append(RowsOfSequence(states[p.index], p.start_pos, row, row + p.n))
             row += p.n
-        rows = Rows(_cat(tokens), _cat(positions), tuple(sequences))
+        tokens, positions = _cat(tokens), _cat(positions)
+        if self.trunk_device is not None:
+            tokens, positions = tokens.to(self.trunk_device), positions.to(self.trunk_device)
+        rows = Rows(tokens, positions, tuple(sequences))
         normed, taps = self._forward_rows(rows)
         want, owners = [], []  # chunk rows that want logits, and whose they are
         for p, s in zip(chunk, sequences):
@@ -305,6 +315,9 @@ class TrunkModule(SequenceTrunk, nn.Module):
     #: that sets it builds its modules with the rank's sizes (nn.parallel.shard_config) and keeps
     #: `vocab_size` the whole model's.
     shards = None
+    #: the devices this family's trunk runs on (`verispec.device.require_trunk_device`); a family
+    #: that adds "cuda" writes its forward with the device kernels (`to_device`) and pooled KV
+    devices: tuple[str, ...] = ("cpu",)
     speculation_refusal = None
     speculation_profitable = True
 
@@ -318,6 +331,33 @@ class TrunkModule(SequenceTrunk, nn.Module):
         exceeds the kernels' invariance limit (read at each call: max_rows_per_forward may change)."""
         limits = [m.max_invariant_rows for m in self.modules() if getattr(m, "max_invariant_rows", None)]
         return module_batch_invariant(self) and all(self.max_rows_per_forward <= limit for limit in limits)
+
+    def to_device(self, device: torch.device | str) -> None:
+        """Run this trunk with the device kernels, its tensors on `device`: weights, norms, biases and
+        the LM head moved there (`nn.Module.to`), every module with a `device_kernels` switch
+        (block linears, RMSNorm, the gated MLP, a family's fused layer) set to its device path
+        (Triton where `kernels.triton_dispatch.use_triton`, PyTorch statements elsewhere, never
+        the C kernels), then `_place_state(device)` (the family's KV pools, RoPE table). On the
+        CPU this is the proof mode of the GPU path: with VERISPEC_TRITON=1 and TRITON_INTERPRET=1
+        the code a CUDA trunk runs, run by Triton's interpreter. Call before any sequence exists.
+        Raises VerispecError for a device the family does not declare (`devices`)."""
+        from verispec.device import require_trunk_device
+
+        device = torch.device(device)
+        require_trunk_device(device, self)
+        if self._sequences:
+            raise ValueError("to_device: the trunk already holds sequences; place it before the first")
+        self.to(device)
+        for module in self.modules():
+            if hasattr(type(module), "device_kernels"):
+                module.device_kernels = True
+        self.trunk_device = device
+        self._nbytes_template = None
+        self._place_state(device)
+
+    def _place_state(self, device: torch.device) -> None:
+        """A family's per-device state (KV pools, tables); `to_device` calls it last."""
+        raise NotImplementedError(f"{type(self).__name__} declares no device placement")
 
     def _init_sizes(self, config, dtype: str, max_rows_per_forward: int | None, context_length: int | None) -> None:
         """The sizes the seam reads, from an HF-style config (vocab_size, hidden_size,

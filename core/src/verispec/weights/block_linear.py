@@ -59,6 +59,9 @@ class BlockLinear(Float32Linear):
     """
 
     batch_invariant = True
+    #: set by `TrunkModule.to_device`: never the C kernels (their pointers are the CPU's); the Triton
+    #: kernel where `triton_dispatch.use_triton`, else `reference_matmul` on the tensors' device
+    device_kernels = False
     FORMAT: BlockFormat
     GGML_TYPE: GGMLQuantizationType
 
@@ -79,6 +82,7 @@ class BlockLinear(Float32Linear):
         self._kernel: tuple | None = None  # (packed tensor, kernel_args()) once computed
         self._unpacked: tuple | None = None  # (packed tensor, values()) for the PyTorch path
         self._signed: tuple | None = None  # (packed tensor, signed_values(...) on the device) for Triton
+        self._device_values: tuple | None = None  # (packed tensor, BlockValues on the device) for the rest
 
     @classmethod
     def from_gguf(cls, parts: Sequence[GGUFBlocks]) -> BlockLinear:
@@ -131,6 +135,8 @@ class BlockLinear(Float32Linear):
             x = x.reshape(-1, self.in_features).float().contiguous()
         if triton_dispatch.use_triton(x):  # CUDA tensors: the same arithmetic in Triton
             y = self._triton_matmul(x)
+        elif self.device_kernels:  # a trunk on a device with VERISPEC_TRITON=0: the PyTorch statement there
+            y = reference_matmul(x, self._values_on(x.device))
         elif ckernels.library() is None:  # no C compiler: the kernel's arithmetic in PyTorch
             if self._unpacked is None or self._unpacked[0] is not self._buffers["packed"]:
                 self._unpacked = (self._buffers["packed"], self.values())  # a byte a weight, kept
@@ -147,16 +153,34 @@ class BlockLinear(Float32Linear):
 
         packed = self._buffers["packed"]
         if self._signed is None or self._signed[0] is not packed:
-            mins = self.mins.cpu() if self.FORMAT.has_mins else None
-            u, s, m = unpack_tiles(self.FORMAT, packed.cpu(), self.scales.cpu(), mins)
-            rows = slice(0, self.out_features)
-            values = BlockValues(self.FORMAT, u[rows], s[rows], None if m is None else m[rows])
-            self._signed = (packed, tuple(None if t is None else t.to(x.device) for t in signed_values(values)))
+            signed = signed_values(self._cpu_values())
+            self._signed = (packed, tuple(None if t is None else t.to(x.device) for t in signed))
         return triton_qmatmul.qmatmul(*quantize_activations(x), *self._signed[1], self.FORMAT.group)
+
+    def _cpu_values(self) -> BlockValues:
+        """The unpacked values (u uint8 [out, in], s and m fp32 [out, in / G]) on the CPU, from CPU
+        copies of the packed buffers (unpack_tiles builds its bit masks on the CPU)."""
+        mins = self.mins.cpu() if self.FORMAT.has_mins else None
+        u, s, m = unpack_tiles(self.FORMAT, self._buffers["packed"].cpu(), self.scales.cpu(), mins)
+        rows = slice(0, self.out_features)
+        return BlockValues(self.FORMAT, u[rows], s[rows], None if m is None else m[rows])
+
+    def _values_on(self, device: torch.device) -> BlockValues:
+        """`_cpu_values()` moved to `device`, kept per packed tensor (the device path's PyTorch matmul
+        and row gather)."""
+        packed = self._buffers["packed"]
+        if self._device_values is None or self._device_values[0] is not packed:
+            v = self._cpu_values()
+            self._device_values = (packed, BlockValues(self.FORMAT, v.u.to(device), v.s.to(device),
+                                                       None if v.m is None else v.m.to(device)))
+        return self._device_values[1]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 [n, in]: rows `ids` dequantised, gguf-py's values bitwise (a tied embedding's lookup;
         the C kernel reads the packed rows in place, else their unpacked values)."""
+        if self.device_kernels:  # gguf-py's values on the device: `BlockValues.dequantize` of the rows
+            v = self._values_on(ids.device)
+            return BlockValues(self.FORMAT, v.u[ids], v.s[ids], None if v.m is None else v.m[ids]).dequantize()
         if ckernels.library() is None:
             return self.values(ids).dequantize()
         return ckernels.block_rows(self.kernel_args(), self.in_features, ids)
@@ -277,7 +301,7 @@ def reference_matmul(x: torch.Tensor, values: BlockValues, chunk: int = 8192) ->
         I = torch.bmm(a_g, u) - (fmt.zero * Sg).float().t()[:, :, None]  # [groups, n, rows], exact
         s = values.s[start:start + chunk]
         m = None if values.m is None else values.m[start:start + chunk]
-        y = torch.zeros(n, s.shape[0])
+        y = torch.zeros(n, s.shape[0], device=x.device)
         for h in range(groups):
             y = y + I[h] * (s[None, :, h] * dg[:, h, None])
             if m is not None:

@@ -46,6 +46,7 @@ from verispec.gguf_io import MissingTensor, arch_value
 from verispec.nn.layers import DecoderLayerKernel, forward_layers, fused_kernel
 from verispec.nn.attention import attend_rows
 from verispec.nn.kv_cache import PagedKVCache
+from verispec.nn.kv_pool import BlockPool, PooledKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.parallel import Shards, reduce_partial, shard_config
@@ -205,6 +206,8 @@ class LlamaDecoderLayer(nn.Module):
     #: run the layer as one C call (nn.layers) when its linears are block-packed and the kernels
     #: are built; same bits as the op-by-op forward below (the tests switch it off to compare)
     fused = True
+    #: set by `TrunkModule.to_device`: op by op with the device kernels, never the C layer
+    device_kernels = False
 
     def __init__(self, config: LlamaConfig, *, device=None, shards: Shards | None = None):
         super().__init__()
@@ -217,8 +220,9 @@ class LlamaDecoderLayer(nn.Module):
         self._kernel: DecoderLayerKernel | None = None
 
     def _fused_kernel(self, rope: RotaryEmbedding) -> DecoderLayerKernel | None:
-        """The layer's nn.layers kernel (nn.layers.fused_kernel); None when it runs op by op."""
-        if not self.fused or self.shards is not None:
+        """The layer's nn.layers kernel (nn.layers.fused_kernel); None when it runs op by op (also in
+        device mode: `TrunkModule.to_device` sets device_kernels, and no C kernel runs)."""
+        if not self.fused or self.device_kernels or self.shards is not None:
             return None
 
         def make() -> DecoderLayerKernel:
@@ -281,6 +285,10 @@ class LlamaForCausalLM(TrunkModule):
     # int8 5 rows 1.36x / 1.39x, 9 rows 1.84x / 2.64x; bf16 <= 1.1x up to 9 rows; fp32 1.9x /
     # 2.6x at 9. At full acceptance 9 rows emit the most tokens per row-time in every dtype.
     spec_preferred_max_draft_tokens = 8
+    #: `TrunkModule.to_device`: on CUDA the block linears run kernels.triton_qmatmul, attention
+    #: kernels.triton_attend over nn.kv_pool's pools, the rest PyTorch statements of the C kernels
+    devices = ("cpu", "cuda")
+    _kv_pools: list | None = None
 
     def __init__(self, config: LlamaConfig, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
                  context_length: int | None = None, device="meta", shards: Shards | None = None):
@@ -294,8 +302,19 @@ class LlamaForCausalLM(TrunkModule):
 
     def _new_layer_states(self) -> list:
         c = self.shard_config  # a rank caches its own KV heads
+        if self._kv_pools is not None:  # on a device (to_device): blocks in one pool per layer
+            return [PooledKVCache(pool, max_positions=self.max_context_length) for pool in self._kv_pools]
         return [PagedKVCache(c.num_key_value_heads, c.head_dim, max_positions=self.max_context_length)
                 for _ in range(self.num_layers)]
+
+    def _place_state(self, device: torch.device) -> None:
+        """A KV pool per layer (nn.kv_pool) and the RoPE table of every position, on `device`."""
+        if self.shards is not None:
+            raise ValueError("a tensor-parallel rank runs on the CPU")
+        c = self.shard_config
+        self._kv_pools = [BlockPool(c.num_key_value_heads, c.head_dim, 64, device)  # PagedKVCache's key_block
+                          for _ in range(self.num_layers)]
+        self.model.rotary_emb.tabulate(self.max_context_length, device)
 
     def _embed(self, tokens):
         return self._embed_rows(tokens)  # [n, D] fp32 (vocabulary-parallel under shards)
