@@ -1,5 +1,6 @@
-"""Where a one-row plain decode spends its time: ms per token by component (README "Decode cost
-per token").
+"""Where a one-row plain decode spends its time: ms per token by component.
+
+docs/benchmarks.md "Decode cost per token" holds the figures.
 
     python benchmarks/decode_profile.py --model gemma3-270m --model smollm2-135m-instruct [--threads 1]
 

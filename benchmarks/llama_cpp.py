@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -179,9 +180,11 @@ def ours(engine) -> dict[str, float]:
 def main() -> None:
     import statistics
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="VERISPEC_LLAMA_CPP=DIR: a llama.cpp build made elsewhere (DIR/bin/"
+                                            "llama-bench)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--build", action="store_true", help="download and build llama-bench (once)")
-    parser.add_argument("--models", nargs="+",
+    parser.add_argument("--models", nargs="+", help="checkpoint aliases or GGUF paths",
                         default=["gemma3-270m", "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct",
                                  "qwen2.5-coder-1.5b-instruct"])
     parser.add_argument("--dtype", default=None, help="our weight dtype (default: the model's choice)")
@@ -195,6 +198,12 @@ def main() -> None:
     from verispec.errors import VerispecError
     from verispec.registry import Registry
 
+    from verispec.cpu import default_threads
+
+    idle = default_threads()
+    if idle is not None and idle < args.threads:  # two threads beside other work stall each other
+        print(f"warning: only {idle} of the cores are idle and the run uses {args.threads} threads: the "
+              "timings (both tools') will be far below this machine's; rerun on a quiet host", file=sys.stderr)
     registry = Registry.discover()
     engines = {}
     for model in args.models:
@@ -212,8 +221,8 @@ def main() -> None:
             row["prefill_ratio"] = row["verispec_pp512"] / max(row["llama_cpp_pp512_repack0"],
                                                                row["llama_cpp_pp512_repack1"])
             rows.setdefault(model, []).append(row)
-            print(json.dumps({"round": round_, "model": model,
-                              **{k: round(v, 2) for k, v in row.items()}}), flush=True)
+            print(json.dumps({"round": round_, "model": model,  # a llama-bench run that failed: null
+                              **{k: None if math.isnan(v) else round(v, 2) for k, v in row.items()}}), flush=True)
     print("\nmedians over rounds: model | ours tg128 | llama.cpp tg128 | decode ratio | ours pp512 | "
           "llama.cpp best pp512 | prefill ratio (ratios: medians of the per-round ratios)")
     for model, runs in rows.items():
