@@ -188,7 +188,7 @@ def main() -> None:
                         default=["gemma3-270m", "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct",
                                  "qwen2.5-coder-1.5b-instruct"])
     parser.add_argument("--dtype", default=None, help="our weight dtype (default: the model's choice)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="threads for both tools")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the summary gives medians")
     args = parser.parse_args()
     if args.build:
