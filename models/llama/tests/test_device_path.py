@@ -198,3 +198,23 @@ def test_the_llama_family_declares_cuda():
     from verispec_llama.modeling_llama import LlamaForCausalLM
 
     require_trunk_device(torch.device("cuda"), LlamaForCausalLM)
+
+
+def test_with_triton_off_the_device_path_runs_pytorch_and_keeps_the_stream(trunks, monkeypatch):
+    """VERISPEC_TRITON=0 on a placed trunk: reference_matmul and the PyTorch attention over the
+    pools (never a C kernel, never Triton); attention's softmax / bmm are not the kernel's order,
+    so logits within 1e-4 of the C path's, the same greedy tokens."""
+    cpu, dev = trunks
+    want_tokens, want = _greedy(cpu, PROMPT, 6)
+    monkeypatch.setenv("VERISPEC_TRITON", "0")
+
+    class Guard:
+        def __getattr__(self, name):
+            raise AssertionError(f"the device path called the C kernel {name}")
+
+    monkeypatch.setattr(ckernels, "library", lambda: Guard())
+    monkeypatch.setattr(triton_attend, "attend", None)  # not called
+    monkeypatch.setattr(triton_qmatmul, "qmatmul", None)
+    got_tokens, got = _greedy(dev, PROMPT, 6)
+    assert got_tokens == want_tokens
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
