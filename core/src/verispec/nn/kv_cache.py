@@ -51,6 +51,17 @@ class RewindBeyondWindow(CannotTruncate):
 MAX_VERIFY_ROWS = 65
 
 
+def block_runs(start_pos: int, n: int, key_block: int):
+    """The runs of positions start_pos .. start_pos + n - 1 that fall in one block each: yields
+    (block, offset in it, first row, rows) in order."""
+    row = 0
+    while row < n:
+        block, offset = divmod(start_pos + row, key_block)
+        m = min(key_block - offset, n - row)
+        yield block, offset, row, m
+        row += m
+
+
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
@@ -127,14 +138,10 @@ class PagedKVCache:
 
     def write(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: fp32 [n, Hkv, Dh] for positions start_pos .. start_pos + n - 1."""
-        row, n = 0, k.shape[0]
-        self.prepare_write(start_pos, n)
-        while row < n:
-            block, offset = divmod(start_pos + row, self.key_block)
-            m = min(self.key_block - offset, n - row)
+        self.prepare_write(start_pos, k.shape[0])
+        for block, offset, row, m in block_runs(start_pos, k.shape[0], self.key_block):
             self.k_blocks[block][:, :, offset:offset + m] = k[row:row + m].permute(1, 2, 0)
             self.v_blocks[block][:, offset:offset + m] = v[row:row + m].transpose(0, 1)
-            row += m
 
     def read(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(k, v fp32 [Hkv, T, Dh], position held by each slot int64 [T]) for slots [0, T): views of

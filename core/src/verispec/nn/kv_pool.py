@@ -19,7 +19,7 @@ import copy
 
 import torch
 
-from verispec.nn.kv_cache import PagedKVCache
+from verispec.nn.kv_cache import PagedKVCache, block_runs
 
 __all__ = ["BlockPool", "PooledKVCache"]
 
@@ -111,15 +111,11 @@ class PooledKVCache(PagedKVCache):
 
     def write(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: fp32 [n, Hkv, Dh] on the pool's device, for positions start_pos .. + n - 1."""
-        row, n = 0, k.shape[0]
-        self.prepare_write(start_pos, n)
-        while row < n:
-            block, offset = divmod(start_pos + row, self.key_block)
-            m = min(self.key_block - offset, n - row)
+        self.prepare_write(start_pos, k.shape[0])
+        for block, offset, row, m in block_runs(start_pos, k.shape[0], self.key_block):
             index = self.ids[block]
             self.pool.k[index, :, :, offset:offset + m] = k[row:row + m].permute(1, 2, 0)
             self.pool.v[index, :, offset:offset + m] = v[row:row + m].transpose(0, 1)
-            row += m
 
     def read(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(k, v fp32 [Hkv, T, Dh] gathered copies, position of each slot int64 [T]), on the device."""
