@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.kernels import ckernels
+from verispec.kernels import ckernels, triton_dispatch, triton_glu
 from verispec.nn.elementwise import rowwise
 
 ACTIVATIONS = {
@@ -29,10 +29,12 @@ ACTIVATIONS = {
 class GatedMLP(nn.Module):
     """kernel_activation: compute act(gate) · up with the C kernels' `ckernels.glu` where they
     are built (its own exp), as a family's fused layers (nn.layers) do, so its op-by-op forward
-    gives their bits; otherwise torch's activation."""
+    gives their bits; otherwise torch's activation. On a device (`device_kernels`) the same bits
+    from `kernels.triton_glu.glu` where `triton_dispatch.use_triton`, else from the C kernel's
+    PyTorch statement."""
 
-    #: set by `TrunkModule.to_device`: `ckernels.reference_glu` (the C kernel's bits in PyTorch) on
-    #: the tensors' device where the C kernel would run
+    #: set by `TrunkModule.to_device`: the C kernel's bits on the tensors' device where the C kernel
+    #: would run: the Triton kernel (`triton_glu.glu`), or its PyTorch statement (`ckernels.reference_glu`)
     device_kernels = False
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, *, kernel_activation: bool = False,
@@ -51,8 +53,9 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.kernel_activation and self.device_kernels:
-            act = ckernels.reference_glu(self.activation, gate_up.reshape(-1, 2 * self.intermediate_size),
-                                         self.intermediate_size)
+            rows = gate_up.reshape(-1, 2 * self.intermediate_size)
+            glu = triton_glu.glu if triton_dispatch.use_triton(rows) else ckernels.reference_glu
+            act = glu(self.activation, rows, self.intermediate_size)
             return self.down_proj(act.view(*x.shape[:-1], -1))
         if self.kernel_activation and ckernels.library() is not None:
             act = ckernels.glu(self.activation, gate_up.reshape(-1, 2 * self.intermediate_size).contiguous(),

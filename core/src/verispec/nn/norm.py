@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.kernels import ckernels
+from verispec.kernels import ckernels, triton_dispatch, triton_norm
 
 
 class RMSNorm(nn.Module):
@@ -20,12 +20,14 @@ class RMSNorm(nn.Module):
     x: [..., dim] any float dtype -> fp32 [..., dim]. `with_weight=False` gives the plain
     normalisation (Gemma 4's v_norm and router norm have no weight).
     Per-row: a row's result never depends on the other rows (batch-invariant). Runs the C
-    kernel (`ckernels.rms_norm`, its reduction order fixed) where built, else torch's rms_norm.
+    kernel (`ckernels.rms_norm`, its reduction order fixed) where built, else torch's rms_norm;
+    on a device (`device_kernels`) the same bits from `kernels.triton_norm.rms_norm` where
+    `triton_dispatch.use_triton`, else from the C kernel's PyTorch statement.
     Source: transformers Gemma3RMSNorm (normalise in fp32, then scale; PR #29402).
     """
 
-    #: set by `TrunkModule.to_device`: the C kernel's PyTorch statement (`reference_rms_norm`, its bits)
-    #: on the tensors' device instead of the C kernel
+    #: set by `TrunkModule.to_device`: the C kernel's bits on the tensors' device instead of the C
+    #: kernel: the Triton kernel (`triton_norm.rms_norm`), or its PyTorch statement (`reference_rms_norm`)
     device_kernels = False
 
     def __init__(self, dim: int, eps: float = 1e-6, *, with_weight: bool = True):
@@ -36,7 +38,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.device_kernels:
-            return ckernels.reference_rms_norm(x.float().reshape(-1, self.dim), self.weight, self.eps).view(x.shape)
+            rows = x.float().reshape(-1, self.dim)
+            if triton_dispatch.use_triton(rows):  # CUDA tensors: the C kernel's arithmetic in Triton
+                return triton_norm.rms_norm(rows, self.weight, self.eps).view(x.shape)
+            return ckernels.reference_rms_norm(rows, self.weight, self.eps).view(x.shape)
         if ckernels.library() is not None:  # one C call: ~3 µs against ~13 for torch's composite op
             return ckernels.rms_norm(x.float().contiguous(), self.weight, self.eps)
         return F.rms_norm(x.float(), (self.dim,), self.weight, self.eps)
