@@ -78,6 +78,19 @@ def test_slot_positions_of_a_ring_bitwise_the_pytorch_statement():
     assert torch.equal(got, _expected(q, pools, TABLES, seqs, slot_pos=slot_pos, window=6))
 
 
+def test_blocks_before_a_window_are_not_read():
+    """A sliding layer's row reads only the blocks its window reaches: NaN in the blocks before it
+    (positions 0..15 of sequence 0, window 5 at positions 20..22) leaves the rows as with zeros."""
+    k, v = _pool(2, 8, seed=4)
+    q = torch.randn(3, 4, 8, generator=_gen(6))
+    zeroed = k.clone(), v.clone()
+    for pool, nan in zip(zeroed, (k, v)):
+        pool[TABLES[0, :2].long()] = 0.0
+        nan[TABLES[0, :2].long()] = float("nan")
+    got = _call(q, (k, v), TABLES, [(0, 20, 3)], window=5)
+    assert torch.equal(got, _expected(q, zeroed, TABLES, [(0, 20, 3)], window=5))
+
+
 def test_a_rows_bits_do_not_depend_on_the_call():
     pools = _pool(1, 8, seed=11)
     q = torch.randn(17, 2, 8, generator=_gen(9))

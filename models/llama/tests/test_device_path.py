@@ -6,7 +6,7 @@ PyTorch statements for RMSNorm / SwiGLU, the RoPE table), but for the `.to(devic
 
 Checked against the same file's CPU trunk (the C kernels): logits bitwise (the Triton kernels and
 the statements are bitwise the references the C kernels are held to), n-gram speculative greedy
-streams equal to plain greedy, a k-row verify (k = 1..9) bitwise the one-row decodes, and keep /
+streams equal to plain greedy, a k-row verify (k = 2..9) bitwise the one-row decodes, and keep /
 rollback after a rejected draft leaving the caches as a plain run's. Tiny shapes: the
 interpreter runs each Triton program in numpy."""
 import os
@@ -20,8 +20,11 @@ pytest.importorskip("triton", reason="the Triton kernels' tests need triton: pip
 from tiny_llama import build_hf_model, hf_to_gguf  # noqa: E402
 from verispec.kernels import ckernels, triton_attend, triton_dispatch, triton_qmatmul  # noqa: E402
 from verispec.nn.kv_pool import PooledKVCache  # noqa: E402
-from verispec.testing import forward_one, run_greedy_requests  # noqa: E402
+from verispec.testing.device_path import (assert_keep_after_a_rejected_draft,  # noqa: E402
+                                          assert_speculative_stream_is_plain, assert_two_sequences_are_each_alone,
+                                          count_device_kernels, forbid_c_kernels, greedy)
 from verispec.testing.fixture_writer import write_gguf  # noqa: E402
+from verispec.testing.gguf_weights import assert_verify_rows_are_one_row_decodes  # noqa: E402
 from verispec_llama.loader import load  # noqa: E402
 
 pytestmark = [
@@ -68,49 +71,17 @@ def trunks(request, tmp_path_factory, monkeypatch_module):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Counts of the Triton kernels' calls; any C kernel called fails the test."""
-    counts = {"qmatmul": 0, "attend": 0}
-
-    def counting(name, fn):
-        def wrapped(*args, **kwargs):
-            counts[name] += 1
-            return fn(*args, **kwargs)
-        return wrapped
-
-    monkeypatch.setattr(triton_qmatmul, "qmatmul", counting("qmatmul", triton_qmatmul.qmatmul))
-    monkeypatch.setattr(triton_attend, "attend", counting("attend", triton_attend.attend))
-    original = ckernels.library()
-
-    class Guard:
-        def __getattr__(self, name):
-            raise AssertionError(f"the device path called the C kernel {name}")
-
-    monkeypatch.setattr(ckernels, "library", lambda: Guard())
-    yield counts
-    monkeypatch.setattr(ckernels, "library", lambda: original)
-
-
-def _greedy(trunk, prompt, steps):
-    """Plain greedy decode: (tokens, every step's logits fp32 [steps, V])."""
-    seq = trunk.new_sequence()
-    logits = [forward_one(trunk, seq, prompt, logits="last").logits[-1]]
-    tokens = []
-    for _ in range(steps - 1):
-        tokens.append(int(logits[-1].argmax()))
-        logits.append(forward_one(trunk, seq, tokens[-1:], logits="last").logits[-1])
-    tokens.append(int(logits[-1].argmax()))
-    trunk.release(seq)
-    return tokens, torch.stack(logits)
+    return count_device_kernels(monkeypatch)
 
 
 def test_plain_greedy_logits_bitwise_the_cpu_path(trunks, calls):
     cpu, dev = trunks
     with pytest.MonkeyPatch.context() as mp:  # the CPU trunk with its C kernels
         mp.setattr(ckernels, "library", ckernels.LIBRARY.load)
-        want_tokens, want = _greedy(cpu, PROMPT, 6)
-    got_tokens, got = _greedy(dev, PROMPT, 6)
+        want_tokens, want = greedy(cpu, PROMPT, 6)
+    got_tokens, got = greedy(dev, PROMPT, 6)
     assert calls["qmatmul"] > 0 and calls["attend"] > 0, calls
-    assert got.device.type == "cpu" and got.dtype == torch.float32
+    assert got.dtype == torch.float32
     assert torch.equal(got, want), f"max |diff| {(got - want).abs().max():.3g}"
     assert got_tokens == want_tokens
 
@@ -126,71 +97,19 @@ def test_the_device_trunk_holds_pooled_caches_and_its_table(trunks):
 def test_ngram_speculative_greedy_is_the_plain_stream(trunks):
     from verispec_ngram.speculator import NGramSpeculator
 
-    _, dev = trunks
-    plain = [tokens for tokens, _ in run_greedy_requests(dev, [PROMPT], 12)]
-    spec = run_greedy_requests(dev, [PROMPT], 12, NGramSpeculator(max_draft_tokens=4), max_draft_tokens=4,
-                               max_running=1)
-    assert [tokens for tokens, _ in spec] == plain
-    assert sum(e.stats.num_accepted_tokens for _, e in spec) > 0, "no draft was accepted: speculation untested"
+    assert_speculative_stream_is_plain(trunks[1], PROMPT, NGramSpeculator(max_draft_tokens=4))
 
 
-def test_verify_rows_are_one_row_decodes_k_1_to_9(trunks):
-    _, dev = trunks
-    tokens = PROMPT + [8, 6, 10, 12, 30, 31, 32, 2, 4]
-    prefix = 8
-    base = dev.new_sequence()
-    forward_one(dev, base, tokens[:prefix], logits="last")
-    seq = dev.fork(base, prefix)
-    alone = torch.cat([forward_one(dev, seq, tokens[i:i + 1]).logits for i in range(prefix, prefix + 9)])
-    dev.release(seq)
-    for k in range(1, 10):
-        seq = dev.fork(base, prefix)
-        rows = forward_one(dev, seq, tokens[prefix:prefix + k], verify=True).logits
-        assert torch.equal(rows, alone[:k]), f"k={k}: max |diff| {(rows - alone[:k]).abs().max():.3g}"
-        dev.release(seq)
-    dev.release(base)
+def test_verify_rows_are_one_row_decodes_k_2_to_9(trunks):
+    assert_verify_rows_are_one_row_decodes(trunks[1], PROMPT + [8, 6, 10, 12, 30, 31, 32, 2, 4], prefix=8)
 
 
 def test_two_sequences_in_one_forward_are_each_alone(trunks):
-    from verispec.seams import Segment
-
-    _, dev = trunks
-    seqs = [dev.new_sequence() for _ in range(2)]
-    for s, start in zip(seqs, (0, 3)):
-        forward_one(dev, s, PROMPT[start:start + 5], logits="last")
-    both = dev.forward([Segment(seqs[0], [PROMPT[5]], verify=True, logits="all"), Segment(seqs[1], PROMPT[8:10])])
-    for s in seqs:
-        dev.release(s)
-    alone = []
-    for start, nxt in ((0, [PROMPT[5]]), (3, PROMPT[8:10])):
-        s = dev.new_sequence()
-        forward_one(dev, s, PROMPT[start:start + 5], logits="last")
-        alone.append(forward_one(dev, s, nxt, logits="last").logits[-1])
-        dev.release(s)
-    assert torch.equal(both[0].logits[-1], alone[0]) and torch.equal(both[1].logits[-1], alone[1])
+    assert_two_sequences_are_each_alone(trunks[1], PROMPT)
 
 
 def test_keep_after_a_rejected_draft_leaves_a_plain_runs_caches(trunks):
-    _, dev = trunks
-    plain = dev.new_sequence()
-    forward_one(dev, plain, PROMPT[:10] + [40, 41], logits="last")
-    spec = dev.new_sequence()
-    forward_one(dev, spec, PROMPT[:10], logits="last")
-    forward_one(dev, spec, [40, 41, 42, 43], verify=True)  # 42, 43 rejected
-    dev.keep(spec, 2)
-    assert dev.seq_len(spec) == dev.seq_len(plain) == 12
-    for a, b in zip(dev._state(spec).layers, dev._state(plain).layers):
-        ka, va, _ = a.read(12)
-        kb, vb, _ = b.read(12)
-        assert torch.equal(ka, kb) and torch.equal(va, vb)
-    nxt = [forward_one(dev, s, [44, 45], logits="all").logits for s in (spec, plain)]
-    assert torch.equal(nxt[0], nxt[1])
-    # a rollback past the kept rows (prefix reuse): truncate, then the same continuation
-    dev.truncate(spec, 10)
-    again = forward_one(dev, spec, [40, 41, 44, 45], logits="all").logits[2:]
-    assert torch.equal(again, nxt[1])
-    for s in (spec, plain):
-        dev.release(s)
+    assert_keep_after_a_rejected_draft(trunks[1], PROMPT)
 
 
 def test_the_llama_family_declares_cuda():
@@ -205,16 +124,11 @@ def test_with_triton_off_the_device_path_runs_pytorch_and_keeps_the_stream(trunk
     pools (never a C kernel, never Triton); attention's softmax / bmm are not the kernel's order,
     so logits within 1e-4 of the C path's, the same greedy tokens."""
     cpu, dev = trunks
-    want_tokens, want = _greedy(cpu, PROMPT, 6)
+    want_tokens, want = greedy(cpu, PROMPT, 6)
     monkeypatch.setenv("VERISPEC_TRITON", "0")
-
-    class Guard:
-        def __getattr__(self, name):
-            raise AssertionError(f"the device path called the C kernel {name}")
-
-    monkeypatch.setattr(ckernels, "library", lambda: Guard())
+    forbid_c_kernels(monkeypatch)
     monkeypatch.setattr(triton_attend, "attend", None)  # not called
     monkeypatch.setattr(triton_qmatmul, "qmatmul", None)
-    got_tokens, got = _greedy(dev, PROMPT, 6)
+    got_tokens, got = greedy(dev, PROMPT, 6)
     assert got_tokens == want_tokens
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

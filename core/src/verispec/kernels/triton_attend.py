@@ -18,11 +18,14 @@ A slot is visible to the row at position p when 0 <= its position sp <= p and, w
 W > 0, p - sp < W. The keys are walked block by block in slot order whatever else the call
 holds, with no split of a row's keys: a row's bits depend on its own query, its sequence's
 cache and its position alone. (A masked slot adds 0, which leaves den and o bitwise as they
-were, so reading slots a row cannot see changes nothing.)
+were, so reading slots a row cannot see changes nothing; with a window and slot t at position t,
+the blocks wholly before the row's window are not read at all, so a sliding layer's work stays
+W slots a row however long the sequence.)
 
 Runs on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 set
-before triton is imported: the tests' path); `triton_dispatch.use_triton` says which. Not yet
-called by the trunks: their caches keep a block per tensor, not these pools.
+before triton is imported: the tests' path); `triton_dispatch.use_triton` says which. A trunk
+placed on a device (`TrunkModule.to_device`) calls it from `nn.attention.attend_rows` over its
+`nn.kv_pool` pools.
 """
 from __future__ import annotations
 
@@ -82,8 +85,11 @@ def _kernel():
         dims = tl.arange(0, D)
         lanes = tl.arange(0, B)
         q = tl.load(q_ptr + (row * H + head) * D + dims)
+        first = 0  # blocks wholly before a window hold no visible slot: skipped (they would add exact zeros)
+        if not HAS_SLOT_POS:
+            first = tl.where(window > 0, tl.maximum(p - window + 1, 0) // B, 0)
         m = -float("inf")
-        for b in range(0, tl.cdiv(num_slots, B)):  # pass 1: the max over the visible slots
+        for b in range(first, tl.cdiv(num_slots, B)):  # pass 1: the max over the visible slots
             t = b * B + lanes
             slot_ok = t < num_slots
             block = tl.load(tables_ptr + seq * max_blocks + b)
@@ -93,7 +99,7 @@ def _kernel():
             m = tl.maximum(m, tl.max(tl.where(vis, s, -float("inf"))))
         den = 0.0
         o = tl.zeros([D], dtype=tl.float32)
-        for b in range(0, tl.cdiv(num_slots, B)):  # pass 2: the same scores, then e, den and o slot by slot
+        for b in range(first, tl.cdiv(num_slots, B)):  # pass 2: the same scores, then e, den and o slot by slot
             t = b * B + lanes
             slot_ok = t < num_slots
             block = tl.load(tables_ptr + seq * max_blocks + b)

@@ -318,6 +318,8 @@ class TrunkModule(SequenceTrunk, nn.Module):
     #: the devices this family's trunk runs on (`verispec.device.require_trunk_device`); a family
     #: that adds "cuda" writes its forward with the device kernels (`to_device`) and pooled KV
     devices: tuple[str, ...] = ("cpu",)
+    #: a placed trunk's KV pools, one per layer (`_place_state`); None on the CPU
+    _kv_pools: list | None = None
     speculation_refusal = None
     speculation_profitable = True
 
@@ -356,8 +358,31 @@ class TrunkModule(SequenceTrunk, nn.Module):
         self._place_state(device)
 
     def _place_state(self, device: torch.device) -> None:
-        """A family's per-device state (KV pools, tables); `to_device` calls it last."""
-        raise NotImplementedError(f"{type(self).__name__} declares no device placement")
+        """The per-device state `to_device` makes last: for a family whose every layer attends
+        (llama/qwen2, Gemma 3) a `nn.kv_pool.BlockPool` per layer, blocks of `key_block` slots
+        (64 where the family sets none), and the table of every RotaryEmbedding
+        (`RotaryEmbedding.tabulate`). A family with recurrent or shared-KV layers overrides it.
+        Raises ValueError under `shards` (a tensor-parallel rank runs on the CPU)."""
+        from verispec.nn.kv_pool import BlockPool
+        from verispec.nn.rope import RotaryEmbedding
+
+        if self.shards is not None:
+            raise ValueError("a tensor-parallel rank runs on the CPU")
+        c = self.shard_config
+        block = getattr(self, "key_block", 64)
+        self._kv_pools = [BlockPool(c.num_key_value_heads, c.head_dim, block, device) for _ in range(self.num_layers)]
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.tabulate(self.max_context_length, device)
+
+    def _pooled_caches(self) -> list | None:
+        """Each layer's `nn.kv_pool.PooledKVCache` for a new sequence of a placed trunk (one that
+        `_place_state` gave pools), else None: a family's `_new_layer_states` asks first."""
+        if self._kv_pools is None:
+            return None
+        from verispec.nn.kv_pool import PooledKVCache
+
+        return [PooledKVCache(pool, max_positions=self.max_context_length) for pool in self._kv_pools]
 
     def _init_sizes(self, config, dtype: str, max_rows_per_forward: int | None, context_length: int | None) -> None:
         """The sizes the seam reads, from an HF-style config (vocab_size, hidden_size,

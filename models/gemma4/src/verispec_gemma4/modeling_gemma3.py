@@ -182,6 +182,8 @@ class Gemma3DecoderLayer(nn.Module):
     #: run the layer as one C call (nn.layers) when its linears are block-packed and the kernels
     #: are built; same bits as the op-by-op forward below (the tests switch it off to compare)
     fused = True
+    #: set by `TrunkModule.to_device`: op by op with the device kernels, never the C layer
+    device_kernels = False
 
     def __init__(self, config: Gemma3Config, layer_idx: int, device=None, shards: Shards | None = None):
         super().__init__()
@@ -198,8 +200,8 @@ class Gemma3DecoderLayer(nn.Module):
 
     def _fused_kernel(self, rope: RotaryEmbedding) -> DecoderLayerKernel | None:
         """The layer's nn.layers kernel (nn.layers.fused_kernel); None when it runs op by op (also
-        with an attention softcap, which the kernel does not take, and under shards)."""
-        if not self.fused or self.self_attn.softcap is not None or self.shards is not None:
+        with an attention softcap, which the kernel does not take, under shards, and in device mode)."""
+        if not self.fused or self.device_kernels or self.self_attn.softcap is not None or self.shards is not None:
             return None
 
         def make() -> DecoderLayerKernel:
@@ -265,6 +267,10 @@ class Gemma3ForCausalLM(TrunkModule):
     # verify costs 1.12x one row at k=2, 1.37x at 4, 1.99x at 5, 2.1x at 8 and 4.4x at 16, so
     # at full acceptance 8 rows emit the most tokens per second (3.8 per plain-row time).
     spec_preferred_max_draft_tokens = 7
+    #: `TrunkModule.to_device`: on CUDA the block linears run kernels.triton_qmatmul, attention
+    #: kernels.triton_attend over nn.kv_pool's pools (a sliding layer's window a mask there, its
+    #: blocks before the window not read), the rest the C kernels' statements
+    devices = ("cpu", "cuda")
 
     def __init__(self, config: Gemma3Config, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
                  max_verify_rows: int = MAX_VERIFY_ROWS, key_block: int = 64, context_length: int | None = None,
@@ -282,6 +288,9 @@ class Gemma3ForCausalLM(TrunkModule):
 
     def _new_layer_states(self) -> list:
         c = self.shard_config  # a rank caches its own KV heads
+        pooled = self._pooled_caches()  # on a device: every layer paged in its pool, the window a mask
+        if pooled is not None:
+            return pooled
         return [RingKVCache(c.num_key_value_heads, c.head_dim, window=c.sliding_window, max_rows=self.ring_rows,
                             key_block=self.key_block) if layer.is_sliding else
                 PagedKVCache(c.num_key_value_heads, c.head_dim, key_block=self.key_block,

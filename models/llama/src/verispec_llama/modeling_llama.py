@@ -46,7 +46,6 @@ from verispec.gguf_io import MissingTensor, arch_value
 from verispec.nn.layers import DecoderLayerKernel, forward_layers, fused_kernel
 from verispec.nn.attention import attend_rows
 from verispec.nn.kv_cache import PagedKVCache
-from verispec.nn.kv_pool import BlockPool, PooledKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.parallel import Shards, reduce_partial, shard_config
@@ -288,7 +287,6 @@ class LlamaForCausalLM(TrunkModule):
     #: `TrunkModule.to_device`: on CUDA the block linears run kernels.triton_qmatmul, attention
     #: kernels.triton_attend over nn.kv_pool's pools, the rest PyTorch statements of the C kernels
     devices = ("cpu", "cuda")
-    _kv_pools: list | None = None
 
     def __init__(self, config: LlamaConfig, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
                  context_length: int | None = None, device="meta", shards: Shards | None = None):
@@ -302,19 +300,9 @@ class LlamaForCausalLM(TrunkModule):
 
     def _new_layer_states(self) -> list:
         c = self.shard_config  # a rank caches its own KV heads
-        if self._kv_pools is not None:  # on a device (to_device): blocks in one pool per layer
-            return [PooledKVCache(pool, max_positions=self.max_context_length) for pool in self._kv_pools]
-        return [PagedKVCache(c.num_key_value_heads, c.head_dim, max_positions=self.max_context_length)
-                for _ in range(self.num_layers)]
-
-    def _place_state(self, device: torch.device) -> None:
-        """A KV pool per layer (nn.kv_pool) and the RoPE table of every position, on `device`."""
-        if self.shards is not None:
-            raise ValueError("a tensor-parallel rank runs on the CPU")
-        c = self.shard_config
-        self._kv_pools = [BlockPool(c.num_key_value_heads, c.head_dim, 64, device)  # PagedKVCache's key_block
-                          for _ in range(self.num_layers)]
-        self.model.rotary_emb.tabulate(self.max_context_length, device)
+        return self._pooled_caches() or [PagedKVCache(c.num_key_value_heads, c.head_dim,
+                                                      max_positions=self.max_context_length)
+                                         for _ in range(self.num_layers)]
 
     def _embed(self, tokens):
         return self._embed_rows(tokens)  # [n, D] fp32 (vocabulary-parallel under shards)
