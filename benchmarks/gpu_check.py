@@ -1,14 +1,14 @@
 """The GPU path's device check, in one go (issue 28): run it on a machine with a CUDA GPU.
 
-    python benchmarks/gpu_check.py --model smollm2-135m [--model qwen2.5-1.5b ...] [--tokens 64]
+    python benchmarks/gpu_check.py --model smollm2-135m [--model qwen2.5-1.5b --model gemma3-270m ...] [--tokens 64]
     python benchmarks/gpu_check.py --dry-run     # here, on the CPU: the same steps, Triton interpreted
 
 Steps (each one's result, or the error it raised, goes into the JSON printed last, and --out):
 1. kernels: the Triton kernels' tests on the device (pytest with TRITON_INTERPRET=0: bitwise their
    PyTorch statements, batch-invariant at 1..17 rows and mixed sequences): core/tests/test_triton_
-   qmatmul.py, test_triton_attend.py, models/qwen35/tests/test_triton_delta_rule.py,
+   {qmatmul,attend,norm,glu}.py, models/qwen35/tests/test_triton_delta_rule.py,
    models/glm5/tests/test_triton_kda.py.
-2. per --model (a GGUF path or a checkpoint alias; llama/qwen2 files), loaded with
+2. per --model (a GGUF path or a checkpoint alias; llama/qwen2 and gemma3 files), loaded with
    `verispec.load(model, device="cuda")`: plain greedy decode of --tokens tokens for two
    repetitive prompts, then n-gram speculative greedy (every step drafts) — the streams must be
    identical; a k-row verify bitwise the k one-row decodes for k = 2..17; tok/s of both.
@@ -34,8 +34,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL_TESTS = ["core/tests/test_triton_qmatmul.py", "core/tests/test_triton_attend.py",
-                "models/qwen35/tests/test_triton_delta_rule.py", "models/glm5/tests/test_triton_kda.py"]
+KERNEL_TESTS = ["core/tests/test_triton_qmatmul.py", "core/tests/test_triton_attend.py", "core/tests/test_triton_norm.py",
+                "core/tests/test_triton_glu.py", "models/qwen35/tests/test_triton_delta_rule.py",
+                "models/glm5/tests/test_triton_kda.py"]
 PROMPTS = ["The cat sat on the mat. The cat sat on the mat. The cat sat on the",
            "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef"]
 
@@ -223,7 +224,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         models = args.model or ([tiny_gguf(tmp)] if args.dry_run else [])
         if not models:
-            p.error("give --model (a llama/qwen2 GGUF or alias), or --dry-run")
+            p.error("give --model (a llama/qwen2 or gemma3 GGUF, or an alias), or --dry-run")
         tokens = 8 if args.dry_run and args.tokens == 64 else args.tokens
         report["models"] = [check_model(m, tokens, args.dry_run) for m in models]
     for m in report["models"]:

@@ -7,8 +7,9 @@
   decoder layer, GLU, RMSNorm) with their PyTorch statements (`reference_*`); C sources beside it
   (`kernels.c`, `qmatmul.c`, `layers.c`, `kernels.h`).
 - `triton_*`: the same contracts in Triton for CUDA tensors (`triton_qmatmul`, `triton_attend`,
-  `triton_norm`, `triton_glu`; `triton_delta_rule`, the Qwen 3.5 and GLM-5.3-Flash recurrences'
-  row loop), chosen by `triton_dispatch.use_triton`; tested on the CPU under Triton's interpreter.
+  `triton_norm`, `triton_glu`, their shared `triton_math.vexp`; `triton_delta_rule`, the Qwen 3.5
+  and GLM-5.3-Flash recurrences' row loop), chosen by `triton_dispatch.use_triton`; tested on the
+  CPU under Triton's interpreter.
 
 Order of the layers: kernels ← weights ← nn (nothing here imports those above it).
 """

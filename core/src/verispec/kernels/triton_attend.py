@@ -11,7 +11,7 @@ One program per (row, head); head h reads KV head h // (H / Hkv). Its arithmetic
 IEEE fp32 operation (the launch passes enable_fp_fusion=False: no fused multiply-add on the GPU):
     s_t   = (((0 + q_0 k_0t) + q_1 k_1t) + ... + q_{Dh-1} k_{Dh-1,t}) · scaling   (d in order)
     m     = max of s_t over the visible slots
-    e_t   = vexp(s_t - m) for a visible slot, else 0     (kernels.c's vexp, `_vexp` below)
+    e_t   = vexp(s_t - m) for a visible slot, else 0     (kernels.c's vexp, `triton_math.vexp`)
     den   = ((0 + e_0) + e_1) + ...,   o_d = ((0 + e_0 v_0d) + e_1 v_1d) + ...   (slots in order)
     out_d = o_d / den                                    (IEEE division: tl.div_rn)
 A slot is visible to the row at position p when 0 <= its position sp <= p and, with a window
@@ -44,23 +44,9 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _vexp(x):
-        """kernels.c's vexp (Cody-Waite reduction, cephes expf polynomial), step by step."""
-        x = tl.maximum(x, -80.0)
-        n = (x * 1.44269504088896341 + 12582912.0) - 12582912.0
-        r = x - n * 0.693359375
-        r = r - n * -2.12194440e-4
-        p = r * 1.9875691500e-4 + 1.3981999507e-3
-        p = p * r + 8.3334519073e-3
-        p = p * r + 4.1665795894e-2
-        p = p * r + 1.6666665459e-1
-        p = p * r + 5.0000001201e-1
-        y = p * (r * r)
-        y = y + r
-        y = y + 1.0
-        two_n = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-        return y * two_n
+    from verispec.kernels.triton_math import vexp
+
+    _vexp = vexp()
 
     @triton.jit
     def _scores(q, k_ptr, block, head_kv, Hkv, slot_ok, scaling, D: tl.constexpr, B: tl.constexpr):

@@ -8,7 +8,7 @@ fused multiply-add on the GPU; the divisions are tl.div_rn):
     gelu_tanh:  y = 0.7978845608 · (g + 0.044715 · ((g · g) · g));  e = vexp(-|y| · 2)
                 t = copysign((1 - e) / (1 + e), y);  out = ((0.5 · g) · (1 + t)) · u
 vexp is kernels.c's (Cody-Waite reduction, cephes expf polynomial, its argument clamped at -80):
-the jitted `_vexp` of `triton_attend`, shared rather than restated. Elementwise: an element's
+`triton_math.vexp`, shared with triton_attend. Elementwise: an element's
 bits depend on its own g and u alone.
 
 Runs on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 set
@@ -34,10 +34,9 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    from verispec.kernels import triton_attend
+    from verispec.kernels.triton_math import vexp
 
-    triton_attend._kernel()  # defines triton_attend._vexp, the one statement of kernels.c's vexp in Triton
-    _vexp = triton_attend._vexp
+    _vexp = vexp()
 
     @triton.jit
     def glu_kernel(gate_up_ptr, out_ptr, F, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
