@@ -80,6 +80,28 @@ def test_module_rows_are_the_files_weights_bitwise(ggml_type):
             lookup(torch.tensor([3, 40]))
 
 
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_a_placed_linear_reads_one_signed_copy_with_the_files_bits(ggml_type, monkeypatch):
+    """In a placed trunk (`device_kernels`; here VERISPEC_TRITON=0, the PyTorch statements) `.to()`
+    leaves the packed blocks where they are, and the row gather and the matmul read one copy,
+    w = u - z int8 with s (and m): gguf-py's rows and `reference_matmul`'s product, bitwise."""
+    linear, blocks = _linear(ggml_type)
+    expected_rows = torch.from_numpy(dequantize(blocks.data.numpy(), ggml_type))
+    x = _x(5, 512)
+    expected = reference_matmul(x, linear.values())
+    monkeypatch.setenv("VERISPEC_TRITON", "0")
+    linear.device_kernels = True
+    packed = linear.packed
+    linear.to("meta")  # what TrunkModule.to_device does to every module, after setting the switch
+    assert linear.packed is packed
+    ids = torch.tensor([39, 0, 17, 17, 5])
+    assert torch.equal(linear.rows(ids), expected_rows[ids])
+    assert torch.equal(linear(x), expected)
+    w, _, m = linear._signed[1]
+    assert w.dtype == torch.int8 and (m is not None) == BLOCK_FORMATS[ggml_type].has_mins
+    assert linear._unpacked is None  # no second copy
+
+
 def test_activations_are_quantised_per_32_as_llama_cpp_does():
     x = _x(3, 64)
     x[1, :32] = 0  # an all-zero block: scale 0, values 0

@@ -241,15 +241,29 @@ def test_a_trunk_without_sequence_nbytes_is_not_budgeted(model_path, registry):
 
 
 def test_the_default_budget_is_half_the_available_memory(model_path, registry, monkeypatch):
-    monkeypatch.setattr(api, "available_memory_bytes", lambda: 10 << 30)
+    monkeypatch.setattr(api, "available_memory_bytes", lambda device=None: 10 << 30)
     assert api.load(model_path, registry=registry).scheduler.kv_budget.budget_bytes == 5 << 30
     assert api.load(model_path, registry=registry, kv_cache_gb=1.5).scheduler.kv_budget.budget_bytes == 3 << 29
     assert api.load(model_path, registry=registry, kv_cache_gb=0).scheduler.kv_budget.budget_bytes is None
-    monkeypatch.setattr(api, "available_memory_bytes", lambda: None)
+    monkeypatch.setattr(api, "available_memory_bytes", lambda device=None: None)
     assert api.load(model_path, registry=registry).scheduler.kv_budget.budget_bytes is None
     for bad in (-1, "abc", float("inf"), float("nan"), True, 1e-12):
         with pytest.raises(InvalidArgument, match=f"kv_cache_gb={bad!r}" if isinstance(bad, str) else "kv_cache_gb="):
             api.load(model_path, registry=registry, kv_cache_gb=bad)
+
+
+def test_on_a_gpu_the_default_budget_is_half_its_free_memory(monkeypatch, caplog):
+    """A placed trunk's KV lives on the GPU: the default budget is half the device's free memory
+    (torch.cuda.mem_get_info), and an explicit budget is held against it, not the host's."""
+    import torch
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (6 << 30, 80 << 30))
+    assert api.available_memory_bytes(cuda) == 6 << 30
+    assert api.kv_budget_bytes(None, cuda) == 3 << 30
+    with caplog.at_level("WARNING", logger=api.log.name):
+        assert api.kv_budget_bytes(8, cuda) == 8 << 30
+    assert "8 GiB is more than the 6 GiB of GPU memory available now" in caplog.text
 
 
 def test_a_budget_that_cannot_hold_one_sequence_is_refused_at_load(model_path, registry):

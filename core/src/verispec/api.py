@@ -13,8 +13,13 @@ __all__ = ["load", "load_registered_trunk", "resolve_model_path", "kv_budget_byt
 log = logging.getLogger("verispec")
 
 
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (bytes), or None where it cannot be read."""
+def available_memory_bytes(device=None) -> int | None:
+    """Bytes free for KV: on a CUDA device (a torch.device) its free memory now
+    (`torch.cuda.mem_get_info`), else MemAvailable from /proc/meminfo; None where it cannot be read."""
+    if device is not None and device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -25,13 +30,14 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def kv_budget_bytes(kv_cache_gb: float | None) -> int | None:
+def kv_budget_bytes(kv_cache_gb: float | None, device=None) -> int | None:
     """The scheduler's KV budget: kv_cache_gb GiB; 0 = no budget; None = half of the memory
-    available now (measured once the model is loaded), or no budget where that is unknown."""
+    available now on the trunk's device (`available_memory_bytes(device)`; measured once the model
+    is loaded and placed), or no budget where that is unknown."""
     from verispec.errors import InvalidArgument
 
     if kv_cache_gb is None:
-        available = available_memory_bytes()
+        available = available_memory_bytes(device)
         return available // 2 if available else None
     usage = "give GiB (2^30 bytes) > 0 (--kv-cache-gb / kv_cache_gb=), 0 for no budget, or leave it unset for the default"
     if isinstance(kv_cache_gb, bool) or not isinstance(kv_cache_gb, numbers.Real):
@@ -43,10 +49,11 @@ def kv_budget_bytes(kv_cache_gb: float | None) -> int | None:
     budget = int(kv_cache_gb * 2**30)
     if budget < 1:
         raise InvalidArgument(f"a KV budget of {kv_cache_gb} GiB is under one byte; {usage}")
-    available = available_memory_bytes()
+    available = available_memory_bytes(device)
     if available is not None and budget > available:
-        log.warning("a KV budget of %.3g GiB is more than the %.3g GiB of memory available now: a full budget "
-                    "would run the machine out of memory; lower --kv-cache-gb", budget / 2**30, available / 2**30)
+        where = "GPU memory" if device is not None and device.type == "cuda" else "memory"
+        log.warning("a KV budget of %.3g GiB is more than the %.3g GiB of %s available now: a full budget "
+                    "would run out of it; lower --kv-cache-gb", budget / 2**30, available / 2**30, where)
     return budget
 
 
@@ -61,11 +68,11 @@ def load(model: str | None = None, *, dtype: str | None = None, threads: int | s
     prefill_chunk, max_running: the engine's rows per step and concurrent requests (None = its defaults).
     kv_cache_gb: GiB of KV/state memory for running and idle sequences (verispec.kv_budget); a
       request that does not fit waits. None = half of the memory available once the model is
-      loaded; 0 = no budget.
+      loaded (on "cuda": the GPU's free memory once the trunk is placed); 0 = no budget.
     tensor_parallel: ranks of a tensor-parallel trunk (verispec.tensor_parallel; None or 1: one process).
     device: "cpu" (None: the default), "cuda" or "auto" (verispec.device.resolve_device).
-      On "cuda" the trunk is placed there by `TrunkModule.to_device` (llama/qwen2 files; README
-      "GPUs"); the scheduler, sampler and speculators stay on the CPU.
+      On "cuda" the trunk is placed there by `TrunkModule.to_device` (the families that
+      declare it; README "GPUs"); the scheduler, sampler and speculators stay on the CPU.
     Raises InvalidArgument when both `spec` and its fields as keywords are given, or for a device
     torch does not see; VerispecError for a device the file's trunk does not run on.
     """
@@ -91,6 +98,8 @@ def load(model: str | None = None, *, dtype: str | None = None, threads: int | s
     engine_options = {k: v for k, v in (("prefill_chunk", prefill_chunk), ("max_running", max_running))
                       if v is not None}
     if kv_cache_gb is None:
-        budget = kv_budget_bytes(None)  # half of what the loaded model left available
+        budget = kv_budget_bytes(None, device)  # half of what the loaded (and placed) model left available
+    elif device.type != "cpu":
+        budget = kv_budget_bytes(kv_cache_gb, device)  # warns against the GPU's memory, not the host's
     return InferenceEngine(trunk, registry=registry, spec=spec, kv_budget_bytes=budget,
                            **engine_options)

@@ -335,11 +335,13 @@ class TrunkModule(SequenceTrunk, nn.Module):
         return module_batch_invariant(self) and all(self.max_rows_per_forward <= limit for limit in limits)
 
     def to_device(self, device: torch.device | str) -> None:
-        """Run this trunk with the device kernels, its tensors on `device`: weights, norms, biases and
-        the LM head moved there (`nn.Module.to`), every module with a `device_kernels` switch
-        (block linears, RMSNorm, the gated MLP, a family's fused layer) set to its device path
-        (Triton where `kernels.triton_dispatch.use_triton`, PyTorch statements elsewhere, never
-        the C kernels), then `_place_state(device)` (the family's KV pools, RoPE table). On the
+        """Run this trunk with the device kernels, its tensors on `device`: every module with a
+        `device_kernels` switch (block linears, RMSNorm, the gated MLP, a family's fused layer) set
+        to its device path (Triton where `kernels.triton_dispatch.use_triton`, PyTorch statements
+        elsewhere, never the C kernels), then norms, biases and float weights moved there
+        (`nn.Module.to`; a block linear keeps its packed blocks on the CPU and puts one unpacked
+        int8 copy on the device at first use), then `_place_state(device)` (the family's KV pools,
+        RoPE tables). On the
         CPU this is the proof mode of the GPU path: with VERISPEC_TRITON=1 and TRITON_INTERPRET=1
         the code a CUDA trunk runs, run by Triton's interpreter. Call before any sequence exists.
         Raises VerispecError for a device the family does not declare (`devices`)."""
@@ -349,10 +351,10 @@ class TrunkModule(SequenceTrunk, nn.Module):
         require_trunk_device(device, self)
         if self._sequences:
             raise ValueError("to_device: the trunk already holds sequences; place it before the first")
-        self.to(device)
-        for module in self.modules():
+        for module in self.modules():  # first: a block linear then keeps its packed blocks on the CPU
             if hasattr(type(module), "device_kernels"):
                 module.device_kernels = True
+        self.to(device)
         self.trunk_device = device
         self._nbytes_template = None
         self._place_state(device)

@@ -81,8 +81,7 @@ class BlockLinear(Float32Linear):
         self.register_buffer("mins", torch.empty(groups if fmt.has_mins else (0,), dtype=dtype, device=device))
         self._kernel: tuple | None = None  # (packed tensor, kernel_args()) once computed
         self._unpacked: tuple | None = None  # (packed tensor, values()) for the PyTorch path
-        self._signed: tuple | None = None  # (packed tensor, signed_values(...) on the device) for Triton
-        self._device_values: tuple | None = None  # (packed tensor, BlockValues on the device) for the rest
+        self._signed: tuple | None = None  # (packed tensor, signed_values(...) on the device): a placed trunk's
 
     @classmethod
     def from_gguf(cls, parts: Sequence[GGUFBlocks]) -> BlockLinear:
@@ -134,9 +133,12 @@ class BlockLinear(Float32Linear):
         if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
             x = x.reshape(-1, self.in_features).float().contiguous()
         if triton_dispatch.use_triton(x):  # CUDA tensors: the same arithmetic in Triton
-            y = self._triton_matmul(x)
+            from verispec.kernels import triton_qmatmul
+
+            y = triton_qmatmul.qmatmul(*quantize_activations(x), *self._device_weight(x.device), self.FORMAT.group)
         elif self.device_kernels:  # a trunk on a device with VERISPEC_TRITON=0: the PyTorch statement there
-            y = reference_matmul(x, self._values_on(x.device))
+            w, s, m = self._device_weight(x.device)
+            y = _reference_matmul(x, self.FORMAT, w, 0, s, m)
         elif ckernels.library() is None:  # no C compiler: the kernel's arithmetic in PyTorch
             if self._unpacked is None or self._unpacked[0] is not self._buffers["packed"]:
                 self._unpacked = (self._buffers["packed"], self.values())  # a byte a weight, kept
@@ -146,16 +148,21 @@ class BlockLinear(Float32Linear):
             ckernels.qmatmul(x, self.kernel_args(), y)
         return y if len(lead) == 1 else y.reshape(*lead, self.out_features)
 
-    def _triton_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """kernels.triton_qmatmul on x's device; the weight unpacked there once (from CPU copies
-        of the packed buffers: unpack_tiles builds its bit masks on the CPU)."""
-        from verispec.kernels import triton_qmatmul
+    def _apply(self, fn, recurse=True):
+        """nn.Module's `.to` / `.cpu` / ...: a placed trunk's block linear (`device_kernels`, set by
+        `TrunkModule.to_device` before it moves the modules) keeps its packed blocks on the CPU:
+        they are only the source of the one copy its device kernels read (`_device_weight`)."""
+        return self if self.device_kernels else super()._apply(fn, recurse)
 
+    def _device_weight(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The weight a placed trunk reads, made once per packed tensor: `signed_values` of the
+        unpacked blocks on `device` (w int8 [out, in], s fp32 [out, in / G], m fp32 or None). The
+        Triton matmul, its PyTorch statement and the row gather all read this one copy."""
         packed = self._buffers["packed"]
         if self._signed is None or self._signed[0] is not packed:
-            signed = signed_values(self._cpu_values())
-            self._signed = (packed, tuple(None if t is None else t.to(x.device) for t in signed))
-        return triton_qmatmul.qmatmul(*quantize_activations(x), *self._signed[1], self.FORMAT.group)
+            self._signed = None  # the old copy goes before the new one is made
+            self._signed = (packed, tuple(None if t is None else t.to(device) for t in signed_values(self._cpu_values())))
+        return self._signed[1]
 
     def _cpu_values(self) -> BlockValues:
         """The unpacked values (u uint8 [out, in], s and m fp32 [out, in / G]) on the CPU, from CPU
@@ -165,22 +172,13 @@ class BlockLinear(Float32Linear):
         rows = slice(0, self.out_features)
         return BlockValues(self.FORMAT, u[rows], s[rows], None if m is None else m[rows])
 
-    def _values_on(self, device: torch.device) -> BlockValues:
-        """`_cpu_values()` moved to `device`, kept per packed tensor (the device path's PyTorch matmul
-        and row gather)."""
-        packed = self._buffers["packed"]
-        if self._device_values is None or self._device_values[0] is not packed:
-            v = self._cpu_values()
-            self._device_values = (packed, BlockValues(self.FORMAT, v.u.to(device), v.s.to(device),
-                                                       None if v.m is None else v.m.to(device)))
-        return self._device_values[1]
-
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 [n, in]: rows `ids` dequantised, gguf-py's values bitwise (a tied embedding's lookup;
         the C kernel reads the packed rows in place, else their unpacked values)."""
-        if self.device_kernels:  # gguf-py's values on the device: `BlockValues.dequantize` of the rows
-            v = self._values_on(ids.device)
-            return BlockValues(self.FORMAT, v.u[ids], v.s[ids], None if v.m is None else v.m[ids]).dequantize()
+        if self.device_kernels:  # gguf-py's values from the device weight: (u - z)·s, or u·s + m (z = 0)
+            w, s, m = self._device_weight(ids.device)
+            y = w[ids].float() * s[ids].repeat_interleave(self.FORMAT.group, dim=1)
+            return y if m is None else y + m[ids].repeat_interleave(self.FORMAT.group, dim=1)
         if ckernels.library() is None:
             return self.values(ids).dequantize()
         return ckernels.block_rows(self.kernel_args(), self.in_features, ids)
@@ -288,7 +286,13 @@ def reference_matmul(x: torch.Tensor, values: BlockValues, chunk: int = 8192) ->
     """The kernel's arithmetic in PyTorch (qmatmul.c's header), `chunk` output rows at a time:
     x fp32 [n, k] -> fp32 [n, out]. Integer sums are exact in fp32 (|sum| < 2^24), so any order
     gives them; the fp32 steps run in the kernel's order."""
-    fmt = values.format
+    return _reference_matmul(x, values.format, values.u, values.format.zero, values.s, values.m, chunk)
+
+
+def _reference_matmul(x: torch.Tensor, fmt: BlockFormat, u: torch.Tensor, zero: int, s: torch.Tensor,
+                      m: torch.Tensor | None, chunk: int = 8192) -> torch.Tensor:
+    """`reference_matmul` of integer weights u [out, k] with zero point `zero` (the unpacked u and
+    the type's z, or the signed w = u - z and 0: the same exact integer sums, the same bits)."""
     n, k = x.shape
     a, d, S = quantize_activations(x)
     groups, g = k // fmt.group, fmt.group
@@ -296,15 +300,15 @@ def reference_matmul(x: torch.Tensor, values: BlockValues, chunk: int = 8192) ->
     dg = d.repeat_interleave(BLOCK // g, dim=1)  # [n, groups]: each group's block scale
     a_g = a.float().reshape(n, groups, g).transpose(0, 1)  # [groups, n, g]
     out = []
-    for start in range(0, values.u.shape[0], chunk):
-        u = values.u[start:start + chunk].float().reshape(-1, groups, g).permute(1, 2, 0)  # [groups, g, rows]
-        I = torch.bmm(a_g, u) - (fmt.zero * Sg).float().t()[:, :, None]  # [groups, n, rows], exact
-        s = values.s[start:start + chunk]
-        m = None if values.m is None else values.m[start:start + chunk]
-        y = torch.zeros(n, s.shape[0], device=x.device)
+    for start in range(0, u.shape[0], chunk):
+        ut = u[start:start + chunk].float().reshape(-1, groups, g).permute(1, 2, 0)  # [groups, g, rows]
+        I = torch.bmm(a_g, ut) - (zero * Sg).float().t()[:, :, None]  # [groups, n, rows], exact
+        st = s[start:start + chunk]
+        mt = None if m is None else m[start:start + chunk]
+        y = torch.zeros(n, st.shape[0], device=x.device)
         for h in range(groups):
-            y = y + I[h] * (s[None, :, h] * dg[:, h, None])
-            if m is not None:
-                y = y + (m[None, :, h] * dg[:, h, None]) * Sg[:, h, None].float()
+            y = y + I[h] * (st[None, :, h] * dg[:, h, None])
+            if mt is not None:
+                y = y + (mt[None, :, h] * dg[:, h, None]) * Sg[:, h, None].float()
         out.append(y)
     return torch.cat(out, dim=1)
