@@ -63,3 +63,33 @@ def test_a_family_that_declares_cuda_runs_there_and_the_others_are_named():
     require_trunk_device(torch.device("cpu"), CpuOnly)
     with pytest.raises(VerispecError, match=r"the CpuOnly trunk does not run on cuda yet .* use --device cpu"):
         require_trunk_device(torch.device("cuda"), CpuOnly)
+
+
+def test_packed_integer_dtypes_are_refused_off_the_cpu():
+    from verispec.nn.trunk import TrunkModule
+
+    class OnCuda(TrunkModule):
+        devices = ("cpu", "cuda")
+
+    trunk = OnCuda()
+    for dtype in ("int8", "int4"):
+        trunk.dtype = dtype
+        with pytest.raises(VerispecError, match=f"--dtype {dtype} on cuda: .*use --dtype gguf"):
+            trunk.to_device("cuda")
+
+
+def test_on_a_gpu_only_block_linears_declare_batch_invariance():
+    """cuBLAS picks its blocking by shape: a placed trunk with a float linear declares no batch
+    invariance, one whose linears are all GGUF block linears (Triton) does."""
+    from gguf.constants import GGMLQuantizationType as T
+    from verispec.nn.trunk import TrunkModule
+    from verispec.weights.block_linear import block_linear_class
+    from verispec.weights.quant import Float32Linear
+
+    trunk = TrunkModule()
+    trunk.max_rows_per_forward = 64
+    trunk.head = block_linear_class(T.Q4_0)(32, 16, device="meta")
+    trunk.trunk_device = torch.device("cuda")
+    assert trunk.spec_batch_invariant
+    trunk.other = Float32Linear(32, 16, device="meta")
+    assert not trunk.spec_batch_invariant

@@ -330,7 +330,15 @@ class TrunkModule(SequenceTrunk, nn.Module):
     @property
     def spec_batch_invariant(self) -> bool:
         """True when every linear uses a batch-invariant kernel (weights.quant) and no forward chunk
-        exceeds the kernels' invariance limit (read at each call: max_rows_per_forward may change)."""
+        exceeds the kernels' invariance limit (read at each call: max_rows_per_forward may change).
+        On a GPU only the GGUF block linears' kernel (kernels.triton_qmatmul) qualifies: cuBLAS
+        (F.linear, the float and bf16 dtypes) and torch's int8 kernel pick their blocking by shape."""
+        if self.trunk_device is not None and self.trunk_device.type != "cpu":
+            from verispec.weights.block_linear import BlockLinear
+            from verispec.weights.quant import Float32Linear
+
+            return all(isinstance(m, BlockLinear) for m in self.modules()
+                       if isinstance(m, (nn.Linear, Float32Linear)))
         limits = [m.max_invariant_rows for m in self.modules() if getattr(m, "max_invariant_rows", None)]
         return module_batch_invariant(self) and all(self.max_rows_per_forward <= limit for limit in limits)
 
@@ -341,14 +349,19 @@ class TrunkModule(SequenceTrunk, nn.Module):
         elsewhere, never the C kernels), then norms, biases and float weights moved there
         (`nn.Module.to`; a block linear keeps its packed blocks on the CPU and puts one unpacked
         int8 copy on the device at first use), then `_place_state(device)` (the family's KV pools,
-        RoPE tables). On the
-        CPU this is the proof mode of the GPU path: with VERISPEC_TRITON=1 and TRITON_INTERPRET=1
-        the code a CUDA trunk runs, run by Triton's interpreter. Call before any sequence exists.
-        Raises VerispecError for a device the family does not declare (`devices`)."""
+        RoPE tables). On the CPU this is the proof mode of the GPU path: with VERISPEC_TRITON=1
+        and TRITON_INTERPRET=1 the code a CUDA trunk runs, run by Triton's interpreter. Call
+        before any sequence exists.
+        Raises VerispecError for a device the family does not declare (`devices`), and for the int8
+        / int4 dtypes off the CPU."""
         from verispec.device import require_trunk_device
 
         device = torch.device(device)
         require_trunk_device(device, self)
+        if device.type != "cpu" and self.dtype in ("int8", "int4"):
+            raise VerispecError(f"--dtype {self.dtype} on {device.type}: its packed-integer kernels run on the CPU; "
+                                f"on {device.type} use --dtype gguf (the file's blocks in Triton, the default) or "
+                                "bfloat16 / float32 (cuBLAS: not batch-invariant, declared so)")
         if self._sequences:
             raise ValueError("to_device: the trunk already holds sequences; place it before the first")
         for module in self.modules():  # first: a block linear then keeps its packed blocks on the CPU
