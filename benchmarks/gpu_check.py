@@ -8,7 +8,7 @@ Steps (each one's result, or the error it raised, goes into the JSON printed las
    PyTorch statements, batch-invariant at 1..17 rows and mixed sequences): core/tests/test_triton_
    {qmatmul,attend,norm,glu}.py, models/qwen35/tests/test_triton_delta_rule.py,
    models/glm5/tests/test_triton_kda.py.
-2. per --model (a GGUF path or a checkpoint alias; llama/qwen2 and gemma3 files), loaded with
+2. per --model (a GGUF path or a checkpoint alias; llama/qwen2, gemma3 or qwen35 files), loaded with
    `verispec.load(model, device="cuda")`: plain greedy decode of --tokens tokens for two
    repetitive prompts, then n-gram speculative greedy (every step drafts) — the streams must be
    identical; a k-row verify bitwise the k one-row decodes for k = 2..17; tok/s of both.
@@ -184,7 +184,7 @@ def check_model(model: str, tokens: int, dry_run: bool) -> dict:
         trunk = load(model, dtype="gguf", use_cache=False)
         trunk.to_device("cpu")
     else:
-        trunk = verispec.load(model, device="cuda").trunk
+        trunk = verispec.load(model, dtype="gguf", device="cuda").trunk
     result = {"model": model, "device": str(trunk.trunk_device)}
     try:
         result["streams"] = (streams(trunk, tokens, max_rows=5, prompt_length=16, need_acceptance=False) if dry_run
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         models = args.model or ([tiny_gguf(tmp)] if args.dry_run else [])
         if not models:
-            p.error("give --model (a llama/qwen2 or gemma3 GGUF, or an alias), or --dry-run")
+            p.error("give --model (a llama/qwen2, gemma3 or qwen35 GGUF, or an alias), or --dry-run")
         tokens = 8 if args.dry_run and args.tokens == 64 else args.tokens
         report["models"] = [check_model(m, tokens, args.dry_run) for m in models]
     for m in report["models"]:

@@ -3,8 +3,9 @@
 `resolve_device` turns the option into a torch.device (auto: CUDA when torch sees a GPU, else
 the CPU) and refuses CUDA where torch sees none, in one line naming the fix. `require_trunk_device`
 is the loaders' gate: every trunk runs on the CPU; a family whose trunk class declares "cuda" in
-`devices` (llama/qwen2 and Gemma 3: `TrunkModule.to_device` places its weights, pooled KV and
-RoPE tables there and runs the Triton kernels) runs on CUDA too, and the others are refused, naming why.
+`devices` (llama/qwen2, Gemma 3, Qwen 3.5: `TrunkModule.to_device` places its weights, pooled KV,
+recurrent states and RoPE tables there and runs the Triton kernels) runs on CUDA too, and the
+others are refused, naming why.
 """
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ def require_trunk_device(device: torch.device, trunk=None) -> None:
         return
     if trunk is None:
         raise VerispecError(f"--device {device.type}: the trunks do not run on {device.type} yet (only families "
-                            "that declare it, llama/qwen2 and Gemma 3 on cuda, do); use --device cpu")
+                            "that declare it, llama/qwen2, Gemma 3 and Qwen 3.5 on cuda, do); use --device cpu")
     name = trunk.__name__ if isinstance(trunk, type) else type(trunk).__name__
     raise VerispecError(f"--device {device.type}: the {name} trunk does not run on {device.type} yet (its caches, "
                         f"attention and recurrent states are not placed there; it runs on {', '.join(devices)}; "
-                        "llama/qwen2 and gemma3 files run on cuda); use --device cpu")
+                        "llama/qwen2, gemma3 and qwen35 files run on cuda); use --device cpu")

@@ -92,7 +92,7 @@ def test_past_the_ring_the_logits_stay_the_cpu_paths_within_rounding(trunks):
 def test_ngram_speculative_greedy_is_the_plain_stream(trunks):
     from verispec_ngram.speculator import NGramSpeculator
 
-    assert_speculative_stream_is_plain(trunks[1], PROMPT, NGramSpeculator(max_draft_tokens=4))
+    assert_speculative_stream_is_plain(trunks[1], PROMPT, lambda _: NGramSpeculator(max_draft_tokens=4))
 
 
 def test_verify_rows_are_one_row_decodes_k_2_to_9(trunks):

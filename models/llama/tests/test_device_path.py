@@ -97,7 +97,7 @@ def test_the_device_trunk_holds_pooled_caches_and_its_table(trunks):
 def test_ngram_speculative_greedy_is_the_plain_stream(trunks):
     from verispec_ngram.speculator import NGramSpeculator
 
-    assert_speculative_stream_is_plain(trunks[1], PROMPT, NGramSpeculator(max_draft_tokens=4))
+    assert_speculative_stream_is_plain(trunks[1], PROMPT, lambda _: NGramSpeculator(max_draft_tokens=4))
 
 
 def test_verify_rows_are_one_row_decodes_k_2_to_9(trunks):

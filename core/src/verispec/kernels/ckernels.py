@@ -186,8 +186,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return out
 
 
-def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """`verispec_rms_norm` of the C file, operation by operation: x fp32 [rows, dim]."""
+def lane_sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [rows, 1]: each row's sum of squares in `verispec_rms_norm`'s fixed order (16 lanes
+    over the row's 16-wide chunks, a zero-padded tail, then halving 8, 4, 2, 1), x fp32 [rows,
+    dim]. Elementwise steps only: a row's bits depend on nothing else, on any device."""
     rows, dim = x.shape
     lanes = torch.zeros(rows, 16, device=x.device)
     padded = torch.nn.functional.pad(x, (0, -dim % 16))
@@ -195,6 +197,13 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float)
         lanes = lanes + chunk * chunk
     for half in (8, 4, 2, 1):
         lanes = lanes[:, :half] + lanes[:, half:2 * half]
+    return lanes
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`verispec_rms_norm` of the C file, operation by operation: x fp32 [rows, dim]."""
+    dim = x.shape[1]
+    lanes = lane_sum_of_squares(x)
     # ATen divides by a 0-dim tensor as a * (1 / b), and its fp32 sqrt is not correctly rounded
     # (the C sqrtf is): divide by a full tensor, and take sqrt in fp64 (exact once rounded to fp32)
     mean = lanes / torch.full_like(lanes, dim) + _f32(eps)

@@ -37,16 +37,16 @@ class RecurrentState:
     when 0) without a re-forward.
     """
 
-    def __init__(self, shapes: Mapping[str, Sequence[int]], dtype: torch.dtype = torch.float32):
+    def __init__(self, shapes: Mapping[str, Sequence[int]], dtype: torch.dtype = torch.float32, device=None):
         self.shapes = {name: tuple(shape) for name, shape in shapes.items()}
-        self.dtype = dtype
+        self.dtype, self.device = dtype, device  # device: a placed trunk's (TrunkModule.to_device); None: the CPU
         self.values = self._zeros()
         self._verify_base: int | None = None
         self._before: dict[str, torch.Tensor] | None = None
         self._rows: dict[str, list[torch.Tensor]] = {}
 
     def _zeros(self) -> dict[str, torch.Tensor]:
-        return {name: torch.zeros(shape, dtype=self.dtype) for name, shape in self.shapes.items()}
+        return {name: torch.zeros(shape, dtype=self.dtype, device=self.device) for name, shape in self.shapes.items()}
 
     def ensure_capacity(self, num_positions: int) -> None:
         pass  # fixed size

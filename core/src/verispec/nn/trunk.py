@@ -21,6 +21,7 @@ the weight-dtype swap, the tied or untied LM head, the batch-invariance declarat
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 
 import attrs
@@ -32,6 +33,8 @@ from verispec.weights.quant import canonical_dtype, module_batch_invariant, rows
 from verispec.nn.parallel import embed_vocab_rows, gather_vocab
 from verispec.nn.state import SequenceState
 from verispec.seams import ContextOverflow, Segment, SegmentOutput, UnsupportedTap
+
+log = logging.getLogger("verispec")
 
 
 class ContextBeyondTraining(VerispecError, ValueError):
@@ -279,11 +282,20 @@ class SequenceTrunkView:
 
     @torch.no_grad()
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self._trunk._embed(torch.as_tensor(tokens, dtype=torch.long).reshape(-1))
+        return self._to_cpu(self._trunk._embed(self._on_trunk(torch.as_tensor(tokens, dtype=torch.long).reshape(-1))))
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._trunk._lm_head(hidden)
+        return self._to_cpu(self._trunk._lm_head(self._on_trunk(hidden)))
+
+    def _on_trunk(self, x: torch.Tensor) -> torch.Tensor:
+        """x on a placed trunk's device (TrunkModule.to_device): a head works on the CPU, as the
+        scheduler and sampler do, and reads a placed trunk through this view."""
+        device = getattr(self._trunk, "trunk_device", None)
+        return x if device is None else x.to(device)
+
+    def _to_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return x if getattr(self._trunk, "trunk_device", None) is None else x.cpu()
 
     def kv(self, seq: int, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The committed attention K/V of `layer` in sequence `seq` (copies: the head cannot change
@@ -297,7 +309,7 @@ class SequenceTrunkView:
         num_slots = cache.key_length(state.seq_len - 1) if state.seq_len else 0
         k, v, positions = cache.read(num_slots)
         positions = torch.where(positions < state.seq_len, positions, -1)
-        return k.clone(), v.clone(), positions
+        return self._to_cpu(k.clone()), self._to_cpu(v.clone()), self._to_cpu(positions)
 
 
 class TrunkModule(SequenceTrunk, nn.Module):
@@ -349,7 +361,9 @@ class TrunkModule(SequenceTrunk, nn.Module):
         elsewhere, never the C kernels), then norms, biases and float weights moved there
         (`nn.Module.to`; a block linear keeps its packed blocks on the CPU and puts one unpacked
         int8 copy on the device at first use), then `_place_state(device)` (the family's KV pools,
-        RoPE tables). On the CPU this is the proof mode of the GPU path: with VERISPEC_TRITON=1
+        RoPE tables). A trunk's own draft head (an MTP block) stays on the CPU and is switched
+        off, with one warning; heads bound through `view()` read the placed trunk from the CPU.
+        On the CPU this is the proof mode of the GPU path: with VERISPEC_TRITON=1
         and TRITON_INTERPRET=1 the code a CUDA trunk runs, run by Triton's interpreter. Call
         before any sequence exists.
         Raises VerispecError for a device the family does not declare (`devices`), and for the int8
@@ -367,6 +381,10 @@ class TrunkModule(SequenceTrunk, nn.Module):
         for module in self.modules():  # first: a block linear then keeps its packed blocks on the CPU
             if hasattr(type(module), "device_kernels"):
                 module.device_kernels = True
+        if getattr(self, "draft_head", None) is not None:  # its block is a submodule, its caches the CPU's
+            log.warning("the %s draft head runs on the CPU only: it is switched off on %s (n-gram speculation "
+                        "still runs)", type(self.draft_head).__name__, device.type)
+            self.draft_head = None
         self.to(device)
         self.trunk_device = device
         self._nbytes_template = None
@@ -383,7 +401,7 @@ class TrunkModule(SequenceTrunk, nn.Module):
 
         if self.shards is not None:
             raise ValueError("a tensor-parallel rank runs on the CPU")
-        c = self.shard_config
+        c = getattr(self, "shard_config", self.config)  # a family without tensor parallelism has no shard_config
         block = getattr(self, "key_block", 64)
         self._kv_pools = [BlockPool(c.num_key_value_heads, c.head_dim, block, device) for _ in range(self.num_layers)]
         for module in self.modules():
@@ -392,12 +410,14 @@ class TrunkModule(SequenceTrunk, nn.Module):
 
     def _pooled_caches(self) -> list | None:
         """Each layer's `nn.kv_pool.PooledKVCache` for a new sequence of a placed trunk (one that
-        `_place_state` gave pools), else None: a family's `_new_layer_states` asks first."""
+        `_place_state` gave pools; None for a layer without a pool), else None: a family's
+        `_new_layer_states` asks first."""
         if self._kv_pools is None:
             return None
         from verispec.nn.kv_pool import PooledKVCache
 
-        return [PooledKVCache(pool, max_positions=self.max_context_length) for pool in self._kv_pools]
+        return [None if pool is None else PooledKVCache(pool, max_positions=self.max_context_length)
+                for pool in self._kv_pools]
 
     def _init_sizes(self, config, dtype: str, max_rows_per_forward: int | None, context_length: int | None) -> None:
         """The sizes the seam reads, from an HF-style config (vocab_size, hidden_size,

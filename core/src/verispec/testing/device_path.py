@@ -20,12 +20,12 @@ __all__ = ["assert_keep_after_a_rejected_draft", "assert_speculative_stream_is_p
 
 def count_device_kernels(monkeypatch) -> dict[str, int]:
     """Wraps the Triton kernels (triton_qmatmul.qmatmul, triton_attend.attend, triton_norm.rms_norm,
-    triton_glu.glu) to count their
+    triton_glu.glu, triton_delta_rule.delta_rule) to count their
     calls in the returned dict, and makes any C kernel call raise AssertionError, until the
     pytest `monkeypatch` undoes it."""
-    from verispec.kernels import triton_attend, triton_glu, triton_norm, triton_qmatmul
+    from verispec.kernels import triton_attend, triton_delta_rule, triton_glu, triton_norm, triton_qmatmul
 
-    counts = {"qmatmul": 0, "attend": 0, "rms_norm": 0, "glu": 0}
+    counts = {"qmatmul": 0, "attend": 0, "rms_norm": 0, "glu": 0, "delta_rule": 0}
 
     def counting(name, fn):
         def wrapped(*args, **kwargs):
@@ -37,6 +37,7 @@ def count_device_kernels(monkeypatch) -> dict[str, int]:
     monkeypatch.setattr(triton_attend, "attend", counting("attend", triton_attend.attend))
     monkeypatch.setattr(triton_norm, "rms_norm", counting("rms_norm", triton_norm.rms_norm))
     monkeypatch.setattr(triton_glu, "glu", counting("glu", triton_glu.glu))
+    monkeypatch.setattr(triton_delta_rule, "delta_rule", counting("delta_rule", triton_delta_rule.delta_rule))
     forbid_c_kernels(monkeypatch)
     return counts
 
@@ -68,12 +69,14 @@ def greedy(trunk, prompt: Sequence[int], steps: int) -> tuple[list[int], torch.T
 
 
 def assert_speculative_stream_is_plain(trunk, prompt: Sequence[int], speculator, steps: int = 12) -> None:
-    """Speculative greedy with `speculator` (4 draft tokens at most) emits plain greedy's tokens,
-    with drafts accepted."""
+    """Speculative greedy with `speculator(plain)` (a Speculator; plain: the prompt and plain
+    greedy's tokens, for an oracle drafter) at 4 draft tokens at most emits plain greedy's
+    tokens, with drafts accepted."""
     from verispec.testing import run_greedy_requests
 
     plain = [tokens for tokens, _ in run_greedy_requests(trunk, [prompt], steps)]
-    spec = run_greedy_requests(trunk, [prompt], steps, speculator, max_draft_tokens=4, max_running=1)
+    spec = run_greedy_requests(trunk, [prompt], steps, speculator(list(prompt) + plain[0]), max_draft_tokens=4,
+                               max_running=1)
     assert [tokens for tokens, _ in spec] == plain
     assert sum(e.stats.num_accepted_tokens for _, e in spec) > 0, "no draft was accepted: speculation untested"
 
@@ -98,10 +101,11 @@ def assert_two_sequences_are_each_alone(trunk, prompt: Sequence[int]) -> None:
         assert torch.equal(out.logits[-1], alone)
 
 
-def assert_keep_after_a_rejected_draft(trunk, prompt: Sequence[int]) -> None:
-    """`keep` after a 4-row verify whose last 2 rows are rejected leaves the attention caches as a
-    plain run's, and what follows is bitwise the plain run's; so does a truncate back past the
-    kept rows (prefix reuse). `prompt`: at least 10 tokens."""
+def assert_keep_after_a_rejected_draft(trunk, prompt: Sequence[int], *, truncate: bool = True) -> None:
+    """`keep` after a 4-row verify whose last 2 rows are rejected leaves every layer's state (KV
+    caches, recurrent states) as a plain run's, and what follows is bitwise the plain run's; so
+    does a truncate back past the kept rows (prefix reuse; `truncate=False` for a trunk with
+    recurrent state, which refuses it). `prompt`: at least 10 tokens."""
     from verispec.testing import forward_one
 
     plain = trunk.new_sequence()
@@ -112,13 +116,17 @@ def assert_keep_after_a_rejected_draft(trunk, prompt: Sequence[int]) -> None:
     trunk.keep(spec, 2)
     assert trunk.seq_len(spec) == trunk.seq_len(plain) == 12
     for a, b in zip(trunk._state(spec).layers, trunk._state(plain).layers):
-        ka, va, _ = a.read(12)
-        kb, vb, _ = b.read(12)
-        assert torch.equal(ka, kb) and torch.equal(va, vb)
+        if hasattr(a, "read"):  # a KV cache
+            ka, va, _ = a.read(12)
+            kb, vb, _ = b.read(12)
+            assert torch.equal(ka, kb) and torch.equal(va, vb)
+        else:  # a recurrent state
+            assert all(torch.equal(a.values[name], b.values[name]) for name in a.values)
     nxt = [forward_one(trunk, s, [44, 45], logits="all").logits for s in (spec, plain)]
     assert torch.equal(nxt[0], nxt[1])
-    trunk.truncate(spec, 10)
-    again = forward_one(trunk, spec, [40, 41, 44, 45], logits="all").logits[2:]
-    assert torch.equal(again, nxt[1])
+    if truncate:
+        trunk.truncate(spec, 10)
+        again = forward_one(trunk, spec, [40, 41, 44, 45], logits="all").logits[2:]
+        assert torch.equal(again, nxt[1])
     for s in (spec, plain):
         trunk.release(s)

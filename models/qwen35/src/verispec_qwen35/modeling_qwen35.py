@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from verispec.errors import DamagedFile, UnsupportedVariant
 from verispec.gguf_io import MissingTensor, arch_value
-from verispec.kernels import triton_delta_rule, triton_dispatch
+from verispec.kernels import ckernels, triton_delta_rule, triton_dispatch
 from verispec.nn.attention import attend_rows
 from verispec.nn.elementwise import rowwise
 from verispec.nn.mlp import GatedMLP
@@ -236,6 +236,10 @@ class Qwen35GatedDeltaNet(nn.Module):
         #: run a non-verify chunk of at least this many rows through `chunked_delta_rule` (None: never).
         self.chunked_min_rows: int | None = None
 
+    #: set by `TrunkModule.to_device`: the conv and the q/k l2norm as fixed-order elementwise
+    #: statements (a GPU's reductions may pick their order by shape), the rows in Triton
+    device_kernels = False
+
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"conv": (self.conv_dim, self.kernel - 1), "ssm": (self.nv, self.dk, self.dv)}
 
@@ -245,7 +249,7 @@ class Qwen35GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(n, self.nv, self.dv)
         beta = rowwise(torch.sigmoid, self.in_proj_b(x))  # [n, nv]
         g = self.ssm_a * rowwise(F.softplus, self.in_proj_a(x) + self.dt_bias)  # [n, nv] log decay <= 0
-        core = torch.empty(n, self.nv, self.dv)
+        core = torch.empty(n, self.nv, self.dv, device=x.device)
         for s in rows.sequences:  # each sequence runs its own recurrence (never across sequences)
             state = s.state.layers[layer_idx]
             core[s.rows] = self.recurrence(mix[s.rows], beta[s.rows], g[s.rows], state,
@@ -261,10 +265,17 @@ class Qwen35GatedDeltaNet(nn.Module):
         # short causal conv: row t reads the window X[:, t : t+W] of X = [conv tail | this chunk's rows]
         x = torch.cat([state.values["conv"], mix.t()], dim=1)  # [C, W-1+m]
         windows = x.unfold(1, self.kernel, 1)  # [C, m, W]; column W-1 is the row itself
-        u = rowwise(F.silu, (windows * self.conv1d_weight[:, None, :]).sum(dim=-1).t().contiguous())  # [m, C]
+        if self.device_kernels:  # the taps summed in order, elementwise: no reduction whose order a GPU picks
+            conv = windows[..., 0] * self.conv1d_weight[:, None, 0]
+            for j in range(1, self.kernel):
+                conv = conv + windows[..., j] * self.conv1d_weight[:, None, j]
+        else:
+            conv = (windows * self.conv1d_weight[:, None, :]).sum(dim=-1)
+        u = rowwise(F.silu, conv.t().contiguous())  # [m, C]
         q, k, v = u.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = _l2norm(q.reshape(m, self.nk, self.dk)) * self.dk ** -0.5
-        k = _l2norm(k.reshape(m, self.nk, self.dk))
+        l2norm = _lane_l2norm if self.device_kernels else _l2norm
+        q = l2norm(q.reshape(m, self.nk, self.dk)) * self.dk ** -0.5
+        k = l2norm(k.reshape(m, self.nk, self.dk))
         q, k = q.repeat(1, r, 1), k.repeat(1, r, 1)  # [m, nv, dk]: v-head p reads k-head p % nk (tiled)
         v = v.reshape(m, self.nv, self.dv)
         if not record_rows and self.chunked_min_rows and m >= self.chunked_min_rows:
@@ -338,6 +349,13 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x · rsqrt(Σx² + eps) over the last dim (transformers / FLA l2norm)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _lane_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`_l2norm` with Σx² in `ckernels.lane_sum_of_squares`' fixed order (a placed trunk's: each
+    row's bits its own on any device, whatever the rows around it). x fp32 [..., d]."""
+    sums = ckernels.lane_sum_of_squares(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], 1)
+    return x * torch.rsqrt(sums + eps)
 
 
 # -- gated full attention --------------------------------------------------------------------
@@ -466,6 +484,10 @@ class Qwen35ForCausalLM(TrunkModule):
     # "Verify cost"): the per-row recurrence makes a k-row verify cost grow ~linearly in its
     # GDN share, so wide windows only pay at high acceptance; MTP acceptance falls with depth.
     spec_preferred_max_draft_tokens = 4
+    #: `TrunkModule.to_device`: on CUDA the block linears run kernels.triton_qmatmul, the attention
+    #: layers kernels.triton_attend over nn.kv_pool's pools, the GDN rows kernels.triton_delta_rule
+    #: with their states on the device; the MTP head stays on the CPU and is switched off there
+    devices = ("cpu", "cuda")
 
     def __init__(self, config: Qwen35Config, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
                  context_length: int | None = None, chunked_prefill_min_rows: int | None = None,
@@ -489,13 +511,23 @@ class Qwen35ForCausalLM(TrunkModule):
 
     def _new_layer_states(self) -> list:
         c, states = self.config, []
-        for layer in self.model.layers:
+        pooled = self._pooled_caches()  # on a device: the attention layers' KV in their pools
+        for i, layer in enumerate(self.model.layers):
             if layer.layer_type == LINEAR_ATTENTION:
-                states.append(RecurrentState(layer.linear_attn.state_shapes()))
+                states.append(RecurrentState(layer.linear_attn.state_shapes(), device=self.trunk_device))
+            elif pooled is not None:
+                states.append(pooled[i])
             else:
                 states.append(PagedKVCache(c.num_key_value_heads, c.head_dim,
                                             max_positions=self.max_context_length))
         return states
+
+    def _place_state(self, device: torch.device) -> None:
+        """`TrunkModule._place_state`, with pools for the full-attention layers only (a GDN layer's
+        state is a `RecurrentState` on the device)."""
+        super()._place_state(device)
+        self._kv_pools = [pool if layer.layer_type == FULL_ATTENTION else None
+                          for pool, layer in zip(self._kv_pools, self.model.layers)]
 
     def _embed(self, tokens):
         return self.model.embed_tokens.rows(tokens)  # [n, D] fp32
