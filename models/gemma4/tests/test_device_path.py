@@ -20,10 +20,7 @@ pytest.importorskip("triton", reason="the Triton kernels' tests need triton: pip
 from tiny_gemma import gemma3_gguf_tensors, make_hf_gemma3, token_ids, write_gemma3_gguf  # noqa: E402
 from verispec.kernels import ckernels, triton_dispatch  # noqa: E402
 from verispec.nn.kv_pool import PooledKVCache  # noqa: E402
-from verispec.testing.device_path import (assert_keep_after_a_rejected_draft,  # noqa: E402
-                                          assert_speculative_stream_is_plain, assert_two_sequences_are_each_alone,
-                                          count_device_kernels, greedy)
-from verispec.testing.gguf_weights import assert_verify_rows_are_one_row_decodes  # noqa: E402
+from verispec.testing.device_path import PlacedTrunkSuite, count_device_kernels, greedy  # noqa: E402
 from verispec_gemma4.loader import load  # noqa: E402
 
 pytestmark = [
@@ -89,19 +86,12 @@ def test_past_the_ring_the_logits_stay_the_cpu_paths_within_rounding(trunks):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
-def test_ngram_speculative_greedy_is_the_plain_stream(trunks):
-    from verispec_ngram.speculator import NGramSpeculator
+class TestPlacedGemma3(PlacedTrunkSuite):
+    prompt = PROMPT
+    verify_tokens = PROMPT + [8, 6, 10, 12, 30, 31, 32, 2, 4]
+    verify_prefix = 12
 
-    assert_speculative_stream_is_plain(trunks[1], PROMPT, lambda _: NGramSpeculator(max_draft_tokens=4))
+    def speculator(self, trunk, plain):
+        from verispec_ngram.speculator import NGramSpeculator
 
-
-def test_verify_rows_are_one_row_decodes_k_2_to_9(trunks):
-    assert_verify_rows_are_one_row_decodes(trunks[1], PROMPT + [8, 6, 10, 12, 30, 31, 32, 2, 4], prefix=12)
-
-
-def test_two_sequences_in_one_forward_are_each_alone(trunks):
-    assert_two_sequences_are_each_alone(trunks[1], PROMPT)
-
-
-def test_keep_after_a_rejected_draft_leaves_a_plain_runs_caches(trunks):
-    assert_keep_after_a_rejected_draft(trunks[1], PROMPT)
+        return NGramSpeculator(max_draft_tokens=4)

@@ -20,11 +20,8 @@ pytest.importorskip("triton", reason="the Triton kernels' tests need triton: pip
 from tiny_llama import build_hf_model, hf_to_gguf  # noqa: E402
 from verispec.kernels import ckernels, triton_attend, triton_dispatch, triton_qmatmul  # noqa: E402
 from verispec.nn.kv_pool import PooledKVCache  # noqa: E402
-from verispec.testing.device_path import (assert_keep_after_a_rejected_draft,  # noqa: E402
-                                          assert_speculative_stream_is_plain, assert_two_sequences_are_each_alone,
-                                          count_device_kernels, forbid_c_kernels, greedy)
+from verispec.testing.device_path import PlacedTrunkSuite, count_device_kernels, forbid_c_kernels, greedy  # noqa: E402
 from verispec.testing.fixture_writer import write_gguf  # noqa: E402
-from verispec.testing.gguf_weights import assert_verify_rows_are_one_row_decodes  # noqa: E402
 from verispec_llama.loader import load  # noqa: E402
 
 pytestmark = [
@@ -94,22 +91,14 @@ def test_the_device_trunk_holds_pooled_caches_and_its_table(trunks):
     dev.release(seq)
 
 
-def test_ngram_speculative_greedy_is_the_plain_stream(trunks):
-    from verispec_ngram.speculator import NGramSpeculator
+class TestPlacedLlama(PlacedTrunkSuite):
+    prompt = PROMPT
+    verify_tokens = PROMPT + [8, 6, 10, 12, 30, 31, 32, 2, 4]
 
-    assert_speculative_stream_is_plain(trunks[1], PROMPT, lambda _: NGramSpeculator(max_draft_tokens=4))
+    def speculator(self, trunk, plain):
+        from verispec_ngram.speculator import NGramSpeculator
 
-
-def test_verify_rows_are_one_row_decodes_k_2_to_9(trunks):
-    assert_verify_rows_are_one_row_decodes(trunks[1], PROMPT + [8, 6, 10, 12, 30, 31, 32, 2, 4], prefix=8)
-
-
-def test_two_sequences_in_one_forward_are_each_alone(trunks):
-    assert_two_sequences_are_each_alone(trunks[1], PROMPT)
-
-
-def test_keep_after_a_rejected_draft_leaves_a_plain_runs_caches(trunks):
-    assert_keep_after_a_rejected_draft(trunks[1], PROMPT)
+        return NGramSpeculator(max_draft_tokens=4)
 
 
 def test_the_llama_family_declares_cuda():

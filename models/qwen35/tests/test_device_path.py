@@ -23,11 +23,8 @@ from tiny_qwen35 import build_hf_model, hf_to_gguf  # noqa: E402
 from verispec.kernels import ckernels, triton_dispatch  # noqa: E402
 from verispec.nn.kv_pool import PooledKVCache  # noqa: E402
 from verispec.nn.state import RecurrentState  # noqa: E402
-from verispec.testing.device_path import (assert_keep_after_a_rejected_draft,  # noqa: E402
-                                          assert_speculative_stream_is_plain, assert_two_sequences_are_each_alone,
-                                          count_device_kernels, greedy)
+from verispec.testing.device_path import PlacedTrunkSuite, count_device_kernels, greedy  # noqa: E402
 from verispec.testing.fixture_writer import write_gguf  # noqa: E402
-from verispec.testing.gguf_weights import assert_verify_rows_are_one_row_decodes  # noqa: E402
 from verispec_qwen35.loader import load  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ["TRITON_INTERPRET"] != "1",
@@ -79,24 +76,16 @@ def test_plain_greedy_is_the_cpu_paths_within_rounding(trunks, monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
-def test_speculative_greedy_is_the_plain_stream(trunks):
-    """Drafts from the plain stream with random accept counts (the random tiny model repeats too
-    little for n-gram drafts to be accepted): full, partial and no acceptance, each `keep`."""
-    import random
+class TestPlacedQwen35(PlacedTrunkSuite):
+    prompt = verify_tokens = PROMPT
+    verify_prefix, verify_rows = 12, 6
+    truncate = False  # recurrent state
 
-    from verispec.testing import oracle_speculator
+    def speculator(self, trunk, plain):
+        """Drafts from the plain stream with random accept counts (the random tiny model repeats
+        too little for n-gram drafts to be accepted): full, partial and no acceptance, each kept."""
+        import random
 
-    assert_speculative_stream_is_plain(trunks[1], PROMPT, lambda plain: oracle_speculator(
-        plain, vocab_size=trunks[1].vocab_size, max_draft_tokens=4, rng=random.Random(0)))
+        from verispec.testing import oracle_speculator
 
-
-def test_verify_rows_are_one_row_decodes_k_2_to_6(trunks):
-    assert_verify_rows_are_one_row_decodes(trunks[1], PROMPT, prefix=12, max_rows=6)
-
-
-def test_two_sequences_in_one_forward_are_each_alone(trunks):
-    assert_two_sequences_are_each_alone(trunks[1], PROMPT)
-
-
-def test_keep_after_a_rejected_draft_selects_every_layers_state(trunks):
-    assert_keep_after_a_rejected_draft(trunks[1], PROMPT, truncate=False)
+        return oracle_speculator(plain, vocab_size=trunk.vocab_size, max_draft_tokens=4, rng=random.Random(0))

@@ -5,8 +5,9 @@ declares "cuda": run on the CPU with `to_device("cpu")`, VERISPEC_TRITON=1 and T
 - `count_device_kernels`: counts the Triton kernels' calls; `forbid_c_kernels`: any C kernel call fails.
 - `greedy`: a plain greedy decode with every step's logits.
 - `assert_keep_after_a_rejected_draft`, `assert_two_sequences_are_each_alone`,
-  `assert_speculative_stream_is_plain`: the seam's exactness on the placed trunk.
-(`gguf_weights.assert_verify_rows_are_one_row_decodes` checks its verify rows.)
+  `assert_speculative_stream_is_plain`: the seam's exactness on the placed trunk
+  (`gguf_weights.assert_verify_rows_are_one_row_decodes` checks its verify rows).
+- `PlacedTrunkSuite`: those checks as a test class a family's tests subclass.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["assert_keep_after_a_rejected_draft", "assert_speculative_stream_is_plain", "assert_two_sequences_are_each_alone",
+__all__ = ["PlacedTrunkSuite", "assert_keep_after_a_rejected_draft", "assert_speculative_stream_is_plain", "assert_two_sequences_are_each_alone",
            "count_device_kernels", "forbid_c_kernels", "greedy"]
 
 
@@ -130,3 +131,35 @@ def assert_keep_after_a_rejected_draft(trunk, prompt: Sequence[int], *, truncate
         assert torch.equal(again, nxt[1])
     for s in (spec, plain):
         trunk.release(s)
+
+
+class PlacedTrunkSuite:
+    """The checks above as tests: subclass it as `Test...` in a family's tests, beside a `trunks`
+    fixture giving (the CPU trunk, the same file's placed trunk), and set the class attributes."""
+
+    #: a prompt of at least 10 tokens; `verify_tokens` extends past it for the verify check
+    prompt: Sequence[int]
+    verify_tokens: Sequence[int]
+    verify_prefix = 8
+    verify_rows = 9
+    #: False for a trunk with recurrent state (it refuses to truncate)
+    truncate = True
+
+    def speculator(self, trunk, plain: Sequence[int]):
+        """The Speculator for the stream check (`assert_speculative_stream_is_plain`)."""
+        raise NotImplementedError
+
+    def test_speculative_greedy_is_the_plain_stream(self, trunks):
+        assert_speculative_stream_is_plain(trunks[1], self.prompt, lambda plain: self.speculator(trunks[1], plain))
+
+    def test_verify_rows_are_one_row_decodes(self, trunks):
+        from verispec.testing.gguf_weights import assert_verify_rows_are_one_row_decodes
+
+        assert_verify_rows_are_one_row_decodes(trunks[1], self.verify_tokens, prefix=self.verify_prefix,
+                                               max_rows=self.verify_rows)
+
+    def test_two_sequences_in_one_forward_are_each_alone(self, trunks):
+        assert_two_sequences_are_each_alone(trunks[1], self.prompt)
+
+    def test_keep_after_a_rejected_draft_leaves_a_plain_runs_state(self, trunks):
+        assert_keep_after_a_rejected_draft(trunks[1], self.prompt, truncate=self.truncate)
