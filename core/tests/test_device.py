@@ -93,3 +93,12 @@ def test_on_a_gpu_only_block_linears_declare_batch_invariance():
     assert trunk.spec_batch_invariant
     trunk.other = Float32Linear(32, 16, device="meta")
     assert not trunk.spec_batch_invariant
+
+
+def test_off_the_cpu_int8_is_refused_before_the_model_loads(monkeypatch):
+    from verispec import api
+    from verispec.errors import InvalidArgument
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    with pytest.raises(InvalidArgument, match="--dtype int8 on cuda: .*use --dtype gguf"):
+        api.load("/nonexistent/model.gguf", dtype="int8", device="cuda")  # no file is opened first

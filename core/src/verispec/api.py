@@ -70,7 +70,8 @@ def load(model: str | None = None, *, dtype: str | None = None, threads: int | s
       request that does not fit waits. None = half of the memory available once the model is
       loaded (on "cuda": the GPU's free memory once the trunk is placed); 0 = no budget.
     tensor_parallel: ranks of a tensor-parallel trunk (verispec.tensor_parallel; None or 1: one process).
-    device: "cpu" (None: the default), "cuda" or "auto" (verispec.device.resolve_device).
+    device: "cpu" (None: the default), "cuda" or "auto" (verispec.device.resolve_device); off the
+      CPU `dtype` defaults to "gguf" and int8 / int4 are refused before the model loads.
       On "cuda" the trunk is placed there by `TrunkModule.to_device` (the families that
       declare it; README "GPUs"); the scheduler, sampler and speculators stay on the CPU.
     Raises InvalidArgument when both `spec` and its fields as keywords are given, or for a device
@@ -87,6 +88,12 @@ def load(model: str | None = None, *, dtype: str | None = None, threads: int | s
     if device.type != "cpu" and tensor_parallel and tensor_parallel > 1:
         raise InvalidArgument(f"--device {device.type} with --tp {tensor_parallel}: tensor-parallel ranks run on the "
                               "CPU; leave one of them out")
+    if device.type != "cpu":  # on a GPU the block kernels run in Triton: the file's own blocks, refused dtypes first
+        dtype = dtype or "gguf"
+        if dtype in ("int8", "i8", "int4", "i4"):
+            raise InvalidArgument(f"--dtype {dtype} on {device.type}: its packed-integer kernels run on the CPU; on "
+                                  f"{device.type} use --dtype gguf (the default there) or bf16 / fp32 (cuBLAS: not "
+                                  "batch-invariant, declared so)")
     budget = kv_budget_bytes(kv_cache_gb) if kv_cache_gb is not None else None  # refused before the model loads
     registry = registry or Registry.discover()
     spec = spec or SpecOptions(**spec_options)
@@ -95,6 +102,11 @@ def load(model: str | None = None, *, dtype: str | None = None, threads: int | s
     if device.type != "cpu":
         require_trunk_device(device, trunk)  # the family's declaration (TrunkModule.devices)
         trunk.to_device(device)
+        from verispec.weights.block_linear import BlockLinear
+
+        for module in trunk.modules():  # the weights' device copies now, so the KV budget sees them
+            if isinstance(module, BlockLinear):
+                module.device_weight(device)
     engine_options = {k: v for k, v in (("prefill_chunk", prefill_chunk), ("max_running", max_running))
                       if v is not None}
     if kv_cache_gb is None:

@@ -135,9 +135,9 @@ class BlockLinear(Float32Linear):
         if triton_dispatch.use_triton(x):  # CUDA tensors: the same arithmetic in Triton
             from verispec.kernels import triton_qmatmul
 
-            y = triton_qmatmul.qmatmul(*quantize_activations(x), *self._device_weight(x.device), self.FORMAT.group)
+            y = triton_qmatmul.qmatmul(*quantize_activations(x), *self.device_weight(x.device), self.FORMAT.group)
         elif self.device_kernels:  # a trunk on a device with VERISPEC_TRITON=0: the PyTorch statement there
-            w, s, m = self._device_weight(x.device)
+            w, s, m = self.device_weight(x.device)
             y = _reference_matmul(x, self.FORMAT, w, 0, s, m)
         elif ckernels.library() is None:  # no C compiler: the kernel's arithmetic in PyTorch
             if self._unpacked is None or self._unpacked[0] is not self._buffers["packed"]:
@@ -151,10 +151,10 @@ class BlockLinear(Float32Linear):
     def _apply(self, fn, recurse=True):
         """nn.Module's `.to` / `.cpu` / ...: a placed trunk's block linear (`device_kernels`, set by
         `TrunkModule.to_device` before it moves the modules) keeps its packed blocks on the CPU:
-        they are only the source of the one copy its device kernels read (`_device_weight`)."""
+        they are only the source of the one copy its device kernels read (`device_weight`)."""
         return self if self.device_kernels else super()._apply(fn, recurse)
 
-    def _device_weight(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def device_weight(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The weight a placed trunk reads, made once per packed tensor: `signed_values` of the
         unpacked blocks on `device` (w int8 [out, in], s fp32 [out, in / G], m fp32 or None). The
         Triton matmul, its PyTorch statement and the row gather all read this one copy."""
@@ -176,7 +176,7 @@ class BlockLinear(Float32Linear):
         """fp32 [n, in]: rows `ids` dequantised, gguf-py's values bitwise (a tied embedding's lookup;
         the C kernel reads the packed rows in place, else their unpacked values)."""
         if self.device_kernels:  # gguf-py's values from the device weight: (u - z)·s, or u·s + m (z = 0)
-            w, s, m = self._device_weight(ids.device)
+            w, s, m = self.device_weight(ids.device)
             y = w[ids].float() * s[ids].repeat_interleave(self.FORMAT.group, dim=1)
             return y if m is None else y + m[ids].repeat_interleave(self.FORMAT.group, dim=1)
         if ckernels.library() is None:
