@@ -6,7 +6,7 @@
 Steps (each one's result, or the error it raised, goes into the JSON printed last, and --out):
 1. kernels: the Triton kernels' tests on the device (pytest with TRITON_INTERPRET=0: bitwise their
    PyTorch statements, batch-invariant at 1..17 rows and mixed sequences): core/tests/test_triton_
-   {qmatmul,attend,norm,glu,lane_dot}.py, models/qwen35/tests/test_triton_delta_rule.py,
+   {qmatmul,attend,norm,glu}.py, models/qwen35/tests/test_triton_delta_rule.py,
    models/glm5/tests/test_triton_kda.py.
 2. per --model (a GGUF path or a checkpoint alias; llama/qwen2, gemma3 or qwen35 files), loaded with
    `verispec.load(model, device="cuda")`: plain greedy decode of --tokens tokens for two
@@ -35,8 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = ["core/tests/test_triton_qmatmul.py", "core/tests/test_triton_attend.py", "core/tests/test_triton_norm.py",
-                "core/tests/test_triton_glu.py", "core/tests/test_triton_lane_dot.py",
-                "models/qwen35/tests/test_triton_delta_rule.py",
+                "core/tests/test_triton_glu.py", "models/qwen35/tests/test_triton_delta_rule.py",
                 "models/glm5/tests/test_triton_kda.py"]
 PROMPTS = ["The cat sat on the mat. The cat sat on the mat. The cat sat on the",
            "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef"]

@@ -105,7 +105,7 @@ def load(model: str | None = None, *, dtype: str | None = None, threads: int | s
         from verispec.weights.block_linear import BlockLinear
 
         for module in trunk.modules():  # the weights' device copies now, so the KV budget sees them
-            if isinstance(module, BlockLinear) and module.device_kernels:  # placed: a draft head's block stays
+            if isinstance(module, BlockLinear):
                 module.device_weight(device)
     engine_options = {k: v for k, v in (("prefill_chunk", prefill_chunk), ("max_running", max_running))
                       if v is not None}

@@ -186,19 +186,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return out
 
 
-def lane_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """fp32 [rows, 1]: each row's Σ x_i·y_i in `verispec_rms_norm`'s fixed order of its sum of
-    squares (16 lanes over the row's 16-wide chunks, a zero-padded tail, then halving 8, 4, 2, 1);
-    x fp32 [rows, dim], y fp32 [rows, dim] or [dim] (the same for every row). Elementwise steps
-    only: a row's bits depend on nothing else, on any device. `kernels.triton_lane_dot` is its
-    Triton statement."""
+def lane_sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [rows, 1]: each row's sum of squares in `verispec_rms_norm`'s fixed order (16 lanes
+    over the row's 16-wide chunks, a zero-padded tail, then halving 8, 4, 2, 1), x fp32 [rows,
+    dim]. Elementwise steps only: a row's bits depend on nothing else, on any device."""
     rows, dim = x.shape
     lanes = torch.zeros(rows, 16, device=x.device)
-    pad = (0, -dim % 16)
-    xs = torch.nn.functional.pad(x, pad).split(16, dim=1)
-    ys = torch.nn.functional.pad(y.expand_as(x), pad).split(16, dim=1)
-    for a, b in zip(xs, ys):
-        lanes = lanes + a * b
+    padded = torch.nn.functional.pad(x, (0, -dim % 16))
+    for chunk in padded.split(16, dim=1):
+        lanes = lanes + chunk * chunk
     for half in (8, 4, 2, 1):
         lanes = lanes[:, :half] + lanes[:, half:2 * half]
     return lanes
@@ -207,7 +203,7 @@ def lane_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """`verispec_rms_norm` of the C file, operation by operation: x fp32 [rows, dim]."""
     dim = x.shape[1]
-    lanes = lane_dot(x, x)  # Σx²
+    lanes = lane_sum_of_squares(x)
     # ATen divides by a 0-dim tensor as a * (1 / b), and its fp32 sqrt is not correctly rounded
     # (the C sqrtf is): divide by a full tensor, and take sqrt in fp64 (exact once rounded to fp32)
     mean = lanes / torch.full_like(lanes, dim) + _f32(eps)

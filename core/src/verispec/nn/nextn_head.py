@@ -63,12 +63,6 @@ class NextNHead:
         self.config = trunk.config
         self.feature_size = self.view.tap_feature_size(self.tap_layers)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The trunk's RoPE (cos, sin) of int64 positions [m] on the CPU, where the head runs: a
-        placed trunk's (`TrunkModule.to_device`) are rows of a table on its device."""
-        cos, sin = self.rotary_emb.cos_sin(positions.to(self.rotary_emb.inv_freq.device))
-        return cos.cpu(), sin.cpu()
-
     def new_state(self) -> NextNState:
         return NextNState(HeadKVCache(self.config.num_key_value_heads, self.config.head_dim))
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 import attrs
 import torch
@@ -330,7 +330,7 @@ class TrunkModule(SequenceTrunk, nn.Module):
     #: the devices this family's trunk runs on (`verispec.device.require_trunk_device`); a family
     #: that adds "cuda" writes its forward with the device kernels (`to_device`) and pooled KV
     devices: tuple[str, ...] = ("cpu",)
-    #: a placed trunk's KV pools, one per layer (None for a layer without KV: `_place_state`); None on the CPU
+    #: a placed trunk's KV pools, one per layer (`_place_state`); None on the CPU
     _kv_pools: list | None = None
     speculation_refusal = None
     speculation_profitable = True
@@ -361,9 +361,8 @@ class TrunkModule(SequenceTrunk, nn.Module):
         elsewhere, never the C kernels), then norms, biases and float weights moved there
         (`nn.Module.to`; a block linear keeps its packed blocks on the CPU and puts one unpacked
         int8 copy on the device at first use), then `_place_state(device)` (the family's KV pools,
-        RoPE tables). Draft heads run on the CPU and read a placed trunk through `view()`; a
-        trunk's own head whose block is a submodule here is switched off, with one warning (a
-        family that keeps the block on the CPU takes it out first: Qwen 3.5's MTP).
+        RoPE tables). A trunk's own draft head (an MTP block) stays on the CPU and is switched
+        off, with one warning; heads bound through `view()` read the placed trunk from the CPU.
         On the CPU this is the proof mode of the GPU path: with VERISPEC_TRITON=1
         and TRITON_INTERPRET=1 the code a CUDA trunk runs, run by Triton's interpreter. Call
         before any sequence exists.
@@ -391,13 +390,12 @@ class TrunkModule(SequenceTrunk, nn.Module):
         self._nbytes_template = None
         self._place_state(device)
 
-    def _place_state(self, device: torch.device, kv_layers: Collection[int] | None = None) -> None:
-        """The per-device state `to_device` makes last: a `nn.kv_pool.BlockPool` for each layer in
-        `kv_layers` (None: every layer, as llama/qwen2 and Gemma 3 have; the others' entries None),
-        blocks of `key_block` slots (64 where the family sets none), and the table of every
-        RotaryEmbedding (`RotaryEmbedding.tabulate`). A family with recurrent or shared-KV layers
-        overrides it, naming its attention layers. Raises ValueError under `shards` (a
-        tensor-parallel rank runs on the CPU)."""
+    def _place_state(self, device: torch.device) -> None:
+        """The per-device state `to_device` makes last: for a family whose every layer attends
+        (llama/qwen2, Gemma 3) a `nn.kv_pool.BlockPool` per layer, blocks of `key_block` slots
+        (64 where the family sets none), and the table of every RotaryEmbedding
+        (`RotaryEmbedding.tabulate`). A family with recurrent or shared-KV layers overrides it.
+        Raises ValueError under `shards` (a tensor-parallel rank runs on the CPU)."""
         from verispec.nn.kv_pool import BlockPool
         from verispec.nn.rope import RotaryEmbedding
 
@@ -405,8 +403,7 @@ class TrunkModule(SequenceTrunk, nn.Module):
             raise ValueError("a tensor-parallel rank runs on the CPU")
         c = getattr(self, "shard_config", self.config)  # a family without tensor parallelism has no shard_config
         block = getattr(self, "key_block", 64)
-        self._kv_pools = [BlockPool(c.num_key_value_heads, c.head_dim, block, device)
-                          if kv_layers is None or i in kv_layers else None for i in range(self.num_layers)]
+        self._kv_pools = [BlockPool(c.num_key_value_heads, c.head_dim, block, device) for _ in range(self.num_layers)]
         for module in self.modules():
             if isinstance(module, RotaryEmbedding):
                 module.tabulate(self.max_context_length, device)

@@ -36,7 +36,7 @@ class Qwen35MtpHead(NextNHead):
         h' [m, D])."""
         mtp, m = self.mtp, len(tokens)
         positions = torch.arange(start_pos, start_pos + m)
-        cos, sin = self.cos_sin(positions)
+        cos, sin = self.rotary_emb.cos_sin(positions)
         e = self.view.embed(torch.tensor(tokens))  # [m, D]
         x = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(e), mtp.pre_fc_norm_hidden(hidden)], dim=-1))
         attn = mtp.layer.self_attn

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from verispec.errors import DamagedFile, UnsupportedVariant
 from verispec.gguf_io import MissingTensor, arch_value
-from verispec.kernels import ckernels, triton_delta_rule, triton_dispatch, triton_lane_dot
+from verispec.kernels import ckernels, triton_delta_rule, triton_dispatch
 from verispec.nn.attention import attend_rows
 from verispec.nn.elementwise import rowwise
 from verispec.nn.mlp import GatedMLP
@@ -236,9 +236,8 @@ class Qwen35GatedDeltaNet(nn.Module):
         #: run a non-verify chunk of at least this many rows through `chunked_delta_rule` (None: never).
         self.chunked_min_rows: int | None = None
 
-    #: set by `TrunkModule.to_device`: the conv as in-order multiply-adds and the q/k l2norm's
-    #: sums in the fixed lane order (`_lane_dot`; a GPU's reductions may pick their order by
-    #: shape); the rows in Triton where `triton_dispatch.use_triton`
+    #: set by `TrunkModule.to_device`: the conv and the q/k l2norm as fixed-order elementwise
+    #: statements (a GPU's reductions may pick their order by shape), the rows in Triton
     device_kernels = False
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -353,17 +352,10 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _lane_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """`_l2norm` with Σx² in the fixed lane order (`_lane_dot`; a placed trunk's: each row's bits
-    its own on any device, whatever the rows around it). x fp32 [..., d]."""
-    rows = x.reshape(-1, x.shape[-1])
-    return x * torch.rsqrt(_lane_dot(rows, rows).view(*x.shape[:-1], 1) + eps)
-
-
-def _lane_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Each row's Σ x·y fp32 [n, 1] (x [n, w], y [w] or [n, w]) in the C kernels' 16-lane order,
-    on x's device: kernels.triton_lane_dot where `triton_dispatch.use_triton`, else its PyTorch
-    statement (the same bits)."""
-    return triton_lane_dot.lane_dot(x, y) if triton_dispatch.use_triton(x) else ckernels.lane_dot(x, y)
+    """`_l2norm` with Σx² in `ckernels.lane_sum_of_squares`' fixed order (a placed trunk's: each
+    row's bits its own on any device, whatever the rows around it). x fp32 [..., d]."""
+    sums = ckernels.lane_sum_of_squares(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], 1)
+    return x * torch.rsqrt(sums + eps)
 
 
 # -- gated full attention --------------------------------------------------------------------
@@ -419,32 +411,18 @@ class Qwen35SparseMoe(nn.Module):
         self.shared_expert_gate = nn.Parameter(torch.empty(c.shared_expert_gate_shape or (d,), device=device),
                                                requires_grad=False)
 
-    #: set by `TrunkModule.to_device`: the router's softmax and top-k sums and the shared-expert
-    #: gate's dot product in the fixed lane order (`_lane_dot`; a GPU's reductions may pick their
-    #: order by the number of rows)
-    device_kernels = False
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x).float()  # [n, E]
-        if self.device_kernels:  # softmax with its sum in the fixed order (the max is exact in any order)
-            exps = (logits - logits.amax(dim=-1, keepdim=True)).exp()
-            probs = exps / self._dot(exps, torch.ones_like(exps[0]))
-        else:
-            probs = torch.softmax(logits, dim=-1)
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [n, E]
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [n, k]
-        weights = weights / self._dot(weights, torch.ones_like(weights[0]))
+        weights = weights / weights.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(x)
-        for e in experts.unique().tolist():  # a row picks an expert once: index_add_ adds to each row once
+        for e in experts.unique().tolist():
             rows, slot = torch.where(experts == e)
             gate, up = self.gate_up_proj[e](x[rows]).split(self.moe_intermediate_size, dim=-1)
             out.index_add_(0, rows, self.down_proj[e](rowwise(F.silu, gate) * up) * weights[rows, slot, None])
-        shared_gate = rowwise(torch.sigmoid, self._dot(x, self.shared_expert_gate.reshape(-1)))  # [n, 1]
+        shared_logit = (x * self.shared_expert_gate.reshape(-1)).sum(-1, keepdim=True)  # [n, 1], per row
+        shared_gate = rowwise(torch.sigmoid, shared_logit)
         return out + shared_gate * self.shared_expert(x)
-
-    def _dot(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Each row's Σ x·y, fp32 [n, 1] (x [n, w], y [w]): torch's sum on the CPU, the fixed lane
-        order on a device."""
-        return _lane_dot(x, y) if self.device_kernels else (x * y).sum(dim=-1, keepdim=True)
 
 
 class Qwen35DecoderLayer(nn.Module):
@@ -508,7 +486,7 @@ class Qwen35ForCausalLM(TrunkModule):
     spec_preferred_max_draft_tokens = 4
     #: `TrunkModule.to_device`: on CUDA the block linears run kernels.triton_qmatmul, the attention
     #: layers kernels.triton_attend over nn.kv_pool's pools, the GDN rows kernels.triton_delta_rule
-    #: with their states on the device; the MTP head drafts on the CPU (`to_device`)
+    #: with their states on the device; the MTP head stays on the CPU and is switched off there
     devices = ("cpu", "cuda")
 
     def __init__(self, config: Qwen35Config, *, dtype: str = "int8", max_rows_per_forward: int | None = None,
@@ -544,22 +522,12 @@ class Qwen35ForCausalLM(TrunkModule):
                                             max_positions=self.max_context_length))
         return states
 
-    def to_device(self, device: torch.device | str) -> None:
-        """`TrunkModule.to_device` with the MTP block left on the CPU: its head drafts there, as the
-        scheduler, the sampler and every draft head do, reading the placed trunk through `view()`
-        (embedding and LM head on the device, rows back on the CPU; `NextNHead.cos_sin`)."""
-        mtp, head = self.mtp, self.draft_head
-        self.mtp = self.draft_head = None  # out of the module tree while the trunk is placed
-        try:
-            super().to_device(device)
-        finally:
-            self.mtp, self.draft_head = mtp, head
-
     def _place_state(self, device: torch.device) -> None:
-        """`TrunkModule._place_state` with pools for the full-attention layers only (a GDN layer's
-        state is a `RecurrentState` on the device: `_new_layer_states`)."""
-        super()._place_state(device, kv_layers={i for i, layer in enumerate(self.model.layers)
-                                                if layer.layer_type == FULL_ATTENTION})
+        """`TrunkModule._place_state`, with pools for the full-attention layers only (a GDN layer's
+        state is a `RecurrentState` on the device)."""
+        super()._place_state(device)
+        self._kv_pools = [pool if layer.layer_type == FULL_ATTENTION else None
+                          for pool, layer in zip(self._kv_pools, self.model.layers)]
 
     def _embed(self, tokens):
         return self.model.embed_tokens.rows(tokens)  # [n, D] fp32
