@@ -72,7 +72,7 @@ def test_plain_greedy_logits_bitwise_the_cpu_path_before_the_ring_wraps(trunks, 
         mp.setattr(ckernels, "library", ckernels.LIBRARY.load)
         want_tokens, want = greedy(cpu, PROMPT, 4)
     got_tokens, got = greedy(dev, PROMPT, 4)
-    assert all(calls.values()), calls  # every Triton kernel ran, no C kernel
+    assert all(calls[name] for name in ("qmatmul", "attend", "rms_norm", "glu")), calls  # Gemma 3's, no C kernel
     assert torch.equal(got, want), f"max |diff| {(got - want).abs().max():.3g}"
     assert got_tokens == want_tokens
 
