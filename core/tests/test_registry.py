@@ -15,9 +15,9 @@ import pytest
 from verispec import hookimpl
 from verispec.install_hints import DEFAULT_CHECKPOINT_INSTALL, checkout_root
 from verispec.registry import NoDefaultCheckpoint, Registry, UnknownArchitecture, UnknownCheckpoint, format_plugin_table
-from verispec.seams import DraftHeadKind
+from verispec.seams import DraftHeadKind, DrafterMismatch
 from verispec.speculator_choice import SpeculationUnavailable, choose_speculator
-from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TrunkSpec
+from verispec.specs import CheckpointSpec, Decline, DraftFileSpec, SpeculatorSpec, TrunkSpec
 
 
 class Toy:
@@ -282,6 +282,37 @@ def test_decline_check_runs_before_the_factory():
     assert built == []
 
 
+def test_a_factory_declines_with_its_reason_by_a_decline_or_a_drafter_mismatch():
+    """`Decline(reason)` and `DrafterMismatch` give the plugin's own reason (marked own_reasons,
+    which `verispec generate` shows); None stays a silent "does not take this drafter"."""
+    def mismatch(trunk, **kwargs):
+        raise DrafterMismatch("drafter vocabulary 111 != trunk vocabulary 110")
+
+    registry = Registry.from_plugins({"toys": Toy(
+        spec("newline", lambda trunk, **kw: Decline("the tokenizer has no newline token"), priority=9),
+        spec("bound", mismatch, priority=8),
+        spec("silent", never, priority=7),
+        spec("easy"),
+    )})
+    choice = choose_speculator(registry, "auto", Trunk(), max_draft_tokens=8)
+    assert choice.name == "easy"
+    assert choice.declines == {"newline": "the tokenizer has no newline token",
+                               "bound": "drafter vocabulary 111 != trunk vocabulary 110",
+                               "silent": "silent cannot serve this trunk"}
+    assert choice.own_reasons == {"newline", "bound"} and choice.not_taken == {"silent"}
+    with pytest.raises(SpeculationUnavailable, match="newline: the tokenizer has no newline token"):
+        choose_speculator(registry, "newline", Trunk(), max_draft_tokens=8)
+
+
+def test_plugin_rows_show_the_decline_check():
+    registry = Registry.from_plugins({"toys": Toy(spec("picky", decline="picky_pkg.checks:decline"),
+                                                  spec("lambda", decline=test_plugin_rows_show_the_decline_check))})
+    rows = {row["name"]: row for row in registry.plugin_rows()}
+    assert rows["picky"]["decline"] == "picky_pkg.checks:decline"
+    assert rows["lambda"]["decline"] == f"{__name__}:test_plugin_rows_show_the_decline_check"
+    assert "decline=picky_pkg.checks:decline" in format_plugin_table(registry.plugin_rows())
+
+
 def test_factory_that_raises_declines_and_auto_falls_through():
     def broken(trunk, **kwargs):
         raise RuntimeError("kernel missing")
@@ -428,7 +459,7 @@ def test_plugin_rows_and_table():
     assert by_kind["speculator"] == {
         "distribution": None, "version": None, "plugin": "m", "kind": "speculator", "name": "lookup",
         "summary": "toy lookup", "requires_draft_head": False, "can_arm_after_prefix_reuse": True,
-        "needs_hidden_state": False, "default_min_draft_prob": 0.0, "priority": 3}
+        "needs_hidden_state": False, "default_min_draft_prob": 0.0, "priority": 3, "decline": None}
     assert by_kind["trunk"]["architectures"] == ["gemma3"]
     assert (by_kind["checkpoint"]["pip_install"], by_kind["checkpoint"]["is_default"],
             by_kind["checkpoint"]["size_bytes"]) == ("tiny-gguf", True, 1234)
@@ -504,7 +535,7 @@ def test_discover_lists_plugins_without_importing_torch(tmp_path):
         "distribution": "toy-good", "version": "1.2.3", "plugin": "toygood", "kind": "speculator",
         "name": "toy-lookup", "summary": "toy lookup", "requires_draft_head": True,
         "can_arm_after_prefix_reuse": True, "needs_hidden_state": False, "default_min_draft_prob": 0.25,
-        "priority": 7}
+        "priority": 7, "decline": None}
     broken = rows["toybroken"]
     assert (broken["kind"], broken["distribution"], broken["version"]) == ("error", "toy-broken", "0.0.1")
     assert "needs libtoy 2.0" in broken["error"]

@@ -1,8 +1,8 @@
 """verispec: speculative decoding as plugins. See docs/design.md; `verispec.load` is the Python API."""
 from verispec.hookspecs import hookimpl
-from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TrunkSpec
+from verispec.specs import CheckpointSpec, Decline, DraftFileSpec, SpeculatorSpec, TrunkSpec
 
-__all__ = ["hookimpl", "SpeculatorSpec", "TrunkSpec", "DraftFileSpec", "CheckpointSpec", "load"]
+__all__ = ["hookimpl", "SpeculatorSpec", "TrunkSpec", "DraftFileSpec", "CheckpointSpec", "Decline", "load"]
 __version__ = "0.1.0"
 
 

@@ -23,7 +23,7 @@ import pluggy
 from verispec import hookspecs
 from verispec.errors import VerispecError
 from verispec.install_hints import DEFAULT_CHECKPOINT_INSTALL, install_hint, repository_distributions
-from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TrunkSpec
+from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TrunkSpec, ref_text
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ SPEC_TYPE_GROUPS: tuple[str, ...] = ("auto", "draft-head", "block")
 #: declarations listed by `verispec plugins`, per kind.
 _DECLARATIONS: dict[str, tuple[str, ...]] = {
     "speculator": ("requires_draft_head", "can_arm_after_prefix_reuse", "needs_hidden_state",
-                   "default_min_draft_prob", "priority"),
+                   "default_min_draft_prob", "priority", "decline"),
     "trunk": ("architectures",),
     "draft_file": ("architectures",),
     "checkpoint": ("pip_install", "is_default", "size_bytes"),
@@ -318,7 +318,7 @@ def _row(entry: Entry) -> dict:
                               entry.spec.summary)))
     for key in _DECLARATIONS[entry.kind]:
         value = getattr(entry.spec, key)
-        row[key] = list(value) if isinstance(value, tuple) else value
+        row[key] = list(value) if isinstance(value, tuple) else ref_text(value) if key == "decline" else value
     return row
 
 

@@ -45,13 +45,33 @@ def resolve(ref: Any):
     return obj
 
 
+def ref_text(ref: Any) -> str | None:
+    """A reference as `verispec plugins` shows it: the "module:attr" string, or a callable's own."""
+    if ref is None or isinstance(ref, str):
+        return ref
+    return f"{getattr(ref, '__module__', '?')}:{getattr(ref, '__qualname__', repr(ref))}"
+
+
+@attrs.frozen
+class Decline:
+    """What a speculator factory returns to decline with a reason: `return Decline("needs a
+    tokenizer with a newline token")`. The reason reaches the operator: in the error of an
+    explicit --spec-type, in auto's plain-decoding line, and on its own line of `verispec
+    generate` when auto picks another speculator. (Raising `verispec.seams.DrafterMismatch`
+    does the same for a drafter bound to another trunk; returning None declines silently: the
+    speculator does not take the drafter loaded.)"""
+
+    reason: str = attrs.field(validator=attrs.validators.instance_of(str))
+
+
 @attrs.frozen
 class SpeculatorSpec:
     """A drafting algorithm and the one place its declarations live.
 
     `factory(trunk, *, spec, max_draft_tokens, min_draft_prob, draft_head)` returns a
-    `Speculator` built over this spec (`Speculator.__init__(spec, ...)`), or None when it
-    cannot serve that trunk (say why via `decline`)."""
+    `Speculator` built over this spec (`Speculator.__init__(spec, ...)`), `Decline(reason)`
+    when it cannot serve that trunk, or None when it does not take the drafter loaded (a
+    silent decline). `decline(trunk) -> str | None` is a cheaper check run first."""
 
     #: what --spec-type names.
     name: str = attrs.field(validator=_check_name)

@@ -3,9 +3,11 @@
 
 A speculator declines from its declarations alone (`requires_draft_head`, the trunk's
 `speculation_refusal` / `speculation_profitable`), from its own `decline` check, by its
-factory returning None or raising `seams.DrafterMismatch` (the drafter passed does not fit this
-trunk: its message is the reason), or by asking for hidden taps the trunk cannot serve; a factory that raises anything else is a broken plugin: it
-declines with the error (logged), never taking the engine down. An explicit --spec-type that
+factory returning `specs.Decline(reason)` or raising `seams.DrafterMismatch` (the drafter
+passed does not fit this trunk: its message is the reason), by its factory returning None (it
+does not take the drafter loaded: a silent decline), or by asking for hidden taps the trunk
+cannot serve; a factory that raises anything else is a broken plugin: it declines with the
+error (logged), never taking the engine down. An explicit --spec-type that
 nothing can serve is an error naming every reason (`SpeculationUnavailable`); "auto" then decodes
 plainly.
 """
@@ -22,7 +24,7 @@ from verispec.errors import VerispecError
 from verispec.install_hints import install_hint
 from verispec.registry import Entry, Registry
 from verispec.seams import DraftHeadKind, DrafterMismatch, UnsupportedTap, declared
-from verispec.specs import SpeculatorSpec, resolve
+from verispec.specs import Decline, SpeculatorSpec, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,10 @@ class Choice:
     #: the names among `declines` whose factory returned None: they do not take the loaded
     #: drafter (a fit, not a fault).
     not_taken: frozenset[str] = frozenset()
+    #: the names among `declines` whose reason is the plugin's own (its decline check, a
+    #: `Decline`, a `DrafterMismatch`, a failed build), not one of its declarations': what
+    #: `verispec generate` shows when another speculator was picked.
+    own_reasons: frozenset[str] = frozenset()
 
 
 class SpeculationUnavailable(VerispecError, RuntimeError):
@@ -65,6 +71,7 @@ def choose_speculator(registry: Registry, spec_type: str, trunk: Any, *, draft_h
     """
     declines: dict[str, str] = {}
     not_taken: set[str] = set()
+    own_reasons: set[str] = set()
     candidates = _candidates(registry, spec_type)
     if spec_type == "block" and declared(trunk, "speculation_refusal") is None:
         missing = _no_block_head(draft_head)
@@ -78,9 +85,11 @@ def choose_speculator(registry: Registry, spec_type: str, trunk: Any, *, draft_h
             if speculator is None and reason is None:  # its factory does not take this drafter
                 reason = _not_taken(entry.name, draft_head)
                 not_taken.add(entry.name)
+            elif speculator is None:
+                own_reasons.add(entry.name)
         if speculator is not None:
             return Choice(speculator, entry.name, _picked(entry.spec, spec_type, declines), declines,
-                          frozenset(not_taken))
+                          frozenset(not_taken), frozenset(own_reasons))
         declines[entry.name] = reason
     if spec_type != "auto":
         raise SpeculationUnavailable(spec_type, declines)
@@ -88,7 +97,7 @@ def choose_speculator(registry: Registry, spec_type: str, trunk: Any, *, draft_h
            else f"no speculator plugin is installed, e.g. {install_hint('plugins/ngram')}")
     reason = f"decoding plainly: nothing can serve this trunk ({why})"
     logger.info(reason)
-    return Choice(None, None, reason, declines, frozenset(not_taken))
+    return Choice(None, None, reason, declines, frozenset(not_taken), frozenset(own_reasons))
 
 def _candidates(registry: Registry, spec_type: str) -> list[Entry]:
     ranked = sorted(registry.speculators.values(), key=lambda e: (-e.spec.priority, e.name))
@@ -185,7 +194,8 @@ def _not_taken(name: str, draft_head: Any) -> str:
 
 def _build(spec: SpeculatorSpec, trunk, draft_head, max_draft_tokens, min_draft_prob):
     """(speculator, None), (None, why not), or (None, None) when the factory returned None (it
-    does not take this drafter): the spec's decline check, then its factory."""
+    does not take this drafter): the spec's decline check, then its factory (which may return
+    a `Decline`)."""
     try:
         if spec.decline is not None:
             reason = resolve(spec.decline)(trunk)
@@ -202,6 +212,8 @@ def _build(spec: SpeculatorSpec, trunk, draft_head, max_draft_tokens, min_draft_
         return None, f"{spec.name} failed to build: {_text(exc)}"
     if speculator is None:
         return None, None
+    if isinstance(speculator, Decline):
+        return None, speculator.reason
     taps = getattr(speculator, "tap_layers", None)
     if spec.needs_hidden_state and taps is not None:
         try:
