@@ -29,9 +29,12 @@ SIGTERM: see `server()`) ends every running or waiting generation at its next to
 (finish_reason "length"), so the server exits at once, its responses complete.
 Speculation is the server's policy (the --spec* flags of `verispec serve`); a request can only
 turn it off for itself (`"verispec": {"speculation": false}`; same output). An API key
-(`--api-key`, VERISPEC_API_KEY; verispec.server.auth) makes /v1/* require `Authorization: Bearer
+(VERISPEC_API_KEY, `--api-key`; verispec.server.auth) makes /v1/* require `Authorization: Bearer
 KEY`; without one, `serve` on a host other than loopback warns that anyone who reaches the port
-can run the model.
+can run the model. Under `serve` / `server()` (verispec.server.connection) a Host header that is
+not an IP address, localhost or an `--allowed-host` name answers 421 (DNS rebinding), and a
+connection whose headers are not whole within DEFAULT_HEADER_TIMEOUT seconds is closed; FastAPI's
+/docs and /redoc are off unless create_app(docs=True) (`serve --docs`).
 
 Request fields, as OpenAI's API: max_tokens (completions: 16 by default, as OpenAI; chat:
 until a stop or a full context; `max_completion_tokens` is its newer name; a value larger
@@ -70,8 +73,9 @@ carrying finish_reason and `verispec`, then, with include_usage, a chunk carryin
 
 Modules: `protocol` (request bodies, limits, the error body), `app` (routes, the request
 lifecycle, `serve`), `body_limit` (the body-read middleware), `metrics` (/metrics' text), `auth`
-(the API key), `engine_thread` (the thread that steps the engine), `responses` (completion/chat
-bodies, stream chunks), `page` (the chat page; its files in static/).
+(the API key), `connection` (the Host check, the header timeout, the port check), `engine_thread`
+(the thread that steps the engine), `responses` (completion/chat bodies, stream chunks), `page`
+(the chat page; its files in static/).
 """
 from verispec.server.app import create_app, exposure_warning, serve, server
 from verispec.server.metrics import prometheus_text

@@ -7,7 +7,7 @@ import ipaddress
 import sys
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
@@ -21,6 +21,7 @@ from verispec.errors import VerispecError, larger_context_advice
 from verispec.seams import ContextOverflow, declared
 from verispec.server.auth import APIKeyCheck
 from verispec.server.body_limit import BodyRead
+from verispec.server.connection import DEFAULT_HEADER_TIMEOUT, HostCheck, header_timeout_protocol
 from verispec.server.engine_thread import EngineThread
 from verispec.server.metrics import prometheus_text
 from verispec.server.page import add_chat_page
@@ -44,9 +45,10 @@ def verispec_error(exc: VerispecError) -> tuple[int, dict[str, Any]]:
 
 def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
                request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               body_timeout: float = DEFAULT_BODY_TIMEOUT, api_key: str | None = None) -> FastAPI:
+               body_timeout: float = DEFAULT_BODY_TIMEOUT, api_key: str | None = None, docs: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` (call it with uvicorn, or fastapi.testclient.TestClient;
-    `server()` makes a uvicorn server whose shutdown ends running generations at once).
+    `server()` makes a uvicorn server whose shutdown ends running generations at once, with the
+    Host check and the header timeout of verispec.server.connection in front of the app).
 
     model_name: the id /v1/models lists and responses echo.
     request_timeout: seconds a generation may run before it ends with finish_reason "length".
@@ -54,6 +56,9 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
     body_timeout: seconds a request body may take to arrive whole; a slower one answers 408 and
     its connection closes.
     api_key: when given, /v1/* requires `Authorization: Bearer <api_key>` (verispec.server.auth).
+    docs: serve FastAPI's /docs, /redoc and /openapi.json (off by default: the first two load
+    scripts from a CDN onto the origin whose localStorage holds the chat page's key, and they
+    stay open under an api_key).
     """
     if not request_timeout > 0:
         raise ValueError(f"request_timeout={request_timeout}: give a positive number of seconds")
@@ -61,7 +66,8 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
         raise ValueError(f"max_body_bytes={max_body_bytes}: give a positive number of bytes")
     if not body_timeout > 0:
         raise ValueError(f"body_timeout={body_timeout}: give a positive number of seconds")
-    app = FastAPI(title="verispec", description="OpenAI-compatible speculative decoding server")
+    app = FastAPI(title="verispec", description="OpenAI-compatible speculative decoding server",
+                  **({} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}))
     served = Served(engine, model_name, request_timeout)
     app.state.verispec = served  # server() ends its generations when the server shuts down
     app.add_middleware(BodyRead, max_bytes=max_body_bytes, timeout=body_timeout)
@@ -128,17 +134,21 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
 
 def serve(engine: InferenceEngine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "verispec",
           request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          body_timeout: float = DEFAULT_BODY_TIMEOUT, api_key: str | None = None) -> None:
+          body_timeout: float = DEFAULT_BODY_TIMEOUT, api_key: str | None = None,
+          allowed_hosts: Sequence[str] = (), docs: bool = False) -> None:
     """Run the server with uvicorn until interrupted (Ctrl-C or SIGTERM: running generations end
     at their next token, their responses finish, and the server exits; uvicorn then re-raises
     the signal, so Ctrl-C reaches the caller as KeyboardInterrupt). A host other than loopback
     without an api_key gets a warning line on stderr first (exposure_warning). A lost
-    tensor-parallel rank shuts the server down (see `server`), then raises its RankLost."""
+    tensor-parallel rank shuts the server down (see `server`), then raises its RankLost.
+    allowed_hosts: names besides IP addresses and localhost that requests' Host header may carry
+    ("*": any; see `server`)."""
     app = create_app(engine, model_name=model_name, request_timeout=request_timeout,
-                     max_body_bytes=max_body_bytes, body_timeout=body_timeout, api_key=api_key)
+                     max_body_bytes=max_body_bytes, body_timeout=body_timeout, api_key=api_key, docs=docs)
     warning = None if api_key else exposure_warning(host, port)
     if warning:
         print(warning, file=sys.stderr, flush=True)
+    app.state.allowed_hosts = tuple(allowed_hosts)  # server()'s Host check
     server(app, host=host, port=port).run()
     if app.state.verispec.lost is not None:
         raise app.state.verispec.lost
@@ -158,7 +168,8 @@ def exposure_warning(host: str, port: int) -> str | None:
             "on 127.0.0.1 (the default)")
 
 
-def server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, **config: Any):
+def server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, allowed_hosts: Sequence[str] | None = None,
+           header_timeout: float = DEFAULT_HEADER_TIMEOUT, **config: Any):
     """A uvicorn.Server for `app` (from create_app) whose shutdown does not wait for generations:
     when it begins (Ctrl-C, SIGTERM, `should_exit`), every running or waiting generation ends at
     its next token with finish_reason "length", as a client's cancel does; a response still
@@ -166,7 +177,13 @@ def server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, **config:
     ended (no forward runs while the interpreter exits). A lost tensor-parallel rank
     (tensor_parallel.RankLost: the model cannot run again) begins the shutdown once its requests
     have their 503s: a supervisor (systemd, Kubernetes) then restarts the whole group, where a
-    server left up would refuse every request. config: more uvicorn.Config fields."""
+    server left up would refuse every request.
+    In front of the app (verispec.server.connection): a request whose Host header is neither an IP
+    address, localhost nor one of `allowed_hosts` (None: `app.state.allowed_hosts`, which `serve`
+    sets, else none) answers 421 (a DNS-rebinding page cannot reach a loopback server under its
+    own name), and a connection whose request headers are not whole `header_timeout` seconds
+    after it opened (or after its last response) is closed.
+    config: more uvicorn.Config fields."""
     import uvicorn
 
     served: Served = app.state.verispec
@@ -188,7 +205,10 @@ def server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 8000, **config:
                 await anyio.to_thread.run_sync(served.engine_thread.stop, SHUTDOWN_GRACE_S)
 
     config.setdefault("timeout_graceful_shutdown", SHUTDOWN_GRACE_S)
-    running = _Server(uvicorn.Config(app, host=host, port=port, **config))
+    config.setdefault("http", header_timeout_protocol(header_timeout))
+    if allowed_hosts is None:
+        allowed_hosts = getattr(app.state, "allowed_hosts", ())
+    running = _Server(uvicorn.Config(HostCheck(app, allowed_hosts), host=host, port=port, **config))
     served.on_lost = lambda: setattr(running, "should_exit", True)
     return running
 
