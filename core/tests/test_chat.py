@@ -1,4 +1,4 @@
-"""`verispec chat` (verispec.chat.run_chat) fed a scripted stdin, on the toy plugin's GGUF with
+"""`verispec chat` (verispec.chat.repl.run_chat) fed a scripted stdin, on the toy plugin's GGUF with
 a chat template; each answer is checked against a fresh plain engine given the same conversation."""
 import io
 import os
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from verispec import api
-from verispec.chat import run_chat
+from verispec.chat.repl import run_chat
 from verispec.engine import SpecOptions
 from verispec.hookspecs import hookimpl
 from verispec.registry import Registry
@@ -32,7 +32,7 @@ class RepeatPlugin:
     def register_speculators(self, register):
         register(SpeculatorSpec(name="repeat", summary="repeats the last token (test)", priority=10,
                                 factory=lambda trunk, **kw: ScriptedSpeculator(
-                                    lambda ctx: [ctx.last_token] * ctx.draft_length,
+                                    lambda ctx: [ctx.last_token] * ctx.max_draft_tokens,
                                     max_draft_tokens=kw["max_draft_tokens"], spec=kw["spec"])))
 
 
@@ -137,7 +137,7 @@ def test_verispec_chat_command(tmp_path, model_path):
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: verispec-toy\nVersion: 0.1.0\n")
     (info / "entry_points.txt").write_text("[verispec]\ntoy = verispec.testing.toy_plugin\n")
-    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from verispec.cli.main import main; sys.exit(main(sys.argv[1:]))"
     r = subprocess.run([sys.executable, "-c", code, "chat", "--model", str(model_path), "--max-tokens", "5",
                         "--ignore-eos", "--temperature", "0.8", "--seed", "7"], input=f"{CAT}\n/reset\n{CAT}\n",
                        env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, timeout=120, check=False)
@@ -160,7 +160,7 @@ def test_verispec_chat_with_a_non_utf8_stdin_line(tmp_path, model_path):
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: verispec-toy\nVersion: 0.1.0\n")
     (info / "entry_points.txt").write_text("[verispec]\ntoy = verispec.testing.toy_plugin\n")
-    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from verispec.cli.main import main; sys.exit(main(sys.argv[1:]))"
     r = subprocess.run([sys.executable, "-c", code, "chat", "--model", str(model_path), "--max-tokens", "3",
                         "--ignore-eos"], input=b"caf\xe9\n" + CAT.encode() + b"\n",
                        env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, timeout=120, check=False)

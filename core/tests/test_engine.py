@@ -178,12 +178,14 @@ def test_drafter_bound_to_another_trunk_is_refused(model_path, registry, tmp_pat
 def test_spec_options_validate_ranges():
     with pytest.raises(ValueError, match="--spec-draft 0"):
         SpecOptions(max_draft_tokens=0)
+    with pytest.raises(ValueError, match="--spec-draft 65: choose 1..64"):
+        SpecOptions(max_draft_tokens=65)
     with pytest.raises(ValueError, match="--spec-pmin 1.5"):
         SpecOptions(min_draft_prob=1.5)
 
 
 def test_bench_compares_plain_and_speculative_on_every_scenario(model_path, registry):
-    from verispec.bench import compare, format_table, load_scenarios
+    from verispec.bench.run import compare, format_table, load_scenarios
 
     scenarios = load_scenarios()
     assert {"prose", "quote-code", "quote-text", "echo-own", "json-edit", "one-word"} <= {s["name"] for s in scenarios}
@@ -275,7 +277,7 @@ def test_a_slow_speculator_is_parked_at_its_first_call_and_named_once_the_text_p
         def propose(self, history, ctx):
             governor = engines[0].governor()[0]
             losses_at_calls.append(governor.stats.losses)
-            time.sleep(max(0.02, 2 * ctx.draft_length * governor.stats.plain_ms_per_token / 1e3))
+            time.sleep(max(0.02, 2 * ctx.max_draft_tokens * governor.stats.plain_ms_per_token / 1e3))
             return super().propose(history, ctx)
 
     class SlowPlugin:

@@ -368,7 +368,7 @@ def _toy_site(root) -> dict:
 
 def test_verispec_serve_answers_on_localhost(tmp_path, model_path):
     port = free_port()
-    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from verispec.cli.main import main; sys.exit(main(sys.argv[1:]))"
     process = subprocess.Popen([sys.executable, "-c", code, "serve", "--model", str(model_path), "--port", str(port),
                                 "--no-spec", "--request-timeout", "30"], env=_toy_site(tmp_path), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
@@ -405,7 +405,7 @@ def test_serving_beyond_loopback_without_a_key_warns_naming_the_flag(engine, mon
 
 
 def test_verispec_serve_without_fastapi_names_the_extra(monkeypatch, capsys):
-    from verispec import cli
+    import verispec.cli.main as cli
 
     monkeypatch.setitem(sys.modules, "fastapi", None)  # import fastapi -> ImportError
     for name in [m for m in sys.modules if m == "verispec.server" or m.startswith("verispec.server.")]:
@@ -428,7 +428,7 @@ def test_a_speculator_that_raises_mid_stream_never_breaks_a_request(model_path, 
         calls.append(ctx.pos)
         if len(calls) > 2:
             raise RuntimeError("drafter bug")
-        return [ctx.last_token] * ctx.draft_length
+        return [ctx.last_token] * ctx.max_draft_tokens
 
     class Faulty:
         @hookimpl
@@ -779,7 +779,7 @@ def test_malformed_json_and_wrong_types_say_what_and_where(client):
 
 def _slow_toy_serve(port: int, seconds_per_forward: float) -> list[str]:
     """argv running `verispec serve` on the toy model whose every forward takes longer."""
-    code = ("import sys, time; from verispec.cli import main; from verispec.testing.toy import ToyTrunk\n"
+    code = ("import sys, time; from verispec.cli.main import main; from verispec.testing.toy import ToyTrunk\n"
             "forward = ToyTrunk.forward\n"
             f"ToyTrunk.forward = lambda self, batch: (time.sleep({seconds_per_forward}), forward(self, batch))[1]\n"
             "sys.exit(main(sys.argv[1:]))")

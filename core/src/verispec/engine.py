@@ -21,15 +21,13 @@ from verispec.reasons import SpeculationReason
 from verispec.sampling import SamplingParams
 from verispec.requests import Generation, GenerationResult, Request, Speculation, TokenEvent
 from verispec.scheduler import DEFAULT_MAX_IDLE_SEQUENCES, DEFAULT_MAX_RUNNING, Scheduler
-from verispec.seams import ContextOverflow, declared
+from verispec.seams import MAX_DRAFT_TOKENS, ContextOverflow, declared
 from verispec.speculator_choice import SpeculationUnavailable, choose_speculator, unused_drafter_reason
 from verispec.draft_length import DraftLengthPolicy
 
 __all__ = ["InferenceEngine", "SpecOptions", "Generation", "GenerationResult", "TokenEvent"]
 
 log = logging.getLogger("verispec")
-
-SPEC_TYPES_BUILTIN = ("auto", "draft-head", "block")
 
 
 @attrs.frozen
@@ -39,7 +37,7 @@ class SpecOptions:
     enabled: bool = True
     #: auto | draft-head | block | <registered name>, e.g. ngram.
     spec_type: str = "auto"
-    #: explicit --spec-draft (1..64); None = default 8 narrowed by the trunk's preference.
+    #: explicit --spec-draft (1..MAX_DRAFT_TOKENS); None = default 8 narrowed by the trunk's preference.
     max_draft_tokens: int | None = attrs.field(default=None)
     #: explicit --spec-pmin in the algorithm's units (0..1); None = the algorithm's default.
     min_draft_prob: float | None = attrs.field(default=None)
@@ -51,8 +49,8 @@ class SpecOptions:
 
     @max_draft_tokens.validator
     def _check_window(self, attribute, value):
-        if value is not None and not 1 <= value <= 64:
-            raise InvalidArgument(f"--spec-draft {value}: choose 1..64")
+        if value is not None and not 1 <= value <= MAX_DRAFT_TOKENS:
+            raise InvalidArgument(f"--spec-draft {value}: choose 1..{MAX_DRAFT_TOKENS}")
 
     @min_draft_prob.validator
     def _check_pmin(self, attribute, value):
@@ -154,7 +152,7 @@ class InferenceEngine:
         if model is None:
             return declared(self.trunk, "draft_head")
         from verispec.model_files import load_registered_trunk, resolve_model_path
-        from verispec.gguf_io import read_architecture
+        from verispec.gguf.io import read_architecture
         from verispec.seams import DraftModel
         from verispec.specs import DraftFileSpec, resolve
 

@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from verispec.errors import InvalidArgument
 from verispec.sampling import InvalidLogits
-from verispec.seams import DraftContext, Segment, Trunk, Speculator, UnsupportedTap, declared
+from verispec.seams import MAX_DRAFT_TOKENS, DraftContext, Segment, Trunk, Speculator, UnsupportedTap, declared
 
 if TYPE_CHECKING:
     from verispec.sampling import Draw
@@ -40,7 +39,6 @@ log = logging.getLogger("verispec")
 
 #: the --spec-draft default (docs/design.md §5).
 DEFAULT_MAX_DRAFT_TOKENS = 8
-MAX_DRAFT_WINDOW = 64
 
 #: on_token(draw) -> True to stop generation at draw.token (it is still emitted).
 #: draw is a verispec.sampling.Draw: the token and, when asked for, its logprobs.
@@ -48,10 +46,9 @@ OnToken = Callable[["Draw"], bool]  # noqa: F821 (Draw is imported for type chec
 
 
 def resolve_max_draft_tokens(explicit: int | None, trunk: object) -> int:
-    """The K ceiling: an explicit --spec-draft wins; else the default narrowed by the trunk's preference."""
+    """The K ceiling: an explicit --spec-draft (validated by SpecOptions: 1..MAX_DRAFT_TOKENS) wins;
+    else the default narrowed by the trunk's preference."""
     if explicit is not None:
-        if not 1 <= explicit <= MAX_DRAFT_WINDOW:
-            raise InvalidArgument(f"--spec-draft {explicit}: choose 1..{MAX_DRAFT_WINDOW}")
         return explicit
     preferred = declared(trunk, "spec_preferred_max_draft_tokens")
     return min(DEFAULT_MAX_DRAFT_TOKENS, preferred) if preferred else DEFAULT_MAX_DRAFT_TOKENS
@@ -247,7 +244,7 @@ class SpeculativeExecution:
             self.window.skip()
             start = self.clock()
         else:
-            ctx = DraftContext(last_token=self.last_token, pos=self.seq_len, draft_length=k,
+            ctx = DraftContext(last_token=self.last_token, pos=self.seq_len, max_draft_tokens=k,
                                min_draft_prob=self.speculator.min_draft_prob, hidden_prev=self._hidden_prev,
                                stop_token_ids=self.stop_token_ids, seq=self.seq, trunk=self._view)
             self._plugin_call("prepare", self.speculator.prepare, self._state, ctx)  # a catch-up: untimed

@@ -51,6 +51,10 @@ class UnsupportedTap(ValueError):
     """The trunk cannot serve the hidden-state tap a drafter asked for."""
 
 
+#: the most drafts one step may verify (K); a verify forwards at most MAX_DRAFT_TOKENS + 1 rows.
+MAX_DRAFT_TOKENS = 64
+
+
 @attrs.frozen
 class Segment:
     """The rows one sequence appends in a forward: the tokens at positions seq_len(seq)...
@@ -255,7 +259,7 @@ class DraftContext:
     #: absolute position last_token will be written at (== trunk.seq_len(seq)).
     pos: int
     #: most drafts this step may verify (K), already narrowed by the window rule.
-    draft_length: int
+    max_draft_tokens: int
     #: the gate: algorithm-specific, see Speculator.min_draft_prob.
     min_draft_prob: float
     #: trunk tap [F] of the row at pos-1 (the last committed row), when needs_hidden_state.
@@ -305,7 +309,7 @@ class Speculator:
         `propose` alone). `propose` must not depend on it having run. Default: nothing."""
 
     def propose(self, state: Any, ctx: DraftContext) -> list[int]:
-        """Draft ids for positions ctx.pos+1 .. (at most ctx.draft_length); may be empty."""
+        """Draft ids for positions ctx.pos+1 .. (at most ctx.max_draft_tokens); may be empty."""
         raise NotImplementedError
 
     def commit(self, state: Any, tokens: Sequence[int], hidden_rows: "torch.Tensor | None", start_pos: int) -> None:

@@ -56,7 +56,6 @@ IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 
 #: the calls that change the trunk or run collectives; the rest rank 0 answers from its shard.
 TRUNK_CALLS = frozenset({"forward", "keep", "truncate", "fork", "release", "new_sequence"})
-VIEW_CALLS = frozenset({"embed", "logits"})
 
 
 class RankLost(VerispecError, RuntimeError):
@@ -108,8 +107,13 @@ def init_group(rank: int | None = None, world_size: int | None = None, address: 
         loaded = dist.new_group(backend="gloo", timeout=idle)
     except RuntimeError as e:  # DistStoreError / DistNetworkError subclass it
         raise RankLost(f"rank {rank} of {world} could not join the tensor-parallel group at {address} "
-                       f"within {timeout_s:g} s: {e}") from e
+                       f"within {timeout_s:g} s: {_first_line(e)}") from e
     return Group(Shards(rank, world), calls, timeout_s, loaded=loaded, followers=tuple(followers))
+
+
+def _first_line(error: BaseException) -> str:
+    """torch.distributed's errors may carry a C++ backtrace after their first line."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _free_port() -> int:
@@ -277,7 +281,7 @@ def follow(trunk, group: Group) -> None:
             except (VerispecError, ValueError):
                 continue  # rank 0 raised it too, before any collective
         except RuntimeError as e:
-            raise RankLost(f"rank {group.rank}: lost the tensor-parallel group: {e}") from e
+            raise RankLost(f"rank {group.rank}: lost the tensor-parallel group: {_first_line(e)}") from e
     dist.destroy_process_group()
 
 
@@ -290,7 +294,7 @@ def load_parallel_trunk(loader, path: str, *, world_size: int, dtype: str | None
     timeout_s: seconds each collective waits for a rank (None: VERISPEC_TP_TIMEOUT, else
     DEFAULT_TIMEOUT_S). Raises nn.parallel.HeadsNotDivisible (before anything is spawned),
     InvalidArgument (a VERISPEC_TP_TIMEOUT that is not a positive number), RankLost, the loader's errors."""
-    from verispec.gguf_io import GGUFFile
+    from verispec.gguf.io import GGUFFile
 
     timeout_s = collective_timeout() if timeout_s is None else timeout_s
     _check_heads(GGUFFile.open(path), world_size)
@@ -344,12 +348,22 @@ def _check_heads(gguf, world_size: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """A spawned rank: `python -m verispec.tensor_parallel MODEL --world-size N [--dtype ...]`."""
+    """A spawned rank: `python -m verispec.tensor_parallel MODEL --world-size N [--dtype ...]`.
+    Exit status 0 when rank 0 closed the group; 1, with one line on stderr, on a lost group
+    (RankLost) or another of verispec's errors (rank 0 reports the loss with its own line)."""
+    try:
+        return _follow_main(argv)
+    except VerispecError as e:
+        print(f"verispec: error: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _follow_main(argv: list[str] | None) -> int:
     import argparse
 
     import torch
 
-    from verispec.gguf_io import read_architecture
+    from verispec.gguf.io import read_architecture
     from verispec.registry import Registry
     from verispec.specs import resolve
 

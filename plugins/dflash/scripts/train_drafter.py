@@ -313,7 +313,7 @@ def main(argv=None):
 
     import verispec
     from dflash.model import build_target_layer_ids
-    from verispec.gguf_io import GGUFFile
+    from verispec.gguf.io import GGUFFile
     from verispec.model_files import resolve_model_path
     from verispec.registry import Registry
     from verispec_dflash.gguf_writer import write_dflash_gguf

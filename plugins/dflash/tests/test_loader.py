@@ -11,7 +11,7 @@ from tiny_dflash import MASK_ID, TARGET
 pytest.importorskip("dflash.model", reason="the reference oracle: pip install --no-deps dflash==0.1.0")
 
 from verispec.errors import UnsupportedArchitecture, VerispecError  # noqa: E402
-from verispec.gguf_io import GGUFFile, MissingKey  # noqa: E402
+from verispec.gguf.io import GGUFFile, MissingKey  # noqa: E402
 from verispec.seams import DrafterMismatch, DraftHeadKind  # noqa: E402
 from verispec.testing.fixture_writer import byte_level_vocab  # noqa: E402
 from verispec_dflash.errors import MalformedDFlash, NotADFlashDrafter, UnsupportedDFlash  # noqa: E402

@@ -169,7 +169,7 @@ def test_the_gate_stops_the_draft_below_min_draft_prob(paths, trunk):
     spec = DraftModelSpeculator(load(paths["trunk"]), trunk.vocab_size, max_draft_tokens=8)
     state = spec.new_state()
     spec.commit(state, PROMPT, None, 0)
-    ctx = dict(last_token=PROMPT[0], pos=len(PROMPT), draft_length=8)
+    ctx = dict(last_token=PROMPT[0], pos=len(PROMPT), max_draft_tokens=8)
     assert spec.propose(state, DraftContext(**ctx, min_draft_prob=1.0)) == []
     spec.keep(state, 1)
     assert len(spec.propose(state, DraftContext(**ctx, min_draft_prob=0.0))) == 8

@@ -8,11 +8,6 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).parent))  # tiny_assistant, under --import-mode=importlib
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread(one_thread):
-    """Every module runs torch on one thread (verispec.testing.plugin.one_thread)."""
-
-
 @pytest.fixture(scope="session")
 def pair_files(tmp_path_factory):
     """pair_files(name) -> (hf target, hf assistant, trunk GGUF path, assistant GGUF path), built once per name."""

@@ -52,7 +52,7 @@ class TestMtpConformance(SpeculatorConformance):
 
 
 def _ctx(trunk, speculator, window, *, last_token=3, stop=frozenset(), pmin=None):
-    return DraftContext(last_token=last_token, pos=5, draft_length=window,
+    return DraftContext(last_token=last_token, pos=5, max_draft_tokens=window,
                         min_draft_prob=speculator.min_draft_prob if pmin is None else pmin,
                         hidden_prev=torch.zeros(trunk.hidden_size), stop_token_ids=stop)
 

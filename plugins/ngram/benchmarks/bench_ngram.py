@@ -43,7 +43,7 @@ def bench(length: int, steps: int, repeats: int = 10) -> tuple[float, float]:
         speculator.commit(state, history[start:min(start + 4096, length)], None, start)
     best, num_drafted, pos = float("inf"), 0, length
     for _ in range(repeats):
-        contexts = [DraftContext(last_token=history[p], pos=p, draft_length=8, min_draft_prob=0.0)
+        contexts = [DraftContext(last_token=history[p], pos=p, max_draft_tokens=8, min_draft_prob=0.0)
                     for p in range(pos, pos + steps)]
         num_drafted = 0
         t0 = time.perf_counter()

@@ -19,8 +19,8 @@ from verispec_ngram.speculator import NGramSpeculator, NGramState, create
 A, B, C, D, X, EOS = 1, 2, 3, 4, 9, 99
 
 
-def ctx(last, pos, *, window=8, pmin=0.0, stops=()):
-    return DraftContext(last_token=last, pos=pos, draft_length=window, min_draft_prob=pmin,
+def ctx(last, pos, *, k=8, pmin=0.0, stops=()):
+    return DraftContext(last_token=last, pos=pos, max_draft_tokens=k, min_draft_prob=pmin,
                         stop_token_ids=frozenset(stops))
 
 
@@ -74,17 +74,17 @@ PMINS = (0.0, 0.2, 0.5, 0.8, 1.0)
 @settings(max_examples=300, deadline=None)
 @given(stream=st.lists(st.integers(0, 3), min_size=1, max_size=50),
        chunk_sizes=st.lists(st.integers(1, 12), min_size=1, max_size=8),
-       max_draft_tokens=st.integers(1, 6), window=st.integers(0, 7),
+       k_step=st.integers(0, 7),
        stops=st.sets(st.integers(0, 4), max_size=1))
-def test_index_matches_linear_scan(stream, chunk_sizes, max_draft_tokens, window, stops):
+def test_index_matches_linear_scan(stream, chunk_sizes, k_step, stops):
     # Commit the stream in chunks; before each chunk, the next token is the pending one.
     for min_order, max_order in ORDERS:
-        drafter = Drafter(max_draft_tokens=max_draft_tokens, min_order=min_order, max_order=max_order)
+        drafter = Drafter(min_order=min_order, max_order=max_order)
         pos, k = 0, 0
         while pos < len(stream):
             for pmin in PMINS:
-                got = drafter.propose(ctx(stream[pos], pos, window=window, pmin=pmin, stops=stops))
-                want = oracle(stream[:pos], stream[pos], num_draft=min(max_draft_tokens, window),
+                got = drafter.propose(ctx(stream[pos], pos, k=k_step, pmin=pmin, stops=stops))
+                want = oracle(stream[:pos], stream[pos], num_draft=k_step,
                               min_order=min_order, max_order=max_order, pmin=pmin, stops=stops)
                 assert got == want, (min_order, max_order, pmin, stream[:pos], stream[pos])
             size = chunk_sizes[k % len(chunk_sizes)]
@@ -95,8 +95,8 @@ def test_index_matches_linear_scan(stream, chunk_sizes, max_draft_tokens, window
 @settings(max_examples=200, deadline=None)
 @given(streams=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), min_size=2, max_size=3),
        turns=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 8)), min_size=1, max_size=40),
-       window=st.integers(1, 6))
-def test_interleaved_states_each_match_their_own_linear_scan(streams, turns, window):
+       k=st.integers(1, 6))
+def test_interleaved_states_each_match_their_own_linear_scan(streams, turns, k):
     """One speculator, several sequences committed in an arbitrary interleaving: each state
     drafts exactly what the rule gives on its own stream, as if it were alone."""
     speculator = NGramSpeculator(max_draft_tokens=6)
@@ -107,8 +107,8 @@ def test_interleaved_states_each_match_their_own_linear_scan(streams, turns, win
         pos, stream = positions[i], streams[i]
         if pos < len(stream):
             for pmin in (0.0, 0.5):
-                got = speculator.propose(states[i], ctx(stream[pos], pos, window=window, pmin=pmin))
-                assert got == oracle(stream[:pos], stream[pos], num_draft=window, min_order=1, max_order=4,
+                got = speculator.propose(states[i], ctx(stream[pos], pos, k=k, pmin=pmin))
+                assert got == oracle(stream[:pos], stream[pos], num_draft=k, min_order=1, max_order=4,
                                      pmin=pmin, stops=set()), (i, pmin, stream[:pos], stream[pos])
 
     for who, size in turns + [(i, 10**6) for i in range(len(streams))]:  # then drain every stream
@@ -127,53 +127,53 @@ def test_two_states_of_one_speculator_are_independent(monkeypatch, capsys):
     assert isinstance(one, NGramState) and one is not two
     speculator.commit(one, [A, B, C, A], None, 0)
     speculator.commit(two, [A, B, D, A], None, 0)
-    assert speculator.propose(one, ctx(B, 4, window=1)) == [C]
-    assert speculator.propose(two, ctx(B, 4, window=1)) == [D]
+    assert speculator.propose(one, ctx(B, 4, k=1)) == [C]
+    assert speculator.propose(two, ctx(B, 4, k=1)) == [D]
 
     def proposals(state, pos):
-        return [speculator.propose(state, ctx(t, pos, window=w)) for t in (A, B, C, D, X) for w in (1, 3, 8)]
+        return [speculator.propose(state, ctx(t, pos, k=w)) for t in (A, B, C, D, X) for w in (1, 3, 8)]
 
     before = proposals(two, 4)
     speculator.commit(one, [B, X, A], None, 4)  # one grows: its latest [A, B] is now followed by X
-    assert speculator.propose(one, ctx(B, 7, window=1)) == [X]
+    assert speculator.propose(one, ctx(B, 7, k=1)) == [X]
     assert proposals(two, 4) == before
     speculator.commit(one, [A], None, 99)  # a gap silences one ...
-    assert speculator.propose(one, ctx(B, 7, window=1)) == []
+    assert speculator.propose(one, ctx(B, 7, k=1)) == []
     assert proposals(two, 4) == before  # ... and only one
     speculator.commit(two, [B], None, 4)  # two still takes commits in step
-    assert speculator.propose(two, ctx(D, 5, window=2)) == [A, B]
-    assert speculator.propose(one, ctx(B, 7, window=1)) == []  # and that never revives one
+    assert speculator.propose(two, ctx(D, 5, k=2)) == [A, B]
+    assert speculator.propose(one, ctx(B, 7, k=1)) == []  # and that never revives one
     assert speculator.propose(speculator.new_state(), ctx(B, 0)) == []  # a fresh state knows nothing
     assert capsys.readouterr().err.count("gap: commit at") == 1
 
 
 def test_worked_examples_from_the_docstring():
-    assert seeded([A, B, C, D, A, B]).propose(ctx(C, 6, window=3)) == [D, A, B]
-    assert seeded([X, A, A, A]).propose(ctx(A, 4, window=3)) == [A, A, A]
+    assert seeded([A, B, C, D, A, B]).propose(ctx(C, 6, k=3)) == [D, A, B]
+    assert seeded([X, A, A, A]).propose(ctx(A, 4, k=3)) == [A, A, A]
 
 
 def test_longest_order_then_latest_occurrence_wins():
     # [B, C] last followed by X (order 2) beats [C] last followed by D (order 1).
     drafter = seeded([B, C, X, C, D, B])
-    assert drafter.propose(ctx(C, 6, window=1)) == [X]
+    assert drafter.propose(ctx(C, 6, k=1)) == [X]
     # Two occurrences of the same order: the later one's continuation.
     drafter = seeded([A, B, C, A, B, D, A])
-    assert drafter.propose(ctx(B, 7, window=1)) == [D]
+    assert drafter.propose(ctx(B, 7, k=1)) == [D]
 
 
-def test_self_overlapping_repeat_fills_the_window():
-    drafter = seeded([X, A, A, A], max_draft_tokens=5)
-    assert drafter.propose(ctx(A, 4)) == [A] * 5
+def test_self_overlapping_repeat_fills_k():
+    drafter = seeded([X, A, A, A])
+    assert drafter.propose(ctx(A, 4, k=5)) == [A] * 5
     # Period 2 running into the pending token: a b a b | a -> b a b a ...
-    drafter = seeded([A, B, A, B], max_draft_tokens=5)
-    assert drafter.propose(ctx(A, 4)) == [B, A, B, A, B]
+    drafter = seeded([A, B, A, B])
+    assert drafter.propose(ctx(A, 4, k=5)) == [B, A, B, A, B]
 
 
-def test_window_caps_and_max_draft_tokens_caps():
+def test_the_step_bound_caps_the_draft():
     history = [A, B, C, D, X, C, A]
-    assert seeded(history, max_draft_tokens=8).propose(ctx(B, 7, window=2)) == [C, D]
-    assert seeded(history, max_draft_tokens=3).propose(ctx(B, 7, window=8)) == [C, D, X]
-    assert seeded(history, max_draft_tokens=3).propose(ctx(B, 7, window=0)) == []
+    assert seeded(history).propose(ctx(B, 7, k=2)) == [C, D]
+    assert seeded(history).propose(ctx(B, 7, k=3)) == [C, D, X]
+    assert seeded(history).propose(ctx(B, 7, k=0)) == []
 
 
 @pytest.mark.parametrize("pmin, required", [(0.0, 1), (0.1, 1), (1 / 6, 2), (0.3, 2), (0.5, 3),
@@ -184,51 +184,51 @@ def test_pmin_maps_linearly_onto_required_order(pmin, required):
 
 def test_pmin_gates_short_matches():
     drafter = seeded([X, A, B, C, D, C])  # pending D: [C, D] (order 2) ends at 4; [D, C, D] nowhere
-    assert drafter.propose(ctx(D, 6, pmin=0.3, window=1)) == [C]
-    assert drafter.propose(ctx(D, 6, pmin=0.5, window=1)) == []
+    assert drafter.propose(ctx(D, 6, pmin=0.3, k=1)) == [C]
+    assert drafter.propose(ctx(D, 6, pmin=0.5, k=1)) == []
 
 
 def test_stop_token_ends_the_draft_inclusively():
     drafter = seeded([A, B, EOS, C, D, A])
     assert drafter.propose(ctx(B, 6, stops={EOS})) == [EOS]
-    assert drafter.propose(ctx(B, 6, window=3)) == [EOS, C, D]  # not a stop for this request
+    assert drafter.propose(ctx(B, 6, k=3)) == [EOS, C, D]  # not a stop for this request
 
 
 def test_no_draft_after_a_stop_token():
     drafter = seeded([EOS, A, EOS, A])
     assert drafter.propose(ctx(EOS, 4, stops={EOS})) == []
-    assert drafter.propose(ctx(EOS, 4, window=1)) == [A]
+    assert drafter.propose(ctx(EOS, 4, k=1)) == [A]
 
 
 def test_gap_makes_the_state_silent_until_a_new_state_is_seeded(monkeypatch, capsys):
     monkeypatch.setenv("VERISPEC_NGRAM_DEBUG", "1")
     drafter = seeded([A, B, C, A])
-    assert drafter.propose(ctx(B, 4, window=1)) == [C]
+    assert drafter.propose(ctx(B, 4, k=1)) == [C]
     drafter.commit([B, C], None, 7)  # positions 4..6 never reached the drafter
-    assert drafter.propose(ctx(B, 9, window=1)) == []
+    assert drafter.propose(ctx(B, 9, k=1)) == []
     drafter.commit([A], None, 4)  # even a commit that looks in step is not trusted now
-    assert drafter.propose(ctx(B, 4, window=1)) == []
+    assert drafter.propose(ctx(B, 4, k=1)) == []
     err = capsys.readouterr().err
     assert "gap: commit at 7 but 4 tokens seen" in err and "silent" in err
     silent = drafter.state
     drafter.state = drafter.speculator.new_state()  # what the loop's seed_committed does ...
     drafter.commit([A, B, C, A], None, 0)  # ... then it commits the held tokens from 0
-    assert drafter.propose(ctx(B, 4, window=1)) == [C]
-    assert drafter.speculator.propose(silent, ctx(B, 4, window=1)) == []  # the old state stays silent
+    assert drafter.propose(ctx(B, 4, k=1)) == [C]
+    assert drafter.speculator.propose(silent, ctx(B, 4, k=1)) == []  # the old state stays silent
 
 
 def test_commit_from_zero_without_a_new_state_is_a_gap():
     drafter = seeded([A, B, C, A])
     drafter.commit([A, B], None, 0)
-    assert drafter.propose(ctx(C, 6, window=1)) == []
+    assert drafter.propose(ctx(C, 6, k=1)) == []
 
 
 def test_context_position_out_of_step_proposes_nothing(monkeypatch, capsys):
     monkeypatch.setenv("VERISPEC_NGRAM_DEBUG", "1")
     drafter = seeded([A, B, C, A])
-    assert drafter.propose(ctx(B, 5, window=1)) == []
+    assert drafter.propose(ctx(B, 5, k=1)) == []
     assert "ctx.pos=5 but 4 tokens seen" in capsys.readouterr().err
-    assert drafter.propose(ctx(B, 4, window=1)) == [C]  # not sticky: the history itself is fine
+    assert drafter.propose(ctx(B, 4, k=1)) == [C]  # not sticky: the history itself is fine
 
 
 def test_debug_is_quiet_by_default(monkeypatch, capsys):
@@ -246,7 +246,7 @@ def test_arms_after_a_reused_prefix():
     drafter.state = drafter.speculator.new_state()
     drafter.commit(prefix, None, 0)
     drafter.commit([A, B], None, len(prefix))  # then decoding goes on one step at a time
-    assert drafter.propose(ctx(C, len(prefix) + 2, window=2)) == [D, A]
+    assert drafter.propose(ctx(C, len(prefix) + 2, k=2)) == [D, A]
     assert drafter.speculator.spec.can_arm_after_prefix_reuse is True
 
 
@@ -267,13 +267,13 @@ def test_commit_accepts_anything_with_tolist():
 
     drafter = Drafter()
     drafter.commit(Ids([A, B, C, A]), None, 0)
-    assert drafter.propose(ctx(B, 4, window=1)) == [C]
+    assert drafter.propose(ctx(B, 4, k=1)) == [C]
 
 
 def test_largest_ids_keep_distinct_keys():
     big = 2**32 - 1  # the largest id a 32-bit packed key holds exactly
     drafter = seeded([5, big, 7, 6, big, 8, 5])
-    assert drafter.propose(ctx(big, 7, window=1)) == [7]  # [5, big] matched, not [6, big] or [big]
+    assert drafter.propose(ctx(big, 7, k=1)) == [7]  # [5, big] matched, not [6, big] or [big]
 
 
 def test_out_of_range_ids_collide_but_never_draft_wrongly():
@@ -281,7 +281,7 @@ def test_out_of_range_ids_collide_but_never_draft_wrongly():
     # under it is [0, 2**32] at 4, whose continuation B would be a wrong draft; the token check
     # rejects it and order 1 ([0], latest at 3) answers instead.
     drafter = seeded([1, 0, A, 0, 2**32, B, 1])
-    assert drafter.propose(ctx(0, 7, window=1)) == [2**32]
+    assert drafter.propose(ctx(0, 7, k=1)) == [2**32]
 
 
 def test_bad_orders_are_rejected():
@@ -329,7 +329,7 @@ def test_new_state_starts_empty_and_close_leaves_states_alone():
     assert drafter.speculator.propose(fresh, ctx(B, 0)) == []  # a new state has no history
     assert drafter.speculator.propose(fresh, ctx(B, 4)) == []  # nor does it see another's
     drafter.speculator.close()  # a no-op: per-sequence state belongs to the sequence, not the speculator
-    assert drafter.propose(ctx(B, 4, window=1)) == [C]
+    assert drafter.propose(ctx(B, 4, k=1)) == [C]
 
 
 def test_scalar_like_last_token_is_read_as_an_int():
@@ -337,7 +337,7 @@ def test_scalar_like_last_token_is_read_as_an_int():
         def __ror__(self, other):
             raise OverflowError("Python int too large to convert")
 
-    assert seeded([A, B, C, A]).propose(ctx(Scalar(B), 4, window=1)) == [C]
+    assert seeded([A, B, C, A]).propose(ctx(Scalar(B), 4, k=1)) == [C]
 
 
 def test_hook_registers_a_valid_spec():

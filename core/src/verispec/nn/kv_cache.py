@@ -30,6 +30,8 @@ import copy
 
 import torch
 
+from verispec.seams import MAX_DRAFT_TOKENS
+
 
 class CannotTruncate(ValueError):
     """The sequence's state cannot be cut back to that prefix (recurrent state, an old ring)."""
@@ -46,9 +48,9 @@ class RewindBeyondWindow(CannotTruncate):
             "the model with a larger max_verify_rows")
 
 
-#: the widest verify the loop sends: --spec-draft is 1..64 (docs/design.md §5), plus the pending token.
+#: the widest verify the loop sends: MAX_DRAFT_TOKENS drafts plus the pending token.
 #: A verify longer than a model's chunk is split, but kept as one, so rings keep this slack.
-MAX_VERIFY_ROWS = 65
+MAX_VERIFY_ROWS = MAX_DRAFT_TOKENS + 1
 
 
 def block_runs(start_pos: int, n: int, key_block: int):

@@ -35,19 +35,19 @@ class SpeculatorConformance:
         speculator.commit(state, self.prompt, None, 0)
         return state
 
-    def test_proposals_respect_the_window(self, make_speculator):
+    def test_proposals_respect_max_draft_tokens(self, make_speculator):
         speculator = make_speculator()
         state = self._seeded(speculator)
-        for window in (1, 2, 5):
+        for k in (1, 2, 5):
             draft = speculator.propose(state, DraftContext(last_token=self.prompt[0], pos=len(self.prompt),
-                                                           draft_length=window,
+                                                           max_draft_tokens=k,
                                                            min_draft_prob=speculator.min_draft_prob))
-            assert len(draft) <= window and all(isinstance(t, int) for t in draft)
+            assert len(draft) <= k and all(isinstance(t, int) for t in draft)
 
     def test_silent_at_a_stop_token(self, make_speculator):
         speculator = make_speculator()
         state = self._seeded(speculator)
-        ctx = DraftContext(last_token=self.prompt[0], pos=len(self.prompt), draft_length=4,
+        ctx = DraftContext(last_token=self.prompt[0], pos=len(self.prompt), max_draft_tokens=4,
                            min_draft_prob=speculator.min_draft_prob, stop_token_ids=frozenset({self.prompt[0]}))
         assert speculator.propose(state, ctx) == []
 

@@ -200,7 +200,7 @@ class ScriptedSpeculator(Speculator):
 
     def propose(self, state, ctx):
         self.last_state = state
-        return list(self.script(ctx))[:ctx.draft_length]
+        return list(self.script(ctx))[:ctx.max_draft_tokens]
 
     def commit(self, state, tokens, hidden_rows, start_pos):
         if start_pos != len(state.committed):
@@ -224,7 +224,7 @@ class EchoSpeculator(Speculator):
         seq = history + [ctx.last_token]
         for i in range(len(seq) - 2, -1, -1):
             if seq[i] == ctx.last_token:
-                return seq[i + 1:i + 1 + ctx.draft_length]
+                return seq[i + 1:i + 1 + ctx.max_draft_tokens]
         return []
 
     def commit(self, history, tokens, hidden_rows, start_pos):
@@ -240,7 +240,7 @@ def oracle_speculator(reference: Sequence[int], *, correct: int | None = None, v
     rng: a random.Random choosing how many drafts are right each step (random accept counts).
     """
     def script(ctx):
-        want = list(reference[ctx.pos + 1:ctx.pos + 1 + ctx.draft_length])
+        want = list(reference[ctx.pos + 1:ctx.pos + 1 + ctx.max_draft_tokens])
         if not want:
             return [0]
         n_right = len(want) if correct is None and rng is None else (
@@ -272,7 +272,7 @@ def write_toy_gguf(path, *, vocab_size: int = 300, dim: int = 16, recurrent: boo
 
 def load_toy_gguf(path, *, dtype=None, context_length=None) -> ToyTrunk:
     """TrunkSpec loader for `write_toy_gguf` files."""
-    from verispec.gguf_io import GGUFFile
+    from verispec.gguf.io import GGUFFile
     from verispec.tokenizer import Tokenizer
 
     gguf = GGUFFile.open(path)

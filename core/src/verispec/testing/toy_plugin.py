@@ -7,9 +7,8 @@ plugin authors. Register it with an entry point `toy = "verispec.testing.toy_plu
 """
 from __future__ import annotations
 
-from verispec.errors import VerispecError
 from verispec.hookspecs import hookimpl
-from verispec.seams import DraftHeadKind, Speculator
+from verispec.seams import DraftHeadKind, DrafterMismatch, Speculator
 from verispec.specs import DraftFileSpec, SpeculatorSpec, TrunkSpec
 
 #: layers whose entering residuals the toy block head reads (concatenated: F = 2·D).
@@ -19,10 +18,6 @@ BLOCK_SPEC = SpeculatorSpec(name="toy-block", summary="drafts a block from a BLO
                             factory="verispec.testing.toy_plugin:create_block_speculator",
                             requires_draft_head=True, needs_hidden_state=True, can_arm_after_prefix_reuse=False,
                             default_min_draft_prob=0.35, priority=5)
-
-
-class DrafterMismatch(VerispecError, ValueError):
-    """A drafter file bound to another trunk (vocabulary, width or taps differ)."""
 
 
 @hookimpl
@@ -84,7 +79,7 @@ class ToyBlockHead:
 
 def load_block_drafter(path, trunk) -> ToyBlockHead:
     """DraftFileSpec loader: refuses a drafter made for another vocabulary."""
-    from verispec.gguf_io import GGUFFile
+    from verispec.gguf.io import GGUFFile
 
     vocab = GGUFFile.open(path).require("toy-block-drafter.vocab_size")
     if vocab != trunk.vocab_size:
@@ -112,9 +107,17 @@ class BlockSpeculator(Speculator):
         return self.head.new_state()
 
     def propose(self, state, ctx):
+        if ctx.last_token in ctx.stop_token_ids:  # never draft past a stop
+            return []
         ids, confidences = self.head.draft_block(state, ctx.last_token, ctx.hidden_prev, ctx.pos)
-        keep = [t for t, c in zip(ids, confidences) if c >= ctx.min_draft_prob]
-        return keep[:ctx.draft_length]
+        keep = []
+        for token, confidence in zip(ids[:ctx.max_draft_tokens], confidences):
+            if confidence < ctx.min_draft_prob:
+                break
+            keep.append(token)
+            if token in ctx.stop_token_ids:  # a draft ends at the first stop id
+                break
+        return keep
 
     def commit(self, state, tokens, hidden_rows, start_pos):
         self.head.draft_catch_up(state, tokens, hidden_rows, start_pos)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import attrs
 import numpy as np
-from verispec.gguf_io import arch_value
+from verispec.gguf.io import arch_value
 
 from verispec_dflash.errors import MalformedDFlash, NotADFlashDrafter, UnsupportedDFlash
 
@@ -124,7 +124,7 @@ class DFlashConfig:
 
         shapes: GGUF tensor name -> torch-order shape. Raises NotADFlashDrafter (DSpark/fork
         schemas), UnsupportedDFlash (features not implemented: named), MalformedDFlash (keys and
-        tensors that contradict each other, partial DFlash2), gguf_io.MissingKey (a required key).
+        tensors that contradict each other, partial DFlash2), gguf.errors.MissingKey (a required key).
         """
         _refuse_other_schemas(metadata, shapes, source)
         _refuse_unsupported_tensors(shapes, source)

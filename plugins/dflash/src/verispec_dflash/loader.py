@@ -2,7 +2,7 @@
 
 Steps: read the keys and tensor shapes (`config.DFlashConfig.from_gguf`: schema, generation,
 every tensor present with its shape, nothing unknown), check the numbers are finite
-(`gguf_checks.check_numbers`), check the binding against the trunk (`binding.binding_problem`),
+(`verispec.gguf.checks.check_numbers`), check the binding against the trunk (`binding.binding_problem`),
 then read every tensor as fp32 (gguf-py's dequantisation) and, for the linears of a quantised
 file (fc, q/k/v/o, gate/up/down in a type the core's block kernel reads), the file's own blocks
 as `BlockLinear`s: a drafter forward is bound by the bytes of its weights, and Q8_0 blocks are a
@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 
 from verispec.errors import UnsupportedArchitecture
-from verispec.gguf_checks import check_numbers
-from verispec.gguf_io import GGUFFile
+from verispec.gguf.checks import check_numbers
+from verispec.gguf.io import GGUFFile
 from verispec.seams import DrafterMismatch
 from verispec.weights.gguf_blocks import BLOCK_FORMATS, GGUFBlocks
 
@@ -49,7 +49,7 @@ def load(path: str | os.PathLike, trunk, *, use_conv: bool = True, use_selector:
     Raises seams.DrafterMismatch (a VerispecError naming the mismatch and the fix: hidden size, taps
     vs the trunk's depth, fc width vs tap count, tokenizer, mask id, selector vocabulary),
     errors.NotADFlashDrafter / UnsupportedDFlash / MalformedDFlash, errors.UnsupportedArchitecture,
-    gguf_io errors (MissingKey, ...), errors.DamagedFile (non-finite numbers).
+    verispec.gguf.errors (MissingKey, ...), errors.DamagedFile (non-finite numbers).
     """
     path = os.fspath(path)
     gguf, config = read_config(path)

@@ -1,6 +1,6 @@
-"""The `dflash` speculator (what `--spec-type block` picks): one BLOCK draft head's block per step, cut by the window and the gate.
+"""The `dflash` speculator (what `--spec-type block` picks): one BLOCK draft head's block per step, cut at K and by the gate.
 
-A step with the pending token a at position p (`DraftContext.last_token`, `.pos`) and window K:
+A step with the pending token a at position p (`DraftContext.last_token`, `.pos`) and K drafts at most (`ctx.max_draft_tokens`):
 
     ids, cum = head.draft_block(state, a, None, p, num_rows=min(B, K + 1))   # one drafter forward
     draft = ids[:j], j = the first e with cum[e] < --spec-pmin (default 0.35), at most K,
@@ -8,7 +8,7 @@ A step with the pending token a at position p (`DraftContext.last_token`, `.pos`
 
 cum[e] is the cumulative prefix confidence (the product of the row confidences up to e; DFlash1:
 softmax of the row's logits at the draft, DFlash2: within the row's K candidates). The block has
-K + 1 rows (anchor + K masks) when the window is narrower than the trained block size B: running
+K + 1 rows (anchor + K masks) when K is smaller than the trained block size B: running
 fewer rows is legal (training decays the loss by block position), and cheaper; llama.cpp does the
 same with --spec-draft-n-max.
 
@@ -41,12 +41,12 @@ class BlockSpeculator(Speculator):
     def propose(self, state: Any, ctx: DraftContext) -> list[int]:
         if ctx.last_token in ctx.stop_token_ids:
             return []
-        window = min(ctx.draft_length, self.max_draft_tokens, self.head.draft_block_size - 1)
-        if window < 1:
+        k = min(ctx.max_draft_tokens, self.head.draft_block_size - 1)
+        if k < 1:
             return []
-        ids, cumulative = self.head.draft_block(state, ctx.last_token, ctx.hidden_prev, ctx.pos, num_rows=window + 1)
+        ids, cumulative = self.head.draft_block(state, ctx.last_token, ctx.hidden_prev, ctx.pos, num_rows=k + 1)
         draft: list[int] = []
-        for token, confidence in zip(ids[:window], cumulative):
+        for token, confidence in zip(ids[:k], cumulative):
             if confidence < ctx.min_draft_prob:
                 break
             draft.append(int(token))

@@ -88,9 +88,9 @@ class DraftModelSpeculator(Speculator):
         if len(state.tokens) != ctx.pos or state.offset is None:
             raise ValueError(f"{len(state.tokens)} tokens committed, but the pending token sits at {ctx.pos}")
         pos = ctx.pos - state.offset  # x's position in the drafter
-        # the drafter writes positions up to pos + window - 1 (it never forwards the last draft)
-        window = min(ctx.draft_length, self.max_draft_tokens, self.draft.max_context_length - pos)
-        if window < 1:
+        # the drafter writes positions up to pos + k - 1 (it never forwards the last draft)
+        k = min(ctx.max_draft_tokens, self.draft.max_context_length - pos)
+        if k < 1:
             return []
         state.base = pos
         rows = [*state.tokens[state.offset + self.draft.seq_len(state.seq):], ctx.last_token]
@@ -101,7 +101,7 @@ class DraftModelSpeculator(Speculator):
                 break
             token = int(logits.argmax())
             draft.append(token)
-            if token in ctx.stop_token_ids or len(draft) == window:
+            if token in ctx.stop_token_ids or len(draft) == k:
                 break
             rows = [token]
         return draft

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 from verispec.errors import DamagedFile, UnsupportedArchitecture
-from verispec.gguf_io import MissingTensor, arch_value
+from verispec.gguf.io import MissingTensor, arch_value
 from verispec_gemma4.modeling_gemma4 import FULL, SLIDING, _layer_types, _per_layer
 
 from verispec_gemma4_assistant.hooks import ARCHITECTURES
@@ -57,8 +57,8 @@ class AssistantConfig:
                   source: str = "the GGUF") -> AssistantConfig:
         """tensor_shapes: GGUF tensor name -> torch-order shape. The layer pattern defaults to
         sliding layers closed by one full layer (every shipped assistant).
-        Raises errors.UnsupportedArchitecture, gguf_io.MissingKey (embedding_length_out among
-        them), gguf_io.MissingTensor (token_embd), errors.DamagedFile (per-layer lists not one per
+        Raises errors.UnsupportedArchitecture, gguf.errors.MissingKey (embedding_length_out among
+        them), gguf.errors.MissingTensor (token_embd), errors.DamagedFile (per-layer lists not one per
         layer, a vocabulary the centroids do not divide, a centroid top-k outside 1..centroids)."""
         arch = metadata.get("general.architecture")
         if arch not in ARCHITECTURES:

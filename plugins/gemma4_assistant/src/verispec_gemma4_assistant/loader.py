@@ -12,10 +12,10 @@ import os
 import attrs
 import torch
 from verispec.errors import DamagedFile, UnusedTensors
-from verispec.gguf_checks import check_numbers
-from verispec.gguf_io import GGUFFile
-from verispec.gguf_load import plan_weights
-from verispec.gguf_table import Stack, Tensor
+from verispec.gguf.checks import check_numbers
+from verispec.gguf.io import GGUFFile
+from verispec.gguf.load import plan_weights
+from verispec.gguf.table import Stack, Tensor
 from verispec.seams import DrafterMismatch
 from verispec.weights.quant import swap_linears
 
@@ -51,7 +51,7 @@ def load(path: str | os.PathLike, trunk, *, centroids: bool = False, use_cache: 
 
     centroids: draft with the centroid head (the file must have one) instead of the dense head.
     Raises seams.DrafterMismatch (a VerispecError) when the assistant was made for other sizes
-    (binding.binding_problem names the difference), errors.UnsupportedArchitecture, gguf_io
+    (binding.binding_problem names the difference), errors.UnsupportedArchitecture, verispec.gguf.errors
     errors (MissingKey, MissingTensor, BadTensorShape), errors.DamagedFile (bad numbers, a token
     ordering that is not a permutation of the vocabulary), errors.UnusedTensors (tensors the
     assistant's math does not read: a K/V projection, say), ValueError (centroids=True without them).

@@ -10,7 +10,7 @@ A round, with the pending token x at position p and the trunk's final-normed row
 Why not `mtp`: a chained step keeps the query position and reads one sequence's K/V, which
 the generic PER_TOKEN chain does not name. The gate (--spec-pmin, default 0.15) is mtp's: the
 top-1 probability of a softmax over the step's ten largest logits; drafting also stops after a
-drafted stop token and at the window; a pending stop token gets no draft. Greedy drafts.
+drafted stop token and at K (`ctx.max_draft_tokens`); a pending stop token gets no draft. Greedy drafts.
 Nothing is committed or kept: the head holds no state (its `draft_head_resumes_after_gap`).
 """
 from __future__ import annotations
@@ -39,11 +39,11 @@ class AssistantSpeculator(Speculator):
         if ctx.hidden_prev is None or ctx.seq is None or ctx.last_token in ctx.stop_token_ids:
             return []
         state.seq = ctx.seq
-        window = min(ctx.draft_length, self.max_draft_tokens)
+        k = ctx.max_draft_tokens
         kv = self.head.read_kv(ctx.seq, ctx.pos)  # the trunk does not move while we draft
         draft: list[int] = []
         token, hidden = ctx.last_token, ctx.hidden_prev
-        while len(draft) < window:
+        while len(draft) < k:
             logits, hidden = self.head.step(kv, token, hidden, ctx.pos)
             if top1_gate_prob(logits) < ctx.min_draft_prob:
                 break

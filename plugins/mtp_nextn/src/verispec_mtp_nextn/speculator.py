@@ -9,7 +9,7 @@ A step, with the pending token x at position p and the trunk's tapped row h of p
     ...
 
 The gate (--spec-pmin, default 0.15; `verispec.draft_gate`): the top-1 probability of a softmax
-over the step's ten largest logits; drafting stops at the first step below it. It stops after a stop token (the stop is drafted) and at the window; a pending
+over the step's ten largest logits; drafting stops at the first step below it. It stops after a stop token (the stop is drafted) and at K (`ctx.max_draft_tokens`); a pending
 stop token gets no draft. Greedy argmax drafts: the loop's acceptance keeps the output exact
 for any sampler.
 
@@ -45,10 +45,10 @@ class MtpSpeculator(Speculator):
     def propose(self, state: Any, ctx: DraftContext) -> list[int]:
         if ctx.hidden_prev is None or ctx.last_token in ctx.stop_token_ids:
             return []
-        window = min(ctx.draft_length, self.max_draft_tokens)
+        k = ctx.max_draft_tokens
         draft: list[int] = []
         token, hidden, pos = ctx.last_token, ctx.hidden_prev, ctx.pos
-        while len(draft) < window:
+        while len(draft) < k:
             logits, hidden = self.head.draft_step(state, token, hidden, pos)
             if top1_gate_prob(logits) < ctx.min_draft_prob:
                 break

@@ -5,17 +5,17 @@ L = ctx.pos = len(committed)). For n from `max_order` down to the required order
 the most recent j < L with S[j-n+1 .. j] == S[L-n+1 .. L]; the first n that has one wins.
 The draft copies what followed that occurrence, S[j+1], S[j+2], ..., reading past S's end
 from the draft itself (an LZ77-style overlapping copy with period L - j), so a repeat
-that runs into the pending token keeps repeating. It stops at min(max_draft_tokens,
-ctx.draft_length) tokens, or right after a stop token (the stop token is included).
+that runs into the pending token keeps repeating. It stops at
+ctx.max_draft_tokens tokens, or right after a stop token (the stop token is included).
 
-Worked example, orders 1..4, pmin 0, window 3:
+Worked example, orders 1..4, pmin 0, K = 3:
 
     pos  0 1 2 3 4 5 | 6 (pending)
     S    a b c d a b | c
     n=4  [d a b c] occurs nowhere earlier
     n=3  [a b c] ends at j=2  ->  draft S[3], S[4], S[5] = [d, a, b]
 
-Self-overlap, same settings: S = x a a a | a (L=4). n=4 [a a a a]: the only window
+Self-overlap, same settings: S = x a a a | a (L=4). n=4 [a a a a]: the only span
 ending before 4 is [x a a a], no. n=3 [a a a] ends at j=3 -> S[4] = a (the pending token),
 then S[5], S[6] come from the draft itself -> [a, a, a].
 
@@ -116,7 +116,7 @@ class NGramSpeculator(Speculator):
             state.append(int(t))
 
     def propose(self, state: NGramState, ctx: DraftContext) -> list[int]:
-        """Draft ids for positions ctx.pos+1 .., at most min(max_draft_tokens, ctx.draft_length).
+        """Draft ids for positions ctx.pos+1 .., at most ctx.max_draft_tokens.
 
         The rule is in the module docstring; the gate is ctx.min_draft_prob (the loop fills it
         from --spec-pmin). Empty when nothing matches or a guard refuses (see `_refusal`).
@@ -129,7 +129,7 @@ class NGramSpeculator(Speculator):
         j = self._find(state, last, self.required_order(ctx.min_draft_prob))
         if j is None:
             return []
-        num_draft = min(self.max_draft_tokens, ctx.draft_length)
+        num_draft = ctx.max_draft_tokens
         return self._copy_after(state, j, last, num_draft, ctx.stop_token_ids)
 
     def _refusal(self, state: NGramState, ctx: DraftContext) -> str | None:
@@ -140,8 +140,8 @@ class NGramSpeculator(Speculator):
             return f"ctx.pos={ctx.pos} but {len(state.tokens)} tokens seen; propose nothing"
         if ctx.last_token in ctx.stop_token_ids:
             return f"last token {ctx.last_token} is a stop token; propose nothing"
-        if min(self.max_draft_tokens, ctx.draft_length) <= 0:
-            return f"window {ctx.draft_length}, max_draft_tokens {self.max_draft_tokens}: propose nothing"
+        if ctx.max_draft_tokens <= 0:
+            return f"max_draft_tokens {ctx.max_draft_tokens}: propose nothing"
         return None
 
     def _find(self, state: NGramState, last: int, required: int) -> int | None:
