@@ -14,7 +14,8 @@ import pytest
 
 from verispec import hookimpl
 from verispec.install_hints import DEFAULT_CHECKPOINT_INSTALL, checkout_root
-from verispec.registry import NoDefaultCheckpoint, Registry, UnknownArchitecture, UnknownCheckpoint, format_plugin_table
+from verispec.registry import (NoDefaultCheckpoint, Registry, UnknownArchitecture, UnknownCheckpoint, format_check,
+                               format_plugin_table)
 from verispec.seams import DraftHeadKind, DrafterMismatch
 from verispec.speculator_choice import SpeculationUnavailable, choose_speculator
 from verispec.specs import CheckpointSpec, Decline, DraftFileSpec, SpeculatorSpec, TrunkSpec
@@ -568,3 +569,43 @@ def test_a_third_party_plugin_cannot_take_a_shipped_name(monkeypatch):
     assert registry.speculators["ngram"].spec.summary == "shipped"
     assert [e.distribution for e in registry.errors] == ["aardvark-drafters"]
     assert "already taken by plugin 'ngram' (verispec-ngram 0.1.0)" in registry.errors[0].error
+
+
+def test_check_references_names_the_distribution_of_each_typo(monkeypatch):
+    """`verispec plugins --check`: every factory, decline check and loader is imported; a typo'd
+    attribute, a missing module and a non-callable are each reported against their distribution,
+    a plugin kept out is reported too, and a good reference is a row without an error."""
+    from types import SimpleNamespace
+
+    import importlib_metadata
+
+    def plugin(*specs):
+        return lambda: Toy(*specs)
+
+    eps = [SimpleNamespace(name="typo", dist=SimpleNamespace(name="typo-drafters", version="1.0"),
+                           load=plugin(spec("typo", "json:dumpz", decline="json:dumps"),
+                                       DraftFileSpec(name="typo-file", summary="x", architectures=("typo-arch",),
+                                                     loader="no_such_module_xyz.loader:load"))),
+           SimpleNamespace(name="flat", dist=SimpleNamespace(name="flat-drafters", version="2.0"),
+                           load=plugin(spec("flat", "json:__doc__"))),
+           SimpleNamespace(name="good", dist=SimpleNamespace(name="good-drafters", version="3.0"),
+                           load=plugin(spec("good", "json:dumps"), TrunkSpec(name="good-trunk", summary="x",
+                                                                       architectures=("good-arch",),
+                                                                       loader="json:loads"))),
+           SimpleNamespace(name="gone", dist=SimpleNamespace(name="gone-drafters", version="4.0"),
+                           load=lambda: 1 / 0)]
+    monkeypatch.setattr(importlib_metadata, "entry_points", lambda group: eps)
+    rows = Registry.discover().check_references()
+    problems = {(row["distribution"], row["name"], row["field"]): row["error"] for row in rows if row["error"]}
+    assert problems.keys() == {("typo-drafters", "typo", "factory"), ("typo-drafters", "typo-file", "loader"),
+                               ("flat-drafters", "flat", "factory"), ("gone-drafters", None, None)}
+    assert problems["typo-drafters", "typo", "factory"] == "AttributeError: module 'json' has no attribute 'dumpz'"
+    assert "No module named 'no_such_module_xyz'" in problems["typo-drafters", "typo-file", "loader"]
+    assert problems["flat-drafters", "flat", "factory"] == "json:__doc__ is a str, not a callable"
+    assert "ZeroDivisionError" in problems["gone-drafters", None, None]
+    good = {(row["name"], row["field"]) for row in rows if not row["error"]}
+    assert good == {("typo", "decline"), ("good", "factory"), ("good-trunk", "loader")}
+    report = format_check(rows).splitlines()
+    assert "plugin 'typo' (typo-drafters 1.0): speculator 'typo': factory 'json:dumpz' does not import: " \
+           "AttributeError: module 'json' has no attribute 'dumpz'" in report
+    assert report[-1] == "checked 6 references of 4 plugins: 4 problems"

@@ -23,7 +23,7 @@ import pluggy
 from verispec import hookspecs
 from verispec.errors import VerispecError
 from verispec.install_hints import DEFAULT_CHECKPOINT_INSTALL, install_hint, repository_distributions
-from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TrunkSpec, ref_text
+from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec, TrunkSpec, ref_text, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,12 @@ _DECLARATIONS: dict[str, tuple[str, ...]] = {
     "checkpoint": ("pip_install", "is_default", "size_bytes"),
 }
 _ROW_KEYS = ("distribution", "version", "plugin", "kind", "name", "summary")
+#: the lazy "module:attr" references of each kind, imported by `verispec plugins --check`.
+_REFERENCES: dict[str, tuple[str, ...]] = {
+    "speculator": ("factory", "decline"),
+    "trunk": ("loader",),
+    "draft_file": ("loader",),
+}
 
 
 @attrs.frozen
@@ -209,6 +215,24 @@ class Registry:
         return sorted(rows, key=lambda r: (r["distribution"] or "", r["plugin"], order[r["kind"]],
                                            r["name"] or ""))
 
+    def check_references(self) -> list[dict]:
+        """`verispec plugins --check`: import every lazy reference (a speculator's factory and
+        decline check, a trunk's or drafter file's loader) of every registered spec, as building
+        would. One JSON-ready row per reference, with "error" None when it imports to a callable;
+        plus one row per plugin kept out (its import or hook failed). Imports torch where the
+        plugins' modules do."""
+        rows = []
+        for kind in KINDS:
+            for entry in self._entries[kind].values():
+                for field in _REFERENCES.get(kind, ()):
+                    ref = getattr(entry.spec, field)
+                    if ref is not None:
+                        rows.append({**_origin_row(entry.origin), "kind": kind, "name": entry.name,
+                                     "field": field, "reference": ref_text(ref), "error": _import_problem(ref)})
+        rows += [{**_origin_row((e.plugin, e.distribution, e.version)), "kind": "error", "name": None,
+                  "field": None, "reference": None, "error": e.error} for e in self._errors]
+        return rows
+
 
 class _Builder:
     """Loads plugins one at a time into one PluginManager; each plugin is all or nothing."""
@@ -338,6 +362,36 @@ def format_plugin_table(rows: list[dict]) -> str:
     widths = [max(len(line[i]) for line in table) for i in range(5)]
     lines = ("  ".join([*(cell.ljust(w) for cell, w in zip(line, widths)), line[5]]) for line in table)
     return "\n".join(lines)
+
+
+def format_check(rows: list[dict]) -> str:
+    """The human report of `check_references()`: one line per problem, naming the distribution,
+    then how many references were checked."""
+    problems = [row for row in rows if row["error"]]
+    lines = []
+    for row in problems:
+        where = _origin((row["plugin"], row["distribution"], row["version"]))
+        what = (f"{row['kind']} {row['name']!r}: {row['field']} {row['reference']!r} does not import: "
+                if row["reference"] else "kept out: ")
+        lines.append(f"{where}: {what}{' '.join(row['error'].split())}")
+    checked = sum(1 for row in rows if row["reference"])
+    verdict = f"{len(problems)} problem{'s' * (len(problems) != 1)}" if problems else "all import"
+    lines.append(f"checked {checked} reference{'s' * (checked != 1)} of {len({r['plugin'] for r in rows})} "
+                 f"plugin{'s' * (len({r['plugin'] for r in rows}) != 1)}: {verdict}")
+    return "\n".join(lines)
+
+
+def _import_problem(ref) -> str | None:
+    """Why `ref` does not resolve to a callable (the exception, as text), or None."""
+    try:
+        obj = resolve(ref)
+    except Exception as exc:  # noqa: BLE001 - whatever the import raised is the plugin's problem
+        return _text(exc)
+    return None if callable(obj) else f"{ref_text(ref)} is a {type(obj).__name__}, not a callable"
+
+
+def _origin_row(origin: tuple) -> dict:
+    return dict(zip(("plugin", "distribution", "version"), origin))
 
 
 def _show(value) -> str:
