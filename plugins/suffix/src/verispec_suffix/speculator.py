@@ -1,0 +1,187 @@
+"""Suffix decoding (SuffixDecoding, arXiv 2411.04975): draft from this sequence and from earlier requests.
+
+Two `SuffixIndex`es (see `verispec_suffix.index`) serve each step: the sequence's own, over its
+prompt and output, and one engine-wide (`RecentDocuments`) over the outputs of finished
+sequences (their prompts too with index_prompts), within a token budget, oldest first out.
+
+The rule. Let S = committed tokens + [ctx.last_token], K = ctx.max_draft_tokens. In each index,
+find the longest suffix of S that occurs there (in the sequence's own index every occurrence ends
+before the pending token, so it is an earlier one), and keep its last min(length, max(1, max_depth -
+K)) tokens, w, so that K tokens fit under it in the index. The likeliest continuation of w
+(`SuffixIndex.continuation`) is that index's candidate, capped at floor(max_spec_factor × |w|)
+tokens (α × match length: a short match is weak evidence) and at K, and cut before the first token whose estimated
+probability is under ctx.min_draft_prob (--spec-pmin). The candidate with the higher score (the sum
+of its probabilities, the expected accepted tokens) is drafted, the sequence's own on a tie. A
+draft ends right after a stop token (the stop is drafted); a pending stop token gets no draft.
+
+Worked example, max_depth 24, α 1, pmin 0.1, K = 8, engine-wide index empty:
+
+    S = a b c a b d a b | c (pending)
+    w = [a b c] occurs once (positions 0..2), |w| <= 24 - 8: cap floor(1 × 3) = 3
+    a: 1/1, then [a b c a] → b: 1/1, then → d: 1/1   → draft [a, b, d], score 3
+
+How the engine-wide index learns. A state is one sequence (the loop makes one per request); when
+the loop lets go of it (the request finished, or its state was replaced), a weakref finalizer
+queues its tokens, and the next `new_state` or `propose` folds them in (never inside a finalizer,
+which may run at any allocation). `finish(state)` folds one at once. The first commit a state
+sees is taken as its prompt (the loop seeds a late-armed state with everything the sequence holds,
+so a few tokens decoded before arming count as prompt).
+
+Guards, as verispec-ngram's: a commit at a position it cannot account for makes the state silent
+until a new one is seeded; a ctx.pos other than the tokens seen gets no draft for that step.
+"""
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from verispec.seams import DraftContext, Speculator
+from verispec.specs import SpeculatorSpec
+from verispec_suffix.hooks import SPEC
+from verispec_suffix.index import Node, RecentDocuments, SuffixIndex
+
+if TYPE_CHECKING:
+    import torch
+
+#: longest string indexed (ArcticInference's default tree depth): bounds match + draft length.
+DEFAULT_MAX_DEPTH = 24
+#: the engine-wide index's budget in tokens (VERISPEC_SUFFIX_SHARED_TOKENS; 0 = off).
+DEFAULT_SHARED_TOKENS = 8192
+
+
+class Document:
+    """A sequence's tokens as the engine-wide index will take them: all of them, and the prompt's length."""
+
+    __slots__ = ("tokens", "prompt_len", "__weakref__")
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.prompt_len: int | None = None  # the first commit's length
+
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len or 0:]
+
+
+class SuffixState:
+    """One sequence: its tokens, its own index and tail, and its cursor into the engine-wide index."""
+
+    def __init__(self, max_depth: int):
+        self.document = Document()
+        self.index = SuffixIndex(max_depth)
+        self.tail: Node = self.index.root  # the last min(len, max_depth) committed tokens
+        self.shared_cursor: Node | None = None  # longest suffix of the committed tokens in the shared index
+        self.shared_version = -1  # the shared index's version the cursor was found in
+        self.is_silent = False
+        self.finalizer: weakref.finalize | None = None
+
+
+class SuffixSpeculator(Speculator):
+    """Weight-free drafter over this sequence and earlier ones (module docstring); serves every trunk."""
+
+    def __init__(self, spec: SpeculatorSpec = SPEC, *, max_draft_tokens: int = 8, min_draft_prob: float | None = None,
+                 max_depth: int = DEFAULT_MAX_DEPTH, max_spec_factor: float = 1.0,
+                 shared_tokens: int = DEFAULT_SHARED_TOKENS, index_prompts: bool = False):
+        if max_spec_factor <= 0:
+            raise ValueError(f"max_spec_factor={max_spec_factor}: give > 0")
+        super().__init__(spec, max_draft_tokens=max_draft_tokens, min_draft_prob=min_draft_prob)
+        self.max_depth = max_depth
+        self.max_spec_factor = max_spec_factor
+        self.index_prompts = index_prompts
+        self.shared = RecentDocuments(max_depth, shared_tokens)
+        self._finished: deque[Document] = deque()  # appended by finalizers, folded by new_state / propose
+
+    def new_state(self) -> SuffixState:
+        self.fold_finished()
+        state = SuffixState(self.max_depth)
+        state.finalizer = weakref.finalize(state, self._finished.append, state.document)
+        state.finalizer.atexit = False
+        return state
+
+    def finish(self, state: SuffixState) -> None:
+        """The sequence is over: fold its tokens into the engine-wide index now (once; a later drop adds nothing)."""
+        state.finalizer()
+        self.fold_finished()
+
+    def fold_finished(self) -> None:
+        """Index the documents of the states let go of since the last call."""
+        while self._finished:
+            document = self._finished.popleft()
+            self.shared.add(document.tokens if self.index_prompts else document.output())
+
+    def commit(self, state: SuffixState, tokens: Sequence[int], hidden_rows: "torch.Tensor | None",
+               start_pos: int) -> None:
+        """Append ids that landed in the sequence at positions start_pos..; hidden_rows is ignored."""
+        document = state.document
+        if state.is_silent:
+            return
+        if start_pos != len(document.tokens):
+            state.is_silent = True
+            return
+        ids = [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
+        if document.prompt_len is None:
+            document.prompt_len = len(ids)
+        shared = self.shared.index
+        follow = state.shared_version == shared.version  # else the cursor is found again at propose
+        for t in ids:
+            document.tokens.append(t)
+            state.tail = state.index.extend(state.tail, t)
+            if follow:
+                state.shared_cursor = shared.advance(state.shared_cursor, t)
+
+    def propose(self, state: SuffixState, ctx: DraftContext) -> list[int]:
+        """Draft ids for positions ctx.pos+1 .., at most ctx.max_draft_tokens (the rule: module docstring)."""
+        self.fold_finished()
+        if (state.is_silent or ctx.pos != len(state.document.tokens) or ctx.last_token in ctx.stop_token_ids
+                or ctx.max_draft_tokens <= 0):
+            return []
+        last = int(ctx.last_token)
+        draft, score = self.candidate(state.index, state.tail, last, ctx.max_draft_tokens, ctx.min_draft_prob)
+        if self.shared.num_tokens:
+            shared_draft, shared_score = self.candidate(self.shared.index, self._shared_cursor(state), last,
+                                                        ctx.max_draft_tokens, ctx.min_draft_prob)
+            if shared_score > score:
+                draft = shared_draft
+        stops = ctx.stop_token_ids.intersection(draft)
+        if stops:  # never continue past a stop token; keep the stop itself
+            del draft[min(draft.index(s) for s in stops) + 1:]
+        return draft
+
+    def candidate(self, index: SuffixIndex, cursor: Node, last: int, max_tokens: int,
+                  min_prob: float) -> tuple[list[int], float]:
+        """One index's draft after cursor·last and its score (0 when nothing matches)."""
+        node = index.match(cursor, last)
+        if node is None:
+            return [], 0.0
+        room = max(1, index.max_depth - max_tokens)
+        while node.depth > room:  # a shorter suffix, so that max_tokens fit under max_depth
+            node = node.link
+        cap = min(max_tokens, math.floor(self.max_spec_factor * node.depth + 1e-9))
+        tokens, probs = index.continuation(node, cap, min_prob)
+        return tokens, sum(probs)
+
+    def _shared_cursor(self, state: SuffixState) -> Node:
+        """The longest suffix of the committed tokens in the shared index, found again after it changed."""
+        shared = self.shared.index
+        if state.shared_version != shared.version:
+            cursor = shared.root
+            for t in state.document.tokens[-self.max_depth:]:
+                cursor = shared.advance(cursor, t)
+            state.shared_cursor, state.shared_version = cursor, shared.version
+        return state.shared_cursor
+
+    def close(self) -> None:
+        self._finished.clear()
+        self.shared = RecentDocuments(self.max_depth, 0)
+
+
+def create(trunk, *, spec: SpeculatorSpec = SPEC, max_draft_tokens: int, min_draft_prob: float | None,
+           draft_head=None) -> SuffixSpeculator:
+    """SpeculatorSpec factory: needs nothing from the trunk. VERISPEC_SUFFIX_SHARED_TOKENS sets the
+    engine-wide index's budget (0 = off); VERISPEC_SUFFIX_PROMPTS=1 indexes finished prompts too."""
+    return SuffixSpeculator(spec, max_draft_tokens=max_draft_tokens, min_draft_prob=min_draft_prob,
+                            shared_tokens=int(os.environ.get("VERISPEC_SUFFIX_SHARED_TOKENS", DEFAULT_SHARED_TOKENS)),
+                            index_prompts=os.environ.get("VERISPEC_SUFFIX_PROMPTS") == "1")
