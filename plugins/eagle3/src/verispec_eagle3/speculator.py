@@ -1,0 +1,70 @@
+"""The `eagle3` speculator: chains an EAGLE-3 head's test-time recurrence, one token per step.
+
+A round, with the pending token x at position p and the trunk's taps h of position p - 1
+(`DraftContext.hidden_prev`, the residuals entering the head's three target layers):
+
+    logits, g1 = head.draft_step(state, x, h, p)        # fc(h); runs the queued catch-up rows first
+    d1 = argmax(logits)                                  # kept if its gate passes
+    logits, g2 = head.draft_step(state, d1, g1, p + 1)   # the head's own pre-norm row, not the trunk's
+    ...
+
+The gate (--spec-pmin, default 0.15, `SPEC.default_min_draft_prob`): the top-1 probability of a
+softmax over the step's ten largest logits (`verispec.draft_gate`, the one every per-token
+drafter here uses; d2t's -inf rows never reach it). The default is mtp's and was not measured on a
+trained EAGLE-3 head (none exists here yet). Drafting also stops after a drafted stop token and at
+K = `ctx.max_draft_tokens` (the loop's bound, never narrowed here); a pending stop token gets no
+draft. Greedy argmax drafts: the loop's acceptance keeps the output exact for any sampler.
+
+`commit` hands committed tokens and their taps to `head.draft_catch_up`, `keep` to `head.keep`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from verispec.draft_gate import top1_gate_prob
+from verispec.seams import DraftContext, Speculator
+
+from verispec_eagle3.hooks import SPEC
+
+
+class Eagle3Speculator(Speculator):
+    """Drafts by chaining `Eagle3Head.draft_step` (module docstring)."""
+
+    def __init__(self, head, spec=SPEC, **kwargs):
+        super().__init__(spec, **kwargs)
+        self.head = head
+        self.tap_layers = head.tap_layers
+
+    def new_state(self) -> Any:
+        return self.head.new_state()
+
+    def propose(self, state: Any, ctx: DraftContext) -> list[int]:
+        if ctx.hidden_prev is None or ctx.last_token in ctx.stop_token_ids:
+            return []
+        draft: list[int] = []
+        token, hidden, pos = ctx.last_token, ctx.hidden_prev, ctx.pos
+        while len(draft) < ctx.max_draft_tokens:
+            logits, hidden = self.head.draft_step(state, token, hidden, pos)
+            if top1_gate_prob(logits) < ctx.min_draft_prob:
+                break
+            token, pos = int(logits.argmax()), pos + 1
+            draft.append(token)
+            if token in ctx.stop_token_ids:
+                break
+        return draft
+
+    def commit(self, state: Any, tokens: Sequence[int], hidden_rows, start_pos: int) -> None:
+        self.head.draft_catch_up(state, tokens, hidden_rows, start_pos)
+
+    def keep(self, state: Any, num_rows: int) -> None:
+        self.head.keep(state, num_rows)
+
+
+def create(trunk, *, spec, max_draft_tokens, min_draft_prob, draft_head):
+    """SpeculatorSpec factory: None (declined: it does not take that drafter) unless --draft-model loaded an EAGLE-3 head."""
+    from verispec_eagle3.head import Eagle3Head
+
+    if not isinstance(draft_head, Eagle3Head):
+        return None
+    return Eagle3Speculator(draft_head, spec, max_draft_tokens=max_draft_tokens, min_draft_prob=min_draft_prob)
