@@ -41,10 +41,13 @@ def candidate(text, last, docs, *, max_depth, max_tokens, min_prob, factor):
     m = longest_match(s, docs, max_depth)
     if m == 0:
         return [], 0.0
-    u = min(m, max(1, max_depth - max_tokens))
-    cap = min(max_tokens, math.floor(factor * u + 1e-9))
-    tokens, probs = continuation(s[-u:], docs, max_depth, cap, min_prob)
-    return tokens, sum(probs)
+    best, best_score = [], 0.0
+    for u in range(min(m, max(1, max_depth - max_tokens)), 0, -1):  # longest first, a tie keeps the longer
+        cap = min(max_tokens, math.floor(factor * u + 1e-9))
+        tokens, probs = continuation(s[-u:], docs, max_depth, cap, min_prob)
+        if sum(probs) > best_score:
+            best, best_score = tokens, sum(probs)
+    return best, best_score
 
 
 def propose(history, last, shared_docs, *, max_depth, max_tokens, min_prob, factor=1.0, stops=()):

@@ -7,7 +7,7 @@ from verispec.specs import SpeculatorSpec
 
 SPEC = SpeculatorSpec(
     name="suffix",
-    summary="suffix decoding: drafts the likeliest continuation of the longest suffix match in this request "
+    summary="suffix decoding: drafts the likeliest continuation of what the last tokens matched in this request "
             "or in earlier requests' outputs; no weights",
     factory="verispec_suffix.speculator:create",
     requires_draft_head=False,

@@ -5,13 +5,19 @@ prompt and output, and one engine-wide (`RecentDocuments`) over the outputs of f
 sequences (their prompts too with index_prompts), within a token budget, oldest first out.
 
 The rule. Let S = committed tokens + [ctx.last_token], K = ctx.max_draft_tokens. In each index,
-find the longest suffix of S that occurs there (in the sequence's own index every occurrence ends
-before the pending token, so it is an earlier one), and keep its last min(length, max(1, max_depth -
-K)) tokens, w, so that K tokens fit under it in the index. The likeliest continuation of w
-(`SuffixIndex.continuation`) is that index's candidate, capped at floor(max_spec_factor × |w|)
-tokens (α × match length: a short match is weak evidence) and at K, and cut before the first token whose estimated
-probability is under ctx.min_draft_prob (--spec-pmin). The candidate with the higher score (the sum
-of its probabilities, the expected accepted tokens) is drafted, the sequence's own on a tie. A
+each suffix w of S that occurs there (in the sequence's own index every occurrence ends before the
+pending token, so it is an earlier one), at most max(1, max_depth - K) tokens long so that K tokens
+fit under it, gives a draft: the likeliest continuation of w (`SuffixIndex.continuation`), capped
+at floor(max_spec_factor × |w|) tokens (α × match length: a short match is weak evidence) and at
+K, and cut before the first token whose estimated probability is under ctx.min_draft_prob
+(--spec-pmin). Its score is the sum of those probabilities (the expected accepted tokens). The
+index's candidate is the best-scoring draft, the longer w on a tie (ArcticInference tries every
+match length the same way: the longest match can run into the end of its text, e.g. in a loop). The
+candidate with the higher score is drafted, the sequence's own on a tie.
+
+Cost per step: the longest match is one link walk from a cursor kept along the sequence; the
+shorter suffixes are its links, longest first, and the walk stops once floor(α × |w|) cannot beat
+the best score so far: O(|w| × K) node visits at worst, usually O(K). A
 draft ends right after a stop token (the stop is drafted); a pending stop token gets no draft.
 
 Worked example, max_depth 24, α 1, pmin 0.1, K = 8, engine-wide index empty:
@@ -19,6 +25,7 @@ Worked example, max_depth 24, α 1, pmin 0.1, K = 8, engine-wide index empty:
     S = a b c a b d a b | c (pending)
     w = [a b c] occurs once (positions 0..2), |w| <= 24 - 8: cap floor(1 × 3) = 3
     a: 1/1, then [a b c a] → b: 1/1, then → d: 1/1   → draft [a, b, d], score 3
+    (shorter w: cap <= 2 cannot beat 3)
 
 How the engine-wide index learns. A state is one sequence (the loop makes one per request); when
 the loop lets go of it (the request finished, or its state was replaced), a weakref finalizer
@@ -154,14 +161,18 @@ class SuffixSpeculator(Speculator):
                   min_prob: float) -> tuple[list[int], float]:
         """One index's draft after cursor·last and its score (0 when nothing matches)."""
         node = index.match(cursor, last)
-        if node is None:
-            return [], 0.0
-        room = max(1, index.max_depth - max_tokens)
-        while node.depth > room:  # a shorter suffix, so that max_tokens fit under max_depth
+        room = max(1, index.max_depth - max_tokens)  # so that max_tokens fit under max_depth
+        best, best_score = [], 0.0
+        while node is not None and node.depth > 0:  # the matched suffix, then ever shorter ones
+            if node.depth <= room:
+                cap = min(max_tokens, math.floor(self.max_spec_factor * node.depth + 1e-9))
+                if cap <= best_score:  # a shorter match drafts no more than cap tokens: none can win
+                    break
+                tokens, probs = index.continuation(node, cap, min_prob)
+                if sum(probs) > best_score:
+                    best, best_score = tokens, sum(probs)
             node = node.link
-        cap = min(max_tokens, math.floor(self.max_spec_factor * node.depth + 1e-9))
-        tokens, probs = index.continuation(node, cap, min_prob)
-        return tokens, sum(probs)
+        return best, best_score
 
     def _shared_cursor(self, state: SuffixState) -> Node:
         """The longest suffix of the committed tokens in the shared index, found again after it changed."""
