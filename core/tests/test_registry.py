@@ -216,6 +216,75 @@ def test_a_draft_model_no_installed_speculator_takes_names_the_draft_model_plugi
     assert unused_drafter_reason(registry, model, {"mtp": "vocabularies differ"}) == "mtp: vocabularies differ"
 
 
+@pytest.fixture
+def tiny_file(tmp_path):
+    from verispec.testing.fixture_writer import write_gguf
+
+    return write_gguf(tmp_path / "head.gguf", arch="tiny-drafter", metadata={}, tensors={}, vocab=None)
+
+
+def tiny_format(*speculators):
+    return DraftFileSpec(name="tiny", summary="a third party's head file", architectures=("tiny-drafter",),
+                         loader="json:loads", speculators=speculators)
+
+
+def test_a_drafter_file_is_driven_by_the_speculator_its_format_names(tiny_file):
+    """A third party's head file names its speculator: auto, draft-head and block pick it over a
+    higher-priority block drafter that would take any BLOCK head, and no "not used" line."""
+    registry = Registry.from_plugins({"toys": Toy(
+        spec("bigblock", requires_draft_head=True, priority=30), spec("ngram", priority=10),
+        spec("tiny-head", requires_draft_head=True, priority=1), tiny_format("tiny-head"))})
+    head = Head(DraftHeadKind.BLOCK)
+    for spec_type in ("auto", "draft-head", "block"):
+        choice = choose_speculator(registry, spec_type, Trunk(), draft_head=head, draft_model=tiny_file,
+                                   max_draft_tokens=8)
+        assert choice.name == "tiny-head" and choice.unused_drafter is None, spec_type
+        assert choice.reason == "tiny-head: named by the 'tiny' drafter file --draft-model loaded"
+    # without --draft-model naming that file (the trunk's own head), priority decides as before
+    assert choose_speculator(registry, "auto", Trunk(), draft_head=head, max_draft_tokens=8).name == "bigblock"
+    # an explicit other name is obeyed, and the line says which speculator drives the file
+    ngram = choose_speculator(registry, "ngram", Trunk(), draft_head=head, draft_model=tiny_file, max_draft_tokens=8)
+    assert ngram.name == "ngram"
+    assert ngram.unused_drafter == ("its format 'tiny' is drafted by tiny-head; --spec-type ngram picked another: "
+                                    "use --spec-type tiny-head or auto")
+
+
+def test_the_named_speculator_declining_is_the_unused_line_and_auto_goes_on(tiny_file):
+    registry = Registry.from_plugins({"toys": Toy(
+        spec("ngram", priority=10), tiny_format("tiny-head"),
+        spec("tiny-head", lambda trunk, **kw: Decline("head width 64 != trunk width 32"), requires_draft_head=True))})
+    choice = choose_speculator(registry, "auto", Trunk(), draft_head=Head(DraftHeadKind.PER_TOKEN),
+                               draft_model=tiny_file, max_draft_tokens=8)
+    assert choice.name == "ngram" and choice.unused_drafter == "tiny-head: head width 64 != trunk width 32"
+
+
+def test_the_speculator_a_file_names_uses_it_without_requiring_a_head_and_no_false_not_used_line(tiny_file):
+    """The false line of issue 45: `--spec-type theirs --draft-model head.gguf` said "no installed
+    speculator drafts with a block draft head" while two did. Named by its file, theirs drives it;
+    a file that names nobody gets the speculators that do draft with a head, not "none"."""
+    theirs = spec("theirs", priority=1)  # reads the head its factory got, without declaring requires_draft_head
+    head = Head(DraftHeadKind.BLOCK)
+    named = Registry.from_plugins({"toys": Toy(spec("bigblock", requires_draft_head=True, priority=30), theirs,
+                                               tiny_format("theirs"))})
+    choice = choose_speculator(named, "theirs", Trunk(), draft_head=head, draft_model=tiny_file, max_draft_tokens=8)
+    assert choice.name == "theirs" and choice.unused_drafter is None
+    anonymous = Registry.from_plugins({"toys": Toy(spec("bigblock", requires_draft_head=True, priority=30),
+                                                   spec("blocky", requires_draft_head=True), theirs, tiny_format())})
+    choice = choose_speculator(anonymous, "theirs", Trunk(), draft_head=head, draft_model=tiny_file,
+                               max_draft_tokens=8)
+    assert choice.unused_drafter == ("--spec-type theirs does not draft with it; the installed speculators that draft "
+                                     "with a draft head are bigblock, blocky (--spec-type draft-head or block picks "
+                                     "among them, or name one)")
+
+
+def test_draft_file_rows_list_their_speculators():
+    rows = Registry.from_plugins({"toys": Toy(tiny_format("tiny-head", "other"))}).plugin_rows()
+    assert rows[0]["speculators"] == ["tiny-head", "other"]
+    assert "speculators=tiny-head,other" in format_plugin_table(rows)
+    with pytest.raises(ValueError, match="speculators"):
+        DraftFileSpec(name="x", summary="x", architectures=("x",), loader="json:loads", speculators=("Bad Name",))
+
+
 def test_draft_head_and_block_groups():
     registry = Registry.from_plugins({"toys": Toy(
         spec("per-token", requires_draft_head=True, priority=20),

@@ -44,7 +44,7 @@ _DECLARATIONS: dict[str, tuple[str, ...]] = {
     "speculator": ("requires_draft_head", "can_arm_after_prefix_reuse", "needs_hidden_state",
                    "default_min_draft_prob", "priority", "decline"),
     "trunk": ("architectures",),
-    "draft_file": ("architectures",),
+    "draft_file": ("architectures", "speculators"),
     "checkpoint": ("pip_install", "is_default", "size_bytes"),
 }
 _ROW_KEYS = ("distribution", "version", "plugin", "kind", "name", "summary")
@@ -395,7 +395,7 @@ def _origin_row(origin: tuple) -> dict:
 
 
 def _show(value) -> str:
-    return ",".join(value) if isinstance(value, list) else str(value)
+    return (",".join(value) or "-") if isinstance(value, list) else str(value)
 
 
 def _load_order(ep) -> bool:

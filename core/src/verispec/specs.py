@@ -114,7 +114,9 @@ class DraftFileSpec:
     `loader(path, trunk)` returns a DraftHead bound to that trunk, or raises naming the mismatch.
     `trunks`: the trunks' `general.architecture` values its files pair with (empty: any trunk,
     e.g. a drafter bound to its target like a LoRA); advice names only the formats for the trunk
-    at hand."""
+    at hand. `speculators`: the speculators (SpeculatorSpec names) that drive its heads, in
+    preference order: with such a file loaded, --spec-type auto, draft-head and block try them
+    first, whatever their priority (empty: the usual priority order)."""
 
     name: str = attrs.field(validator=_check_name)
     summary: str = attrs.field(validator=attrs.validators.instance_of(str))
@@ -122,6 +124,8 @@ class DraftFileSpec:
                                                  validator=attrs.validators.min_len(1))
     loader: Any = attrs.field(validator=_check_ref)
     trunks: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
+    speculators: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str,
+                                               validator=attrs.validators.deep_iterable(_check_name))
 
 
 @attrs.frozen

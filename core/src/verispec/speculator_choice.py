@@ -22,9 +22,9 @@ import attrs
 
 from verispec.errors import VerispecError
 from verispec.install_hints import install_hint
-from verispec.registry import Entry, Registry
+from verispec.registry import SPEC_TYPE_GROUPS, Entry, Registry
 from verispec.seams import DraftHeadKind, DrafterMismatch, UnsupportedTap, declared
-from verispec.specs import Decline, SpeculatorSpec, resolve
+from verispec.specs import Decline, DraftFileSpec, SpeculatorSpec, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,9 @@ class Choice:
     #: `Decline`, a `DrafterMismatch`, a failed build), not one of its declarations': what
     #: `verispec generate` shows when another speculator was picked.
     own_reasons: frozenset[str] = frozenset()
+    #: why the drafter --draft-model loaded drafts for nobody (the engine warns with it), or None:
+    #: no --draft-model, or the speculator picked drives it.
+    unused_drafter: str | None = None
 
 
 class SpeculationUnavailable(VerispecError, RuntimeError):
@@ -60,11 +63,16 @@ class SpeculationUnavailable(VerispecError, RuntimeError):
 
 
 def choose_speculator(registry: Registry, spec_type: str, trunk: Any, *, draft_head: Any = None,
-                      max_draft_tokens: int, min_draft_prob: float | None = None) -> Choice:
+                      draft_model: str | None = None, max_draft_tokens: int,
+                      min_draft_prob: float | None = None) -> Choice:
     """Build the speculator `spec_type` selects for `trunk` among those `registry` holds.
 
     spec_type: "auto" (highest priority that can serve), "draft-head" (any that requires a
     draft head), "block" (those, with a BLOCK head) or a registered name.
+    draft_head: what --draft-model loaded (or the trunk's own head); draft_model: the
+    --draft-model value itself (a path or alias), when given: a drafter file whose format
+    (`DraftFileSpec.speculators`) names the speculators that drive it puts them first for
+    auto, draft-head and block, whatever their priority.
     min_draft_prob: None means each speculator's default_min_draft_prob.
     Returns a Choice; with "auto" and nothing serving, Choice(speculator=None, ...).
     Raises SpeculationUnavailable when an explicit spec_type cannot be served.
@@ -72,7 +80,16 @@ def choose_speculator(registry: Registry, spec_type: str, trunk: Any, *, draft_h
     declines: dict[str, str] = {}
     not_taken: set[str] = set()
     own_reasons: set[str] = set()
-    candidates = _candidates(registry, spec_type)
+    draft_file = draft_file_of(registry, draft_model) if draft_head is not None else None
+
+    def choice(speculator, name, reason) -> Choice:
+        unused = None
+        if draft_model is not None and draft_head is not None:
+            unused = unused_drafter_reason(registry, draft_head, declines, frozenset(not_taken),
+                                           draft_file=draft_file, spec_type=spec_type, picked=name)
+        return Choice(speculator, name, reason, declines, frozenset(not_taken), frozenset(own_reasons), unused)
+
+    candidates = _drivers_first(registry, _candidates(registry, spec_type), spec_type, draft_file)
     if spec_type == "block" and declared(trunk, "speculation_refusal") is None:
         missing = _no_block_head(draft_head)
         if missing:  # one reason for the whole group, under the name asked for
@@ -88,8 +105,7 @@ def choose_speculator(registry: Registry, spec_type: str, trunk: Any, *, draft_h
             elif speculator is None:
                 own_reasons.add(entry.name)
         if speculator is not None:
-            return Choice(speculator, entry.name, _picked(entry.spec, spec_type, declines), declines,
-                          frozenset(not_taken), frozenset(own_reasons))
+            return choice(speculator, entry.name, _picked(entry.spec, spec_type, declines, draft_file))
         declines[entry.name] = reason
     if spec_type != "auto":
         raise SpeculationUnavailable(spec_type, declines)
@@ -97,7 +113,31 @@ def choose_speculator(registry: Registry, spec_type: str, trunk: Any, *, draft_h
            else f"no speculator plugin is installed, e.g. {install_hint('plugins/ngram')}")
     reason = f"decoding plainly: nothing can serve this trunk ({why})"
     logger.info(reason)
-    return Choice(None, None, reason, declines, frozenset(not_taken), frozenset(own_reasons))
+    return choice(None, None, reason)
+
+
+def draft_file_of(registry: Registry, draft_model: str | None) -> DraftFileSpec | None:
+    """The drafter file format (`DraftFileSpec`) of a --draft-model file, by its GGUF
+    `general.architecture`; None without --draft-model or for a model family's file (a whole
+    model drafting)."""
+    if draft_model is None:
+        return None
+    from verispec.gguf.io import read_architecture
+    from verispec.model_files import resolve_model_path
+
+    spec = registry.drafter_for_architecture(read_architecture(resolve_model_path(draft_model, registry,
+                                                                                  flag="--draft-model")))
+    return spec if isinstance(spec, DraftFileSpec) else None
+
+
+def _drivers_first(registry: Registry, candidates: list[Entry], spec_type: str,
+                   draft_file: DraftFileSpec | None) -> list[Entry]:
+    """For auto, draft-head and block: the speculators the loaded drafter file names (installed
+    ones, in its order), then the others; an explicit name is left as asked."""
+    if draft_file is None or spec_type not in SPEC_TYPE_GROUPS:
+        return candidates
+    drivers = [registry.speculators[name] for name in draft_file.speculators if name in registry.speculators]
+    return drivers + [entry for entry in candidates if entry not in drivers]
 
 def _candidates(registry: Registry, spec_type: str) -> list[Entry]:
     ranked = sorted(registry.speculators.values(), key=lambda e: (-e.spec.priority, e.name))
@@ -169,15 +209,40 @@ def _no_head_advice(registry: Registry, trunk: Any) -> str:
 
 
 def unused_drafter_reason(registry: Registry, draft_head: Any, declines: Mapping[str, str],
-                          not_taken: frozenset[str] = frozenset()) -> str:
+                          not_taken: frozenset[str] = frozenset(), *, draft_file: DraftFileSpec | None = None,
+                          spec_type: str = "auto", picked: str | None = None) -> str | None:
     """Why the drafter --draft-model loaded drafts for no speculator, from a Choice's `declines`
-    and `not_taken`: the declines of those that need a draft head, or, when each of them just
-    does not take a drafter of this kind, that no installed speculator does (and what to install
-    for a draft model)."""
-    unused = {name: why for name, why in declines.items() if registry.speculators[name].spec.requires_draft_head}
+    and `not_taken`, or None when `picked` drives it (its format names it, or it needs a draft
+    head: it took the one loaded). Else: the declines of the speculators that drive it (those
+    its format names, or those that need a draft head), or which ones do when --spec-type did
+    not try them, or, when each of them just does not take a drafter of this kind, that no
+    installed speculator does (and what to install for a draft model)."""
+    drivers = draft_file.speculators if draft_file is not None else ()
+    if picked is not None and (picked in drivers or registry.speculators[picked].spec.requires_draft_head):
+        return None
     kind = getattr(draft_head, "draft_head_kind", DraftHeadKind.NONE)
+    if drivers:
+        installed = [name for name in drivers if name in registry.speculators]
+        named = f"its format {draft_file.name!r} is drafted by {_names(drivers)}"
+        if not installed:
+            return f"{named}, and none of them is installed; pip install the distribution that provides it"
+        tried = {name: declines[name] for name in installed if name in declines}
+        if tried:
+            return _reasons(tried)
+        return f"{named}; --spec-type {spec_type} picked another: use --spec-type {installed[0]} or auto"
+    takers = [name for name, entry in registry.speculators.items() if entry.spec.requires_draft_head]
+    unused = {name: why for name, why in declines.items() if name in takers}
     if any(name not in not_taken for name in unused):
         return _reasons(unused)
+    if kind is DraftHeadKind.MODEL and "draft-model" not in registry.speculators:
+        return ("no installed speculator drafts with a draft model (a smaller model of the same tokenizer); the "
+                f"draft-model speculator does, {_install_advice('draft-model')}")
+    untried = sorted(name for name in takers if name not in declines)
+    if untried:
+        why = (f"{picked} ranks above them" if spec_type == "auto" and picked
+               else f"--spec-type {spec_type} does not draft with it")
+        return (f"{why}; the installed speculators that draft with a draft head are {_names(untried)} "
+                "(--spec-type draft-head or block picks among them, or name one)")
     if kind is DraftHeadKind.MODEL:
         return ("no installed speculator drafts with a draft model (a smaller model of the same tokenizer); the "
                 f"draft-model speculator does, {_install_advice('draft-model')}")
@@ -224,9 +289,12 @@ def _build(spec: SpeculatorSpec, trunk, draft_head, max_draft_tokens, min_draft_
     return speculator, None
 
 
-def _picked(spec: SpeculatorSpec, spec_type: str, declines: dict[str, str]) -> str:
+def _picked(spec: SpeculatorSpec, spec_type: str, declines: dict[str, str],
+            draft_file: DraftFileSpec | None = None) -> str:
     if spec_type == spec.name:
         reason = f"{spec.name}: requested by --spec-type {spec_type}"
+    elif draft_file is not None and spec.name in draft_file.speculators:
+        reason = f"{spec.name}: named by the {draft_file.name!r} drafter file --draft-model loaded"
     else:
         group = "" if spec_type == "auto" else f"{spec_type} "
         reason = (f"{spec.name}: the highest-priority {group}speculator that can serve this trunk "
