@@ -5,7 +5,7 @@ documents (one at a document's end counts, though nothing follows it yet). Its c
 strings w·t; its link is the node of w without its first token (the root for one token), which
 exists whenever w does (each occurrence of w holds one of w[1:]). This is SuffixDecoding's suffix
 tree (arXiv 2411.04975 §3) as a plain trie cut at max_depth: no path compression, so a token costs
-up to max_depth nodes (~250 bytes each) where the text does not repeat.
+up to max_depth nodes (~100 bytes each) where the text does not repeat.
 
 Cost: a token appended to a document adds one occurrence to each of the <= max_depth strings ending
 there, found by walking the links down from the previous tail: O(max_depth). Matching the next token
@@ -27,7 +27,10 @@ from collections.abc import Iterable
 
 
 class Node:
-    """One string of the index: the last token, length, occurrences, children, link (see the module docstring)."""
+    """One string of the index: the last token, length, occurrences, children, link (see the module docstring).
+
+    `children` is None (a leaf), the one child itself (most nodes: text that does not repeat is a
+    chain), or a dict token -> child; read it through `child` and `child_nodes`."""
 
     __slots__ = ("token", "depth", "count", "children", "link", "_best")
 
@@ -35,14 +38,46 @@ class Node:
         self.token = token
         self.depth = depth
         self.count = 0
-        self.children: dict[int, Node] = {}
+        self.children: Node | dict[int, Node] | None = None
         self.link: Node | None = None
         self._best: Node | None = None  # cached likeliest child; None = recompute on demand
 
+    def child(self, token: int) -> Node | None:
+        children = self.children
+        if children is None or type(children) is Node:
+            return children if children is not None and children.token == token else None
+        return children.get(token)
+
+    def child_nodes(self) -> list[Node]:
+        children = self.children
+        if children is None:
+            return []
+        return [children] if type(children) is Node else list(children.values())
+
+    def _add_child(self, token: int) -> Node:
+        node = Node(token, self.depth + 1)
+        children = self.children
+        if children is None:
+            self.children = node
+        elif type(children) is Node:
+            self.children = {children.token: children, token: node}
+        else:
+            children[token] = node
+        return node
+
+    def _remove_child(self, token: int) -> None:
+        children = self.children
+        if type(children) is Node:
+            self.children = None
+        else:
+            del children[token]
+            if len(children) == 1:
+                (self.children,) = children.values()
+
     def best_child(self) -> Node | None:
         """The child with the most occurrences, the lower token on a tie; None for a leaf."""
-        if self._best is None and self.children:
-            self._best = min(self.children.values(), key=_rank)
+        if self._best is None and self.children is not None:
+            self._best = min(self.child_nodes(), key=_rank)
         return self._best
 
 
@@ -71,9 +106,9 @@ class SuffixIndex:
         node = tail if tail.depth < self.max_depth else tail.link
         new_tail = longer = None
         while node is not None:  # the strings ending at the old end, longest first, down to the root
-            child = node.children.get(token)
+            child = node.child(token)
             if child is None:
-                child = node.children[token] = Node(token, node.depth + 1)
+                child = node._add_child(token)
             child.count += 1
             best = node._best
             if best is not None and best is not child and _rank(child) < _rank(best):
@@ -98,12 +133,12 @@ class SuffixIndex:
         for start in range(len(tokens)):
             node = self.root
             for t in tokens[start:start + self.max_depth]:
-                child = node.children[t]
+                child = node.child(t)
                 child.count -= 1
                 if node._best is child:
                     node._best = None
                 if child.count == 0:  # its subtree held only this occurrence: drop it whole
-                    del node.children[t]
+                    node._remove_child(t)
                     break
                 node = child
         self.version += 1
@@ -116,7 +151,7 @@ class SuffixIndex:
         node = cursor
         while node is not None:
             if node.depth < self.max_depth:
-                child = node.children.get(token)
+                child = node.child(token)
                 if child is not None:
                     return child
             node = node.link
@@ -131,7 +166,7 @@ class SuffixIndex:
         """The node of exactly this string, or None."""
         node = self.root
         for t in tokens:
-            node = node.children.get(t)
+            node = node.child(t)
             if node is None:
                 return None
         return node

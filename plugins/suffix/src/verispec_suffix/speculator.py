@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 #: longest string indexed (ArcticInference's default tree depth): bounds match + draft length.
 DEFAULT_MAX_DEPTH = 24
 #: the engine-wide index's budget in tokens (VERISPEC_SUFFIX_SHARED_TOKENS; 0 = off).
-DEFAULT_SHARED_TOKENS = 8192
+DEFAULT_SHARED_TOKENS = 16384
 
 
 class Document:
