@@ -7,6 +7,10 @@ so `verispec` subprocesses started by tests use it too. A session killed before 
 leaves its directory; the next session removes it (the name carries the owner's pid).
 VERISPEC_TEST_CACHE=DIR keeps one cache between runs instead (conversions then happen once:
 reruns are ~30 s faster).
+
+The test modules of the model and plugin packages and the workspace's tests/ run torch on one
+thread (`_one_thread`); core's tests keep torch's default, since some of them test the threaded
+kernels.
 """
 import os
 import re
@@ -14,7 +18,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+
 _PREFIX = "verispec-test-cache-"
+_ROOT = Path(__file__).resolve().parent
+#: top-level folders whose test modules run torch on one thread
+ONE_THREAD_TREES = ("models", "plugins", "tests")
 _temporary: str | None = None
 
 
@@ -31,6 +40,18 @@ def pytest_configure(config):
     _remove_orphans()
     _temporary = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
     os.environ["VERISPEC_CACHE"] = _temporary
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(request):
+    """Each test module under ONE_THREAD_TREES runs torch on one thread (verispec.testing.plugin's
+    `one_thread`): tiny models, where OpenMP's spin-waits on a shared machine only cost time."""
+    try:
+        tree = Path(request.path).resolve().relative_to(_ROOT).parts[0]
+    except ValueError:  # a module outside the workspace
+        return
+    if tree in ONE_THREAD_TREES:
+        request.getfixturevalue("one_thread")
 
 
 def pytest_unconfigure(config):

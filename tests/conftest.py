@@ -87,14 +87,7 @@ def tiny_trunks():
             if importlib.util.find_spec(package) is None or not (_MODELS / directory / "tests").is_dir():
                 pytest.skip(f"{package} or its tests/ is not installed")
             pytest.importorskip("transformers")
-            import torch
-
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # tiny models: threads only cost spin-waits on a shared box
-            try:
-                arch, metadata, tensors = build()
-            finally:
-                torch.set_num_threads(threads)
+            arch, metadata, tensors = build()  # on one thread: the workspace conftest's `_one_thread`
             loader = importlib.import_module(f"{package}.loader")
             built[name] = TinyTrunk(arch, dict(metadata), dict(tensors), loader.load)
         return built[name]

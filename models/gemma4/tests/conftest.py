@@ -4,11 +4,6 @@ import pytest
 from tiny_gemma import make_hf_gemma3, write_gemma3_gguf
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread(one_thread):
-    """Every module runs torch on one thread (verispec.testing.plugin.one_thread)."""
-
-
 @pytest.fixture(scope="session")
 def hf_gemma3():
     return make_hf_gemma3()

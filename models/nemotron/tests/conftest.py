@@ -6,11 +6,6 @@ from tiny_nemotron import build_hf_model, write_fixture
 from verispec.testing import built_once
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread(one_thread):
-    """Every module runs torch on one thread (verispec.testing.plugin.one_thread)."""
-
-
 def _build(name, directory):
     model = build_hf_model(name)
     return model, write_fixture(model, directory / f"{name}.gguf")
