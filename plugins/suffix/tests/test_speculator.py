@@ -137,7 +137,9 @@ def test_a_dropped_state_leaves_its_output_to_the_next_sequence():
     assert speculator.propose(other, ctx(B, 1)) == []  # while the first runs, nothing is shared
     del state
     gc.collect()
-    assert speculator.propose(other, ctx(B, 1, k=2)) == [C, D]  # folded at the next propose
+    assert speculator.propose(other, ctx(B, 1, k=2)) == []  # queued: propose folds nothing (it is timed)
+    speculator.prepare(other, ctx(B, 1, k=2))  # the untimed catch-up before a draft folds it
+    assert speculator.propose(other, ctx(B, 1, k=2)) == [C, D]
     assert list(speculator.shared.documents) == [[A, B, C, D]]  # the output only
     speculator.finish(other)
     assert list(speculator.shared.documents) == [[A, B, C, D]]  # `other` had no output

@@ -29,8 +29,8 @@ Worked example, max_depth 24, α 1, pmin 0.1, K = 8, engine-wide index empty:
 
 How the engine-wide index learns. A state is one sequence (the loop makes one per request); when
 the loop lets go of it (the request finished, or its state was replaced), a weakref finalizer
-queues its tokens, and the next `new_state` or `propose` folds them in (never inside a finalizer,
-which may run at any allocation). `finish(state)` folds one at once. The first commit a state
+queues its tokens, and the next `new_state` or `prepare` folds them in (never inside a finalizer,
+which may run at any allocation; never in `propose`, which the governor times as drafting). `finish(state)` folds one at once. The first commit a state
 sees is taken as its prompt (the loop seeds a late-armed state with everything the sequence holds,
 so a few tokens decoded before arming count as prompt).
 
@@ -99,7 +99,7 @@ class SuffixSpeculator(Speculator):
         self.max_spec_factor = max_spec_factor
         self.index_prompts = index_prompts
         self.shared = RecentDocuments(max_depth, shared_tokens)
-        self._finished: deque[Document] = deque()  # appended by finalizers, folded by new_state / propose
+        self._finished: deque[Document] = deque()  # appended by finalizers, folded by new_state / prepare
 
     def new_state(self) -> SuffixState:
         self.fold_finished()
@@ -118,6 +118,12 @@ class SuffixSpeculator(Speculator):
         while self._finished:
             document = self._finished.popleft()
             self.shared.add(document.tokens if self.index_prompts else document.output())
+
+    def prepare(self, state: SuffixState, ctx: DraftContext) -> None:
+        """Untimed catch-up before `propose`: fold finished sequences, find the shared cursor again if stale."""
+        self.fold_finished()
+        if self.shared.num_tokens:
+            self._shared_cursor(state)
 
     def commit(self, state: SuffixState, tokens: Sequence[int], hidden_rows: "torch.Tensor | None",
                start_pos: int) -> None:
@@ -141,7 +147,6 @@ class SuffixSpeculator(Speculator):
 
     def propose(self, state: SuffixState, ctx: DraftContext) -> list[int]:
         """Draft ids for positions ctx.pos+1 .., at most ctx.max_draft_tokens (the rule: module docstring)."""
-        self.fold_finished()
         if (state.is_silent or ctx.pos != len(state.document.tokens) or ctx.last_token in ctx.stop_token_ids
                 or ctx.max_draft_tokens <= 0):
             return []
