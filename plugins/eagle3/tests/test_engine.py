@@ -70,8 +70,11 @@ def _load_trunk(path, dtype="float32"):
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_random_head_streams_equal_plain_greedy(target, random_head, dtype):
+    from verispec.weights.quant import linear_class
+
     trunk = _load_trunk(target[1], dtype)
     head = load(random_head, trunk)
+    assert all(type(m) is linear_class(dtype) for m in (head.layer.fc, head.layer.q_proj, head.layer.lm_head))
     limits = (48, 24, 12)
     want = [run_greedy(trunk, list(p), n)[0] for p, n in zip(PROMPTS, limits)]
     speculator = Eagle3Speculator(head, max_draft_tokens=5, min_draft_prob=0.0)
@@ -82,6 +85,28 @@ def test_random_head_streams_equal_plain_greedy(target, random_head, dtype):
     stats = [ex.stats for _, ex in runs]
     assert sum(s.num_draft_tokens for s in stats) > 20
     assert sum(s.num_accepted_tokens for s in stats) < sum(s.num_draft_tokens for s in stats)  # rollbacks ran
+
+
+def test_qwen2_trunk_serves_the_taps_and_streams_stay_plain(tmp_path, random_head):
+    """The other family the binding accepts: a qwen2 trunk (q/k/v biases, NEOX RoPE) serves the
+    residuals entering the target layers (transformers' hidden_states[L]) and a random head's
+    streams equal plain greedy."""
+    from tiny_llama import write_fixture
+    from verispec.seams import Segment
+
+    hf = build_target(arch="qwen2", seed=2)
+    trunk = _load_trunk(write_fixture(hf, tmp_path / "qwen2.gguf"))
+    assert trunk.config.architecture == "qwen2"
+    head = load(random_head, trunk)
+    seq = trunk.new_sequence()
+    got = trunk.forward([Segment(seq, PROMPTS[0], logits="none", hidden=True, tap_layers=head.tap_layers)])[0].hidden
+    with torch.no_grad():
+        states = hf(torch.tensor([PROMPTS[0]]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(got, torch.cat([states[L][0] for L in TAPS], dim=-1), atol=2e-4, rtol=1e-4)
+    want = run_greedy(trunk, list(PROMPTS[2]), 24)[0]
+    got, ex = run_greedy(trunk, list(PROMPTS[2]), 24, Eagle3Speculator(head, max_draft_tokens=4, min_draft_prob=0.0),
+                         max_draft_tokens=4)
+    assert got == want and ex.stats.num_draft_tokens > 10
 
 
 def test_perfect_head_is_accepted_in_full(copy_pair):

@@ -27,17 +27,20 @@ TAPS = (1, 2, 4)
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 12  # the head's attention: D = 48 = H·Dh, GQA 2:1
 
 
-def build_target(seed: int = 0, **overrides):
-    """The seeded transformers LlamaForCausalLM of TARGET (with `overrides`), fp32, unit-gain weights."""
+def build_target(seed: int = 0, arch: str = "llama", **overrides):
+    """The seeded transformers model of TARGET (with `overrides`; arch "llama" or "qwen2", whose q/k/v
+    carry biases), fp32, unit-gain weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("llama", **{**TARGET, **overrides})
+    config = AutoConfig.for_model(arch, **{**TARGET, **overrides})
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
             elif name.endswith("embed_tokens.weight") or name == "lm_head.weight":
                 p.copy_(torch.randn(p.shape, generator=g))
             else:

@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from verispec.seams import DraftHeadKind
 
 from verispec_eagle3.modeling import Eagle3Layer, HeadKV
@@ -60,7 +59,7 @@ class Eagle3Head:
     """PER_TOKEN draft head: `layer` (weights and math) bound to a trunk through `view`.
 
     embedding: the head's own token_embd fp32 [V, D], or None (the trunk's `view.embed`).
-    output: the head's own LM head fp32 [Vd, D], or None (the trunk's `view.logits`).
+    The LM head is the layer's `lm_head` (the file's `output`), or the trunk's `view.logits` without one.
     d2t: int64 [Vd] absolute trunk ids of the draft rows, or None (Vd = V).
     """
 
@@ -68,11 +67,10 @@ class Eagle3Head:
     draft_block_size = 1
     draft_head_resumes_after_gap = True
 
-    def __init__(self, layer: Eagle3Layer, view, *, vocab_size: int, embedding=None, output=None, d2t=None,
-                 path: str = ""):
+    def __init__(self, layer: Eagle3Layer, view, *, vocab_size: int, embedding=None, d2t=None, path: str = ""):
         self.layer, self.config, self.view, self.path = layer, layer.config, view, path
         self.vocab_size = vocab_size  # V
-        self.embedding, self.output, self.d2t = embedding, output, d2t
+        self.embedding, self.d2t = embedding, d2t
         self.tap_layers: tuple[int, ...] = self.config.target_layers
         self.feature_size = view.tap_feature_size(self.tap_layers)  # 3·Dt
 
@@ -162,7 +160,8 @@ class Eagle3Head:
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """fp32 [m, V] over normed rows fp32 [m, D]: draft rows scattered through d2t, -inf elsewhere."""
-        draft = F.linear(normed, self.output) if self.output is not None else self.view.logits(normed).float()
+        lm_head = self.layer.lm_head
+        draft = lm_head(normed).float() if lm_head is not None else self.view.logits(normed).float()
         if self.d2t is None:
             return draft
         full = draft.new_full((draft.shape[0], self.vocab_size), float("-inf"))

@@ -24,7 +24,8 @@ src/llama-arch.cpp, conversion/llama.py; the commits read are named in the packa
 
 Steps: keys and shapes (`config.Eagle3Config.from_gguf`), finite numbers and sizes
 (`gguf.checks.check_numbers`), d2t read as int64, the binding (`binding.binding_problem`, raised as
-seams.DrafterMismatch), then every tensor as fp32.
+seams.DrafterMismatch), then every tensor as fp32 (gguf-py dequantises a quantised file) and the
+linears converted to the trunk's weight dtype (`head_dtype`).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from verispec.gguf.io import GGUFFile
 from verispec.seams import DrafterMismatch
 
 from verispec_eagle3.binding import binding_problem
-from verispec_eagle3.config import ARCH, D2T, OUTPUT, ROPE_FREQS, TOKEN_EMBD, Eagle3Config, UnsupportedEagle3
+from verispec_eagle3.config import ARCH, D2T, ROPE_FREQS, TOKEN_EMBD, Eagle3Config, UnsupportedEagle3
 from verispec_eagle3.head import Eagle3Head
 from verispec_eagle3.modeling import Eagle3Layer
 
@@ -78,6 +79,13 @@ def load(path: str | os.PathLike, trunk) -> Eagle3Head:
                               f"model: {problem}")
     w = {name: gguf.tensor(name) for name in config.expected_shapes()}
     factors = gguf.tensor(ROPE_FREQS) if ROPE_FREQS in gguf else None
-    layer = Eagle3Layer(config, w, rope_factors=factors)
-    return Eagle3Head(layer, trunk.view(), vocab_size=trunk.vocab_size, embedding=w.get(TOKEN_EMBD),
-                      output=w.get(OUTPUT), d2t=d2t, path=path)
+    layer = Eagle3Layer(config, w, rope_factors=factors, dtype=head_dtype(getattr(trunk, "dtype", "float32")))
+    return Eagle3Head(layer, trunk.view(), vocab_size=trunk.vocab_size, embedding=w.get(TOKEN_EMBD), d2t=d2t,
+                      path=path)
+
+
+def head_dtype(trunk_dtype: str) -> str:
+    """The head's linears take the trunk's weight dtype (a head step reads its weights once: bytes are
+    its cost), except int4, whose groups the head's widths need not fill: int8 then. The `gguf` mode
+    builds float-read linears as int8 (quant.GGUFLinear)."""
+    return "int8" if trunk_dtype == "int4" else trunk_dtype

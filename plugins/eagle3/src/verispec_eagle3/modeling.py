@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from verispec.nn.rope import RotaryEmbedding, default_inv_freq, freq_factors, linear_scaling
+from verispec.weights.quant import Float32Linear, swap_linears
 
 from verispec_eagle3.config import Eagle3Config
 
@@ -71,14 +72,33 @@ class HeadKV:
         return (self.positions >= 0).nonzero().reshape(-1).tolist()
 
 
-class Eagle3Layer(nn.Module):
-    """The head's weights (GGUF names in `w`, fp32 torch order) and its math. rope_factors: the
-    file's rope_freqs divisors, or None."""
+#: GGUF name -> the layer's linear module (HF-style names; `quant.swap_linears` swaps them by dtype).
+LINEARS = {"fc.weight": "fc", "blk.0.attn_q.weight": "q_proj", "blk.0.attn_k.weight": "k_proj",
+           "blk.0.attn_v.weight": "v_proj", "blk.0.attn_output.weight": "o_proj", "blk.0.ffn_gate.weight": "gate_proj",
+           "blk.0.ffn_up.weight": "up_proj", "blk.0.ffn_down.weight": "down_proj", "output.weight": "lm_head"}
+#: GGUF name -> the layer's norm weight attribute.
+NORMS = {"enc.output_norm.weight": "fc_norm", "blk.0.attn_norm.weight": "input_layernorm",
+         "blk.0.attn_norm_2.weight": "hidden_norm", "blk.0.ffn_norm.weight": "post_attention_layernorm",
+         "output_norm.weight": "norm"}
 
-    def __init__(self, config: Eagle3Config, w: dict[str, torch.Tensor], rope_factors=None):
+
+class Eagle3Layer(nn.Module):
+    """The head's weights and math. w: GGUF name -> fp32 tensor (torch order), the file's tensors the
+    math reads; the linears become `dtype`'s modules (`verispec.weights.quant`: float32 / bfloat16 /
+    int8; the `gguf` mode's float-built linears are int8), the norms stay fp32. `lm_head` is None
+    when the head borrows the trunk's. rope_factors: the file's rope_freqs divisors, or None."""
+
+    def __init__(self, config: Eagle3Config, w: dict[str, torch.Tensor], rope_factors=None, *,
+                 dtype: str = "float32"):
         super().__init__()
         c = self.config = config
-        self.w = w
+        self.lm_head = None
+        for name, attr in LINEARS.items():
+            if name in w:
+                setattr(self, attr, Float32Linear.from_float(w[name]))
+        for name, attr in NORMS.items():
+            setattr(self, attr, w[name].float() if name in w else None)
+        swap_linears(self, dtype)
         scalings = []
         if c.rope_linear_factor != 1.0:
             scalings.append(linear_scaling(c.rope_linear_factor))
@@ -97,22 +117,22 @@ class Eagle3Layer(nn.Module):
         """taps fp32 [m, 3·Dt] -> g fp32 [m, D] (the encoder)."""
         x = taps.float()
         if self.config.norm_before_fc:
-            x = rms_norm(x, self.w["enc.output_norm.weight"], self.config.rms_eps)
-        return F.linear(x, self.w["fc.weight"])
+            x = rms_norm(x, self.fc_norm, self.config.rms_eps)
+        return self.fc(x)
 
     def forward(self, embeddings: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, kv: "HeadKV") -> torch.Tensor:
         """One decoder pass over m rows: embeddings fp32 [m, D] (the rows' token embeddings), g
         fp32 [m, D], positions int64 [m]. Writes the rows' K/V into `kv` at their positions, then
         row i attends every slot of `kv` holding a position <= positions[i].
         Returns out fp32 [m, D] (pre-norm: the next step's g, and what `normed` reads)."""
-        c, w = self.config, self.w
+        c = self.config
         m = g.shape[0]
-        gn = rms_norm(g, w["blk.0.attn_norm_2.weight"], c.rms_eps)
-        x = torch.cat([rms_norm(embeddings, w["blk.0.attn_norm.weight"], c.rms_eps), gn], dim=-1)  # [m, 2D]
+        gn = rms_norm(g, self.hidden_norm, c.rms_eps)
+        x = torch.cat([rms_norm(embeddings, self.input_layernorm, c.rms_eps), gn], dim=-1)  # [m, 2D]
         cos, sin = self.rope.cos_sin(positions)
-        q = self.rope(F.linear(x, w["blk.0.attn_q.weight"]).view(m, c.num_heads, c.head_dim), cos, sin)
-        k = self.rope(F.linear(x, w["blk.0.attn_k.weight"]).view(m, c.num_kv_heads, c.head_dim), cos, sin)
-        kv.write(positions, k, F.linear(x, w["blk.0.attn_v.weight"]).view(m, c.num_kv_heads, c.head_dim))
+        q = self.rope(self.q_proj(x).view(m, c.num_heads, c.head_dim), cos, sin)
+        k = self.rope(self.k_proj(x).view(m, c.num_kv_heads, c.head_dim), cos, sin)
+        kv.write(positions, k, self.v_proj(x).view(m, c.num_kv_heads, c.head_dim))
         keys, values, key_positions = kv.read()  # [S, Hkv, Dh] x2, [S]
         visible = (key_positions[None, :] >= 0) & (key_positions[None, :] <= positions[:, None])  # [m, S]
         group = c.num_heads // c.num_kv_heads
@@ -121,12 +141,11 @@ class Eagle3Layer(nn.Module):
         scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * self.scaling  # [H, m, S]
         scores = scores.masked_fill(~visible[None], float("-inf"))
         attn = torch.matmul(torch.softmax(scores, dim=-1), values).transpose(0, 1).reshape(m, -1)  # [m, H·Dh]
-        r = F.linear(attn, w["blk.0.attn_output.weight"]) + (gn if c.norm_before_residual else g)
-        h = rms_norm(r, w["blk.0.ffn_norm.weight"], c.rms_eps)
-        ffn = F.linear(F.silu(F.linear(h, w["blk.0.ffn_gate.weight"])) * F.linear(h, w["blk.0.ffn_up.weight"]),
-                       w["blk.0.ffn_down.weight"])
+        r = self.o_proj(attn) + (gn if c.norm_before_residual else g)
+        h = rms_norm(r, self.post_attention_layernorm, c.rms_eps)
+        ffn = self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
         return r + ffn
 
     def normed(self, out: torch.Tensor) -> torch.Tensor:
         """rms_norm(out) · w_output_norm fp32 [m, D]: what the LM head reads."""
-        return rms_norm(out, self.w["output_norm.weight"], self.config.rms_eps)
+        return rms_norm(out, self.norm, self.config.rms_eps)
