@@ -70,7 +70,10 @@ def test_a_finished_request_teaches_the_next_through_the_engine(engine, plain):
     engine.reset_cache()
     second, second_stats = generate(engine)
     assert first == second == plain
-    # the engine let go of the first request's state (no gc.collect): its output was folded
-    assert engine.speculator.shared.num_tokens >= NUM_TOKENS - 2
+    # the engine let go of the first request's state (no gc.collect): its output was folded (less
+    # what it decoded before the speculator armed, and the pending last token)
+    (folded,) = engine.speculator.shared.documents
+    assert len(folded) >= NUM_TOKENS // 2
+    assert any(first[i:i + len(folded)] == folded for i in range(len(first)))
     assert second_stats.num_accepted_tokens > first_stats.num_accepted_tokens
     assert second_stats.num_accepted_tokens >= NUM_TOKENS // 2

@@ -13,12 +13,12 @@ K, and cut before the first token whose estimated probability is under ctx.min_d
 (--spec-pmin). Its score is the sum of those probabilities (the expected accepted tokens). The
 index's candidate is the best-scoring draft, the longer w on a tie (ArcticInference tries every
 match length the same way: the longest match can run into the end of its text, e.g. in a loop). The
-candidate with the higher score is drafted, the sequence's own on a tie.
+candidate with the higher score is drafted, the sequence's own on a tie. A draft ends right after a
+stop token (the stop is drafted); a pending stop token gets no draft.
 
 Cost per step: the longest match is one link walk from a cursor kept along the sequence; the
 shorter suffixes are its links, longest first, and the walk stops once floor(α × |w|) cannot beat
-the best score so far: O(|w| × K) node visits at worst, usually O(K). A
-draft ends right after a stop token (the stop is drafted); a pending stop token gets no draft.
+the best score so far: O(|w| × K) node visits at worst, usually O(K).
 
 Worked example, max_depth 24, α 1, pmin 0.1, K = 8, engine-wide index empty:
 
@@ -30,9 +30,10 @@ Worked example, max_depth 24, α 1, pmin 0.1, K = 8, engine-wide index empty:
 How the engine-wide index learns. A state is one sequence (the loop makes one per request); when
 the loop lets go of it (the request finished, or its state was replaced), a weakref finalizer
 queues its tokens, and the next `new_state` or `prepare` folds them in (never inside a finalizer,
-which may run at any allocation; never in `propose`, which the governor times as drafting). `finish(state)` folds one at once. The first commit a state
-sees is taken as its prompt (the loop seeds a late-armed state with everything the sequence holds,
-so a few tokens decoded before arming count as prompt).
+which may run at any allocation; never in `propose`, which the governor times as drafting).
+`finish(state)` folds one at once. The first commit a state sees is taken as its prompt (the loop
+seeds a late-armed state with everything the sequence holds, so a few tokens decoded before arming
+count as prompt).
 
 Guards, as verispec-ngram's: a commit at a position it cannot account for makes the state silent
 until a new one is seeded; a ctx.pos other than the tokens seen gets no draft for that step.
@@ -63,7 +64,7 @@ DEFAULT_SHARED_TOKENS = 16384
 class Document:
     """A sequence's tokens as the engine-wide index will take them: all of them, and the prompt's length."""
 
-    __slots__ = ("tokens", "prompt_len", "__weakref__")
+    __slots__ = ("tokens", "prompt_len")
 
     def __init__(self):
         self.tokens: list[int] = []
@@ -138,7 +139,7 @@ class SuffixSpeculator(Speculator):
         if document.prompt_len is None:
             document.prompt_len = len(ids)
         shared = self.shared.index
-        follow = state.shared_version == shared.version  # else the cursor is found again at propose
+        follow = state.shared_version == shared.version  # else prepare or propose finds it again
         for t in ids:
             document.tokens.append(t)
             state.tail = state.index.extend(state.tail, t)
