@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_eagle3 import TAPS, TARGET, head_tensors, reference_logits, write_head
+from tiny_eagle3 import (HF_TO_GGUF, TAPS, TARGET, _rope_neox, convert_like_llama_cpp, head_tensors, hf_checkpoint,
+                         reference_logits, write_head)
 from verispec.seams import Segment
 from verispec_eagle3.loader import load
 
@@ -87,3 +88,28 @@ def test_taps_are_the_inputs_of_the_target_layers(target):
         states = hf(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
     want = torch.cat([states[L][0] for L in TAPS], dim=-1)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_a_converted_hf_checkpoint_equals_the_hf_graph(target, tmp_path):
+    """A file as llama.cpp's converter writes it from an HF EAGLE-3 checkpoint (q/k rows permuted for
+    NORM RoPE, d2t offsets made absolute) drafts what the HF graph computes on the unpermuted weights
+    with rotate-half RoPE and d2t offsets (SafeAILab's Eagle3 midlayer: the residual is the raw g)."""
+    _, _, trunk = target
+    state, offsets = hf_checkpoint()
+    tensors, d2t = convert_like_llama_cpp(state, offsets)
+    head = load(write_head(tmp_path / "converted.gguf", tensors, d2t), trunk)
+    seq, head_state = trunk.new_sequence(), head.new_state()
+    taps = _taps(trunk, seq, PROMPT)
+    head.draft_catch_up(head_state, PROMPT, taps, 0)
+    rows, drafts, hidden, token = [], [], taps[-1], 77
+    for j in range(3):
+        logits, hidden = head.draft_step(head_state, token, hidden, len(PROMPT) + j)
+        rows.append(logits)
+        token = int(logits.argmax())
+        drafts.append(token)
+    hf_named = {gguf: state[hf] for hf, gguf in HF_TO_GGUF.items()}  # unpermuted, for the reference's indexing
+    want = reference_logits(hf_named, offsets + torch.arange(offsets.numel()), embed=trunk.view().embed,
+                            lm_head=lambda r: r @ state["lm_head.weight"].T, taps=taps, tokens=PROMPT + [77],
+                            drafts=drafts[:-1], vocab=TARGET["vocab_size"], rope=_rope_neox)
+    _assert_logits(torch.stack(rows), want, d2t)
+    assert not torch.equal(tensors["blk.0.attn_q.weight"], state["midlayer.self_attn.q_proj.weight"])  # permuted

@@ -108,8 +108,21 @@ def _rope_norm(x, positions, theta, factors):
     return out
 
 
+def _rope_neox(x, positions, theta, factors):
+    """transformers' rotate_half RoPE: dim i pairs with i + Dh/2 (the layout before the converter's permute)."""
+    dh = x.shape[-1]
+    out = x.clone()
+    for i in range(dh // 2):
+        freq = theta ** (-2.0 * i / dh) / (1.0 if factors is None else float(factors[i]))
+        angle = positions.double()[:, None] * freq
+        c, s = torch.cos(angle).float(), torch.sin(angle).float()
+        a, b = x[..., i], x[..., i + dh // 2]
+        out[..., i], out[..., i + dh // 2] = a * c - b * s, a * s + b * c
+    return out
+
+
 def reference_logits(t, d2t, *, embed, lm_head, taps, tokens, drafts, vocab, eps=1e-5, theta=10000.0,
-                     norm_before_residual=False, norm_before_fc=False):
+                     norm_before_residual=False, norm_before_fc=False, rope=_rope_norm):
     """The draft logits fp32 [len(drafts) + 1, V] of one round, from scratch.
 
     taps fp32 [n, 3·Dt]: the trunk's rows of positions 0..n-1; tokens [n + 1]: positions 0..n (the
@@ -133,8 +146,8 @@ def reference_logits(t, d2t, *, embed, lm_head, taps, tokens, drafts, vocab, eps
         e = _rms(embed(torch.tensor(in_tokens)), t["blk.0.attn_norm.weight"], eps)
         gn = _rms(g, t["blk.0.attn_norm_2.weight"], eps)
         xcat = torch.cat([e, gn], dim=-1)
-        q = _rope_norm((xcat @ t["blk.0.attn_q.weight"].T).view(m, HEADS, HEAD_DIM), positions, theta, factors)
-        k = _rope_norm((xcat @ t["blk.0.attn_k.weight"].T).view(m, KV_HEADS, HEAD_DIM), positions, theta, factors)
+        q = rope((xcat @ t["blk.0.attn_q.weight"].T).view(m, HEADS, HEAD_DIM), positions, theta, factors)
+        k = rope((xcat @ t["blk.0.attn_k.weight"].T).view(m, KV_HEADS, HEAD_DIM), positions, theta, factors)
         v = (xcat @ t["blk.0.attn_v.weight"].T).view(m, KV_HEADS, HEAD_DIM)
         attn = torch.zeros(m, HEADS, HEAD_DIM)
         causal = torch.tril(torch.ones(m, m, dtype=torch.bool))
@@ -156,3 +169,41 @@ def reference_logits(t, d2t, *, embed, lm_head, taps, tokens, drafts, vocab, eps
         results.append(row)
         g_rows = g_rows[:m] + [last[0]]  # the recurrence: this row's pre-norm output is the next g
     return torch.stack(results)
+
+
+# --- an HF EAGLE-3 checkpoint and llama.cpp's conversion of it --------------------------------------
+
+#: HF EAGLE-3 (SafeAILab / SpecForge) parameter -> GGUF name, as conversion/llama.py maps them
+#: (midlayer.* -> model.layers.0.* -> the llama tensor map; hidden_norm -> attn_norm_2).
+HF_TO_GGUF = {
+    "fc.weight": "fc.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
+    "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight", "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",
+    "midlayer.self_attn.q_proj.weight": "blk.0.attn_q.weight", "midlayer.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+    "midlayer.self_attn.v_proj.weight": "blk.0.attn_v.weight",
+    "midlayer.self_attn.o_proj.weight": "blk.0.attn_output.weight",
+    "midlayer.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
+    "midlayer.mlp.gate_proj.weight": "blk.0.ffn_gate.weight", "midlayer.mlp.up_proj.weight": "blk.0.ffn_up.weight",
+    "midlayer.mlp.down_proj.weight": "blk.0.ffn_down.weight",
+}
+
+
+def hf_checkpoint(seed: int = 7):
+    """(HF state dict, d2t offsets int64 [Vd]): a random head under HF EAGLE-3 names, its d2t as HF stores
+    it (draft id i -> target id i + d2t[i])."""
+    t, d2t = head_tensors(seed=seed)
+    by_gguf = {gguf: hf for hf, gguf in HF_TO_GGUF.items()}
+    return {by_gguf[name]: tensor for name, tensor in t.items()}, d2t - torch.arange(d2t.numel())
+
+
+def _permute(w, n_head):
+    """llama.cpp's LlamaModel.permute: each head's rotate-half pairs (i, i + Dh/2) made adjacent (2i, 2i + 1)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def convert_like_llama_cpp(state, d2t_offsets):
+    """What conversion/llama.py writes for an HF EAGLE-3 checkpoint: GGUF names, q/k rows permuted
+    (undo_permute, so llama.cpp's NORM RoPE applies), d2t made absolute (offsets + arange)."""
+    out = {HF_TO_GGUF[name]: tensor for name, tensor in state.items()}
+    out["blk.0.attn_q.weight"] = _permute(out["blk.0.attn_q.weight"], HEADS)
+    out["blk.0.attn_k.weight"] = _permute(out["blk.0.attn_k.weight"], KV_HEADS)
+    return out, d2t_offsets + torch.arange(d2t_offsets.numel())
