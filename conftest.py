@@ -8,7 +8,7 @@ leaves its directory; the next session removes it (the name carries the owner's 
 VERISPEC_TEST_CACHE=DIR keeps one cache between runs instead (conversions then happen once:
 reruns are ~30 s faster).
 
-The test modules of the model and plugin packages and the workspace's tests/ run torch on one
+The test modules of the model, plugin and example packages and the workspace's tests/ run torch on one
 thread (`_one_thread`); core's tests keep torch's default, since some of them test the threaded
 kernels.
 """
@@ -23,7 +23,7 @@ import pytest
 _PREFIX = "verispec-test-cache-"
 _ROOT = Path(__file__).resolve().parent
 #: top-level folders whose test modules run torch on one thread
-ONE_THREAD_TREES = ("models", "plugins", "tests")
+ONE_THREAD_TREES = ("models", "plugins", "examples", "tests")
 _temporary: str | None = None
 
 

@@ -7,7 +7,7 @@ venv="${VERISPEC_VENV:-$root/.venv}"
 [ -x "$venv/bin/verispec" ] || "$root/scripts/setup.sh" || exit 1
 cd "$root"
 # No arguments: every distribution. Arguments (paths, -k, ...) go to pytest instead.
-[ "$#" -gt 0 ] || set -- core plugins models tests -q
+[ "$#" -gt 0 ] || set -- core plugins models examples tests -q
 "$venv/bin/python" -m pytest "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "no tests ran: failing" >&2; exit 1; fi

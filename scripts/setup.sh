@@ -16,7 +16,8 @@ dists=(-e "$root/core[test,serve,plot]")
 # Models before plugins: pip 23's resolver, given a plugin's test extra naming a model
 # (verispec-dflash[test] -> verispec-llama) before that model's own -e, looks for it on the index
 # and fails ("No matching distribution found for verispec-llama").
-for d in "$root"/models/* "$root"/plugins/*; do
+# examples/plugins/*: the plugin guide's example distributions (docs/plugins.md), installed and tested like ours.
+for d in "$root"/models/* "$root"/plugins/* "$root"/examples/plugins/*; do
   [ -f "$d/pyproject.toml" ] && dists+=(-e "$d[test]")
 done
 "${pip[@]}" "${dists[@]}"
