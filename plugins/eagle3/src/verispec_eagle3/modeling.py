@@ -39,12 +39,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class HeadKV:
-    """The head's KV of one sequence: slot = position, fp32 [S, Hkv, Dh] and the position each slot
+    """The head's KV of one sequence: slot = position, fp32 [Hkv, S, Dh] and the position each slot
     holds (-1 = empty: a position without a row, or a dropped provisional row). Grows on demand."""
 
     def __init__(self, num_kv_heads: int, head_dim: int):
-        self.k = torch.zeros(0, num_kv_heads, head_dim)
-        self.v = torch.zeros(0, num_kv_heads, head_dim)
+        self.k = torch.zeros(num_kv_heads, 0, head_dim)
+        self.v = torch.zeros(num_kv_heads, 0, head_dim)
         self.positions = torch.full((0,), -1, dtype=torch.long)
 
     def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -52,16 +52,17 @@ class HeadKV:
         end = int(positions.max()) + 1
         if end > self.positions.numel():
             grow = max(end, 2 * self.positions.numel(), 64) - self.positions.numel()
-            self.k = torch.cat([self.k, self.k.new_zeros(grow, *self.k.shape[1:])])
-            self.v = torch.cat([self.v, self.v.new_zeros(grow, *self.v.shape[1:])])
+            self.k = torch.cat([self.k, self.k.new_zeros(self.k.shape[0], grow, self.k.shape[2])], dim=1)
+            self.v = torch.cat([self.v, self.v.new_zeros(self.v.shape[0], grow, self.v.shape[2])], dim=1)
             self.positions = torch.cat([self.positions, self.positions.new_full((grow,), -1)])
-        self.k[positions], self.v[positions], self.positions[positions] = k, v, positions
+        self.k[:, positions], self.v[:, positions] = k.transpose(0, 1), v.transpose(0, 1)
+        self.positions[positions] = positions
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(k, v fp32 [S, Hkv, Dh], positions int64 [S]) up to the last slot ever written."""
+        """(k, v fp32 [Hkv, S, Dh], positions int64 [S]) up to the last slot holding a row."""
         held = (self.positions >= 0).nonzero()
         end = int(held[-1]) + 1 if held.numel() else 0
-        return self.k[:end], self.v[:end], self.positions[:end]
+        return self.k[:, :end], self.v[:, :end], self.positions[:end]
 
     def drop_from(self, position: int) -> None:
         """Forget every row at a position >= `position`."""
@@ -133,14 +134,14 @@ class Eagle3Layer(nn.Module):
         q = self.rope(self.q_proj(x).view(m, c.num_heads, c.head_dim), cos, sin)
         k = self.rope(self.k_proj(x).view(m, c.num_kv_heads, c.head_dim), cos, sin)
         kv.write(positions, k, self.v_proj(x).view(m, c.num_kv_heads, c.head_dim))
-        keys, values, key_positions = kv.read()  # [S, Hkv, Dh] x2, [S]
+        keys, values, key_positions = kv.read()  # [Hkv, S, Dh] x2, [S]
         visible = (key_positions[None, :] >= 0) & (key_positions[None, :] <= positions[:, None])  # [m, S]
-        group = c.num_heads // c.num_kv_heads
-        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, Dh]
-        values = values.repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * self.scaling  # [H, m, S]
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        attn = torch.matmul(torch.softmax(scores, dim=-1), values).transpose(0, 1).reshape(m, -1)  # [m, H·Dh]
+        group = c.num_heads // c.num_kv_heads  # query head j reads KV head j // group
+        qg = q.view(m, c.num_kv_heads, group, c.head_dim).permute(1, 2, 0, 3)  # [Hkv, g, m, Dh]
+        scores = torch.matmul(qg, keys[:, None].transpose(-1, -2)) * self.scaling  # [Hkv, g, m, S]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        attn = torch.matmul(torch.softmax(scores, dim=-1), values[:, None])  # [Hkv, g, m, Dh]
+        attn = attn.permute(2, 0, 1, 3).reshape(m, c.num_heads * c.head_dim)  # [m, H·Dh]
         r = self.o_proj(attn) + (gn if c.norm_before_residual else g)
         h = rms_norm(r, self.post_attention_layernorm, c.rms_eps)
         ffn = self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
