@@ -1,6 +1,7 @@
-"""Real SmolLM2-135M-Instruct through the engine (skipped, naming the install line, when its packages
-are not installed): suffix-drafted streams equal the plain one whatever the engine-wide index holds,
-and a finished request's output reaches the next one through the engine's own lifecycle."""
+"""Real checkpoints through the engine, SmolLM2-135M-Instruct and Gemma 3 270M (each skipped, naming
+the install line, when its packages are not installed): suffix-drafted streams equal the plain one
+whatever the engine-wide index holds, and a finished request's output reaches the next one through
+the engine's own lifecycle."""
 import random
 
 import pytest
@@ -16,11 +17,11 @@ NUM_TOKENS = 40
 SUFFIX = SpecOptions(spec_type="suffix", adaptive=False, min_draft_prob=0.0)
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma3-270m"])
+def engine(request):
     import verispec
 
-    return verispec.load(real_checkpoint("smollm2-135m-instruct"), enabled=False, kv_cache_gb=0)
+    return verispec.load(real_checkpoint(request.param), enabled=False, kv_cache_gb=0)
 
 
 @pytest.fixture(scope="module")
