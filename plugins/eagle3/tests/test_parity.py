@@ -113,3 +113,28 @@ def test_a_converted_hf_checkpoint_equals_the_hf_graph(target, tmp_path):
                             drafts=drafts[:-1], vocab=TARGET["vocab_size"], rope=_rope_neox)
     _assert_logits(torch.stack(rows), want, d2t)
     assert not torch.equal(tensors["blk.0.attn_q.weight"], state["midlayer.self_attn.q_proj.weight"])  # permuted
+
+
+def test_a_q8_0_head_drafts_its_dequantised_numbers(target, tmp_path):
+    """llama.cpp users quantise heads (`llama-quantize ... Q8_0`; d2t stays I64): such a file loads, and
+    its drafts are the reference's over the file's dequantised values (gguf-py's dequantisation)."""
+    from verispec.gguf.io import GGUFFile
+
+    _, _, trunk = target
+    tensors, d2t = head_tensors(seed=4)
+    q8 = {n: "Q8_0" for n, t in tensors.items() if t.dim() == 2 and t.shape[1] % 32 == 0}
+    assert "blk.0.attn_q.weight" in q8 and "blk.0.ffn_gate.weight" not in q8  # 96 = 2·48 columns; 48 are not blocks
+    path = write_head(tmp_path / "q8.gguf", tensors, d2t, tensor_types=q8)
+    gguf = GGUFFile.open(path)
+    assert gguf.tensor_info("blk.0.attn_q.weight").ggml_type.name == "Q8_0" and gguf.tensor("d2t").dtype == torch.int64
+    stored = {name: gguf.tensor(name) for name in tensors}
+    assert not torch.equal(stored["blk.0.attn_q.weight"], tensors["blk.0.attn_q.weight"])  # really quantised
+    head = load(path, trunk)
+    seq, state = trunk.new_sequence(), head.new_state()
+    taps = _taps(trunk, seq, PROMPT)
+    head.draft_catch_up(state, PROMPT, taps, 0)
+    logits, hidden = head.draft_step(state, 77, taps[-1], len(PROMPT))
+    second, _ = head.draft_step(state, int(logits.argmax()), hidden, len(PROMPT) + 1)
+    want = reference_logits(stored, d2t, embed=trunk.view().embed, lm_head=lambda r: r @ stored["output.weight"].T,
+                            taps=taps, tokens=PROMPT + [77], drafts=[int(logits.argmax())], vocab=TARGET["vocab_size"])
+    _assert_logits(torch.stack([logits, second]), want, d2t)

@@ -19,10 +19,14 @@ def write_eagle3_gguf(path: str | os.PathLike, tensors: Mapping[str, Any], *, ta
                       num_heads: int, num_kv_heads: int, rms_eps: float = 1e-5, rope_theta: float = 10000.0,
                       context_length: int = 2048, d2t: Any = None, norm_before_residual: bool = False,
                       norm_before_fc: bool = False, vocab: Mapping[str, Any] | None = None,
-                      extra_metadata: Mapping[str, Any] | None = None, name: str = "eagle3 head") -> str:
+                      extra_metadata: Mapping[str, Any] | None = None, name: str = "eagle3 head",
+                      tensor_types: Mapping[str, str] | None = None) -> str:
     """Write the head to `path`; returns the path. extra_metadata: keys added or overridden (a
-    value None removes the key), to make variants. Raises KeyError for a missing fc / blk.0 tensor."""
+    value None removes the key), to make variants. tensor_types: GGUF name -> a ggml type gguf-py
+    quantises ("Q8_0", "F16", ...; default F32), as `llama-quantize` leaves a head's linears.
+    Raises KeyError for a missing fc / blk.0 tensor."""
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+    from gguf.quants import quantize
 
     fc, q = np.asarray(tensors["fc.weight"]), np.asarray(tensors["blk.0.attn_q.weight"])
     hidden, head_dim = fc.shape[0], q.shape[0] // num_heads
@@ -56,7 +60,12 @@ def write_eagle3_gguf(path: str | os.PathLike, tensors: Mapping[str, Any], *, ta
         writer.add_key_value(key, value, kind, sub[0] if sub else None)
     for tensor_name, tensor in tensors.items():
         array = tensor.detach().float().numpy() if hasattr(tensor, "detach") else np.asarray(tensor, np.float32)
-        writer.add_tensor(tensor_name, np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        qtype = GGMLQuantizationType[(tensor_types or {}).get(tensor_name, "F32")]
+        if qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(tensor_name, array)
+        else:
+            writer.add_tensor(tensor_name, quantize(array, qtype), raw_dtype=qtype)
     if d2t is not None:
         ids = d2t.detach().numpy() if hasattr(d2t, "detach") else np.asarray(d2t)
         writer.add_tensor("d2t", np.ascontiguousarray(ids, dtype=np.int64), raw_dtype=GGMLQuantizationType.I64)
