@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import attrs
 
+from verispec.cost_model import CostModel
 from verispec.errors import InvalidArgument
 from verispec.execution import resolve_max_draft_tokens
 from verispec.governor import SpeculationCostGovernor
@@ -22,8 +23,7 @@ from verispec.sampling import SamplingParams
 from verispec.requests import Generation, GenerationResult, Request, Speculation, TokenEvent
 from verispec.scheduler import DEFAULT_MAX_IDLE_SEQUENCES, DEFAULT_MAX_RUNNING, Scheduler
 from verispec.seams import MAX_DRAFT_TOKENS, ContextOverflow, declared
-from verispec.speculator_choice import SpeculationUnavailable, choose_speculator, unused_drafter_reason
-from verispec.draft_length import DraftLengthPolicy
+from verispec.speculator_choice import SpeculationUnavailable, choose_speculator
 
 __all__ = ["InferenceEngine", "SpecOptions", "Generation", "GenerationResult", "TokenEvent"]
 
@@ -75,7 +75,7 @@ class InferenceEngine:
         self.registry = registry
         self.scheduler = Scheduler(trunk, max_rows_per_step=prefill_chunk, max_running=max_running,
                                    max_idle_sequences=max_idle_sequences, kv_budget_bytes=kv_budget_bytes)
-        self._governors: dict[tuple, tuple[SpeculationCostGovernor, DraftLengthPolicy]] = {}
+        self._governors: dict[tuple, tuple[SpeculationCostGovernor, CostModel]] = {}
         self.speculator = None
         self.choice = None
         self.update_speculation(spec)
@@ -112,22 +112,19 @@ class InferenceEngine:
             return SpeculationReason("declined", f"the trunk refuses speculation: {refusal}")
         draft_head = self._load_draft_head(spec.draft_model)
         self.choice = choose_speculator(
-            self.registry, spec.spec_type, self.trunk, draft_head=draft_head, max_draft_tokens=self.max_draft_tokens,
-            min_draft_prob=spec.min_draft_prob)
+            self.registry, spec.spec_type, self.trunk, draft_head=draft_head, draft_model=spec.draft_model,
+            max_draft_tokens=self.max_draft_tokens, min_draft_prob=spec.min_draft_prob)
         self.speculator = self.choice.speculator
         log.info("speculation: %s", self.choice.reason)
-        if draft_head is not None and spec.draft_model is not None and not (
-                self.speculator is not None and self.speculator.spec.requires_draft_head):
-            log.warning("--draft-model %s is not used: %s", spec.draft_model,
-                        unused_drafter_reason(self.registry, draft_head, self.choice.declines,
-                                              self.choice.not_taken))
+        if self.choice.unused_drafter:
+            log.warning("--draft-model %s is not used: %s", spec.draft_model, self.choice.unused_drafter)
         return SpeculationReason("declined", self.choice.reason) if self.speculator is None else None
 
     def _speculation(self) -> Speculation | None:
         if self.speculator is None:
             return None
-        governor, window = self.governor()
-        return Speculation(self.speculator, governor, window, self._plugin_fault)
+        governor, cost_model = self.governor()
+        return Speculation(self.speculator, governor, cost_model, self._plugin_fault)
 
     def _plugin_fault(self, reason: str) -> None:
         """A speculator faulted mid-request (execution module docstring): one warning naming its
@@ -166,8 +163,9 @@ class InferenceEngine:
         """Forget cached prefixes: the next request prefills from an empty sequence."""
         self.scheduler.reset_cache()
 
-    def governor(self) -> tuple[SpeculationCostGovernor, DraftLengthPolicy]:
-        """One governor and draft-window model per (model, drafter, backend), shared by every request."""
+    def governor(self) -> tuple[SpeculationCostGovernor, CostModel]:
+        """One governor and cost model per (model, drafter, backend), shared by every request; the
+        cost model times the trunk's verify rows once, here (verispec.cost_model)."""
         key = (id(self.trunk), self.speculator.name, self.spec.adaptive, self.max_draft_tokens)
         if key not in self._governors:
             named = f"speculator {self.speculator.name!r}{self._plugin_origin()}"
@@ -175,8 +173,9 @@ class InferenceEngine:
             def on_slow_draft(reason: str) -> None:  # once per governor: a slow drafter is named once
                 log.warning("%s: %s; parked, decoding plainly until the governor re-probes it", named, reason)
             governor = SpeculationCostGovernor(enabled=self.spec.adaptive, on_slow_draft=on_slow_draft)
-            window = DraftLengthPolicy(self.max_draft_tokens, allow_zero=self.spec.adaptive)  # off forces drafting
-            self._governors[key] = (governor, window)
+            cost_model = CostModel(self.max_draft_tokens, adaptive=self.spec.adaptive)  # off forces drafting
+            cost_model.profile(self.trunk)
+            self._governors[key] = (governor, cost_model)
         return self._governors[key]
 
     # -- requests ------------------------------------------------------------------------

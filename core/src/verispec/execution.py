@@ -1,18 +1,28 @@
 """SpeculativeExecution: the one implementation of draft → verify → accept → rollback → commit.
 
-One step, with the pending token `last` at position p (emitted, not yet in the cache):
+One step, with the pending token `last` at position p (emitted, not yet in the cache), in two
+halves around the caller's forward (the scheduler's, beside other sequences, or `step`'s alone):
 
-1. Draft: `Speculator.prepare` (catch-up work, untimed, like a prefill), then
-   `Speculator.propose` gives d1..dK for positions p+1..p+K (K from the DraftLengthPolicy;
-   K = 0 is a step that drafts nothing).
-2. Verify: the trunk forwards [last, d1..dK] as one batch; row i's logits are for position p+1+i.
-3. Accept: the caller's sampler draws row 0, 1, ... in order; a draft is accepted while the
-   drawn token equals it. The first mismatching draw is the *correction*; when every draft
-   passes, row K's draw is the *bonus*. Every drawn token is emitted, so the output is what
-   plain decoding draws (Leviathan et al. 2023, arXiv 2211.17192, with a deterministic
-   drafter and draws keyed by position).
-4. Rollback: `trunk.keep(seq, a + 1)`; the trunk undoes the rest, whatever its state kinds.
-5. Commit: the kept tokens [last, d1..da] go to the speculator with their hidden rows.
+1. `next_segment(k)`: k = 0 is the plain path: the segment [last], no speculator call. Else
+   the speculator catches up on what it has not seen (its deferred commits, then `prepare`)
+   and `Speculator.propose` gives d1..dk' (k' <= k) for positions p+1..; the segment is
+   [last, d1..dk'] as one verify (rows' logits for positions p+1+i).
+2. `take(out)`: the caller's sampler draws row 0, 1, ... in order; a draft is accepted while
+   the drawn token equals it. The first mismatching draw is the *correction*; when every draft
+   passes, row k's draw is the *bonus*. Every drawn token is emitted, so the output is what
+   plain decoding draws (Leviathan et al. 2023, arXiv 2211.17192, with a deterministic drafter
+   and draws keyed by position). Then `trunk.keep(seq, a + 1)` undoes the rest, whatever the
+   trunk's state kinds, and the kept tokens [last, d1..da] are committed to the speculator.
+
+Who picks k: `draft_limit` says how many drafts the sequence allows (0 with a cause when it
+cannot draft); the scheduler's plan (verispec.cost_model) picks k within it. A step `step` runs
+alone asks the governor first (`solo_plan`).
+
+Upkeep is deferred while it can be: a speculator that needs no hidden rows sees committed
+tokens only when it next drafts (one `commit` of everything since its last one), so plain steps
+cost it nothing, and it is armed at its first draft over all the sequence holds. A speculator
+that reads hidden rows follows every forward (its rows exist only then). Time in `commit` and
+`prepare` is the drafter's upkeep (CostModel.record_upkeep), `propose` its drafting.
 
 A stop (stop token, stop string, max_tokens; decided by the caller's `on_token`) inside an
 accepted window ends the step at that token: rows past it count as rejected, and the cache
@@ -21,6 +31,7 @@ keeps exactly what a plain run would hold. A window never starts at a stop token
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import numbers
 import time
@@ -29,8 +40,9 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from verispec.cost_model import Acceptance
 from verispec.sampling import InvalidLogits
-from verispec.seams import MAX_DRAFT_TOKENS, DraftContext, Segment, Trunk, Speculator, UnsupportedTap, declared
+from verispec.seams import DraftContext, Segment, Trunk, Speculator, UnsupportedTap, declared
 
 if TYPE_CHECKING:
     from verispec.sampling import Draw
@@ -60,9 +72,9 @@ class ExecutionStats:
 
     num_spec_steps: int = 0  # steps that verified a draft
     num_no_draft_steps: int = 0  # armed steps whose proposal was empty
-    num_plain_steps: int = 0  # parked / unarmed / batched steps
-    #: why plain steps were plain: cause -> steps (verispec.reasons.PLAIN_CAUSES; "batched" for a
-    #: row of another forward, "detached" after the engine switched its speculator off).
+    num_plain_steps: int = 0  # parked / unarmed / budget steps
+    #: why plain steps were plain: cause -> steps (verispec.reasons.PLAIN_CAUSES; "detached" after
+    #: the engine switched its speculator off, "faulted" after it faulted).
     plain_steps: collections.Counter = attrs.field(factory=collections.Counter)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -72,6 +84,21 @@ class ExecutionStats:
     draft_s: float = attrs.field(default=0.0, eq=False)
     #: one StepRecord per step, in order, when the caller asked for them (`steps=[]`); else None.
     steps: list[StepRecord] | None = attrs.field(default=None, eq=False)
+    #: accepted drafts by draft position (index 0: the first draft), vLLM's num_accepted_tokens_per_pos.
+    num_accepted_tokens_per_pos: list[int] = attrs.field(factory=list)
+    #: the cost model's line for the last step it made plain ("budget"), else None.
+    budget_line: str | None = attrs.field(default=None, eq=False)
+
+    @property
+    def num_drafts(self) -> int:
+        """Steps that verified a draft (vLLM's num_drafts)."""
+        return self.num_spec_steps
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verified draft, the bonus or correction token included (vLLM's
+        definition): 1 + accepted / drafts; 0.0 before any draft."""
+        return 1 + self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -82,8 +109,8 @@ class ExecutionStats:
 class StepRecord:
     """One step of an execution (ExecutionStats.steps): what it drafted, accepted and emitted."""
 
-    #: "spec" (verified a draft), "no_draft" (armed, drafted nothing), or why a plain step was
-    #: plain: a `plain_steps` cause ("parked", "measuring", "batched", "too_short", ...).
+    #: "spec" (verified a draft), "no_draft" (asked to draft, drafted nothing), or why a plain
+    #: step was plain: a `plain_steps` cause ("parked", "measuring", "budget", "too_short", ...).
     kind: str
     num_drafted: int
     num_accepted: int
@@ -96,52 +123,58 @@ def acceptance_rate(num_accepted: int, num_drafted: int) -> float:
     return num_accepted / num_drafted if num_drafted else 0.0
 
 
+class Arming(enum.Enum):
+    """Where an execution's speculator stands for its sequence."""
+
+    ARMED = "armed"  # drafts when asked, and sees every commit (deferred while it can be)
+    UNARMED = "unarmed"  # cannot join a sequence that starts from a reused prefix: plain for it
+    DETACHED = "detached"  # the engine switched it off or replaced it: plain from now on
+    FAULTED = "faulted"  # it raised or returned junk: switched off for this sequence
+
+
 class SpeculativeExecution:
-    """Runs one sequence `seq` of a trunk, speculating with `speculator` when armed.
+    """Runs one sequence `seq` of a trunk, speculating with `speculator` while it is armed.
 
     sampler: `.draw(logits fp32 [V], pos) -> Draw` and `.accept(token)` (verispec.sampling.Sampler).
-    governor: optional SpeculationCostGovernor (`should_speculate`, `plain_cause`, `record_*`); None =
-      always armed.
-    window: optional DraftLengthPolicy choosing K per step within [1, its max_draft_tokens].
+    governor: optional SpeculationCostGovernor; it times the steps `step`/`next_segment(timed=True)`
+      run alone (`should_speculate`, `plain_cause`, `record_*`). None = always armed.
+    cost_model: optional verispec.cost_model.CostModel; it picks k for `step` and hears the
+      drafter's propose and upkeep timings. None = k is the whole draft limit.
+    max_draft_tokens: the K ceiling (--spec-draft); default the speculator's.
     on_plugin_fault: called once with a one-line reason when the speculator faults (module
       docstring); default: a logged warning naming the speculator.
-    arm_late: arm a speculator that allows it (hidden-free, `can_arm_after_prefix_reuse`) later:
-      `arm_pending` is then True and the caller arms it with `seed_committed` over the tokens
-      the sequence holds by then, so the prefill and any batched decodes run without it. Other
-      speculators are armed at once (they need the prefill's hidden rows, or every token).
     steps: a list that receives a StepRecord per step (it becomes `stats.steps`); None records none.
     """
 
     def __init__(self, trunk: Trunk, seq: int, speculator: Speculator | None, *,
-                 stop_token_ids: Sequence[int] = (), governor=None,
-                 window=None, clock: Callable[[], float] = time.perf_counter,
-                 on_plugin_fault: Callable[[str], None] | None = None, arm_late: bool = False,
-                 steps: list | None = None):
+                 stop_token_ids: Sequence[int] = (), governor=None, cost_model=None,
+                 max_draft_tokens: int | None = None, clock: Callable[[], float] = time.perf_counter,
+                 on_plugin_fault: Callable[[str], None] | None = None, steps: list | None = None):
         self.trunk, self.seq = trunk, seq
         self.speculator = speculator
         self.stop_token_ids = frozenset(stop_token_ids)
-        self.governor = governor
-        self.window = window
-        self.clock = clock
+        self.governor, self.cost_model, self.clock = governor, cost_model, clock
+        self.max_draft_tokens = max_draft_tokens or (speculator.max_draft_tokens if speculator else 0)
         self.stats = ExecutionStats(steps=steps)
+        self.acceptance = Acceptance()
         self.last_token: int | None = None
-        #: waiting for `seed_committed` (arm_late); the speculator has no state for this sequence yet.
-        self.arm_pending = (arm_late and speculator is not None and not speculator.spec.needs_hidden_state
-                            and speculator.spec.can_arm_after_prefix_reuse)
-        self._armed = speculator is not None and not self.arm_pending
-        #: the speculator sees this sequence's commits (False once it declined a reused prefix).
-        self._follows = self._armed
+        self.arming = Arming.ARMED if speculator is not None else None
         #: why the speculator was switched off for this sequence, or None.
         self.fault: str | None = None
-        #: the plain-step cause while unarmed (verispec.reasons): "unarmed" when it declined a reused prefix.
-        self._unarmed_cause = "unarmed"
         self._on_plugin_fault = on_plugin_fault or (
             lambda reason: log.warning("%s; switched off for this sequence, decoding plainly", reason))
+        #: a hidden-free speculator sees commits only when it drafts: its state is made then
+        self._deferred = speculator is not None and not speculator.spec.needs_hidden_state
+        self._unseen: list[int] = []  # committed tokens the (deferred) speculator has not seen yet
+        self._num_seen = 0  # positions the speculator has seen
+        self._upkeep_rows, self._upkeep_s = 0, 0.0  # committed rows and upkeep seconds not yet reported
         self._hidden_prev = None
         self._view = trunk.view() if speculator is not None else None
-        self._state = self._plugin_call("new_state", speculator.new_state) if self._armed else None
-        if self._needs_hidden:
+        self._state = None
+        if speculator is not None and not self._deferred:
+            self._state = self._plugin_call("new_state", speculator.new_state)
             self._check_taps()
+        self._step: _Step | None = None  # the step between next_segment and take
 
     @property
     def seq_len(self) -> int:
@@ -149,8 +182,12 @@ class SpeculativeExecution:
         return self.trunk.seq_len(self.seq)
 
     @property
+    def armed(self) -> bool:
+        return self.arming is Arming.ARMED
+
+    @property
     def _needs_hidden(self) -> bool:
-        return self._armed and self.speculator.spec.needs_hidden_state
+        return self.armed and self.speculator.spec.needs_hidden_state
 
     def segment(self, tokens: Sequence[int], *, logits: str = "last", verify: bool = False) -> Segment:
         """The segment appending `tokens` to this sequence; it asks for hidden rows while the speculator needs them."""
@@ -178,7 +215,7 @@ class SpeculativeExecution:
     def _plugin_fault(self, what: str) -> None:
         if self.fault is not None:
             return
-        self._armed = self._follows = False
+        self.arming = Arming.FAULTED
         self.fault = f"speculator {self.speculator.name!r}: {what}"
         self._on_plugin_fault(self.fault)
 
@@ -190,7 +227,7 @@ class SpeculativeExecution:
             self._plugin_fault(f"propose returned {type(draft).__name__}, not a list of token ids")
             return []
         if len(draft) > k:
-            self._plugin_fault(f"propose returned {len(draft)} ids for a window of {k}")
+            self._plugin_fault(f"propose returned {len(draft)} ids for a bound of {k}")
             return []
         vocab = self.trunk.vocab_size
         bad = [t for t in draft if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
@@ -213,107 +250,118 @@ class SpeculativeExecution:
         return stop
 
     def seed_committed(self, tokens: Sequence[int]) -> None:
-        """Arm late over tokens the sequence already holds (positions 0..len-1): a reused prefix,
-        or everything held at the first speculating step (arm_late)."""
-        if self.speculator is None:
+        """The sequence starts from a reused prefix holding `tokens` (positions 0..len-1), before
+        any forward of it: a speculator that can arm after prefix reuse sees them; others stay
+        plain for this sequence."""
+        if not self.armed:
             return
-        self.arm_pending = False
         if not self.speculator.spec.can_arm_after_prefix_reuse:
-            self._armed = self._follows = False  # stays plain for this sequence: it cannot see the reused rows
+            self.arming = Arming.UNARMED  # it cannot see the reused rows
             return
-        self._state = self._plugin_call("new_state", self.speculator.new_state)
-        self._armed = self._follows = self.fault is None
         self._commit(tokens, None, 0)
 
     def detach(self) -> None:
         """Stop drafting for, and reporting to, the speculator (it was replaced or switched off)."""
-        self._armed = self._follows = False
-        self._unarmed_cause = "detached"
+        if self.armed:
+            self.arming = Arming.DETACHED
 
     # -- one step ------------------------------------------------------------------------
 
-    def step(self, sampler, on_token: OnToken) -> bool:
-        """Emit one or more tokens through `on_token`, in order; returns True when it said stop."""
-        if self.last_token is None:
-            raise RuntimeError("step() before the first token: prefill, sample it, and set last_token")
-        k = self._window_size()
-        if k is None:
-            return self._plain_step(sampler, on_token, self._plain_cause())
-        draft, draft_s = [], 0.0
-        if k == 0:  # drafting does not pay at this acceptance (DraftLengthPolicy): a no-draft step
-            self.window.skip()
-            start = self.clock()
-        else:
-            ctx = DraftContext(last_token=self.last_token, pos=self.seq_len, max_draft_tokens=k,
-                               min_draft_prob=self.speculator.min_draft_prob, hidden_prev=self._hidden_prev,
-                               stop_token_ids=self.stop_token_ids, seq=self.seq, trunk=self._view)
-            self._plugin_call("prepare", self.speculator.prepare, self._state, ctx)  # a catch-up: untimed
-            start = self.clock()
-            proposed = None if self.fault else self._plugin_call("propose", self.speculator.propose,
-                                                                  self._state, ctx)
-            draft_s = self.clock() - start  # the governor judges drafting on its own (its rule 12)
-            self.stats.draft_s += draft_s
-            draft = self._checked_draft(proposed, k)
-        if draft:
-            return self._speculative_step(draft, sampler, on_token, start, draft_s)
-        self.stats.num_no_draft_steps += 1
-        self._record_step("no_draft", 0, 0, 1)
-        stop = self._decode_one(sampler, on_token)  # with hidden rows: a tap is a slice of rows computed anyway
-        if self.governor is not None:
-            self.governor.record_spec_step(self.clock() - start, num_emitted=1, num_accepted=0, num_drafted=0,
-                                           draft_s=draft_s)
-        return stop
-
-    def _window_size(self) -> int | None:
-        """K for this step: None for a plain step (unarmed, parked, at a stop token, or no room);
-        0 when the draft-length policy says drafting does not pay; else 1..max_draft_tokens."""
-        if not self._armed or self.last_token in self.stop_token_ids:
-            return None
-        if self.governor is not None and not self.governor.should_speculate():
-            return None
-        room = self.trunk.max_context_length - self.seq_len - 1  # verify writes K+1 rows
-        k = min(self.speculator.max_draft_tokens, room)  # the speculator's cap: --spec-draft, or its own
-        if k < 1:
-            return None
-        return min(k, self.window.next()) if self.window is not None else k
-
-    def _plain_cause(self) -> str:
-        """Why `_window_size` said plain (verispec.reasons.PLAIN_CAUSES, or "detached")."""
-        if not self._armed:
-            return self._unarmed_cause
+    def draft_limit(self) -> tuple[int, str | None]:
+        """The most drafts this step may verify and None, or (0, why not): not armed, a pending
+        stop token, or no room in the context (verispec.reasons.PLAIN_CAUSES)."""
+        if not self.armed:
+            return 0, self.arming.value if self.arming is not None else "unarmed"
         if self.last_token in self.stop_token_ids:
-            return "stop_token"
+            return 0, "stop_token"
+        room = self.trunk.max_context_length - self.seq_len - 1  # verify writes k + 1 rows
+        k = min(self.max_draft_tokens, room)
+        return (k, None) if k >= 1 else (0, "too_short")
+
+    def solo_plan(self) -> tuple[int, str | None]:
+        """k for a step of this sequence alone: the draft limit, the governor's verdict, then the
+        cost model's choice (0 with "budget" when drafting does not pay at this acceptance)."""
+        k, cause = self.draft_limit()
+        if k == 0:
+            return 0, cause
         if self.governor is not None and not self.governor.should_speculate():
-            return self.governor.plain_cause()
-        return "too_short"  # no room in the context for a draft
+            return 0, self.governor.plain_cause()
+        if self.cost_model is not None:
+            k = self.cost_model.plan([self.acceptance.alpha], [k])[0]
+            if k == 0:
+                return 0, "budget"
+        return k, None
 
-    def _plain_step(self, sampler, on_token: OnToken, cause: str) -> bool:
+    def step(self, sampler, on_token: OnToken) -> bool:
+        """One step of this sequence alone (solo_plan, next_segment, the trunk's forward, take):
+        emits one or more tokens through `on_token`, in order; returns True when it said stop."""
+        k, cause = self.solo_plan()
+        segment = self.next_segment(k, cause, timed=True)
         start = self.clock()
-        stop = self._decode_one(sampler, on_token)  # parked: the head still sees every row
-        self._record_step(cause, 0, 0, 1)
-        if self.governor is not None:
-            self.governor.record_plain_step(self.clock() - start, num_emitted=1)
-        if self.window is not None and self.governor is not None and self.governor.stats.plain_ms_per_token:
-            self.window.set_plain_row_s(self.governor.stats.plain_ms_per_token / 1e3)
+        out = self.trunk.forward([segment])[0]
+        if self.cost_model is not None:
+            self.cost_model.record_forward(len(segment.tokens), self.clock() - start)
+        return self.take(out, sampler, on_token)
+
+    def next_segment(self, k: int, cause: str | None = None, *, timed: bool = False) -> Segment:
+        """The rows this sequence forwards this step: [last] when k = 0 (a plain step, for `cause`),
+        else [last, d1..dk'] with the speculator's draft (k' <= k; an empty draft is a no-draft
+        step). timed: the governor times this step (it runs alone). Hand the forward's output for
+        this segment to `take`."""
+        if self.last_token is None:
+            raise RuntimeError("next_segment() before the first token: prefill, sample it, and set last_token")
+        step = self._step = _Step(start=self.clock(), timed=timed and self.governor is not None, cause=cause)
+        if k == 0:
+            if cause == "budget" and self.cost_model is not None:
+                self.stats.budget_line = self.cost_model.why_plain(self.acceptance.alpha, self.draft_limit()[0])
+            if not self._deferred:
+                self._report_upkeep()
+            return self.segment([self.last_token])
+        self._catch_up()
+        ctx = DraftContext(last_token=self.last_token, pos=self.seq_len, max_draft_tokens=k,
+                           min_draft_prob=self.speculator.min_draft_prob, hidden_prev=self._hidden_prev,
+                           stop_token_ids=self.stop_token_ids, seq=self.seq, trunk=self._view)
+        if self.fault is None:
+            started = self.clock()
+            self._plugin_call("prepare", self.speculator.prepare, self._state, ctx)
+            self._upkeep_s += self.clock() - started
+        self._report_upkeep()
+        started = self.clock()
+        proposed = None if self.fault else self._plugin_call("propose", self.speculator.propose, self._state, ctx)
+        step.draft_s = self.clock() - started
+        self.stats.draft_s += step.draft_s
+        step.warm = self.cost_model.record_propose(k, step.draft_s) if self.cost_model is not None else True
+        step.draft = self._checked_draft(proposed, k)
+        step.cause = None
+        if not step.draft:
+            return self.segment([self.last_token])
+        return self.segment([self.last_token, *step.draft], logits="all", verify=True)
+
+    def take(self, out, sampler, on_token: OnToken) -> bool:
+        """This sequence's output (a SegmentOutput) of the forward of `next_segment`'s segment: accept,
+        keep, commit and emit. Returns True when on_token said stop."""
+        step, self._step = self._step, None
+        if step is None:
+            raise RuntimeError("take() without next_segment()")
+        if step.draft:
+            return self._take_verify(step, out, sampler, on_token)
+        stop = self._take_decode(out, sampler, on_token)
+        elapsed = self.clock() - step.start
+        if step.cause is None:  # asked to draft, drafted nothing: a speculative sample of one token (rule 4)
+            self.stats.num_no_draft_steps += 1
+            self._record_step("no_draft", 0, 0, 1)
+            if step.timed and step.warm:
+                self.governor.record_spec_step(elapsed, num_emitted=1, num_accepted=0, num_drafted=0,
+                                               draft_s=step.draft_s)
+            return stop
+        self._record_step(step.cause, 0, 0, 1)
         self.stats.num_plain_steps += 1
-        self.stats.plain_steps[cause] += 1
+        self.stats.plain_steps[step.cause] += 1
+        if step.cause == "budget":
+            self.acceptance.skip()  # a request the model said not to draft for is measured again later
+        if step.timed:
+            self.governor.record_plain_step(elapsed, num_emitted=1)
         return stop
-
-    def _decode_one(self, sampler, on_token: OnToken) -> bool:
-        return self._take_decode(self.trunk.forward([self.decode_segment()])[0], sampler, on_token)
-
-    def decode_segment(self) -> Segment:
-        """The one-row segment of a plain decode of the pending token."""
-        return self.segment([self.last_token])
-
-    def take_decode(self, out, sampler, on_token: OnToken) -> bool:
-        """This sequence's output (a SegmentOutput) of `decode_segment()` forwarded by the caller beside
-        other sequences: a plain step the governor never times (a batched row is not the model's own
-        decode). Returns True when on_token said stop."""
-        self._record_step("batched", 0, 0, 1)
-        self.stats.num_plain_steps += 1
-        self.stats.plain_steps["batched"] += 1
-        return self._take_decode(out, sampler, on_token)
 
     def _take_decode(self, out, sampler, on_token: OnToken) -> bool:
         base, last = self.seq_len - 1, self.last_token
@@ -322,11 +370,10 @@ class SpeculativeExecution:
         self.last_token = token
         return stop
 
-    def _speculative_step(self, draft: list[int], sampler, on_token: OnToken, start: float,
-                          draft_s: float) -> bool:
-        base = self.seq_len
+    def _take_verify(self, step: _Step, out, sampler, on_token: OnToken) -> bool:
+        draft = step.draft
         rows = [self.last_token, *draft]
-        out = self.trunk.forward([self.segment(rows, logits="all", verify=True)])[0]
+        base = self.seq_len - len(rows)
         i = num_accepted = 0
         while True:
             token, stop = self._emit(sampler, out.logits[i], base + 1 + i, on_token)
@@ -340,21 +387,20 @@ class SpeculativeExecution:
         self._plugin_call("keep", self.speculator.keep, self._state, num_kept)
         self._commit(rows[:num_kept], None if out.hidden is None else out.hidden[:num_kept], base)
         self.last_token = token
-        self._record_spec(len(draft), num_accepted, num_kept, start, draft_s)
+        self._record_step("spec", len(draft), num_accepted, num_kept)
+        stats = self.stats
+        stats.num_spec_steps += 1
+        stats.num_draft_tokens += len(draft)
+        stats.num_accepted_tokens += num_accepted
+        if len(stats.num_accepted_tokens_per_pos) < len(draft):
+            stats.num_accepted_tokens_per_pos.extend([0] * (len(draft) - len(stats.num_accepted_tokens_per_pos)))
+        for j in range(num_accepted):
+            stats.num_accepted_tokens_per_pos[j] += 1
+        self.acceptance.record(len(draft), num_accepted)
+        if step.timed and step.warm:
+            self.governor.record_spec_step(self.clock() - step.start, num_emitted=num_kept,
+                                           num_accepted=num_accepted, num_drafted=len(draft), draft_s=step.draft_s)
         return stop
-
-    def _record_spec(self, num_drafted: int, num_accepted: int, num_emitted: int, start: float,
-                     draft_s: float) -> None:
-        elapsed = self.clock() - start
-        self._record_step("spec", num_drafted, num_accepted, num_emitted)
-        self.stats.num_spec_steps += 1
-        self.stats.num_draft_tokens += num_drafted
-        self.stats.num_accepted_tokens += num_accepted
-        if self.governor is not None:
-            self.governor.record_spec_step(elapsed, num_emitted=num_emitted, num_accepted=num_accepted,
-                                           num_drafted=num_drafted, draft_s=draft_s)
-        if self.window is not None:
-            self.window.record(num_drafted, num_accepted, num_drafted + 1, elapsed)
 
     def _record_step(self, kind: str, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
         """Append a StepRecord when asked for."""
@@ -373,8 +419,51 @@ class SpeculativeExecution:
         self.stats.num_emitted_tokens += 1
         return draw.token, bool(on_token(draw))
 
+    # -- the speculator's view of the sequence -----------------------------------------------
+
     def _commit(self, tokens: Sequence[int], hidden_rows, start_pos: int) -> None:
+        """Tokens that landed at start_pos..: to the speculator now, or (deferred) at its next draft."""
         if hidden_rows is not None:
             self._hidden_prev = hidden_rows[-1]
-        if self._follows:
-            self._plugin_call("commit", self.speculator.commit, self._state, list(tokens), hidden_rows, start_pos)
+        if not self.armed:
+            return
+        self._upkeep_rows += len(tokens)
+        if self._deferred:
+            self._unseen.extend(int(t) for t in tokens)
+            return
+        self._send(tokens, hidden_rows, start_pos)
+
+    def _catch_up(self) -> None:
+        """Before a draft: a deferred speculator gets its state (at its first draft) and one commit
+        of every token since its last one."""
+        if not self._deferred or self.fault is not None:
+            return
+        if self._state is None:
+            self._state = self._plugin_call("new_state", self.speculator.new_state)
+        if self._unseen and self.fault is None:
+            tokens, self._unseen = self._unseen, []
+            self._send(tokens, None, self._num_seen)
+
+    def _send(self, tokens: Sequence[int], hidden_rows, start_pos: int) -> None:
+        started = self.clock()
+        self._plugin_call("commit", self.speculator.commit, self._state, list(tokens), hidden_rows, start_pos)
+        self._num_seen = start_pos + len(tokens)
+        self._upkeep_s += self.clock() - started
+
+    def _report_upkeep(self) -> None:
+        """The drafter's upkeep (commit, prepare) since the last report, per committed row, to the cost model."""
+        if self.cost_model is not None and self._upkeep_rows > 0:
+            self.cost_model.record_upkeep(self._upkeep_rows, self._upkeep_s)
+        self._upkeep_rows, self._upkeep_s = 0, 0.0
+
+
+@attrs.define
+class _Step:
+    """What `next_segment` decided, for `take`."""
+
+    start: float
+    timed: bool
+    cause: str | None  # why the step is plain; None once the speculator was asked to draft
+    draft: list[int] = attrs.field(factory=list)
+    draft_s: float = 0.0
+    warm: bool = True  # the propose timing counts (not a cold first call)

@@ -20,7 +20,7 @@ Rules (each has a test in tests/test_governor.py):
     or the prefill that starts a request — whose timing is polluted by the transition.
  4. MAX_ZERO_ACCEPT_STEPS speculative steps in a row with nothing accepted end a probe as a
     loss. A step whose head proposed nothing, whose lookup found no match, or whose draft length
-    was 0 (DraftLengthPolicy: drafting does not pay) is reported by the loop as a speculative
+    was 0 (the cost model: drafting does not pay) is reported by the loop as a speculative
     sample of one token with nothing accepted.
  5. A win is watched: after every speculative step the last WATCH_STEPS speculative steps
     (fewer right after a short probe) are compared with the baseline, and a loss parks at once.

@@ -7,7 +7,9 @@ finished requests by code. The codes are a fixed set (`REASON_CODES`):
 - parked: the speculator was ready, but the cost governor parked it for every solo step
   (speculating cost more ms per token than plain decoding; both figures in the text).
 - measuring: the governor was still timing plain decode before its first probe.
-- batched: the request never ran alone; only a request alone in the engine speculates.
+- budget: the cost model gave the request no draft slot: drafting, verifying and the drafter's
+  upkeep cost more per expected token than plain decoding (the figures in the text), alone or
+  in the batch beside other requests (verispec.cost_model).
 - too_short: the request could not decode two tokens (max_tokens, a stop, or a full context).
 - unarmed: the speculator cannot join a sequence that started from a reused prefix
   (`can_arm_after_prefix_reuse` False).
@@ -22,10 +24,10 @@ from __future__ import annotations
 
 import attrs
 
-REASON_CODES = ("armed", "parked", "measuring", "batched", "too_short", "unarmed", "declined", "off", "faulted")
+REASON_CODES = ("armed", "parked", "measuring", "budget", "too_short", "unarmed", "declined", "off", "faulted")
 
 #: `ExecutionStats.plain_steps` keys, and the codes they lead to when nothing drafted.
-PLAIN_CAUSES = ("parked", "measuring", "batched", "too_short", "unarmed", "stop_token")
+PLAIN_CAUSES = ("parked", "measuring", "budget", "too_short", "unarmed", "stop_token")
 
 
 @attrs.frozen
@@ -82,9 +84,9 @@ def _plain_text(cause: str, speculator: str, stats, governor) -> str:
     if cause == "measuring":
         return (f"the cost governor was timing plain decode before its first probe of {speculator!r} "
                 "(once per server)")
-    if cause == "batched":
-        return ("the request never ran alone: it decoded in a batch beside other requests, and only a "
-                "request alone in the engine speculates")
+    if cause == "budget":
+        line = stats.budget_line or "drafting cost more per expected token than plain decoding"
+        return f"the cost model gave {speculator!r} no draft slot: {line}"
     if cause == "unarmed":
         return (f"speculator {speculator!r} cannot arm on a sequence that starts from a reused prefix "
                 "(can_arm_after_prefix_reuse is False); the next request without reuse drafts")

@@ -1,6 +1,10 @@
 """Requests and what they hand back: a Request inside the scheduler, its Generation handle, the
 StopState that decides where it ends, and the values it yields (TokenEvent, GenerationResult).
 
+A Request owns its steps: the scheduler asks it for the rows it forwards this step
+(`prefill_segment`, `next_segment`) and hands it their output (`take`), then `deliver`s its
+events; it never reaches into the request's execution.
+
 Also the value types a request carries or the scheduler counts: Speculation (the policy a
 request runs under) and SchedulerMetrics (what /metrics exports).
 
@@ -58,11 +62,11 @@ class GenerationResult:
 @attrs.frozen
 class Speculation:
     """The engine's speculation policy as requests use it: one speculator, and one governor and
-    draft window shared by every request (docs/design.md §3: per (model, drafter, backend))."""
+    cost model shared by every request (docs/design.md §3: per (model, drafter, backend))."""
 
     speculator: object  # seams.Speculator
     governor: object  # SpeculationCostGovernor
-    window: object  # DraftLengthPolicy
+    cost_model: object  # verispec.cost_model.CostModel
     #: called once with a one-line reason when the speculator faults.
     on_plugin_fault: Callable[[str], None]
 
@@ -82,6 +86,19 @@ class SchedulerMetrics:
     num_kv_budget_evictions: int = 0
     #: finished requests by speculation reason code (verispec.reasons.REASON_CODES).
     num_requests_by_reason: collections.Counter = attrs.field(factory=collections.Counter)
+    #: accepted drafts by draft position (0: the first draft), vLLM's num_accepted_tokens_per_pos.
+    num_accepted_tokens_per_pos: list[int] = attrs.field(factory=list)
+
+    def record_finished(self, result: GenerationResult) -> None:
+        """Count a finished request's result."""
+        self.num_finished_requests += 1
+        self.num_draft_tokens += result.spec.num_draft_tokens
+        self.num_accepted_tokens += result.spec.num_accepted_tokens
+        self.num_requests_by_reason[result.reason.code] += 1
+        per_pos = result.spec.num_accepted_tokens_per_pos
+        self.num_accepted_tokens_per_pos.extend([0] * (len(per_pos) - len(self.num_accepted_tokens_per_pos)))
+        for j, n in enumerate(per_pos):
+            self.num_accepted_tokens_per_pos[j] += n
 
 
 class Generation:
@@ -151,7 +168,8 @@ class Request:
         #: False: this request decodes plainly whatever the engine's policy (reason "off").
         self.speculate = speculate
         self.stop_ids = stop_ids
-        self.state = StopState(tokenizer, ids, stop_ids, stop, max_tokens, max_context_length, generation=generation)
+        self.stop_state = StopState(tokenizer, ids, stop_ids, stop, max_tokens, max_context_length,
+                                    generation=generation)
         self.sampler = Sampler(sampling, ids, vocab_size)
         self.max_context_length = max_context_length
         self.seq: int | None = None
@@ -164,8 +182,7 @@ class Request:
 
     def start_execution(self, trunk, speculation: Speculation | None, plain_reason: SpeculationReason) -> None:
         """Its SpeculativeExecution over its sequence, under `speculation` (None = plain decode,
-        for `plain_reason`); a speculator that follows the sequence from admission is seeded with
-        the reused prefix."""
+        for `plain_reason`); its speculator hears of the reused prefix."""
         if not self.speculate:
             speculation, plain_reason = None, SpeculationReason("off", "speculation was turned off for this request")
         self.speculation, self.plain_reason = speculation, plain_reason
@@ -173,10 +190,10 @@ class Request:
             self.execution = SpeculativeExecution(trunk, self.seq, None, stop_token_ids=self.stop_ids)
             return
         self.execution = SpeculativeExecution(
-            trunk, self.seq, speculation.speculator,
-            stop_token_ids=self.stop_ids, governor=speculation.governor, window=speculation.window,
-            on_plugin_fault=speculation.on_plugin_fault, arm_late=True, steps=self.generation.step_records)
-        if self.reused and not self.execution.arm_pending:
+            trunk, self.seq, speculation.speculator, stop_token_ids=self.stop_ids, governor=speculation.governor,
+            cost_model=speculation.cost_model, max_draft_tokens=speculation.cost_model.max_draft_tokens,
+            on_plugin_fault=speculation.on_plugin_fault, steps=self.generation.step_records)
+        if self.reused:
             self.execution.seed_committed(self.ids[:self.reused])
 
     @property
@@ -184,26 +201,93 @@ class Request:
         """The prompt is in and the first token drawn."""
         return self.execution is not None and self.execution.last_token is not None
 
+    # -- its steps (the scheduler's side) -------------------------------------------------------
+
+    def prefill_segment(self, max_rows: int):
+        """The next chunk of its prompt, at most max_rows (>= 1) rows, as a Segment."""
+        chunk = self.ids[self.num_prefilled:self.num_prefilled + max_rows]
+        return self.execution.segment(chunk)
+
+    def draft_limit(self) -> tuple[int, str | None]:
+        """How many drafts its sequence allows this step, or (0, why not) (SpeculativeExecution.draft_limit)."""
+        return self.execution.draft_limit()
+
+    @property
+    def alpha(self) -> float:
+        """Its per-draft acceptance estimate α (verispec.cost_model.Acceptance)."""
+        return self.execution.acceptance.alpha
+
+    def solo_plan(self) -> tuple[int, str | None]:
+        """k for a step it runs alone (governor, then cost model)."""
+        return self.execution.solo_plan()
+
+    def next_segment(self, k: int, cause: str | None, *, timed: bool):
+        """The rows it forwards this decoding step: its pending token and up to k drafts."""
+        return self.execution.next_segment(k, cause, timed=timed)
+
+    def take(self, segment, out) -> bool | None:
+        """Its output (a SegmentOutput) of this step's forward of `segment`; True when it finished
+        (stop, length), None while its prompt is still going in."""
+        if self.decoding:
+            return self.execution.take(out, self.sampler, self.on_token)
+        chunk = segment.tokens.tolist()
+        self.execution.take_prefill(chunk, out)
+        self.num_prefilled += len(chunk)
+        if self.num_prefilled < len(self.ids):
+            return None
+        return self.execution.emit_first(self.sampler, out.logits[-1], self.on_token)
+
+    def deliver(self) -> int:
+        """Hand the events drawn since the last call to its Generation; returns how many."""
+        events = list(self.stop_state.drain())
+        self.generation._deliver(events)
+        return len(events)
+
+    def finish(self) -> GenerationResult:
+        """It ends now: its result (after any held-back events) goes to its Generation."""
+        self.finished_at = time.perf_counter()
+        result = self.result()
+        self.generation._deliver([*self.stop_state.drain(), result])
+        return result
+
+    def fail(self, exc: BaseException) -> None:
+        """It ends with `exc`: its Generation raises it."""
+        self.generation._deliver([exc])
+
+    def cut(self) -> None:
+        """End between tokens (Generation.cancel): finish_reason "length"."""
+        self.stop_state.cut()
+
+    @property
+    def has_speculator(self) -> bool:
+        """It runs with a speculator (armed or not)."""
+        return self.execution is not None and self.execution.speculator is not None
+
+    def detach_speculator(self) -> None:
+        """Its speculator was switched off or replaced: it decodes plainly from now on."""
+        if self.execution is not None and self.execution.speculator is not None:
+            self.execution.detach()
+
     @property
     def num_tokens_left(self) -> int:
         """Tokens it may still emit (max_tokens and the context both bound it)."""
-        room = self.max_context_length - len(self.ids) - len(self.state.tokens)
-        return min(self.max_tokens - len(self.state.tokens), room)
+        room = self.max_context_length - len(self.ids) - len(self.stop_state.tokens)
+        return min(self.max_tokens - len(self.stop_state.tokens), room)
 
     def held_tokens(self, num_held: int) -> list[int]:
         """The tokens its sequence holds when it holds `num_held` rows (the prompt, then every
         emitted token but the pending last one)."""
-        return (self.ids + self.state.tokens)[:num_held]
+        return (self.ids + self.stop_state.tokens)[:num_held]
 
     def on_token(self, draw) -> bool:
-        stop = self.state.on_token(draw)
+        stop = self.stop_state.on_token(draw)
         if self.first_token_at == 0.0:
             self.first_token_at = time.perf_counter()
         return stop
 
     def result(self) -> GenerationResult:
         ttft_s = max(self.first_token_at - self.admitted_at, 1e-9) if self.first_token_at else 0.0
-        n = len(self.state.tokens)
+        n = len(self.stop_state.tokens)
         decode_s = self.finished_at - self.first_token_at
         speculation = self.speculation
         stats = self.execution.stats if self.execution is not None else ExecutionStats()
@@ -214,7 +298,7 @@ class Request:
         else:  # None: cancelled before admission
             reason = self.plain_reason or SpeculationReason("too_short", "the request ended before it started")
         return GenerationResult(
-            tokens=self.state.tokens, text=self.state.text(), finish_reason=self.state.finish_reason,
+            tokens=self.stop_state.tokens, text=self.stop_state.text(), finish_reason=self.stop_state.finish_reason,
             prompt_tokens=len(self.ids), reused_prefix_tokens=self.reused, ttft_ms=1e3 * ttft_s,
             prefill_tokens_per_s=(len(self.ids) - self.reused) / ttft_s if ttft_s else 0.0,
             decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,

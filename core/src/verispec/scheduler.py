@@ -1,22 +1,19 @@
 """Scheduler: continuous batching of requests over one trunk, one engine step at a time.
 
 Requests wait in a queue and are admitted while others decode (at most `max_running` run
-at once). Each step is one of:
+at once). Every step is one `trunk.forward(batch)` over every running request's rows: per
+decoding request its pending token and k drafts (k >= 0, its own; verispec.execution), beside
+prefill chunks of newcomers that share a budget of `max_rows_per_step` rows. Each request
+accepts its own rows with its own sampling and stops, and keeps its sequence at its accepted
+length, so its stream is its solo plain stream whatever runs beside it (on a batch-invariant trunk).
 
-- solo: exactly one request runs and its prompt is in. Its `SpeculativeExecution.step` runs:
-  the only place speculation happens (a draft, one verify, keep), timed by the shared
-  governor. A request speculates only while it is alone in the engine.
-- batched: one `trunk.forward(batch)` over every running request's next rows — a one-row
-  decode of each decoding request beside prefill chunks of newcomers, the chunks sharing a
-  budget of `max_rows_per_step` rows. Never speculates; the executions still commit every
-  token to their speculator state, so a request that was speculating resumes after a
-  1 → N → 1 interlude without re-arming.
-
-Arming: a hidden-free speculator that can arm after prefix reuse (n-gram) is armed late, at
-the request's first solo step, over every token its sequence holds then: prefills and batched
-decodes never call it, and a request that never runs alone never costs it anything. A
-speculator that needs hidden rows follows the sequence from admission (it needs the
-prefill's rows); after prefix reuse it arms only if it declares `can_arm_after_prefix_reuse`.
+Who drafts how much:
+- solo (one request, decoding, alone): the shared governor decides whether to speculate and
+  times the step (verispec.governor), the cost model picks k (`SpeculativeExecution.solo_plan`).
+- batched: the cost model's plan over every decoding request (verispec.cost_model: the draft
+  slots, by survival, that maximise expected tokens per second of the step); a request given
+  no slot decodes plainly with the reason "budget".
+Every forward without prefill rows refreshes the cost model's time for its row count.
 
 Each request samples its own rows with its own SamplingParams, stops, max_tokens and time
 limit; its events reach its `Generation` as they are drawn, and it leaves the batch the step
@@ -111,8 +108,7 @@ class Scheduler:
         self.speculation = speculation
         self.plain_reason = plain_reason or SpeculationReason("off", "speculation is off")
         for request in self._running:
-            if request.execution.speculator is not None:
-                request.execution.detach()
+            request.detach_speculator()
         self._governed = None
 
     def reset_cache(self) -> None:
@@ -133,10 +129,9 @@ class Scheduler:
                 if not self._running:
                     return
                 solo = self._running[0] if len(self._running) == 1 and self._running[0].decoding else None
-                if solo is not None:
-                    self._solo_step(solo)
-                else:
-                    self._batched_step()
+                if solo is not None and (not self._was_solo or self._governed is not solo):
+                    self._start_governing(solo)
+                self._forward_step(solo)
             except Exception as exc:  # noqa: BLE001 -- the step's requests fail, the engine goes on
                 if isinstance(exc, VerispecError):  # bad input (a damaged model file): each caller reports it
                     log.info("an engine step failed: %s; its %d request(s) fail with it", exc, len(self._running))
@@ -153,7 +148,7 @@ class Scheduler:
         for request in cancelled:
             self._finish(request, release=False)
         for request in [r for r in self._running if r.generation.cancelled]:
-            request.state.cut()
+            request.cut()
             self._finish(request, release=True)
 
     def _admit(self) -> None:
@@ -174,7 +169,7 @@ class Scheduler:
                 self.kv_budget.free(request)
                 if request.seq is not None:
                     self.trunk.release(request.seq)
-                request.generation._deliver([exc])
+                request.fail(exc)
                 continue
             if not admitted:  # the KV budget is full: it stays at the head of the queue (FIFO)
                 with self._waiting_lock:
@@ -196,7 +191,7 @@ class Scheduler:
         request.num_prefilled = request.reused
         request.admitted_at = time.perf_counter()
         if request.time_limit is not None:
-            request.state.deadline = request.admitted_at + request.time_limit
+            request.stop_state.deadline = request.admitted_at + request.time_limit
         request.start_execution(self.trunk, self.speculation, self.plain_reason)
         if request.reused:
             self.metrics.num_prefix_cache_hits += 1
@@ -212,67 +207,60 @@ class Scheduler:
         for request in self._running:
             yield request.seq, request.held_tokens(self.trunk.seq_len(request.seq))
 
-    def _solo_step(self, request: Request) -> None:
-        """The request is alone: its execution steps itself, speculating when the governor lets it."""
-        if not self._was_solo or self._governed is not request:
-            self._start_governing(request)
-        if request.execution.arm_pending:  # late arming: the speculator sees what the sequence holds
-            request.execution.seed_committed(request.held_tokens(self.trunk.seq_len(request.seq)))
-        stop = request.execution.step(request.sampler, request.on_token)
-        self._after_tokens(request, stop)
-
     def _start_governing(self, request: Request) -> None:
         """A solo phase begins: the shared governor hears of a new request, or of one resuming
         after a batched interlude (either way a request with fewer than two tokens left is never
         armed, and its first plain step follows a transition)."""
         speculation = request.speculation
-        if speculation is None or request.execution.speculator is None:
+        if speculation is None or not request.has_speculator:
             return
         if self._governed is request:
             speculation.governor.resume_request(request.num_tokens_left)
             return
-        speculation.window.reset()  # acceptance is per request; measured row costs carry over
         speculation.governor.start_request(request.num_tokens_left)
         self._governed = request
 
-    def _batched_step(self) -> None:
-        """One forward over every running request's next rows; nobody speculates."""
+    def _forward_step(self, solo: Request | None) -> None:
+        """One forward over every running request's rows (module docstring)."""
         budget = max(self.max_rows_per_step - sum(r.decoding for r in self._running), 1)
-        batch, owners = [], []
+        prefills = {}
         for request in self._running:
-            if request.decoding:
-                batch.append(request.execution.decode_segment())
-                owners.append((request, None))
-                continue
-            n = min(len(request.ids) - request.num_prefilled, budget)
-            if n <= 0:
-                continue  # its prefill waits for a later step's budget
-            budget -= n
-            chunk = request.ids[request.num_prefilled:request.num_prefilled + n]
-            batch.append(request.execution.segment(chunk))
-            owners.append((request, chunk))
+            if not request.decoding:
+                n = min(len(request.ids) - request.num_prefilled, budget)
+                if n > 0:  # else its prefill waits for a later step's budget
+                    budget -= n
+                    prefills[request] = request.prefill_segment(n)
+        plan = self._plan(solo, sum(len(s.tokens) for s in prefills.values()))
+        owners, batch = [], []
+        for request in self._running:
+            segment = request.next_segment(*plan[request], timed=solo is not None) if request.decoding \
+                else prefills.get(request)
+            if segment is not None:
+                owners.append(request)
+                batch.append(segment)
+        start = time.perf_counter()
         outputs = self.trunk.forward(batch)
-        for (request, chunk), out in zip(owners, outputs):
-            if chunk is None:
-                stop = request.execution.take_decode(out, request.sampler, request.on_token)
-            else:
-                stop = self._take_prefill(request, chunk, out)
-                if stop is None:
-                    continue
-            self._after_tokens(request, stop)
+        if not prefills and self.speculation is not None:
+            self.speculation.cost_model.record_forward(sum(len(s.tokens) for s in batch), time.perf_counter() - start)
+        for request, segment, out in zip(owners, batch, outputs):
+            stop = request.take(segment, out)
+            if stop is not None:
+                self._after_tokens(request, stop)
 
-    def _take_prefill(self, request: Request, chunk: list[int], out) -> bool | None:
-        """Commit a prefill chunk; at the prompt's end draw the first token. None while the prompt is not in."""
-        request.execution.take_prefill(chunk, out)
-        request.num_prefilled += len(chunk)
-        if request.num_prefilled < len(request.ids):
-            return None
-        return request.execution.emit_first(request.sampler, out.logits[-1], request.on_token)
+    def _plan(self, solo: Request | None, num_prefill_rows: int) -> dict:
+        """(k, plain cause) per decoding request: the solo plan, or the cost model's over the batch."""
+        decoding = [r for r in self._running if r.decoding]
+        if solo is not None:
+            return {solo: solo.solo_plan()}
+        limits = {r: r.draft_limit() for r in decoding}
+        if self.speculation is None or not any(k for k, _ in limits.values()):
+            return {r: (0, cause) for r, (_, cause) in limits.items()}
+        ks = self.speculation.cost_model.plan([r.alpha for r in decoding], [limits[r][0] for r in decoding],
+                                              num_prefill_rows)
+        return {r: (k, None if k else limits[r][1] or "budget") for r, k in zip(decoding, ks)}
 
     def _after_tokens(self, request: Request, stop: bool) -> None:
-        events = list(request.state.drain())
-        self.metrics.num_generated_tokens += len(events)
-        request.generation._deliver(events)
+        self.metrics.num_generated_tokens += request.deliver()
         if stop:
             self._finish(request, release=False)
 
@@ -280,7 +268,6 @@ class Scheduler:
 
     def _finish(self, request: Request, *, release: bool) -> None:
         """Deliver the result; the sequence is released, or kept idle for prefix reuse."""
-        request.finished_at = time.perf_counter()
         if request in self._running:
             self._running.remove(request)
         self.kv_budget.free(request)
@@ -288,12 +275,8 @@ class Scheduler:
             self._park_sequence(request, release)
         if self._governed is request:
             self._governed = None
-        result = request.result()
-        self.metrics.num_finished_requests += 1
-        self.metrics.num_draft_tokens += result.spec.num_draft_tokens
-        self.metrics.num_accepted_tokens += result.spec.num_accepted_tokens
-        self.metrics.num_requests_by_reason[result.reason.code] += 1
-        request.generation._deliver([*request.state.drain(), result])
+        result = request.finish()
+        self.metrics.record_finished(result)
 
     def _park_sequence(self, request: Request, release: bool) -> None:
         if release:
@@ -311,4 +294,4 @@ class Scheduler:
             self.trunk.release(request.seq)
             if self._governed is request:
                 self._governed = None
-            request.generation._deliver([exc])
+            request.fail(exc)

@@ -50,7 +50,7 @@ from verispec.sampling import SamplingParams
 from verispec.scheduler import DEFAULT_MAX_RUNNING, Scheduler
 from verispec.seams import Segment, declared
 from verispec.testing.toy import oracle_speculator
-from verispec.draft_length import DraftLengthPolicy
+from verispec.cost_model import CostModel
 
 
 class _TokenIds:
@@ -70,8 +70,8 @@ def run_greedy_requests(trunk, prompts, max_tokens, speculator=None, *, submit_a
     takes (prefill beside others' decodes, solo speculative steps, batched plain steps).
 
     max_tokens: an int, or one per prompt. speculator: shared by every request, speculating under
-    `--spec-adaptive off` (every solo step of an armed request drafts) with the engine's draft
-    window model over 1..max_draft_tokens. submit_at: per prompt, the engine steps run before it is
+    `--spec-adaptive off` (every step of an armed request drafts up to its
+    bound, max_draft_tokens). submit_at: per prompt, the engine steps run before it is
     submitted (default: all before the first). max_running: requests admitted at once (1: each
     runs alone, one after another; default the engine's). stop_at: a stop token id of every
     request (it is emitted; its finish_reason is "stop").
@@ -86,7 +86,7 @@ def run_greedy_requests(trunk, prompts, max_tokens, speculator=None, *, submit_a
     scheduler = Scheduler(trunk, max_running=max_running, max_idle_sequences=n)
     if speculator is not None:
         governor = SpeculationCostGovernor(enabled=False)
-        scheduler.set_speculation(Speculation(speculator, governor, DraftLengthPolicy(max_draft_tokens),
+        scheduler.set_speculation(Speculation(speculator, governor, CostModel(max_draft_tokens, adaptive=False),
                                               _speculator_fault))
     requests = [Request(Generation(scheduler.step), list(prompt), tokenizer=_TokenIds(), max_tokens=limit,
                         sampling=SamplingParams(), stop=(), stop_ids=() if stop_at is None else (stop_at,),

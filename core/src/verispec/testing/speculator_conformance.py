@@ -110,21 +110,21 @@ class SpeculatorConformance:
 
     def test_requests_beside_each_other_give_their_plain_streams(self, toy_trunk, make_speculator):
         """One speculator through a batched interlude: the first request speculates alone, two
-        more arrive (prefills beside its decodes, no drafting), the short one leaves, the first
-        finishes, and the last drafts alone over what it committed in the batch."""
+        more arrive (prefills beside its verify rows), all three draft in shared forwards, the
+        short one leaves, the first finishes, and the last drafts alone."""
         prompts = [self.prompt, self.prompt[5:] + self.prompt[:5], self.prompt[3:12]]
         limits = [48, 6, 64]
         plains = [run_greedy(toy_trunk, p, n)[0] for p, n in zip(prompts, limits)]
         runs = run_greedy_requests(toy_trunk, prompts, limits, make_speculator(), submit_at=[0, 3, 3])
         assert [tokens for tokens, _ in runs] == plains
         first, _, last = (ex.stats for _, ex in runs)
-        assert first.num_plain_steps > 0 and last.num_plain_steps > 0  # the batched steps happened
-        assert last.num_spec_steps + last.num_no_draft_steps > 0  # and the last was asked to draft alone
+        assert first.num_spec_steps + first.num_no_draft_steps > 0
+        assert last.num_spec_steps + last.num_no_draft_steps > 0  # every request was asked to draft
 
     def test_a_request_drafts_the_same_whatever_runs_beside_it(self, toy_trunk, make_speculator):
-        """A request speculates alone, decodes in a batch beside two short ones, and speculates
-        again after they leave: its stream and its draft/accept counts do not depend on which
-        requests those were (its state sees only its own sequence; the toy is batch-invariant)."""
+        """A request speculates alone, then beside two short ones (their rows in its forwards), then
+        alone again: its stream and its draft/accept counts do not depend on which requests those
+        were (its state sees only its own sequence; the toy is batch-invariant)."""
         limits, arrivals = [64, 6, 10], [0, 3, 3]
         plain = run_greedy(toy_trunk, self.prompt, limits[0])[0]
         stats = []
@@ -136,8 +136,7 @@ class SpeculatorConformance:
                                                           for p, n in zip(companions, limits[1:])]
             stats.append(runs[0][1].stats)
         assert stats[0] == stats[1]
-        assert stats[0].num_plain_steps > 0  # it decoded in the batch
-        assert stats[0].num_spec_steps + stats[0].num_no_draft_steps > arrivals[1] - 1  # and drafted after it
+        assert stats[0].num_spec_steps + stats[0].num_no_draft_steps > arrivals[1] - 1  # it drafted beside them too
 
 
 class _Calls:

@@ -37,7 +37,7 @@ import attrs
 import torch
 from torch import nn
 from verispec.errors import DamagedFile, UnsupportedArchitecture
-from verispec.gguf_io import MissingTensor, arch_value
+from verispec.gguf.io import MissingTensor, arch_value
 from verispec.nn.attention import attend_rows
 from verispec.nn.layers import DecoderLayerKernel, forward_layers, fused_kernel
 from verispec.nn.kv_cache import MAX_VERIFY_ROWS, PagedKVCache, RingKVCache
@@ -85,7 +85,7 @@ class Gemma3Config:
 
         tensor_shapes: GGUF tensor name -> torch-order shape (V comes from token_embd; the LM head
         is tied when there is no output.weight).
-        Raises errors.UnsupportedArchitecture, gguf_io.MissingKey, gguf_io.MissingTensor
+        Raises errors.UnsupportedArchitecture, gguf.errors.MissingKey, gguf.errors.MissingTensor
         (token_embd), errors.DamagedFile (a sliding-window pattern that fits no layer count)."""
         arch = metadata.get("general.architecture")
         if arch != "gemma3":
@@ -262,7 +262,7 @@ class Gemma3ForCausalLM(TrunkModule):
     Built on the meta device; `load_state_dict(state, assign=True)` fills the weights.
     """
 
-    # The K ceiling; DraftLengthPolicy picks each step's K below it from measured row costs. Measured on
+    # The K ceiling; the cost model (verispec.cost_model) picks each step's K below it from measured row costs. Measured on
     # the real 270M, int8, 2 threads, ~500 tokens of context (models/gemma4/README.md): a k-row
     # verify costs 1.12x one row at k=2, 1.37x at 4, 1.99x at 5, 2.1x at 8 and 4.4x at 16, so
     # at full acceptance 8 rows emit the most tokens per second (3.8 per plain-row time).

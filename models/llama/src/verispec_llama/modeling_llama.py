@@ -42,7 +42,7 @@ import attrs
 import torch
 from torch import nn
 from verispec.errors import UnsupportedVariant
-from verispec.gguf_io import MissingTensor, arch_value
+from verispec.gguf.io import MissingTensor, arch_value
 from verispec.nn.layers import DecoderLayerKernel, forward_layers, fused_kernel
 from verispec.nn.attention import attend_rows
 from verispec.nn.kv_cache import PagedKVCache
@@ -279,7 +279,7 @@ class LlamaForCausalLM(TrunkModule):
     None when tied; biases are model.layers.{i}.self_attn.{qkv,o}_bias.
     """
 
-    # The K ceiling; DraftLengthPolicy picks each step's K below it from measured row costs. A
+    # The K ceiling; the cost model (verispec.cost_model) picks each step's K below it from measured row costs. A
     # (K+1)-row verify relative to one row (README.md "Verify cost", SmolLM2 / Qwen2.5-Coder):
     # int8 5 rows 1.36x / 1.39x, 9 rows 1.84x / 2.64x; bf16 <= 1.1x up to 9 rows; fp32 1.9x /
     # 2.6x at 9. At full acceptance 9 rows emit the most tokens per row-time in every dtype.

@@ -1,0 +1,235 @@
+"""CostModel: how many drafts each request verifies this step, from measured costs (docs/design.md §3).
+
+Speculation is worth a step only when it emits more tokens per second than plain decoding of
+the same requests. A step forwards, per decoding request i, its pending token and k_i drafts
+(k_i = 0: a plain row), beside any prefill rows P. With N decoding requests, B = Σ k_i draft
+rows, and requests that draft D = {i : k_i > 0}:
+
+    value(k) = (N + Σ_i S_i(k_i)) / (forward(N + P + B) + Σ_{i∈D} (propose(k_i) + upkeep · E_i(k_i)))
+
+where S_i(k) = α_i + α_i² + … + α_i^k is the expected number of request i's drafts accepted
+(each draft survives when it and every draft before it pass, with probability α_i each,
+independently: Leviathan et al. 2023, arXiv 2211.17192, eq. 1), E_i(k) = 1 + S_i(k) its expected
+emitted tokens (the correction or bonus token included). `plan` picks the k that maximises
+value(k): it ranks every (request, draft position j) slot by its survival α_i^j and admits the
+best B slots, for the B (0 .. every slot) of highest value — vLLM's adaptive verification
+(vllm-project/vllm PR #47808) with the drafter's own cost and upkeep in the denominator. B = 0,
+every request plain, is always a candidate: value = N / forward(N + P). Ties go to fewer slots.
+
+The costs, in seconds, all measured on this engine (nothing is guessed once measured):
+
+- forward(n): a trunk forward of n rows. `profile` times n = 1..max_draft_tokens + 1 rows
+  once (a scratch sequence, well under a second on the default model); every real step then
+  refreshes its row count (running mean, COST_EMA_WEIGHT). Between measured counts: linear
+  interpolation; past the largest: its per-row slope.
+- propose(k): the drafter's `propose` for a bound of k drafts, a running mean per k; an
+  unmeasured k interpolates linearly from the measured ones (0 before any). The first
+  COLD_PROPOSE_CALLS calls of an engine are discarded: a cold call (allocation, first-touch
+  of a head's weights) is never judged.
+- upkeep: seconds per committed row of the drafter's own work outside `propose` (`commit`,
+  `prepare`: a head's Pass A/B, a draft model's catch-up rows), a running mean.
+
+α_i comes from the request's own `Acceptance`, with a prior until it has drafted.
+"""
+from __future__ import annotations
+
+import time
+
+#: weight of a new measurement in a running mean of seconds.
+COST_EMA_WEIGHT = 0.25
+#: propose calls of an engine whose timing is discarded (cold: first allocations, caches).
+COLD_PROPOSE_CALLS = 2
+#: timed repetitions per row count in `profile` (after one untimed warm-up forward).
+PROFILE_REPEATS = 2
+#: one more verify row relative to one row, before anything is measured (the memory-bound slope of an
+#: int8 trunk on a CPU: docs/reference/baselines.md §5).
+PRIOR_ROW_COST = 0.06
+#: weight kept by a request's acceptance evidence per step (≈ the last 5 steps count).
+ACCEPT_DECAY = 0.8
+#: prior acceptance rate, worth PRIOR_JUDGED judged drafts of evidence.
+PRIOR_ACCEPT_RATE = 0.5
+PRIOR_JUDGED = 2.0
+
+
+def expected_accepted(alpha: float, k: int) -> float:
+    """S(k) = α + α² + … + α^k: expected accepted drafts of k at per-draft acceptance α."""
+    return sum(alpha ** j for j in range(1, k + 1))
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + COST_EMA_WEIGHT * (new - old)
+
+
+def _interpolate(table: dict[int, float], n: int, *, zero: float | None = None) -> float:
+    """table[n]; else linear between the nearest measured counts; past the largest, that count's
+    value plus the last segment's slope (never negative); below the smallest, its value. `zero`:
+    the value at n = 0 when it is known (propose(0) = 0)."""
+    points = dict(table) if zero is None else {0: zero} | table
+    if n in points:
+        return points[n]
+    below = [m for m in points if m < n]
+    above = [m for m in points if m > n]
+    if not below:
+        return points[min(above)]
+    lo = max(below)
+    if above:
+        hi = min(above)
+        return points[lo] + (points[hi] - points[lo]) * (n - lo) / (hi - lo)
+    lower = [m for m in points if m < lo]
+    slope = max((points[lo] - points[max(lower)]) / (lo - max(lower)), 0.0) if lower else 0.0
+    return points[lo] + slope * (n - lo)
+
+
+class Acceptance:
+    """One request's per-draft acceptance α, from its accepted prefixes.
+
+    A step that accepts a of K drafts judged a + 1 drafts when a < K (a passes, then one
+    rejection; the drafts after it were never judged) and K when a = K, so α = Σ passes / Σ
+    judged, the maximum-likelihood estimate of a geometric run truncated at K. Both sums decay by
+    ACCEPT_DECAY per step (the estimate follows the text) and start from PRIOR_JUDGED drafts at
+    PRIOR_ACCEPT_RATE. A step that drafted nothing (`skip`) decays the evidence toward the prior,
+    so a request the model said not to draft for is measured again after a few steps.
+    """
+
+    def __init__(self) -> None:
+        self._passed = PRIOR_ACCEPT_RATE * PRIOR_JUDGED
+        self._judged = PRIOR_JUDGED
+
+    @property
+    def alpha(self) -> float:
+        return self._passed / self._judged
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        """A verify of `num_drafted` drafts accepted `num_accepted` of them (0 <= accepted <= drafted)."""
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"record({num_drafted=}, {num_accepted=}): report 0 <= accepted <= drafted")
+        if num_drafted:
+            self._passed = ACCEPT_DECAY * self._passed + num_accepted
+            self._judged = ACCEPT_DECAY * self._judged + num_accepted + (num_accepted < num_drafted)
+
+    def skip(self) -> None:
+        """A step that verified no draft: the evidence decays toward the prior."""
+        self._passed = ACCEPT_DECAY * self._passed + (1 - ACCEPT_DECAY) * PRIOR_ACCEPT_RATE * PRIOR_JUDGED
+        self._judged = ACCEPT_DECAY * self._judged + (1 - ACCEPT_DECAY) * PRIOR_JUDGED
+
+
+class CostModel:
+    """Measured step costs of one engine (trunk and drafter), and the per-step draft plan.
+
+    max_draft_tokens: the K ceiling (>= 1). adaptive: False forces drafting (--spec-adaptive off,
+    for measurements): `plan` then gives every request its whole limit, whatever it costs.
+    clock: seconds, monotonic. Raises ValueError for max_draft_tokens < 1.
+    """
+
+    def __init__(self, max_draft_tokens: int, *, adaptive: bool = True, clock=time.perf_counter):
+        if max_draft_tokens < 1:
+            raise ValueError(f"CostModel({max_draft_tokens=}): give max_draft_tokens >= 1")
+        self.max_draft_tokens, self.adaptive, self.clock = max_draft_tokens, adaptive, clock
+        self._forward_s: dict[int, float] = {}  # rows -> running mean of seconds
+        self._propose_s: dict[int, float] = {}  # k bound -> running mean of seconds
+        self._upkeep_s_per_row: float | None = None
+        self._propose_calls = 0
+        self.profiled = False
+
+    # -- measurements -------------------------------------------------------------------------
+
+    def profile(self, trunk) -> None:
+        """Time verify forwards of 1 .. max_draft_tokens + 1 rows on a scratch sequence (released
+        after), once; later calls do nothing."""
+        if self.profiled:
+            return
+        self.profiled = True
+        from verispec.seams import Segment
+
+        seq = trunk.new_sequence()
+        try:
+            trunk.forward([Segment(seq, [0], logits="last")])  # one committed row; untimed warm-up
+            for n in range(1, self.max_draft_tokens + 2):
+                for _ in range(PROFILE_REPEATS):
+                    start = self.clock()
+                    trunk.forward([Segment(seq, [0] * n, logits="all", verify=True)])
+                    self.record_forward(n, self.clock() - start)
+                    trunk.keep(seq, 0)  # a verify that accepted nothing: the sequence is back to one row
+        finally:
+            trunk.release(seq)
+
+    def record_forward(self, num_rows: int, seconds: float) -> None:
+        """A forward of `num_rows` rows took `seconds`."""
+        if num_rows >= 1 and seconds >= 0:
+            self._forward_s[num_rows] = _ema(self._forward_s.get(num_rows), seconds)
+
+    def record_propose(self, k: int, seconds: float) -> bool:
+        """`propose` with a bound of k drafts took `seconds`; False when the call was cold (discarded)."""
+        self._propose_calls += 1
+        if self._propose_calls <= COLD_PROPOSE_CALLS:
+            return False
+        self._propose_s[k] = _ema(self._propose_s.get(k), seconds)
+        return True
+
+    def record_upkeep(self, num_rows: int, seconds: float) -> None:
+        """The drafter's work outside propose for `num_rows` committed rows took `seconds`."""
+        if num_rows >= 1 and seconds >= 0:
+            self._upkeep_s_per_row = _ema(self._upkeep_s_per_row, seconds / num_rows)
+
+    # -- the model ------------------------------------------------------------------------------
+
+    def forward_s(self, num_rows: int) -> float:
+        """Seconds of a forward of `num_rows` rows; before anything is measured, the prior line
+        1 + PRIOR_ROW_COST · (n - 1) in units of one row."""
+        if not self._forward_s:
+            return 1.0 + PRIOR_ROW_COST * (num_rows - 1)
+        return _interpolate(self._forward_s, num_rows)
+
+    def propose_s(self, k: int) -> float:
+        """Seconds of `propose` bounded at k drafts (0 for k = 0, and before any warm call)."""
+        if k == 0 or not self._propose_s:
+            return 0.0
+        return _interpolate(self._propose_s, k, zero=0.0)
+
+    @property
+    def upkeep_s_per_row(self) -> float:
+        return self._upkeep_s_per_row or 0.0
+
+    def plan(self, alphas: list[float], limits: list[int], num_other_rows: int = 0) -> list[int]:
+        """k_i for each decoding request: alphas[i] its α, limits[i] its bound (0: it cannot draft),
+        num_other_rows the step's prefill rows. The rule is the module docstring's."""
+        if not self.adaptive:
+            return list(limits)
+        slots = sorted(((alphas[i] ** j, i) for i, lim in enumerate(limits) for j in range(1, lim + 1)),
+                       key=lambda s: -s[0])
+        ks = [0] * len(alphas)
+        best_ks, best = list(ks), self.value(alphas, ks, num_other_rows)
+        for survival, i in slots:
+            if survival <= 0.0:
+                break
+            ks[i] += 1
+            value = self.value(alphas, ks, num_other_rows)
+            if value > best:
+                best_ks, best = list(ks), value
+        return best_ks
+
+    def value(self, alphas: list[float], ks: list[int], num_other_rows: int = 0) -> float:
+        """Expected emitted tokens per second of a step that verifies ks[i] drafts for request i."""
+        tokens, seconds = float(len(alphas)), self.forward_s(len(alphas) + num_other_rows + sum(ks))
+        for alpha, k in zip(alphas, ks):
+            if k:
+                accepted = expected_accepted(alpha, k)
+                tokens += accepted
+                seconds += self.propose_s(k) + self.upkeep_s_per_row * (1 + accepted)
+        return tokens / seconds if seconds > 0 else float("inf")
+
+    def summary(self) -> dict:
+        """What was measured, in ms: forward by rows, propose by k, upkeep per committed row."""
+        return {"forward_ms": {n: round(1e3 * s, 3) for n, s in sorted(self._forward_s.items())},
+                "propose_ms": {k: round(1e3 * s, 3) for k, s in sorted(self._propose_s.items())},
+                "upkeep_ms_per_row": round(1e3 * self.upkeep_s_per_row, 4)}
+
+    def why_plain(self, alpha: float, limit: int) -> str:
+        """One line naming the costs that made a request's best k 0 (for its reason)."""
+        k = max(1, min(limit, self.max_draft_tokens))
+        e = 1 + expected_accepted(alpha, k)
+        spec_ms = 1e3 * (self.propose_s(k) + self.forward_s(k + 1) + self.upkeep_s_per_row * e)
+        plain_ms = 1e3 * self.forward_s(1)
+        return (f"draft {1e3 * self.propose_s(k):.1f} ms + verify {1e3 * self.forward_s(k + 1):.1f} ms + upkeep "
+                f"{1e3 * self.upkeep_s_per_row * e:.1f} ms for {e:.2f} expected tokens (α={alpha:.2f}, K={k}) "
+                f"= {spec_ms / e:.1f} ms/token >= {plain_ms:.1f} ms/token plain")

@@ -1,0 +1,218 @@
+"""CostModel and Acceptance (verispec.cost_model): the plan against brute force, measured costs,
+cold calls, upkeep that outweighs the gain, and k = 0 as the plain path."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verispec.cost_model import (
+    COLD_PROPOSE_CALLS,
+    PRIOR_ACCEPT_RATE,
+    Acceptance,
+    CostModel,
+    expected_accepted,
+)
+from verispec.execution import SpeculativeExecution
+from verispec.governor import GovernorState, SpeculationCostGovernor
+from verispec.sampling import Sampler, SamplingParams
+from verispec.testing import ScriptedSpeculator, ToyTrunk, oracle_speculator, run_greedy
+
+PROMPT = [1, 5, 9, 2, 7, 3, 11, 4]
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def model_with(forward, *, max_draft_tokens=8, propose=None, upkeep_per_row=None):
+    """A CostModel whose forward(n) (seconds) is measured for every row count it may use."""
+    model = CostModel(max_draft_tokens)
+    for n in range(1, 8 * (max_draft_tokens + 1) + 1):
+        model.record_forward(n, forward(n))
+    for _ in range(COLD_PROPOSE_CALLS):
+        model.record_propose(1, 99.0)  # cold: discarded
+    for k, s in (propose or {}).items():
+        model.record_propose(k, s)
+    if upkeep_per_row is not None:
+        model.record_upkeep(10, 10 * upkeep_per_row)
+    return model
+
+
+def brute_force(model, alphas, limits, other=0):
+    """The best k vector by exhaustive search (fewest drafts on ties)."""
+    best, best_ks = None, None
+    for ks in itertools.product(*(range(lim + 1) for lim in limits)):
+        value = model.value(alphas, list(ks), other)
+        if best is None or value > best + 1e-12 or (abs(value - best) <= 1e-12 and sum(ks) < sum(best_ks)):
+            best, best_ks = value, list(ks)
+    return best_ks, best
+
+
+def test_expected_accepted_is_the_survival_sum():
+    assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert expected_accepted(0.0, 8) == 0.0 and expected_accepted(1.0, 4) == 4.0
+
+
+def test_acceptance_is_the_truncated_geometric_estimate_and_decays_to_the_prior():
+    a = Acceptance()
+    assert a.alpha == PRIOR_ACCEPT_RATE
+    for _ in range(30):
+        a.record(4, 4)  # every draft passes: 4 judged, 4 passed
+    assert a.alpha > 0.95
+    for _ in range(30):
+        a.record(4, 1)  # one passes, the second fails: 2 judged, 1 passed
+    assert a.alpha == pytest.approx(0.5, abs=0.02)
+    for _ in range(30):
+        a.record(4, 0)
+    low = a.alpha
+    assert low < 0.05
+    for _ in range(30):
+        a.skip()
+    assert low < a.alpha == pytest.approx(PRIOR_ACCEPT_RATE, abs=0.01)
+    with pytest.raises(ValueError, match="accepted <= drafted"):
+        a.record(2, 3)
+
+
+@settings(max_examples=150, deadline=None)
+@given(alphas=st.lists(st.floats(0.0, 0.99), min_size=1, max_size=3),
+       limits=st.lists(st.integers(0, 4), min_size=3, max_size=3),
+       slope=st.floats(0.0, 1.5), other=st.integers(0, 6))
+def test_plan_is_the_brute_force_optimum_when_drafting_is_free(alphas, limits, slope, other):
+    """With no drafting or upkeep cost, the best B slots are the B most likely to survive, so the
+    survival-ordered plan is exact whatever the forward's shape (flat, memory-bound, linear)."""
+    limits = limits[:len(alphas)]
+    model = model_with(lambda n: 1.0 + slope * (n - 1) + 0.3 * (n > 4) * slope * (n - 4))
+    got = model.plan(alphas, limits, other)
+    want, best = brute_force(model, alphas, limits, other)
+    assert model.value(alphas, got, other) == pytest.approx(best)
+    assert all(0 <= k <= lim for k, lim in zip(got, limits))
+    assert sum(got) == sum(want) or model.value(alphas, got, other) == pytest.approx(best)
+
+
+def test_memory_bound_rows_draft_deep_and_compute_bound_rows_shallow():
+    flat = model_with(lambda n: 0.02 + 0.0002 * n)  # memory-bound: a row more costs 1 %
+    linear = model_with(lambda n: 0.02 * n)  # compute-bound: every row costs a decode
+    assert flat.plan([0.8], [8]) == [8]
+    assert linear.plan([0.8], [8]) == [0]  # (1 + S(k)) / (k + 1) < 1 for every k
+    assert flat.plan([0.0], [8]) == [0]  # nothing ever accepted: plain
+    # a batch of four: the flat forward verifies every request's best slots, the linear one none
+    assert flat.plan([0.9, 0.9, 0.1, 0.5], [4] * 4)[:2] == [4, 4]
+    assert linear.plan([0.9, 0.9, 0.1, 0.5], [4] * 4) == [0, 0, 0, 0]
+
+
+def test_the_drafters_cost_decides_where_acceptance_alone_would_draft():
+    """A draft model costing a third of a trunk decode per draft row: at α = 0.89 one draft still
+    pays on a memory-bound trunk, but not when each draft row costs as much as the decode."""
+    forward = lambda n: 0.03 + 0.001 * n  # noqa: E731
+    cheap = model_with(forward, propose={k: 0.01 * k for k in range(1, 9)})
+    dear = model_with(forward, propose={k: 0.031 * k for k in range(1, 9)})
+    assert cheap.plan([0.89], [8]) != [0]
+    assert dear.plan([0.89], [8]) == [0]
+    assert "ms/token plain" in dear.why_plain(0.89, 8) and "draft" in dear.why_plain(0.89, 8)
+
+
+def test_a_drafter_whose_upkeep_alone_outweighs_its_gain_is_never_armed():
+    """Free to propose, perfect (α = 1), but each committed row costs a whole decode to keep up:
+    no k pays, in a step alone or in a batch."""
+    model = model_with(lambda n: 0.02 + 0.0001 * n, upkeep_per_row=0.021)
+    assert model.plan([1.0], [8]) == [0]
+    assert model.plan([1.0, 1.0, 1.0], [8, 8, 8]) == [0, 0, 0]
+    assert model_with(lambda n: 0.02 + 0.0001 * n, upkeep_per_row=0.001).plan([1.0], [8]) == [8]
+
+
+def test_cold_propose_calls_are_discarded():
+    model = CostModel(4)
+    assert [model.record_propose(2, 1.0) for _ in range(COLD_PROPOSE_CALLS)] == [False] * COLD_PROPOSE_CALLS
+    assert model.propose_s(2) == 0.0  # nothing warm measured yet
+    assert model.record_propose(2, 0.004)
+    assert model.propose_s(2) == pytest.approx(0.004) and model.propose_s(4) == pytest.approx(0.008)
+
+
+def test_adaptive_off_drafts_every_limit():
+    model = model_with(lambda n: 0.02 * n)
+    model.adaptive = False
+    assert model.plan([0.0, 0.9], [3, 0]) == [3, 0]
+
+
+def test_profile_times_every_verify_width_on_a_scratch_sequence():
+    trunk = ToyTrunk(vocab_size=32, recurrent=True)
+    model = CostModel(5)
+    before = trunk.num_forwards
+    model.profile(trunk)
+    assert set(model.summary()["forward_ms"]) == set(range(1, 7))
+    assert trunk.num_forwards - before == 1 + 2 * 6
+    model.profile(trunk)  # once
+    assert trunk.num_forwards - before == 1 + 2 * 6
+    assert run_greedy(trunk, PROMPT, 12)[0] == run_greedy(ToyTrunk(vocab_size=32, recurrent=True), PROMPT, 12)[0]
+
+
+# -- through the execution, on a fake clock ---------------------------------------------------
+
+def _solo(trunk, speculator, *, clock, cost_model, governor=None, max_tokens=40, forward_s=0.02):
+    """One execution's loop alone; every trunk forward costs forward_s on the fake clock."""
+    forward = trunk.forward
+
+    def timed(batch):
+        clock.now += forward_s
+        return forward(batch)
+    trunk.forward = timed
+    ex = SpeculativeExecution(trunk, trunk.new_sequence(), speculator, governor=governor, cost_model=cost_model,
+                              clock=clock)
+    sampler, out = Sampler(SamplingParams(), PROMPT, trunk.vocab_size), []
+    on_token = lambda d: out.append(d.token) or len(out) >= max_tokens  # noqa: E731
+    first = trunk.forward([ex.segment(PROMPT)])[0]
+    ex.take_prefill(PROMPT, first)
+    done = ex.emit_first(sampler, first.logits[-1], on_token)
+    while not done:
+        done = ex.step(sampler, on_token)
+    trunk.forward = forward
+    return out, ex
+
+
+def test_upkeep_measured_through_the_loop_makes_the_request_plain():
+    """A perfect hidden-row drafter whose commit costs more than a decode per row: once its upkeep
+    is measured the model plans k = 0 ("budget") for the rest, and the stream is plain."""
+    trunk = ToyTrunk(vocab_size=32, recurrent=True)
+    plain = run_greedy(trunk, PROMPT, 40)[0]
+    clock = FakeClock()
+    speculator = ScriptedSpeculator(oracle_speculator(PROMPT + plain, vocab_size=32).script, needs_hidden_state=True)
+    commit = speculator.commit
+
+    def slow_commit(state, tokens, hidden_rows, start_pos):
+        clock.now += 0.05 * len(tokens)  # 2.5 decodes of upkeep per committed row
+        commit(state, tokens, hidden_rows, start_pos)
+    speculator.commit = slow_commit
+    model = CostModel(8)
+    out, ex = _solo(trunk, speculator, clock=clock, cost_model=model)
+    assert out == plain
+    assert ex.stats.plain_steps["budget"] > 0.5 * len(out)
+    assert "upkeep" in ex.stats.budget_line
+
+
+def test_a_cold_first_propose_does_not_park():
+    """The first propose takes 30 plain steps (cold), later ones almost nothing: the governor never
+    hears of the cold one and does not park; the request speculates."""
+    trunk = ToyTrunk(vocab_size=32, recurrent=True)
+    plain = run_greedy(trunk, PROMPT, 40)[0]
+    clock = FakeClock()
+    perfect = oracle_speculator(PROMPT + plain, vocab_size=32)
+    calls = []
+
+    def script(ctx):
+        calls.append(ctx.pos)
+        clock.now += 0.6 if len(calls) == 1 else 0.0001
+        return perfect.script(ctx)
+    speculator = ScriptedSpeculator(script)
+    governor = SpeculationCostGovernor(clock=clock)
+    governor.start_request(40)
+    out, ex = _solo(trunk, speculator, clock=clock, cost_model=CostModel(8), governor=governor)
+    assert out == plain
+    assert governor.stats.losses == 0 and governor.stats.state is not GovernorState.PARKED
+    assert ex.stats.num_spec_steps > 0 and ex.stats.num_accepted_tokens > 0
