@@ -17,8 +17,9 @@ candidate with the higher score is drafted, the sequence's own on a tie. A draft
 stop token (the stop is drafted); a pending stop token gets no draft.
 
 Cost per step: the longest match is one link walk from a cursor kept along the sequence; the
-shorter suffixes are its links, longest first, and the walk stops once floor(α × |w|) cannot beat
-the best score so far: O(|w| × K) node visits at worst, usually O(K).
+shorter suffixes are its links, longest first; one with as many occurrences as the last one tried
+is skipped (the same occurrences: the same continuation under a lower cap), and the walk stops once
+floor(α × |w|) cannot beat the best score so far: O(|w| × K) node visits at worst, usually O(K).
 
 Worked example, max_depth 24, α 1, pmin 0.1, K = 8, engine-wide index empty:
 
@@ -168,15 +169,18 @@ class SuffixSpeculator(Speculator):
         """One index's draft after cursor·last and its score (0 when nothing matches)."""
         node = index.match(cursor, last)
         room = max(1, index.max_depth - max_tokens)  # so that max_tokens fit under max_depth
-        best, best_score = [], 0.0
+        best, best_score, tried_count = [], 0.0, 0
         while node is not None and node.depth > 0:  # the matched suffix, then ever shorter ones
-            if node.depth <= room:
+            # As many occurrences as the longer suffix tried last: the same occurrences, so the same
+            # continuation under a lower cap; it cannot win.
+            if node.depth <= room and node.count != tried_count:
                 cap = min(max_tokens, math.floor(self.max_spec_factor * node.depth + 1e-9))
                 if cap <= best_score:  # a shorter match drafts no more than cap tokens: none can win
                     break
                 tokens, probs = index.continuation(node, cap, min_prob)
                 if sum(probs) > best_score:
                     best, best_score = tokens, sum(probs)
+                tried_count = node.count
             node = node.link
         return best, best_score
 
