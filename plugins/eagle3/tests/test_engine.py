@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_eagle3 import TAPS, TARGET, build_target, head_tensors, write_head
+from tiny_eagle3 import TAPS, build_target, head_tensors, write_head
 from verispec.testing import SpeculatorConformance, run_greedy, run_greedy_requests
 from verispec_eagle3.loader import load
 from verispec_eagle3.speculator import Eagle3Speculator

@@ -37,7 +37,8 @@ def test_draft_logits_equal_the_reference(target, tmp_path, variant):
 
     def reference(taps, tokens, drafts):
         return reference_logits(tensors, d2t, embed=embed, lm_head=lm_head, taps=taps, tokens=tokens, drafts=drafts,
-                                vocab=TARGET["vocab_size"], norm_before_residual=flags.get("norm_before_residual", False),
+                                vocab=TARGET["vocab_size"],
+                                norm_before_residual=flags.get("norm_before_residual", False),
                                 norm_before_fc=flags.get("norm_before_fc", False))
 
     def chain(state, token, taps_prev, pos, steps):

@@ -177,8 +177,10 @@ def reference_logits(t, d2t, *, embed, lm_head, taps, tokens, drafts, vocab, eps
 #: (midlayer.* -> model.layers.0.* -> the llama tensor map; hidden_norm -> attn_norm_2).
 HF_TO_GGUF = {
     "fc.weight": "fc.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
-    "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight", "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",
-    "midlayer.self_attn.q_proj.weight": "blk.0.attn_q.weight", "midlayer.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+    "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight",
+    "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",
+    "midlayer.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+    "midlayer.self_attn.k_proj.weight": "blk.0.attn_k.weight",
     "midlayer.self_attn.v_proj.weight": "blk.0.attn_v.weight",
     "midlayer.self_attn.o_proj.weight": "blk.0.attn_output.weight",
     "midlayer.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",

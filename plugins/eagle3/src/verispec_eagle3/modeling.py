@@ -1,4 +1,4 @@
-"""The EAGLE-3 head's math over m rows (llama.cpp b11434 src/models/eagle3.cpp, its two graphs).
+"""The EAGLE-3 head's math over m rows (llama.cpp src/models/eagle3.cpp, its two graphs; revisions read: README).
 
 Shape letters: m rows, D the head's width, Dt a trunk row's width, H / Hkv query / KV heads, Dh
 head dim, I FFN width, S KV slots, Vd draft vocabulary, V the trunk's vocabulary.

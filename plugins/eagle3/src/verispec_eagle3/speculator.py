@@ -62,7 +62,8 @@ class Eagle3Speculator(Speculator):
 
 
 def create(trunk, *, spec, max_draft_tokens, min_draft_prob, draft_head):
-    """SpeculatorSpec factory: None (declined: it does not take that drafter) unless --draft-model loaded an EAGLE-3 head."""
+    """SpeculatorSpec factory: None (a silent decline: it does not take that drafter) unless --draft-model
+    loaded an EAGLE-3 head."""
     from verispec_eagle3.head import Eagle3Head
 
     if not isinstance(draft_head, Eagle3Head):
