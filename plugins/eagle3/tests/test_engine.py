@@ -179,6 +179,31 @@ def test_drafts_stop_at_the_window_and_under_the_gate(copy_pair):
     assert speculator.propose(state, ctx) == []
 
 
+def test_prepare_runs_a_prompts_rows_and_leaves_a_verifys(target, random_head):
+    """The prompt's committed rows run in `prepare` (one-off, untimed as drafting); the rows one verify
+    commits (at most K + 1) stay for the round's first step; drafts are the same either way."""
+    from verispec.seams import DraftContext, Segment
+
+    trunk = target[2]
+    head = load(random_head, trunk)
+    speculator = Eagle3Speculator(head, min_draft_prob=0.0)
+    prompt = PROMPTS[2]
+    seq, state, fresh = trunk.new_sequence(), speculator.new_state(), speculator.new_state()
+    taps = trunk.forward([Segment(seq, prompt, logits="none", hidden=True, tap_layers=TAPS)])[0].hidden
+    for s in (state, fresh):
+        speculator.commit(s, prompt, taps, 0)
+    ctx = DraftContext(last_token=7, pos=len(prompt), max_draft_tokens=3, min_draft_prob=0.0, hidden_prev=taps[-1])
+    speculator.prepare(state, ctx)
+    assert state.pending == [] and state.kv.held() == list(range(len(prompt) - 1))
+    assert speculator.propose(state, ctx) == speculator.propose(fresh, ctx)  # folding in propose: same drafts
+    speculator.keep(state, 2)
+    more = trunk.forward([Segment(seq, [7, 40], logits="none", hidden=True, tap_layers=TAPS)])[0].hidden
+    speculator.commit(state, [7, 40], more, len(prompt))
+    speculator.prepare(state, DraftContext(last_token=9, pos=len(prompt) + 2, max_draft_tokens=3, min_draft_prob=0.0,
+                                           hidden_prev=more[-1]))
+    assert [row[0] for row in state.pending] == [len(prompt) + 1]  # d1's pair waits for the round
+
+
 class TestEagle3Conformance(SpeculatorConformance):
     """The speculator suite with a random EAGLE-3 head, on the tiny llama trunk instead of the toy."""
 

@@ -16,6 +16,9 @@ K = `ctx.max_draft_tokens` (the loop's bound, never narrowed here); a pending st
 draft. Greedy argmax drafts: the loop's acceptance keeps the output exact for any sampler.
 
 `commit` hands committed tokens and their taps to `head.draft_catch_up`, `keep` to `head.keep`.
+`prepare` runs the queued committed rows when there are more than one verify could have committed
+(K + 1: a prompt, or a stretch decoded while parked): one-off work the governor does not count as
+drafting; the rows of the last verify stay folded into the round's first step, as in llama.cpp.
 """
 from __future__ import annotations
 
@@ -38,6 +41,10 @@ class Eagle3Speculator(Speculator):
 
     def new_state(self) -> Any:
         return self.head.new_state()
+
+    def prepare(self, state: Any, ctx: DraftContext) -> None:
+        if len(state.pending) > ctx.max_draft_tokens + 1:
+            self.head.flush(state)
 
     def propose(self, state: Any, ctx: DraftContext) -> list[int]:
         if ctx.hidden_prev is None or ctx.last_token in ctx.stop_token_ids:
