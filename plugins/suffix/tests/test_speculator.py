@@ -177,3 +177,13 @@ def test_registered_through_the_verispec_entry_point():
     spec = entry.spec
     assert (spec.requires_draft_head, spec.needs_hidden_state, spec.can_arm_after_prefix_reuse) == (False, False, True)
     assert resolve(spec.factory) is create
+
+
+def test_close_forgets_the_engine_wide_index():
+    speculator = SuffixSpeculator(max_spec_factor=4.0)
+    speculator.shared.add([A, B, C, D, X])
+    state = seeded(speculator, [X, A])
+    assert speculator.propose(state, ctx(B, 2, k=2)) == [C, D]
+    speculator.close()
+    speculator.commit(state, [B], None, 2)  # a cursor into the old index is never followed into the new one
+    assert speculator.propose(state, ctx(C, 3, k=2)) == []

@@ -22,8 +22,11 @@ accepted tokens; candidates (several indexes) compare by it.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterable
+
+_versions = itertools.count()  # one sequence for every index: a version never names two index states
 
 
 class Node:
@@ -90,7 +93,8 @@ class SuffixIndex:
 
     A document grows token by token through `extend(tail, token)` (a sequence's own index) or is
     added whole by `add` and taken out again by `remove` (the engine-wide index). `version` changes
-    whenever `add` or `remove` changes which strings exist: a cursor kept across that is stale.
+    whenever `add` or `remove` changes which strings exist (and differs between indexes): a cursor
+    kept across that is stale.
     """
 
     def __init__(self, max_depth: int):
@@ -98,7 +102,7 @@ class SuffixIndex:
             raise ValueError(f"max_depth={max_depth}: give >= 1")
         self.max_depth = max_depth
         self.root = Node(None, 0)
-        self.version = 0
+        self.version = next(_versions)
 
     def extend(self, tail: Node, token: int) -> Node:
         """Append `token` to a document whose last min(length, max_depth) tokens are `tail` (the root
@@ -126,7 +130,7 @@ class SuffixIndex:
         tail = self.root
         for t in tokens:
             tail = self.extend(tail, int(t))
-        self.version += 1
+        self.version = next(_versions)
 
     def remove(self, tokens: list[int]) -> None:
         """Take out a document `add` indexed (the same tokens)."""
@@ -141,7 +145,7 @@ class SuffixIndex:
                     node._remove_child(t)
                     break
                 node = child
-        self.version += 1
+        self.version = next(_versions)
 
     def match(self, cursor: Node, token: int) -> Node | None:
         """The longest string present that is a suffix of (cursor's string)·token, or None.
