@@ -1,6 +1,8 @@
 """Test kit for verispec and its plugins (also a pytest plugin, entry point `pytest11`).
 
-- `TrunkConformance`, `SpeculatorConformance`: suites to subclass (see `conformance`).
+- `TrunkConformance`, `SpeculatorConformance`: suites to subclass (see `conformance`);
+  `HeadSpeculatorConformance` for a drafter reading hidden rows (see `speculator_conformance`).
+- `assert_plugin_loads(module)`: a plugin registers and every reference it names imports (see `registration`).
 - `ToyTrunk`, `MarkovTrunk`, `ScriptedSpeculator`, `oracle_speculator`: toy trunks and drafters.
 - `fixture_writer`: writes tiny GGUF fixtures with llama.cpp's key and tensor names.
 - `our_perplexity`, `llama_cpp_perplexity`: llama-perplexity's score, ours and llama.cpp's (cross-checks).
@@ -13,6 +15,8 @@ import importlib
 _EXPORTS = {
     "TrunkConformance": "verispec.testing.conformance",
     "SpeculatorConformance": "verispec.testing.speculator_conformance",
+    "HeadSpeculatorConformance": "verispec.testing.speculator_conformance",
+    "assert_plugin_loads": "verispec.testing.registration",
     "run_greedy": "verispec.testing.conformance",
     "run_greedy_requests": "verispec.testing.conformance",
     "forward_one": "verispec.testing.conformance",
