@@ -9,7 +9,7 @@ SPEC = SpeculatorSpec(
     can_arm_after_prefix_reuse=True,   # its state is rebuilt from tokens: it drafts on a chat's second turn
     needs_hidden_state=False,          # no hidden rows: commits are batched until it drafts
     default_min_draft_prob=0.0,        # no gate: a copy has no probability
-    priority=12,                       # above ngram (10): tried first by --spec-type auto
+    priority=8,                        # below suffix (9) and ngram (10): auto keeps theirs; name it to run it
 )
 
 
