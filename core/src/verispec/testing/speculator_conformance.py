@@ -171,9 +171,9 @@ def _shape(rows) -> str:
 
 class HeadSpeculatorConformance(SpeculatorConformance):
     """The suite for a drafter that reads the trunk's hidden rows (declares needs_hidden_state):
-    it runs over a trunk loaded from a GGUF file (the toy family's, through its registered loader,
-    as `--model` loads one; override `toy_trunk` with your family's tiny trunk when your head is
-    bound to its sizes), and the direct propose cases are seeded with the trunk's real rows and a
+    it runs over a trunk loaded from a GGUF file (a toy GGUF through the toy family's loader,
+    `load_toy_gguf`, with a byte-level vocabulary; override `toy_trunk` with your family's tiny
+    trunk when your head is bound to its sizes), and the direct propose cases are seeded with the trunk's real rows and a
     context carrying `hidden_prev`, `seq` and the trunk's view, as the loop's are.
 
     `make_speculator(self, toy_trunk)` builds the head over that trunk."""
