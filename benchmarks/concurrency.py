@@ -1,21 +1,24 @@
 """Concurrent requests through the engine's scheduler: aggregate decode tok/s and time to
 first token for N = 1, 2, 4, 8 requests arriving together, speculation off and on.
 
-    python benchmarks/concurrency.py [--models gemma3-270m smollm2-135m-instruct] [--new 64]
+    python benchmarks/concurrency.py [--models gemma3-270m smollm2-135m-instruct] [--new 96]
+                                     [--mixes quoting prose scenarios] [--repeats 3]
 
-Each of the N requests has its own prompt (the bench scenarios' prompts, quoting ones first,
-cycled, each with a distinct first line so they share no prefix), greedy, stop tokens ignored, `--new` tokens.
-All N are queued at once and the engine is stepped in this thread until every one is done:
-with N > 1 every step is one batched forward over the N sequences (speculation runs only
-while a request is alone, so "on" at N > 1 should match "off"). Reported per row:
+A mix is a list of prompts, cycled over the N requests, each behind its own first line so they
+share no prefix: `quoting` (quote-code, quote-text, json-edit: answers that copy their input),
+`prose` (free writing: little to copy), `scenarios` (every bundled bench scenario). Greedy, stop
+tokens ignored, `--new` tokens each. All N are queued at once and the engine is stepped in this
+thread until every one is done: every step is one forward over the N sequences, each verifying
+its own drafts when speculation is on (the cost model's plan). Reported per row:
 
 - agg decode tok/s: tokens emitted after every request has its first token / the time from
   then to the last finish (the N decode together; early starters finish a little early);
 - ttft ms: mean time from admission to first token (the N prefills share one forward);
 - identical: every stream equals the same prompt's stream at N = 1 with speculation off.
 
-Each row is run --repeats times and reports its fastest run (identical: every run's streams).
-Timing is wall clock on whatever else the machine runs: compare rows of one run only.
+Off and on alternate within each repeat (interleaved rounds); each row reports the median of
+--repeats runs and the on/off ratio of the medians (identical: every run's streams). Timing is
+wall clock on whatever else the machine runs: run it on a quiet machine.
 
 Then, per model, the step alone: the fastest of --rounds batched one-row decode forwards of
 N = 1, 4, 8 sequences (prompts of different lengths, rounds interleaved), and the aggregate
@@ -29,18 +32,33 @@ import statistics
 import time
 
 import verispec
-from verispec.bench import load_scenarios
+from verispec.bench.run import load_scenarios
 from verispec.engine import SpecOptions
 from verispec.seams import Segment
 
 NUM_REQUESTS = (1, 2, 4, 8)
 
 
-def prompts(engine, count: int) -> list:
-    """`count` distinct prompts: scenario prompts cycled (quoting ones first, so N = 1 is a quote
-    scenario), each behind its own first line."""
-    scenarios = sorted(load_scenarios(), key=lambda s: not s["name"].startswith("quote"))
-    texts = [s.get("prompt") or s["turns"][0] for s in scenarios]
+#: free writing, for the prose mix (beside the bundled prose scenario).
+PROSE = ["Write a short poem about the first frost of autumn.",
+         "Explain in a few paragraphs how a bicycle stays upright.",
+         "Describe a busy night market from the point of view of a street cat.",
+         "Tell a story about a clockmaker who can repair time itself."]
+
+
+def mix_texts(mix: str) -> list[str]:
+    """The prompts of a mix (module docstring)."""
+    scenarios = {s["name"]: s.get("prompt") or s["turns"][0] for s in load_scenarios()}
+    if mix == "quoting":
+        return [scenarios[n] for n in ("quote-code", "quote-text", "json-edit")]
+    if mix == "prose":
+        return [scenarios["prose"], *PROSE]
+    return [scenarios[n] for n in sorted(scenarios, key=lambda n: not n.startswith("quote"))]
+
+
+def prompts(engine, count: int, mix: str = "scenarios") -> list:
+    """`count` distinct prompts: the mix's prompts cycled, each behind its own first line."""
+    texts = mix_texts(mix)
     out = []
     for i in range(count):
         text = f"Request {i + 1}.\n{texts[i % len(texts)]}"
@@ -73,21 +91,33 @@ def run_together(engine, batch: list, new: int) -> dict:
             "streams": [r.tokens for r in results]}
 
 
-def bench_model(model: str, new: int, threads: int | None, repeats: int) -> list[dict]:
+def bench_model(model: str, mix: str, new: int, threads: int | None, repeats: int) -> tuple[list[dict], object]:
     engine = verispec.load(model, threads=threads, spec=SpecOptions(enabled=False))
-    batch = prompts(engine, max(NUM_REQUESTS))
+    batch = prompts(engine, max(NUM_REQUESTS), mix)
     run_together(engine, batch[:2], 8)  # warm-up: first forwards, allocator
     solo = [run_together(engine, [p], new)["streams"][0] for p in batch]
+    specs = {"off": SpecOptions(enabled=False), "on": SpecOptions(spec_type="auto")}
+    engine.update_speculation(specs["on"])  # builds the cost model (its profile) before any timing
+    run_together(engine, batch[:2], 8)
     rows = []
-    for label, spec in (("off", SpecOptions(enabled=False)), ("on", SpecOptions(spec_type="auto"))):
-        engine.update_speculation(spec)
-        for n in NUM_REQUESTS:
-            runs = [run_together(engine, batch[:n], new) for _ in range(repeats)]
-            identical = all(r.pop("streams") == solo[:n] for r in runs)
-            row = max(runs, key=lambda r: r["agg_tps"])
-            row.update(model=model, spec=label, n=n, speculator=engine.speculator.name if engine.speculator else "-",
-                       identical=identical)
+    for n in NUM_REQUESTS:
+        runs = {"off": [], "on": []}
+        for _ in range(repeats):
+            for label, spec in specs.items():  # interleaved rounds
+                engine.update_speculation(spec)
+                runs[label].append(run_together(engine, batch[:n], new))
+        medians = {}
+        for label, label_runs in runs.items():
+            identical = all(r.pop("streams") == solo[:n] for r in label_runs)
+            row = {key: statistics.median(r[key] for r in label_runs) for key in ("agg_tps", "ttft_ms")}
+            row.update(drafted=sum(r["drafted"] for r in label_runs) // repeats,
+                       accepted=sum(r["accepted"] for r in label_runs) // repeats, model=model, mix=mix,
+                       spec=label, n=n, identical=identical,
+                       speculator=(engine.speculator.name if engine.speculator else "-") if label == "on" else "-")
+            medians[label] = row["agg_tps"]
             rows.append(row)
+        rows[-1]["ratio"] = medians["on"] / medians["off"] if medians["off"] else 0.0
+        for row in rows[-2:]:
             print(format_row(row), flush=True)
     return rows, engine
 
@@ -112,28 +142,34 @@ def step_ratios(engine, rounds: int) -> dict[int, float]:
 
 
 def format_row(row: dict) -> str:
-    return (f"| {row['model']} | {row['spec']} ({row['speculator']}) | {row['n']} | {row['agg_tps']:.1f} | "
-            f"{row['ttft_ms']:.0f} | {row['accepted']}/{row['drafted']} | {row['identical']} |")
+    ratio = f"{row['ratio']:.2f}x" if "ratio" in row else ""
+    return (f"| {row['model']} | {row['mix']} | {row['spec']} ({row['speculator']}) | {row['n']} | "
+            f"{row['agg_tps']:.1f} | {ratio} | {row['ttft_ms']:.0f} | {row['accepted']}/{row['drafted']} | "
+            f"{row['identical']} |")
 
 
-HEADER = ("| model | speculation | N | agg decode tok/s | mean TTFT ms | accepted/drafted | identical |\n"
-          "|---|---|---|---|---|---|---|")
+HEADER = ("| model | mix | speculation | N | agg decode tok/s (median) | on / off | mean TTFT ms | "
+          "accepted/drafted | identical |\n|---|---|---|---|---|---|---|---|---|")
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["gemma3-270m", "smollm2-135m-instruct"])
-    parser.add_argument("--new", type=int, default=64, help="tokens per request")
+    parser.add_argument("--new", type=int, default=96, help="tokens per request")
+    parser.add_argument("--mixes", nargs="+", default=["quoting", "prose", "scenarios"],
+                        choices=["quoting", "prose", "scenarios"], help="prompt mixes (module docstring)")
+    parser.add_argument("--step-alone", action="store_true", help="also time batched one-row decode steps alone")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--rounds", type=int, default=8, help="rounds of the step-alone measurement")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per row (the fastest is reported)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per row (the median is reported)")
     args = parser.parse_args(argv)
     print(HEADER, flush=True)
     for model in args.models:
-        rows, engine = bench_model(model, args.new, args.threads, args.repeats)
-        by = {(r["spec"], r["n"]): r["agg_tps"] for r in rows}
-        print(f"{model}: N=4 / N=1 aggregate (off) = {by[('off', 4)] / by[('off', 1)]:.2f}x; "
-              f"N=1 on / off = {by[('on', 1)] / by[('off', 1)]:.2f}x", flush=True)
+        for mix in args.mixes:
+            rows, engine = bench_model(model, mix, args.new, args.threads, args.repeats)
+        print(f"{model}: cost model {engine.governor()[1].summary()}", flush=True)
+        if not args.step_alone:
+            continue
         step = step_ratios(engine, args.rounds)
         print(f"{model}: fastest step ms N=1 {step[1]:.2f}, N=4 {step[4]:.2f}, N=8 {step[8]:.2f}; aggregate "
               f"N=4 / N=1 = {4 * step[1] / step[4]:.2f}x, N=8 / N=1 = {8 * step[1] / step[8]:.2f}x", flush=True)

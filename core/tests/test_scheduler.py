@@ -266,3 +266,19 @@ def test_scheduler_sizes_are_checked(model_path, registry):
 
     with pytest.raises(InvalidArgument, match="max_running=0"):
         api.load(model_path, registry=registry, max_running=0)
+
+
+def test_switching_speculation_off_stops_a_request_that_has_not_drafted_yet(model_path, registry):
+    """update_speculation(enabled=False) after the request's first step: its (not yet armed, deferred)
+    speculator never drafts for it afterwards, and its reason says speculation was switched off."""
+    engine = api.load(model_path, registry=registry, spec_type="echo", adaptive=False)
+    generation = engine.generate(PROMPTS[0], max_tokens=40, ignore_eos=True)
+    engine.step()  # the prefill and the first token: nothing drafted yet
+    request = engine.scheduler._running[0]
+    assert request.execution.stats.num_draft_tokens == 0 and request.execution._state is None
+    engine.update_speculation(SpecOptions(enabled=False))
+    (result,) = drain(engine, [generation])
+    assert result.spec.num_draft_tokens == 0 and result.spec.num_spec_steps == 0
+    assert result.spec.plain_steps["detached"] == len(result.tokens) - 1
+    assert result.reason.code == "off"
+    assert result.tokens == solo(model_path, registry, PROMPTS[0], max_tokens=40, ignore_eos=True).tokens

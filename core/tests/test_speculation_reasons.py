@@ -113,8 +113,16 @@ def test_armed_names_the_counts_and_the_last_stream_chunk_carries_it(model_path,
     last = json.loads(chunks[-1])
     assert last["choices"][0]["finish_reason"] == "length"
     assert last["verispec"]["reason"]["code"] == "armed" and last["verispec"]["num_draft_tokens"] > 0
+    info = last["verispec"]  # vLLM's spec-decode metric names
+    per_pos = info["num_accepted_tokens_per_pos"]
+    assert sum(per_pos) == info["num_accepted_tokens"] and per_pos == sorted(per_pos, reverse=True)
+    assert info["mean_acceptance_length"] == pytest.approx(1 + info["num_accepted_tokens"] / info["num_drafts"])
     counts = reason_counts(client)
     assert set(counts) == set(REASON_CODES) and counts["armed"] == 2 and sum(counts.values()) == 2
+    metrics = client.get("/metrics").text
+    first_pos = [line for line in metrics.splitlines()
+                 if line.startswith('verispec_accepted_tokens_per_pos_total{position="0"}')]
+    assert first_pos and int(first_pos[0].rsplit(" ", 1)[1]) >= per_pos[0]
 
 
 def test_measuring_then_parked_by_a_slow_drafter(model_path, registry):

@@ -267,21 +267,22 @@ class SpeculativeExecution:
 
     # -- one step ------------------------------------------------------------------------
 
-    def draft_limit(self) -> tuple[int, str | None]:
+    def draft_limit(self, tokens_left: int | None = None) -> tuple[int, str | None]:
         """The most drafts this step may verify and None, or (0, why not): not armed, a pending
-        stop token, or no room in the context (verispec.reasons.PLAIN_CAUSES)."""
+        stop token, or no room (verispec.reasons.PLAIN_CAUSES). tokens_left: tokens the request
+        may still emit (a step emits at most k + 1), None = unbounded."""
         if not self.armed:
             return 0, self.arming.value if self.arming is not None else "unarmed"
         if self.last_token in self.stop_token_ids:
             return 0, "stop_token"
         room = self.trunk.max_context_length - self.seq_len - 1  # verify writes k + 1 rows
-        k = min(self.max_draft_tokens, room)
+        k = min(self.max_draft_tokens, room, tokens_left - 1 if tokens_left is not None else room)
         return (k, None) if k >= 1 else (0, "too_short")
 
-    def solo_plan(self) -> tuple[int, str | None]:
+    def solo_plan(self, tokens_left: int | None = None) -> tuple[int, str | None]:
         """k for a step of this sequence alone: the draft limit, the governor's verdict, then the
         cost model's choice (0 with "budget" when drafting does not pay at this acceptance)."""
-        k, cause = self.draft_limit()
+        k, cause = self.draft_limit(tokens_left)
         if k == 0:
             return 0, cause
         if self.governor is not None and not self.governor.should_speculate():

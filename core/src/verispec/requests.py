@@ -210,7 +210,7 @@ class Request:
 
     def draft_limit(self) -> tuple[int, str | None]:
         """How many drafts its sequence allows this step, or (0, why not) (SpeculativeExecution.draft_limit)."""
-        return self.execution.draft_limit()
+        return self.execution.draft_limit(self.num_tokens_left)
 
     @property
     def alpha(self) -> float:
@@ -219,7 +219,7 @@ class Request:
 
     def solo_plan(self) -> tuple[int, str | None]:
         """k for a step it runs alone (governor, then cost model)."""
-        return self.execution.solo_plan()
+        return self.execution.solo_plan(self.num_tokens_left)
 
     def next_segment(self, k: int, cause: str | None, *, timed: bool):
         """The rows it forwards this decoding step: its pending token and up to k drafts."""

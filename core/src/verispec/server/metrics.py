@@ -36,4 +36,8 @@ def prometheus_text(engine: InferenceEngine) -> str:
               "(verispec.reasons).", "# TYPE verispec_requests_by_reason_total counter"]
     lines += [f'verispec_requests_by_reason_total{{reason="{code}"}} {m.num_requests_by_reason[code]}'
               for code in REASON_CODES]
+    lines += ["# HELP verispec_accepted_tokens_per_pos_total Draft tokens accepted at each draft position "
+              "(0: the first draft; finished requests).", "# TYPE verispec_accepted_tokens_per_pos_total counter"]
+    lines += [f'verispec_accepted_tokens_per_pos_total{{position="{j}"}} {n}'
+              for j, n in enumerate(m.num_accepted_tokens_per_pos)]
     return "\n".join(lines) + "\n"

@@ -102,12 +102,17 @@ def usage_body(result) -> dict[str, Any]:
 
 
 def verispec_body(result) -> dict[str, Any]:
-    """The response's `verispec` field: prefix reuse, timings, the speculator's counts, the
-    governor's line and why it speculated or not (`reason`: {"code", "text"}, verispec.reasons)."""
+    """The response's `verispec` field: prefix reuse, timings, the speculator's counts (named as
+    vLLM's spec-decode metrics: num_drafts, num_draft_tokens, num_accepted_tokens,
+    mean_acceptance_length with the bonus token, num_accepted_tokens_per_pos), the governor's line
+    and why it speculated or not (`reason`: {"code", "text"}, verispec.reasons)."""
     return {"reused_prefix_tokens": result.reused_prefix_tokens, "queued_ms": result.queued_ms,
             "ttft_ms": result.ttft_ms, "decode_tokens_per_s": result.decode_tokens_per_s,
             "speculator": result.speculator, "speculator_fault": result.speculator_fault,
-            "num_draft_tokens": result.spec.num_draft_tokens, "num_accepted_tokens": result.spec.num_accepted_tokens,
+            "num_drafts": result.spec.num_drafts, "num_draft_tokens": result.spec.num_draft_tokens,
+            "num_accepted_tokens": result.spec.num_accepted_tokens,
+            "mean_acceptance_length": result.spec.mean_acceptance_length,
+            "num_accepted_tokens_per_pos": list(result.spec.num_accepted_tokens_per_pos),
             "governor": result.governor, "reason": result.reason.as_dict()}
 
 
