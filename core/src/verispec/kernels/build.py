@@ -94,7 +94,11 @@ class CLibrary:
                 raise RuntimeError(f"{' '.join(compiler)} failed on {' + '.join(s.name for s in self.sources)}: "
                                    f"{complaint}")
 
-        cache_digest.save(path, compile_into)
+        if not cache_digest.save(path, compile_into):  # a cache it cannot write (one warning): a copy for this run
+            from verispec.checkpoints import uncached_dir
+
+            path = uncached_dir("kernels") / path.name
+            cache_digest.save(path, compile_into)
         said = f"verispec: compiled the {self.name} kernels for this CPU in {time.perf_counter() - started:.1f} s (once: {path})"
         log.info(said)
         if sys.stderr.isatty():  # a person waiting on the first run sees why, once
