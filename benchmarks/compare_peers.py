@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 
 import verispec
 from verispec.api import resolve_model_path
-from verispec.bench import load_scenarios
+from verispec.bench.run import load_scenarios
 from verispec.engine import SpecOptions
 from verispec.registry import Registry
 

@@ -13,7 +13,7 @@ chat-rendered prompt:
 - llama.cpp `llama-speculative -m TARGET -md DRAFT --temp 0` (`--spec-type block`:
   `llama-speculative-simple ... --spec-type draft-dflash`) at --spec-draft-n-max 3 (its default),
   8 and 16; if llama.cpp refuses the files, its error is printed and the round goes on;
-- verispec plain, `draft-model` (or `block`) and `ngram` (`verispec.bench.run_scenario`, a fresh
+- verispec plain, `draft-model` (or `block`) and `ngram` (`verispec.bench.run.run_scenario`, a fresh
   cache each).
 Each row: decode tok/s as the tool reports it (llama-speculative's excludes both models' prompt
 evaluation; ours starts at the first token, so it includes the drafter's catch-up over the
@@ -78,7 +78,7 @@ def llama_speculative(target: str, draft: str, prompt: str, n: int, draft_max: i
 
 
 def ours(engine, scenario: dict, spec) -> tuple[dict, list[int]]:
-    from verispec.bench import run_scenario
+    from verispec.bench.run import run_scenario
 
     engine.update_speculation(spec)
     run = run_scenario(engine, scenario)
@@ -103,7 +103,7 @@ def main() -> None:
 
     import verispec
     from verispec.api import resolve_model_path
-    from verispec.bench import load_scenarios
+    from verispec.bench.run import load_scenarios
     from verispec.engine import SpecOptions
     from verispec.registry import Registry
 

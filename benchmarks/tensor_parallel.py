@@ -127,7 +127,7 @@ def model_path(model: str, scratch: Path) -> str:
 
 
 def family_loader(path: str):
-    from verispec.gguf_io import read_architecture
+    from verispec.gguf.io import read_architecture
     from verispec.registry import Registry
     from verispec.specs import resolve
 

@@ -5,11 +5,11 @@ import re
 import subprocess
 import sys
 
-from verispec.cli import DEFAULT_PROMPT
+from verispec.cli.main import DEFAULT_PROMPT
 
 
 def test_the_main_job_quotes_the_poem_and_compares_with_plain_decoding():
-    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from verispec.cli.main import main; sys.exit(main(sys.argv[1:]))"
     out = subprocess.run([sys.executable, "-c", code, "generate", "--threads", "2"], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr

@@ -57,7 +57,7 @@ def test_turn_two_reuses_turn_one_and_drafts_from_it(tmp_path):
 @pytest.mark.real_checkpoint
 def test_echo_own_on_gemma3_accepts_drafts_after_prefix_reuse():
     real_checkpoint("gemma3-270m")
-    from verispec.bench import load_scenarios
+    from verispec.bench.run import load_scenarios
 
     (scenario,) = load_scenarios(["echo-own"])
     engine = api.load("gemma3-270m")  # a base model without a chat template: turns are concatenated text

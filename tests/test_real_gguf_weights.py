@@ -44,7 +44,7 @@ def test_verify_rows_are_bitwise_one_row_decodes(checkpoint):
 
 
 def test_generate_with_the_gguf_weight_mode(checkpoint):
-    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from verispec.cli.main import main; sys.exit(main(sys.argv[1:]))"
     out = subprocess.run([sys.executable, "-c", code, "generate", "--model", checkpoint[0], "--dtype", "gguf",
                           "--max-tokens", "8", "--no-spec", "--json", "--threads", "2", "The capital of France is"],
                          capture_output=True, text=True, timeout=300)

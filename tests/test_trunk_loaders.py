@@ -1,4 +1,4 @@
-"""Every trunk family's loader (all through verispec.gguf_load.load_trunk) refuses a file the
+"""Every trunk family's loader (all through verispec.gguf.load.load_trunk) refuses a file the
 same way: a tensor its math would not read is errors.UnusedTensors naming it, never a silent
 load of a file of another variant."""
 import re

@@ -8,7 +8,9 @@ import pytest
 openai = pytest.importorskip("openai", reason="pip install openai (core's [test] extra)")
 uvicorn = pytest.importorskip("uvicorn")
 
-from verispec import api, cli, cli_flags  # noqa: E402
+import verispec.cli.main as cli  # noqa: E402
+from verispec import api  # noqa: E402
+from verispec.cli.flags import build_parser  # noqa: E402
 from verispec.engine import SpecOptions  # noqa: E402
 from verispec.registry import Registry  # noqa: E402
 from verispec.server import create_app  # noqa: E402
@@ -58,9 +60,9 @@ def test_no_key_is_a_401_in_openais_shape_and_health_stays_open(base_url):
 
 def test_the_cli_reads_the_key_from_the_environment_and_refuses_an_empty_one(monkeypatch, capsys):
     monkeypatch.setenv("VERISPEC_API_KEY", KEY)
-    assert cli_flags.build_parser().parse_args(["serve"]).api_key == KEY
-    assert cli_flags.build_parser().parse_args(["serve", "--api-key", "other"]).api_key == "other"
+    assert build_parser().parse_args(["serve"]).api_key == KEY
+    assert build_parser().parse_args(["serve", "--api-key", "other"]).api_key == "other"
     monkeypatch.setenv("VERISPEC_API_KEY", "")
-    assert cli_flags.build_parser().parse_args(["serve"]).api_key is None
+    assert build_parser().parse_args(["serve"]).api_key is None
     assert cli.main(["serve", "--api-key", " "]) == 2  # a usage error, before any model loads
     assert "--api-key is empty" in capsys.readouterr().err

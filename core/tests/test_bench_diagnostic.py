@@ -1,11 +1,11 @@
-"""`verispec bench --diagnostic` (verispec.bench_diagnostic) on the toy trunks: 0 everywhere on a
+"""`verispec bench --diagnostic` (verispec.bench.diagnostic) on the toy trunks: 0 everywhere on a
 batch-invariant trunk, a rollback bug shows in the kept-prefix rows, and arithmetic noise in
 multi-row forwards gives bounded errors whose flips all lie inside twice their row's error."""
 import torch
 import pytest
 
 from verispec import api
-from verispec.bench_diagnostic import DECODE, KEPT, VERIFY, format_diagnostic, run_diagnostic
+from verispec.bench.diagnostic import DECODE, KEPT, VERIFY, format_diagnostic, run_diagnostic
 from verispec.nn.state import RecurrentState
 from verispec.registry import Registry
 from verispec.testing import toy_plugin

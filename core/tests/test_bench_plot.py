@@ -1,4 +1,4 @@
-"""`verispec bench --plot` (verispec.bench_plot) and the per-step records it draws
+"""`verispec bench --plot` (verispec.bench.plot) and the per-step records it draws
 (execution.StepRecord through Generation.step_records), on the toy GGUF with an echo drafter."""
 import struct
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from verispec import api
-from verispec.bench import compare, load_scenarios
+from verispec.bench.run import compare, load_scenarios
 from verispec.engine import SpecOptions
 from verispec.execution import StepRecord
 from verispec.reasons import PLAIN_CAUSES
@@ -73,7 +73,7 @@ def _png_size(path) -> tuple[int, int]:
 
 def test_plot_draws_both_panels_with_parked_steps_shaded(measured, tmp_path):
     pytest.importorskip("matplotlib", reason="pip install 'matplotlib>=3.8' (./scripts/setup.sh installs it)")
-    from verispec.bench_plot import plot_bench, trace_scenario
+    from verispec.bench.plot import plot_bench, trace_scenario
 
     rows, traces = measured
     name = trace_scenario(rows)
@@ -96,7 +96,7 @@ def test_plot_draws_both_panels_with_parked_steps_shaded(measured, tmp_path):
 
 
 def test_plot_without_matplotlib_names_the_pip_command(monkeypatch):
-    from verispec.bench_plot import MatplotlibMissing, plot_bench
+    from verispec.bench.plot import MatplotlibMissing, plot_bench
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     with pytest.raises(MatplotlibMissing, match=r"-m pip install 'matplotlib>=3.8'"):

@@ -1,12 +1,12 @@
-"""verispec.chat_template: a template that fails is a ChatTemplateError (a syntax error, a loop
+"""verispec.chat.template: a template that fails is a ChatTemplateError (a syntax error, a loop
 past the time bound, a value past the size bound, refused before it is built), and ordinary
 formatting renders as Python formats it."""
 import time
 
 import pytest
 
-from verispec import chat_sandbox
-from verispec.chat_template import RENDER_MAX_CHARS, ChatTemplate, ChatTemplateError
+from verispec.chat import sandbox
+from verispec.chat.template import RENDER_MAX_CHARS, ChatTemplate, ChatTemplateError
 
 #: a width far past RENDER_MAX_CHARS: building the value would take a GiB
 WIDE = 10**9
@@ -20,7 +20,7 @@ def test_a_syntax_error_names_its_line_and_is_the_files_fault():
 
 
 def test_a_template_looping_past_the_time_bound_stops_there(monkeypatch):
-    monkeypatch.setattr(chat_sandbox, "RENDER_TIME_LIMIT_S", 0.2)
+    monkeypatch.setattr(sandbox, "RENDER_TIME_LIMIT_S", 0.2)
     looping = ChatTemplate("{% for i in range(3000) %}{% for j in range(3000) %}{% endfor %}{% endfor %}")
     started = time.monotonic()
     with pytest.raises(ChatTemplateError, match="rendering ran past 0.2 s") as e:

@@ -189,7 +189,7 @@ def test_a_killed_runs_converted_weights_partial_is_removed(cache):
 
     from verispec import weight_cache
     from verispec.testing.toy import write_toy_gguf
-    from verispec.gguf_io import GGUFFile
+    from verispec.gguf.io import GGUFFile
 
     weights = cache_dir("weights")
     stale = weights / f"toy-int8-0123456789abcdef.pt.{_dead_pid()}.partial"

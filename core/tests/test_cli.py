@@ -32,7 +32,7 @@ def env(tmp_path_factory):
 
 
 def verispec(env, *args):
-    code = "import sys; from verispec.cli import main; rc = main(sys.argv[1:]); " \
+    code = "import sys; from verispec.cli.main import main; rc = main(sys.argv[1:]); " \
            "print('TORCH_LOADED' if 'torch' in sys.modules else '', file=sys.stderr); sys.exit(rc)"
     return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=120)
 
@@ -110,7 +110,7 @@ def test_compare_plain_decodes_the_prompt_plainly_too_and_says_whether_the_token
 def test_the_comparison_line_says_no_when_the_streams_differ():
     from types import SimpleNamespace
 
-    from verispec.cli import comparison_line
+    from verispec.cli.main import comparison_line
     spec = SimpleNamespace(tokens=[1, 2, 3], decode_tokens_per_s=60.0)
     assert comparison_line(spec, SimpleNamespace(tokens=[1, 2, 3], decode_tokens_per_s=30.0)) == (
         "[same prompt, plain decoding: 30.0 tok/s; speculative 60.0 tok/s (2.00x); identical: yes]")
@@ -120,7 +120,7 @@ def test_the_comparison_line_says_no_when_the_streams_differ():
 def test_generate_reads_the_prompt_dash_from_standard_input(env, tmp_path):
     """`generate -`: a prompt past the OS's argument limit (~128 KiB) comes on stdin, UTF-8."""
     path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
-    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from verispec.cli.main import main; sys.exit(main(sys.argv[1:]))"
     run = lambda data: subprocess.run(  # noqa: E731
         [sys.executable, "-c", code, "generate", "-", "--model", str(path), "--max-tokens", "4", "--json",
          "--ignore-eos", "--no-spec"], input=data, env=env, capture_output=True, timeout=120)
@@ -181,7 +181,7 @@ def run_code(env, code, *args, **kwargs):
 
 def test_a_prompt_that_is_not_utf8_is_an_error_naming_the_byte(env, tmp_path):
     path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
-    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from verispec.cli.main import main; sys.exit(main(sys.argv[1:]))"
     for args in ([b"caf\xe9 au lait"], [b"ok", b"--stop", b"x\xff"]):
         r = run_code(env, code, "generate", "--model", str(path), *args)
         stderr = r.stderr.decode()
@@ -212,7 +212,7 @@ def test_bad_flags_print_the_error_and_a_one_line_usage(env, args, message):
 
 
 def test_plugins_into_a_closed_pipe_is_quiet(env):
-    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from verispec.cli.main import main; sys.exit(main(sys.argv[1:]))"
     process = subprocess.Popen([sys.executable, "-c", code, "plugins"], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE)
     process.stdout.close()  # the reader left before the first line (`verispec plugins | head -0`)
@@ -223,7 +223,7 @@ def test_plugins_into_a_closed_pipe_is_quiet(env):
 
 
 def test_ctrl_c_prints_one_line_and_exits_130(env):
-    code = ("import sys, time; from verispec import cli\n"
+    code = ("import sys, time; import verispec.cli.main as cli\n"
             "def slow(args):\n    print('ready', flush=True)\n    time.sleep(60)\n"
             "cli.COMMANDS['plugins'] = slow\nsys.exit(cli.main(['plugins']))")
     process = subprocess.Popen([sys.executable, "-c", code], env=env, preexec_fn=default_sigint,
@@ -244,7 +244,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(env):
     ("FileNotFoundError(2, 'No such file', 'x.gguf')", 1, True),
 ])
 def test_only_verispecs_own_errors_are_one_line_user_errors(env, raised, rc, one_line):
-    code = ("import sys; from verispec import cli\n"
+    code = ("import sys; import verispec.cli.main as cli\n"
             f"def command(args):\n    raise {raised}\n"
             "cli.COMMANDS['plugins'] = command\nsys.exit(cli.main(['plugins']))")
     r = run_code(env, code, text=True)
@@ -260,7 +260,7 @@ def test_chat_on_a_model_without_a_template_is_a_one_line_error(env, tmp_path):
     path = write_toy_gguf(tmp_path / "toy.gguf", vocab_size=110)
     r = verispec(env, "generate", "hi", "--model", str(path), "--chat")
     assert r.returncode == 1 and "has no tokenizer.chat_template" in r.stderr and "Traceback" not in r.stderr
-    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from verispec.cli.main import main; sys.exit(main(sys.argv[1:]))"
     r = subprocess.run([sys.executable, "-c", code, "chat", "--model", str(path), "--no-spec"], input="hi\n",
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
@@ -353,7 +353,7 @@ def test_bench_diagnostic_json_shows_zero_error_on_a_batch_invariant_trunk(env, 
 
 def _bench_stderr_on_a_terminal(env, args) -> str:
     """stderr of `verispec bench` written to a pseudo-terminal."""
-    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from verispec.cli.main import main; sys.exit(main(sys.argv[1:]))"
     rc, err = stderr_on_a_terminal([sys.executable, "-c", code, *args], env=env)
     assert rc == 0, err
     return err

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer as Backend
 
 from verispec import api
-from verispec.chat import run_chat
+from verispec.chat.repl import run_chat
 from verispec.engine import SpecOptions
 from verispec.tokenizer import ForgedControlToken, Tokenizer
 

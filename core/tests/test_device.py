@@ -43,7 +43,7 @@ def test_the_trunks_run_on_the_cpu():
 
 @needs_no_cuda
 def test_cli_device_cuda_without_cuda_is_one_line_and_exit_1():
-    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from verispec.cli.main import main; sys.exit(main(sys.argv[1:]))"
     r = subprocess.run([sys.executable, "-c", code, "generate", "hi", "--device", "cuda"], env=os.environ,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stderr

@@ -1,4 +1,4 @@
-"""Fuzzing the GGUF header parser (verispec.gguf_io) from a valid fixture written by
+"""Fuzzing the GGUF header parser (verispec.gguf.io) from a valid fixture written by
 verispec.testing.fixture_writer: truncations, byte mutations and huge count fields never
 crash with a foreign exception, never hang, and never allocate more than a small multiple of
 the file's size (a count claiming 2**60 entries is refused before anything is allocated for
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from verispec.errors import VerispecError
-from verispec.gguf_io import GGUFError, GGUFFile, read_architecture
+from verispec.gguf.io import GGUFError, GGUFFile, read_architecture
 from verispec.testing.fixture_writer import write_gguf
 
 #: Python objects cost more than their bytes in the file (a 2-byte token is a ~50-byte str), so

@@ -1,4 +1,4 @@
-"""verispec.gguf_io: round trips through the fixture writer, every error class, and the real
+"""verispec.gguf.io: round trips through the fixture writer, every error class, and the real
 Gemma 3 270M file (checked against transformers' independent GGUF reader)."""
 import os
 import struct
@@ -12,7 +12,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from verispec.gguf_io import (
+from verispec.gguf.io import (
     BadTensorShape,
     CorruptGGUF,
     GGUFFile,

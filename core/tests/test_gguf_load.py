@@ -1,4 +1,4 @@
-"""verispec.gguf_load: a typed tensor table driving GGUF -> module state, on tiny fixture files
+"""verispec.gguf.load: a typed tensor table driving GGUF -> module state, on tiny fixture files
 (expansion per layer and expert, optional entries, alternatives, stacks, dtypes, errors, cache)."""
 import re
 
@@ -8,10 +8,10 @@ from torch import nn
 
 from verispec import weight_cache
 from verispec.errors import DamagedFile
-from verispec.gguf_io import BadTensorShape, GGUFFile, MissingTensor
-from verispec.gguf_checks import check_finite, check_numbers
-from verispec.gguf_load import UnmappedParameter, plan_weights
-from verispec.gguf_table import Stack, Tensor, TensorSource, expand_table
+from verispec.gguf.io import BadTensorShape, GGUFFile, MissingTensor
+from verispec.gguf.checks import check_finite, check_numbers
+from verispec.gguf.load import UnmappedParameter, plan_weights
+from verispec.gguf.table import Stack, Tensor, TensorSource, expand_table
 from verispec.nn.norm import RMSNorm
 from verispec.weights.quant import Int8Linear, swap_linears
 from verispec.testing.fixture_writer import write_gguf
@@ -228,7 +228,7 @@ def test_table_bugs_are_refused_by_name(tmp_path):
 
 def test_the_converted_state_goes_through_the_weight_cache(tmp_path, monkeypatch):
     from verispec.checkpoints import cache_dir
-    from verispec.gguf_load import WeightPlan
+    from verispec.gguf.load import WeightPlan
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(weight_cache, "MIN_CONVERT_SECONDS", 0.0)

@@ -14,9 +14,9 @@ from gguf.quants import dequantize
 from torch import nn
 
 from verispec import weight_cache
-from verispec.gguf_io import GGUFFile
-from verispec.gguf_load import plan_weights
-from verispec.gguf_table import Stack, Tensor
+from verispec.gguf.io import GGUFFile
+from verispec.gguf.load import plan_weights
+from verispec.gguf.table import Stack, Tensor
 from verispec.kernels import ckernels
 from verispec.weights.block_linear import block_linear_class, quantize_activations, reference_matmul
 from verispec.weights.gguf_blocks import BLOCK_FORMATS, GGUFBlocks, unpack
@@ -298,7 +298,7 @@ def test_the_loader_gives_each_linear_the_class_for_its_type_and_the_files_weigh
 
 def test_the_gguf_state_goes_through_the_weight_cache_under_its_own_key(tmp_path, monkeypatch):
     from verispec.checkpoints import cache_dir
-    from verispec.gguf_load import WeightPlan
+    from verispec.gguf.load import WeightPlan
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(weight_cache, "MIN_CONVERT_SECONDS", 0.0)
@@ -387,7 +387,7 @@ def test_a_stack_of_mixed_classes_runs_each_part_in_its_own_class(tmp_path):
 
 
 def test_a_stacked_part_of_the_wrong_shape_is_named(tmp_path):
-    from verispec.gguf_io import BadTensorShape
+    from verispec.gguf.io import BadTensorShape
 
     gguf = _qkv_fixture(tmp_path, ("Q4_K", "Q4_K", "Q4_K"), rows=(32, 16, 32))  # v has 32 rows, not 16
     with pytest.raises(BadTensorShape, match=r"v\.weight"):

@@ -16,8 +16,8 @@ import torch
 
 from verispec import cache_digest
 from verispec import tokenizer as tokenizer_module
-from verispec.chat_template import ChatTemplateError
-from verispec.gguf_io import GGUFFile, MissingKey
+from verispec.chat.template import ChatTemplateError
+from verispec.gguf.io import GGUFFile, MissingKey
 from verispec.testing.fixture_writer import byte_level_vocab, write_gguf
 from verispec.tokenizer import NoChatTemplate, StreamDecoder, Tokenizer, UnsupportedTokenizer
 

@@ -159,6 +159,10 @@ class InferenceEngine:
             return resolve(spec.loader)(path, self.trunk)
         return DraftModel(load_registered_trunk(path, self.registry), path)
 
+    def cost_summary(self) -> dict | None:
+        """What the current speculator's cost model measured (CostModel.summary), or None without one."""
+        return self.governor()[1].summary() if self.speculator is not None else None
+
     def reset_cache(self) -> None:
         """Forget cached prefixes: the next request prefills from an empty sequence."""
         self.scheduler.reset_cache()

@@ -41,7 +41,7 @@ def load_registered_trunk(path: str, registry: Registry, *, dtype: str | None = 
       per rank); raises VerispecError when the family declares no tensor-parallel form for the
       file's architecture (TrunkSpec.tensor_parallel), nn.parallel.HeadsNotDivisible.
     """
-    from verispec.gguf_io import read_architecture
+    from verispec.gguf.io import read_architecture
     from verispec.progress import elapsed
     from verispec.specs import resolve
 

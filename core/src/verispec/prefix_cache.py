@@ -3,9 +3,11 @@
 A finished request's sequence is kept idle (at most `max_idle_sequences`, least recently used
 released first). A new request starts from the longest prefix it shares with an idle or a
 running sequence and prefills only the rest: it takes over an idle sequence it continues whole
-(the next chat turn), and otherwise gets a copy of the prefix (`trunk.fork`), the source left
-as it was. A trunk whose state cannot be cut back (recurrent) reuses only a whole sequence.
-Copies are whole tensors, not shared blocks: paged KV would share them without copying.
+(the next chat turn), and otherwise forks the prefix (`trunk.fork`), the source left as it was.
+A fork copies no paged KV: both sequences share the prefix's blocks, and a shared block is copied
+only when one of them writes into it (copy-on-write, nn.kv_cache.PagedKVCache); a sliding-window
+ring and a recurrent state, both of fixed size, are copied whole. A trunk whose state cannot be
+cut back (recurrent) reuses only a whole sequence.
 
 The scheduler owns one; the KV budget (verispec.kv_budget) releases its idle sequences, least
 recently used first, to make room.
@@ -47,7 +49,8 @@ class PrefixCache:
         left to forward. Otherwise a new sequence and 0.
 
         An idle sequence the prompt continues whole is taken over (nothing is lost); any other
-        source is forked: its prefix is copied and the source stays as it is.
+        source is forked: the new sequence shares its prefix (copy-on-write) and the source stays
+        as it is.
         """
         best, common = None, 0
         for seq, tokens in self._candidates(running):

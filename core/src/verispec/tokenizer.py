@@ -10,7 +10,8 @@ qwen2, llama3), "gemma4" and "t5". The result is cached as tokenizer.json under
 architecture and the transformers version, so only the first start imports transformers
 (Gemma's 262k vocabulary on 2 shared cores: 4-7 s cold, 1-2 s warm, GGUF open included). Its
 sha256 is saved beside it and checked first (`cache_digest`; 0.02 s for Gemma's 33 MB): an
-entry that differs, even as valid JSON, is rebuilt.
+entry that differs, even as valid JSON, or is not a file, is rebuilt; a cache that cannot be
+written costs one warning and the tokenizer is used uncached.
 
 BOS/EOS follow llama.cpp: `tokenizer.ggml.add_bos_token` (default: on for "llama"
 vocabularies, off otherwise) and `add_eos_token`. Text passed to `encode` may contain
@@ -18,7 +19,7 @@ special tokens ("<start_of_turn>", "<|im_start|>"); they are matched whole, as l
 with parse_special. `encode_chat` keeps the template's markup and the messages' text apart:
 only the markup yields control tokens, a message's "<|im_end|>" stays text.
 
-Chat templates render through verispec.chat_template (jinja2's immutable sandbox, bounded in
+Chat templates render through verispec.chat.template (jinja2's immutable sandbox, bounded in
 time and size; a template that fails raises its ChatTemplateError).
 """
 from __future__ import annotations
@@ -29,9 +30,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from verispec import cache_digest
-from verispec.chat_template import DEFAULT_CHAT_TEMPLATES, ChatTemplate
+from verispec.chat.template import DEFAULT_CHAT_TEMPLATES, ChatTemplate
 from verispec.errors import VerispecError, pip_install
-from verispec.gguf_io import GGUFFile
+from verispec.gguf.io import GGUFFile
 
 __all__ = [
     "ForgedControlToken",
@@ -190,7 +191,7 @@ class Tokenizer:
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **kwargs) -> str:
         """The prompt text for `messages` ([{"role", "content"}]) through the GGUF's chat template
-        (verispec.chat_template: sandboxed, bounded, HF's variables, with bos_token and eos_token
+        (verispec.chat.template: sandboxed, bounded, HF's variables, with bos_token and eos_token
         from this vocabulary and **kwargs such as tools), or the family default in
         DEFAULT_CHAT_TEMPLATES when the file has none. To tokenize it, use `encode_chat`, which
         keeps message text from becoming control tokens. Raises NoChatTemplate, ChatTemplateError.
@@ -324,8 +325,17 @@ def _load_or_build(gguf: GGUFFile, model: str, use_cache: bool):
                 cache_digest.discard(path, "tokenizer", f"does not load ({type(e).__name__})")
     backend = _build(gguf, model)
     if path is not None:
-        cache_digest.save(path, lambda partial: backend.save(str(partial)))
+        cache_digest.save(path, lambda partial: _save(backend, partial))  # a cache it cannot write: one warning
     return backend
+
+
+def _save(backend, path) -> None:
+    try:
+        backend.save(str(path))
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception for an I/O error
+        raise cache_digest.io_error(e) from e
 
 
 def _cache_key(gguf: GGUFFile) -> str:

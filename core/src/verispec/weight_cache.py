@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from verispec import cache_digest
-from verispec.gguf_io import GGUFFile
+from verispec.gguf.io import GGUFFile
 
 #: bump when a converted layout changes: older entries are then ignored.
 CACHE_FORMAT = 2
@@ -34,7 +34,8 @@ def cached_state(gguf: GGUFFile, dtype: str, convert: Callable[[], dict[str, tor
 
     layout: a family's own version tag for its converted layout (part of the key).
     A damaged entry (its sha256 differs from the one saved with it, or it does not load)
-    counts as a miss: it is deleted with one logged warning and converted again.
+    counts as a miss: it is deleted with one logged warning and converted again. A cache that
+    cannot be written (read-only, full) costs one warning per process: the state is used uncached.
     """
     path = _cache_file(gguf, dtype, layout) if use_cache else None
     if path is not None:
@@ -49,8 +50,15 @@ def cached_state(gguf: GGUFFile, dtype: str, convert: Callable[[], dict[str, tor
     started = time.perf_counter()
     state = convert()
     if path is not None and time.perf_counter() - started > MIN_CONVERT_SECONDS:
-        cache_digest.save(path, lambda partial: torch.save(state, partial))
+        cache_digest.save(path, lambda partial: _save(state, partial))  # a cache it cannot write: one warning
     return state
+
+
+def _save(state: dict[str, torch.Tensor], path: Path) -> None:
+    try:
+        torch.save(state, path)
+    except RuntimeError as e:  # a state in memory fails to save only for the disk's reasons ("unexpected pos")
+        raise cache_digest.io_error(e) from e
 
 
 def _cache_file(gguf: GGUFFile, dtype: str, layout: str) -> Path:

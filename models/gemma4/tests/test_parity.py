@@ -6,7 +6,7 @@ The sequence (70 tokens) crosses the sliding window (8), the rings (8 + 16 - 1 s
 import pytest
 import torch
 from tiny_gemma import TINY_GEMMA3, make_hf_gemma3, token_ids, write_gemma3_gguf
-from verispec.gguf_io import BadTensorShape, MissingTensor
+from verispec.gguf.io import BadTensorShape, MissingTensor
 from verispec.seams import Segment
 from verispec.testing import forward_one
 

@@ -11,7 +11,7 @@ import torch
 from verispec.errors import DamagedFile, UnsupportedVariant
 from verispec import cache_digest, weight_cache
 from tiny_llama import build_hf_model, write_fixture
-from verispec.gguf_io import GGUFFile, MissingKey
+from verispec.gguf.io import GGUFFile, MissingKey
 from verispec.weights.quant import UnknownWeightDtype
 from verispec.seams import ContextOverflow, Segment, UnsupportedTap
 from verispec.testing import forward_one, plain_logits

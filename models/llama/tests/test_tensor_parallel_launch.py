@@ -11,7 +11,7 @@ import subprocess
 import sys
 from verispec.testing.serving import free_port
 
-CLI = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+CLI = "import sys; from verispec.cli.main import main; sys.exit(main(sys.argv[1:]))"
 #: the launch variables a test process may have inherited; each rank gets its own.
 LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 

@@ -85,7 +85,7 @@ def _children(pid: int) -> list[int]:
 def test_serve_answers_the_running_requests_then_exits_naming_the_lost_rank(tiny_fixture):
     _, path = tiny_fixture("qwen2")
     port = free_port()
-    code = "import sys; from verispec.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from verispec.cli.main import main; sys.exit(main(sys.argv[1:]))"
     server = subprocess.Popen([sys.executable, "-c", code, "serve", "--model", path, "--port", str(port), "--tp", "2",
                                "--threads", "1", "--no-spec", "--dtype", "fp32"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

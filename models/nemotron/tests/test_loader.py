@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_nemotron import build_hf_model, write_fixture
 from verispec.errors import UnusedTensors
-from verispec.gguf_io import BadTensorShape, GGUFFile, MissingKey, MissingTensor
+from verispec.gguf.io import BadTensorShape, GGUFFile, MissingKey, MissingTensor
 from verispec.weights.quant import WEIGHT_DTYPES
 from verispec.seams import ContextOverflow
 from verispec.testing import forward_one, plain_logits

@@ -75,7 +75,7 @@ def test_engine_explicit_type_is_an_error_and_a_draft_model_is_never_loaded(path
 def _cli(path, *flags):
     """`verispec generate` in a subprocess whose Nemotron-H trunk class refuses speculation."""
     code = ("import sys; from verispec_nemotron.modeling_nemotron_h import NemotronHForCausalLM as M; "
-            f"M.speculation_refusal = {REASON!r}; from verispec import cli; sys.exit(cli.main(sys.argv[1:]))")
+            f"M.speculation_refusal = {REASON!r}; import verispec.cli.main as cli; sys.exit(cli.main(sys.argv[1:]))")
     cmd = [sys.executable, "-c", code, "generate", "--model", path, "--max-tokens", "8", "--threads", "1",
            *flags, PROMPT]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240)

@@ -14,7 +14,7 @@ So a family adds TP per layer kind with sizes from `shard_config` (or `Shards.si
 `Shards.heads`) and `reduce_partial` after each row-parallel linear; it never rewrites the layer.
 `TrunkModule` (verispec.nn.trunk) does the vocabulary-parallel embedding rows and LM head (the
 final softcap after the gather). Which rows and columns of a stored tensor a rank reads:
-`verispec.gguf_shard`. The process model (who calls the trunk): `verispec.tensor_parallel`.
+`verispec.gguf.shard`. The process model (who calls the trunk): `verispec.tensor_parallel`.
 
 Exactness: the row-parallel sum is over W partial dot products, where one process sums all
 columns in its kernel's order, so logits differ from world size 1 by rounding (bounded in the

@@ -3,9 +3,15 @@
 - `TrunkConformance`, `SpeculatorConformance`: suites to subclass (see `conformance`);
   `HeadSpeculatorConformance` for a drafter reading hidden rows (see `speculator_conformance`).
 - `assert_plugin_loads(module)`: a plugin registers and every reference it names imports (see `registration`).
-- `ToyTrunk`, `MarkovTrunk`, `ScriptedSpeculator`, `oracle_speculator`: toy trunks and drafters.
+- `NextNHeadSuite` (with `NextNCase`, `NextNTraining`): a NextN / MTP draft head's suite (see `nextn_suite`).
+- `ToyTrunk`, `MarkovTrunk`, `ScriptedSpeculator`, `oracle_speculator`: toy trunks and drafters (see `toy`;
+  `toy_plugin`: a whole toy plugin, trunk family, BLOCK head from its own drafter file, block speculator).
 - `fixture_writer`: writes tiny GGUF fixtures with llama.cpp's key and tensor names.
-- `our_perplexity`, `llama_cpp_perplexity`: llama-perplexity's score, ours and llama.cpp's (cross-checks).
+- `our_perplexity`, `llama_cpp_perplexity`: llama-perplexity's score, ours and llama.cpp's (cross-checks;
+  see `perplexity`).
+- Checks the families' tests share: `device_path` (a trunk placed on a device), `gguf_weights` (the
+  `gguf` weight mode against gguf-py), `hf_parity` (fp32 logits against transformers'); helpers:
+  `serving` (a server on a loopback port), `terminal` (a command on a pseudo-terminal, Ctrl-C).
 - `real_checkpoint`, `built_once` (and the `one_thread` fixture): shared test scaffolding (see `plugin`).
 
 Imports are lazy so that loading the pytest plugin does not import torch.
@@ -23,6 +29,9 @@ _EXPORTS = {
     "plain_logits": "verispec.testing.conformance",
     "teacher_forced_logits": "verispec.testing.conformance",
     "assert_rows_within": "verispec.testing.conformance",
+    "NextNHeadSuite": "verispec.testing.nextn_suite",
+    "NextNCase": "verispec.testing.nextn_suite",
+    "NextNTraining": "verispec.testing.nextn_suite",
     "ToyTrunk": "verispec.testing.toy",
     "MarkovTrunk": "verispec.testing.toy",
     "ScriptedSpeculator": "verispec.testing.toy",

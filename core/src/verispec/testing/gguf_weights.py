@@ -12,7 +12,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from verispec.gguf_io import GGUFFile
+from verispec.gguf.io import GGUFFile
 from verispec.weights.block_linear import block_linear_class
 from verispec.weights.gguf_blocks import BLOCK_FORMATS, GGUFBlocks, unpack
 

@@ -21,7 +21,7 @@ GGUF_REQUANTISED), a type gguf-py cannot dequantise is refused. A stacked linear
 gate|up read as one) whose parts are of different types is never one requantised linear:
 `resolve_gguf_linears` makes it a PartwiseLinear (one linear per run of parts of one class), so
 a Q4_K q|k and a Q6_K v each run as stored. Speeds and argmax agreement with fp32 per model:
-README "Weight dtypes" (benchmarks/weight_modes.py). int4 requantises every tensor, head
+docs/benchmarks.md "Weight modes" (benchmarks/weight_modes.py). int4 requantises every tensor, head
 included, to asymmetric min/max groups: it moves a quarter of Gemma's greedy choices, so it
 is opt-in.
 
@@ -233,7 +233,7 @@ class PartwiseLinear(nn.ModuleList):
     when they are); the runs cost one call each instead of one for the whole stack.
 
     part_rows: the source parts' rows of each run with more than one part (the child's name,
-    "0", "1", ... -> rows), read by `gguf_load.plan_weights` as any module's `part_rows`.
+    "0", "1", ... -> rows), read by `gguf.load.plan_weights` as any module's `part_rows`.
     """
 
     def __init__(self, linears: Sequence[Float32Linear],

@@ -1,11 +1,11 @@
 """GGUF -> config -> module for gemma3 and gemma4 files: I/O only, no math beyond dequantise.
 
 `load(path, dtype=..., context_length=...)` is the TrunkSpec loader. Steps:
-1. `GGUFFile.open` (verispec.gguf_io): metadata and the tensor table.
+1. `GGUFFile.open` (verispec.gguf.io): metadata and the tensor table.
 2. `Gemma3Config` / `Gemma4Config.from_gguf` (+ gemma4's `rope_freqs` factors when present)
    and a model on the meta device.
-3. Weights: one typed tensor table per family (`verispec.gguf_table.Tensor`: GGUF name ->
-   HF-style parameter name) handed to `verispec.gguf_load.plan_weights`, which checks every
+3. Weights: one typed tensor table per family (`verispec.gguf.table.Tensor`: GGUF name ->
+   HF-style parameter name) handed to `verispec.gguf.load.plan_weights`, which checks every
    tensor's presence and shape, dequantises each to fp32 (in the gguf mode, Q4 linears take the
    stored blocks instead), converts linears to the chosen weight dtype (weights.quant; norms and
    scales stay fp32) and fills the module. A file with tensors the plan does not read is
@@ -15,7 +15,7 @@
 4. The tokenizer from the file's own metadata (verispec.tokenizer).
 
 With `shards` (one rank of a tensor-parallel group; gemma3 only) the same table is read through
-`verispec.gguf_shard`: `splits(config)` says which tensors are cut and along which axis (whole
+`verispec.gguf.shard`: `splits(config)` says which tensors are cut and along which axis (whole
 heads of q/k/v and o's columns, FFN features of gate/up and down's columns, vocabulary rows of the
 embedding and output); the norms, q/k norms included, every rank reads whole.
 """
@@ -25,10 +25,10 @@ import os
 
 import attrs
 from verispec.errors import UnsupportedVariant
-from verispec.gguf_io import GGUFFile, read_architecture
-from verispec.gguf_load import Arch, load_trunk
-from verispec.gguf_shard import Split
-from verispec.gguf_table import Stack, Tensor
+from verispec.gguf.io import GGUFFile, read_architecture
+from verispec.gguf.load import Arch, load_trunk
+from verispec.gguf.shard import Split
+from verispec.gguf.table import Stack, Tensor
 from verispec.nn.kv_cache import MAX_VERIFY_ROWS
 
 from verispec_gemma4.modeling_gemma3 import Gemma3Config, Gemma3ForCausalLM
@@ -125,7 +125,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
          use_cache: bool = True, tokenizer: bool = True,
          progress: bool | None = None, shards=None) -> Gemma3ForCausalLM | Gemma4ForCausalLM:
     """Load a gemma3 or gemma4 GGUF as a `Gemma3ForCausalLM` / `Gemma4ForCausalLM` trunk
-    (verispec.gguf_load.load_trunk).
+    (verispec.gguf.load.load_trunk).
 
     Returns the trunk in eval mode: linears in `dtype` (weights.quant), norms, scales and scalars
     fp32; `.tokenizer` set from the file's metadata when `tokenizer` is true.
@@ -135,10 +135,10 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
     shards: one rank of a tensor-parallel group (verispec.nn.parallel.Shards): the rank's slices
-      only (gguf_load.load_trunk's shards); gemma3 only (a gemma4 file raises
+      only (verispec.gguf.load.load_trunk's shards); gemma3 only (a gemma4 file raises
       errors.UnsupportedVariant); raises nn.parallel.HeadsNotDivisible.
     Threads are the caller's (`verispec.api.load_registered_trunk` sets them).
-    Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.UnsupportedArchitecture,
+    Raises gguf.errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.UnsupportedArchitecture,
     errors.DamagedFile, errors.UnusedTensors (a file holding tensors the math would not use, listed),
     weights.quant.UnknownWeightDtype.
     """

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from verispec.errors import DamagedFile, UnsupportedArchitecture
-from verispec.gguf_io import MissingTensor, arch_value
+from verispec.gguf.io import MissingTensor, arch_value
 from verispec.nn.attention import attend_rows
 from verispec.nn.kv_cache import MAX_VERIFY_ROWS, PagedKVCache, RingKVCache
 from verispec.nn.mlp import GatedMLP
@@ -136,7 +136,7 @@ class Gemma4Config:
 
         tensor_shapes: GGUF tensor name -> torch-order shape. `full_rope_freq_factors` is data,
         not metadata: the loader fills it in from the `rope_freqs` tensor.
-        Raises errors.UnsupportedArchitecture, gguf_io.MissingKey, gguf_io.MissingTensor
+        Raises errors.UnsupportedArchitecture, gguf.errors.MissingKey, gguf.errors.MissingTensor
         (token_embd), errors.DamagedFile (per-layer lists that are not one per layer, KV-shared
         layers with no earlier layer of their type to read)."""
         arch = metadata.get("general.architecture")

@@ -1,11 +1,11 @@
 """GGUF -> config -> module for glm4moe files: I/O only, no math beyond dequantise.
 
 `load(path, dtype=..., context_length=...)` is the TrunkSpec loader. Steps:
-1. `GGUFFile.open` (verispec.gguf_io): metadata and the tensor table.
+1. `GGUFFile.open` (verispec.gguf.io): metadata and the tensor table.
 2. `Glm4MoeConfig.from_gguf`: sizes from `glm4moe.*` keys (docs/reference/glm5-nemotron.md §3.2); the
    trunk is block_count - nextn_predict_layers layers, the first leading_dense_block_count dense.
 3. Weights: one typed tensor table (`LAYER_TENSORS`, GGUF name -> HF-style parameter name) through
-   `verispec.gguf_load.load_trunk`; the NextN block `blk.{L}` maps onto `mtp.*` with the same
+   `verispec.gguf.load.load_trunk`; the NextN block `blk.{L}` maps onto `mtp.*` with the same
    per-layer rows plus its nextn.* tensors (`nextn_tensors`). Values are taken as stored (plain
    norm weights, unpermuted q/k rows). A file with tensors the plan does not read is refused
    (errors.UnusedTensors).
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import os
 
-from verispec.gguf_io import GGUFFile
-from verispec.gguf_load import Arch, load_trunk
-from verispec.gguf_table import Stack, Tensor
+from verispec.gguf.io import GGUFFile
+from verispec.gguf.load import Arch, load_trunk
+from verispec.gguf.table import Stack, Tensor
 
 from verispec_glm5.modeling_glm4moe import ARCHITECTURES, Glm4MoeConfig, Glm4MoeForCausalLM, check_file_kind
 
-__all__ = ["ARCHS", "DEFAULT_DTYPE", "LAYER_TENSORS", "TENSORS", "config_from_gguf", "load", "nextn_tensors"]
+__all__ = ["ARCHS", "DEFAULT_DTYPE", "LAYER_TENSORS", "TENSORS", "config_from_gguf", "load", "nextn_tensors", "with_nextn"]
 
 #: int8 weight-only: batch-invariant (a verify row is bitwise the one-row decode).
 DEFAULT_DTYPE = "int8"
@@ -64,9 +64,11 @@ TENSORS = (
 )
 
 
-def nextn_tensors(n: int) -> tuple[Tensor, ...]:
+def nextn_tensors(n: int, layer_tensors: tuple[Tensor, ...] = LAYER_TENSORS) -> tuple[Tensor, ...]:
     """The NextN block `blk.{n}` (n = trunk layer count) onto `mtp.*` (docs/reference/glm5-nemotron.md
-    §3.3): its decoder layer with the trunk's per-layer rows, and its nextn.* tensors."""
+    §3.3, §5.3, §6.4): its nextn.* tensors, and its decoder layer with the trunk's per-layer rows
+    (`layer_tensors`, parameters under `model.layers.{i}.`) as `mtp.mtp_block.*`. glm-dsa and
+    glm5-next pass their own rows (`layer_rows`); only those their block has are looked up."""
     def at(source):
         if isinstance(source, str):
             return source.format(i=n)
@@ -84,13 +86,28 @@ def nextn_tensors(n: int) -> tuple[Tensor, ...]:
         Tensor(b + "shared_head_norm.weight", "mtp.post_norm.weight", alternatives=("output_norm.weight",)),
         Tensor(b + "embed_tokens.weight", "mtp.embed_tokens.weight"),
         Tensor(b + "shared_head_head.weight", "mtp.shared_head.weight"),
-        *(one(t) for t in LAYER_TENSORS),
+        *(one(t) for t in layer_tensors),
     )
 
 
-def main_tensors(config: Glm4MoeConfig) -> tuple[Tensor, ...]:
-    """A file's table: `TENSORS`, and the NextN block's rows when the file has one."""
-    return TENSORS + (nextn_tensors(config.num_hidden_layers) if config.num_nextn_predict_layers else ())
+def layer_rows(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """The per-layer rows of a trunk table (parameters under `model.layers.{i}.`)."""
+    return tuple(t for t in tensors if t.state_name.startswith(_L))
+
+
+def with_nextn(tensors: tuple[Tensor, ...]):
+    """main_tensors(config) for a trunk table: `tensors`, and the NextN block's rows
+    (`nextn_tensors` over the table's per-layer rows) when the file has one."""
+    layers = layer_rows(tensors)
+
+    def main_tensors(config) -> tuple[Tensor, ...]:
+        return tensors + (nextn_tensors(config.num_hidden_layers, layers) if config.num_nextn_predict_layers else ())
+
+    return main_tensors
+
+
+#: a glm4moe file's table
+main_tensors = with_nextn(TENSORS)
 
 
 ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), Glm4MoeForCausalLM, main_tensors, layout="glm4moe",
@@ -102,12 +119,12 @@ ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), Glm4MoeForCausalLM, mai
 def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: int | None = None,
          max_rows_per_forward: int | None = None, use_cache: bool = True, tokenizer: bool = True,
          progress: bool | None = None) -> Glm4MoeForCausalLM:
-    """Load a glm4moe GGUF as a `Glm4MoeForCausalLM` trunk (verispec.gguf_load.load_trunk), with
+    """Load a glm4moe GGUF as a `Glm4MoeForCausalLM` trunk (verispec.gguf.load.load_trunk), with
     `.draft_head` when the file holds a NextN block.
 
     dtype: "int8" (default) | "bfloat16" | "float32" | "int4" | "gguf" (linears; everything else fp32).
     context_length: max positions (default: the file's context_length).
-    Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.UnsupportedArchitecture,
+    Raises gguf.errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.UnsupportedArchitecture,
     errors.DamagedFile, errors.UnusedTensors (a file holding tensors the math would not use, listed),
     UnsupportedGlm4MoeVariant (softmax gating, M-RoPE, several NextN blocks, an MTP-only file, ...),
     weights.quant.UnknownWeightDtype.

@@ -1,25 +1,26 @@
 """GGUF -> config -> module for glm5-next files (GLM-5.3-Flash; `glm5next` too): I/O only.
 
 `load(path, dtype=..., context_length=...)` is the TrunkSpec loader: `Glm5NextConfig.from_gguf`
-(docs/reference/glm5-nemotron.md §6.3), then `TENSORS` through `verispec.gguf_load.load_trunk`
+(docs/reference/glm5-nemotron.md §6.3), then `TENSORS` through `verispec.gguf.load.load_trunk`
 (values as stored: `ssm_a` = -exp(A_log), plain norm weights, k_b / v_b in llama.cpp's per-head
 split, §6.4). KDA rows are looked up on KDA layers only, MLA and indexer rows on MLA layers. The
-NextN block `blk.{L}` maps onto `mtp.*` (`nextn_tensors`) and becomes the trunk's `draft_head`. A
+NextN block `blk.{L}` maps onto `mtp.*` (`loader.nextn_tensors`) and becomes the trunk's `draft_head`. A
 file holding other tensors the math would not use is refused (errors.UnusedTensors).
 """
 from __future__ import annotations
 
 import os
 
-from verispec.gguf_io import GGUFFile
-from verispec.gguf_load import Arch, load_trunk
-from verispec.gguf_table import Stack, Tensor
+from verispec.gguf.io import GGUFFile
+from verispec.gguf.load import Arch, load_trunk
+from verispec.gguf.table import Stack, Tensor
 
+from verispec_glm5.loader import with_nextn
 from verispec_glm5.loader_glm_dsa import TENSORS as GLM_DSA_TENSORS
 from verispec_glm5.modeling_glm4moe import check_file_kind
 from verispec_glm5.modeling_glm5next import ARCHITECTURES, Glm5NextConfig, Glm5NextForCausalLM
 
-__all__ = ["ARCHS", "DEFAULT_DTYPE", "TENSORS", "load", "nextn_tensors"]
+__all__ = ["ARCHS", "DEFAULT_DTYPE", "TENSORS", "load"]
 
 #: int8 weight-only: batch-invariant (a verify row is bitwise the one-row decode).
 DEFAULT_DTYPE = "int8"
@@ -50,34 +51,8 @@ TENSORS = (
 )
 
 
-
-def nextn_tensors(n: int) -> tuple[Tensor, ...]:
-    """The NextN block `blk.{n}` (n = trunk layer count) onto `mtp.*`: its decoder layer with the
-    trunk's per-layer rows (`mtp.mtp_block.*`; only the MLA, indexer and MoE rows exist there),
-    and its nextn.* tensors (§6.4)."""
-    def at(source):
-        if isinstance(source, str):
-            return source.format(i=n)
-        return Stack(*(p.format(i=n) for p in source.parts))
-
-    b = f"blk.{n}.nextn."
-    return (
-        Tensor(b + "eh_proj.weight", "mtp.eh_proj.weight"),
-        Tensor(b + "enorm.weight", "mtp.enorm.weight"),
-        Tensor(b + "hnorm.weight", "mtp.hnorm.weight"),
-        # absent: llama.cpp falls back to output_norm (and to token_embd / output for the two below)
-        Tensor(b + "shared_head_norm.weight", "mtp.post_norm.weight", alternatives=("output_norm.weight",)),
-        Tensor(b + "embed_tokens.weight", "mtp.embed_tokens.weight"),
-        Tensor(b + "shared_head_head.weight", "mtp.shared_head.weight"),
-        *(Tensor(at(t.source), t.state_name.replace(_L, "mtp.mtp_block."),
-                 alternatives=tuple(at(a) for a in t.alternatives), per_expert=t.per_expert)
-          for t in TENSORS if t.state_name.startswith(_L)),
-    )
-
-
-def main_tensors(config: Glm5NextConfig) -> tuple[Tensor, ...]:
-    """A file's table: `TENSORS`, and the NextN block's rows when the file has one."""
-    return TENSORS + (nextn_tensors(config.num_hidden_layers) if config.num_nextn_predict_layers else ())
+#: a file's table: `TENSORS`, and the NextN block's rows when the file has one
+main_tensors = with_nextn(TENSORS)
 
 
 ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), Glm5NextForCausalLM, main_tensors,
@@ -89,12 +64,12 @@ ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), Glm5NextForCausalLM, ma
 def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: int | None = None,
          max_rows_per_forward: int | None = None, use_cache: bool = True, tokenizer: bool = True,
          progress: bool | None = None) -> Glm5NextForCausalLM:
-    """Load a glm5-next / glm5next GGUF as a `Glm5NextForCausalLM` trunk (verispec.gguf_load.load_trunk),
+    """Load a glm5-next / glm5next GGUF as a `Glm5NextForCausalLM` trunk (verispec.gguf.load.load_trunk),
     with `.draft_head` when the file holds a NextN block.
 
     dtype: "int8" (default) | "bfloat16" | "float32" | "int4" | "gguf" (linears; everything else fp32).
     context_length: max positions (default: the file's context_length).
-    Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.UnsupportedArchitecture,
+    Raises gguf.errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.UnsupportedArchitecture,
     errors.DamagedFile, errors.UnusedTensors, UnsupportedGlm4MoeVariant (RoPE dims, softmax gating,
     a shared indexer layer, HC other than 4, ...), weights.quant.UnknownWeightDtype.
     """

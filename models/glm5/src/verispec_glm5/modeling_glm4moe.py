@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 from verispec.errors import UnsupportedVariant
-from verispec.gguf_io import MissingTensor, arch_value
+from verispec.gguf.io import MissingTensor, arch_value
 from verispec.nn.attention import attend_rows
 from verispec.nn.kv_cache import PagedKVCache
 from verispec.nn.mlp import GatedMLP
@@ -95,7 +95,7 @@ class Glm4MoeConfig:
 
     @property
     def num_experts(self) -> int:
-        """E, the name `gguf_load.load_trunk` reads."""
+        """E, the name `verispec.gguf.load.load_trunk` reads."""
         return self.n_routed_experts
 
     @classmethod

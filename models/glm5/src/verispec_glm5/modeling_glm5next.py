@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from verispec.gguf_io import MissingTensor, arch_value
+from verispec.gguf.io import MissingTensor, arch_value
 from verispec.kernels import triton_delta_rule, triton_dispatch
 from verispec.nn.elementwise import rowwise
 from verispec.nn.mlp import GatedMLP
@@ -113,7 +113,7 @@ class Glm5NextConfig:
 
     @property
     def num_experts(self) -> int:
-        """E, the name `verispec.gguf_load` reads."""
+        """E, the name `verispec.gguf.load` reads."""
         return self.n_routed_experts
 
     @classmethod

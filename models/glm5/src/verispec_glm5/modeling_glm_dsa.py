@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 import torch
 from torch import nn
-from verispec.gguf_io import MissingTensor, arch_value
+from verispec.gguf.io import MissingTensor, arch_value
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.trunk import Rows, TrunkModule
@@ -92,7 +92,7 @@ class GlmDsaConfig:
 
     @property
     def num_experts(self) -> int:
-        """E, the name `verispec.gguf_load` reads."""
+        """E, the name `verispec.gguf.load` reads."""
         return self.n_routed_experts
 
     @classmethod

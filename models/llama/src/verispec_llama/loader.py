@@ -1,11 +1,11 @@
 """GGUF -> config -> module for llama and qwen2 files: I/O only, no math beyond dequantise.
 
 `load(path, dtype=..., context_length=...)` is the TrunkSpec loader. Steps:
-1. `GGUFFile.open` (verispec.gguf_io): metadata and the tensor table.
+1. `GGUFFile.open` (verispec.gguf.io): metadata and the tensor table.
 2. `LlamaConfig.from_gguf` (+ the `rope_freqs` factors when present) and a model on the
    meta device.
-3. Weights: one typed tensor table (`verispec.gguf_table.Tensor`: GGUF name -> HF parameter
-   name) handed to `verispec.gguf_load.plan_weights`, which checks every tensor's presence and
+3. Weights: one typed tensor table (`verispec.gguf.table.Tensor`: GGUF name -> HF parameter
+   name) handed to `verispec.gguf.load.plan_weights`, which checks every tensor's presence and
    shape, dequantises each to fp32 (in the gguf mode, Q4 linears take the stored blocks
    instead), converts linears to the module's weight dtype (weights.quant; norms and biases stay
    fp32) and fills the module. A file with tensors the plan does not
@@ -18,7 +18,7 @@
 4. The tokenizer from the file's own metadata (verispec.tokenizer).
 
 With `shards` (one rank of a tensor-parallel group) the same table is read through
-`verispec.gguf_shard`: `splits(config)` says which tensors are cut and along which axis (whole
+`verispec.gguf.shard`: `splits(config)` says which tensors are cut and along which axis (whole
 heads of q/k/v and o's columns, FFN features of gate/up and down's columns, vocabulary rows of the
 embedding and output), so a rank reads only its slices.
 """
@@ -27,10 +27,10 @@ from __future__ import annotations
 import os
 
 import attrs
-from verispec.gguf_io import GGUFFile
-from verispec.gguf_load import Arch, load_trunk
-from verispec.gguf_shard import Split
-from verispec.gguf_table import Stack, Tensor
+from verispec.gguf.io import GGUFFile
+from verispec.gguf.load import Arch, load_trunk
+from verispec.gguf.shard import Split
+from verispec.gguf.table import Stack, Tensor
 
 from verispec_llama.modeling_llama import LlamaConfig, LlamaForCausalLM
 
@@ -40,7 +40,7 @@ __all__ = ["ARCHS", "DEFAULT_DTYPE", "ROPE_FREQS", "TENSORS", "config_from_gguf"
 #: in the block kernel, nothing requantised, each layer one C call (weights.block_linear, nn.layers).
 #: Batch-invariant (a verify row is bitwise the one-row decode) like int8, and faster and closer
 #: to fp32: SmolLM2-135M 138 vs 62 tok/s, argmax = fp32 97.9 vs 97.3 %; Qwen2.5-Coder-0.5B 51 vs
-#: 30 tok/s, 100.0 vs 98.3 % (benchmarks/weight_modes.py, README "Weight dtypes").
+#: 30 tok/s, 100.0 vs 98.3 % (benchmarks/weight_modes.py, docs/benchmarks.md "Weight modes").
 DEFAULT_DTYPE = "gguf"  # int8 where the C kernels are not built (weights.gguf_mode.default_dtype)
 
 #: GGUF tensor -> parameter in our modules (HF's names); "{i}" = layer index.
@@ -95,7 +95,7 @@ ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), LlamaForCausalLM, TENSO
 def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: int | None = None,
          max_rows_per_forward: int | None = None, use_cache: bool = True, tokenizer: bool = True,
          progress: bool | None = None, shards=None) -> LlamaForCausalLM:
-    """Load a llama or qwen2 GGUF as a `LlamaForCausalLM` trunk (verispec.gguf_load.load_trunk).
+    """Load a llama or qwen2 GGUF as a `LlamaForCausalLM` trunk (verispec.gguf.load.load_trunk).
 
     Returns the trunk in eval mode: linears in `dtype` (weights.quant), norms and biases fp32;
     `.tokenizer` set from the file's metadata when `tokenizer` is true.
@@ -105,9 +105,9 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
     shards: one rank of a tensor-parallel group (verispec.nn.parallel.Shards): the rank's slices
-      only (gguf_load.load_trunk's shards); raises nn.parallel.HeadsNotDivisible.
+      only (verispec.gguf.load.load_trunk's shards); raises nn.parallel.HeadsNotDivisible.
     Threads are the caller's (`verispec.api.load_registered_trunk` sets them).
-    Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.DamagedFile,
+    Raises gguf.errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.DamagedFile,
     errors.UnusedTensors (a file holding tensors the math would not use, listed),
     UnsupportedLlamaVariant, weights.quant.UnknownWeightDtype.
     """

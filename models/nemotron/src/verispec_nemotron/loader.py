@@ -1,11 +1,11 @@
 """GGUF -> config -> module for nemotron_h and nemotron_h_moe files: I/O only, no math beyond dequantise.
 
 `load(path, dtype=..., context_length=...)` is the TrunkSpec loader. Steps:
-1. `GGUFFile.open` (verispec.gguf_io): metadata and the tensor table.
+1. `GGUFFile.open` (verispec.gguf.io): metadata and the tensor table.
 2. `NemotronHConfig.from_gguf`: sizes and the block pattern (per-layer head_count_kv /
    feed_forward_length, a router tensor marking MoE blocks), then a model on the meta device.
 3. Weights: one typed tensor table (`TENSORS`: GGUF name -> our parameter name, HF's names
-   where HF has a module) through `verispec.gguf_load.plan_weights`, which checks presence and
+   where HF has a module) through `verispec.gguf.load.plan_weights`, which checks presence and
    shapes, dequantises to fp32, converts linears to the weight dtype (norms, conv, SSM
    parameters and the router stay fp32) and fills the module. Tensors are taken as llama.cpp's
    converter stores them: `ssm_a` already holds -exp(A_log), `ssm_norm` is [G, di/G],
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import os
 
-from verispec.gguf_io import GGUFFile
-from verispec.gguf_load import Arch, load_trunk
-from verispec.gguf_table import Tensor
+from verispec.gguf.io import GGUFFile
+from verispec.gguf.load import Arch, load_trunk
+from verispec.gguf.table import Tensor
 
 from verispec_nemotron.modeling_nemotron_h import NemotronHConfig, NemotronHForCausalLM
 
@@ -74,7 +74,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
          max_rows_per_forward: int | None = None, use_cache: bool = True, tokenizer: bool = True,
          progress: bool | None = None) -> NemotronHForCausalLM:
     """Load a nemotron_h / nemotron_h_moe GGUF as a `NemotronHForCausalLM` trunk
-    (verispec.gguf_load.load_trunk).
+    (verispec.gguf.load.load_trunk).
 
     Returns the trunk in eval mode: linears in `dtype` (weights.quant), everything else fp32;
     `.tokenizer` set from the file's metadata when `tokenizer` is true.
@@ -83,7 +83,7 @@ def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: i
     max_rows_per_forward: forward chunk (default: weights.quant.rows_per_forward(dtype)).
     use_cache: read/write converted weights under verispec's cache dir.
     progress: tqdm bar while converting (None: on a terminal, after a second).
-    Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.DamagedFile,
+    Raises gguf.errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.DamagedFile,
     errors.UnusedTensors (a file holding tensors the math would not use, listed),
     UnsupportedNemotronVariant, weights.quant.UnknownWeightDtype.
     """

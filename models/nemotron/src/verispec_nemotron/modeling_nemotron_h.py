@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from verispec.errors import UnsupportedVariant
-from verispec.gguf_io import MissingTensor, arch_value
+from verispec.gguf.io import MissingTensor, arch_value
 from verispec.nn.attention import attend_rows
 from verispec.nn.norm import RMSNorm
 from verispec.nn.kv_cache import PagedKVCache
@@ -110,7 +110,7 @@ class NemotronHConfig:
 
     @property
     def num_experts(self) -> int:
-        """Routed experts per MoE block (0: dense), the name `gguf_load.load_trunk` reads."""
+        """Routed experts per MoE block (0: dense), the name `verispec.gguf.load.load_trunk` reads."""
         return self.n_routed_experts
 
     @classmethod

@@ -1,12 +1,12 @@
 """GGUF -> config -> module for qwen35 / qwen35moe files: I/O only, no math beyond dequantise.
 
 `load(path, dtype=..., context_length=...)` is the TrunkSpec loader. Steps:
-1. `GGUFFile.open` (verispec.gguf_io): metadata and the tensor table.
+1. `GGUFFile.open` (verispec.gguf.io): metadata and the tensor table.
 2. `Qwen35Config.from_gguf`: sizes from `{arch}.*` keys (docs/reference/qwen35.md §2); the main
    stack is block_count - nextn_predict_layers; layer types from `attention.recurrent_layers`
    when the file has it, else the `full_attention_interval` rule.
 3. Weights: one typed tensor table (`TENSORS`, GGUF name -> HF-style parameter name) through
-   `verispec.gguf_load.load_trunk`; the MTP block `blk.{L}` maps onto `mtp.*` with the same
+   `verispec.gguf.load.load_trunk`; the MTP block `blk.{L}` maps onto `mtp.*` with the same
    per-layer rows (`mtp_tensors`). Values are taken as the converter wrote them: norms already
    hold 1 + w (except ssm_norm), ssm_a holds -exp(A_log), value heads are re-tiled; the
    modeling file applies the matching math, so nothing is transformed here.
@@ -21,9 +21,9 @@ import os
 
 import attrs
 from verispec.errors import UnusedTensors
-from verispec.gguf_io import GGUFFile
-from verispec.gguf_load import Arch, load_trunk, plan_weights
-from verispec.gguf_table import Stack, Tensor
+from verispec.gguf.io import GGUFFile
+from verispec.gguf.load import Arch, load_trunk, plan_weights
+from verispec.gguf.table import Stack, Tensor
 
 from verispec_qwen35.modeling_qwen35 import (ARCHITECTURES, Qwen35Config, Qwen35ForCausalLM,
                                              UnsupportedQwen35Variant, check_file_kind)
@@ -114,13 +114,13 @@ ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), Qwen35ForCausalLM, main
 def load(path: str | os.PathLike, *, dtype: str | None = None, context_length: int | None = None,
          max_rows_per_forward: int | None = None, use_cache: bool = True, tokenizer: bool = True,
          progress: bool | None = None, chunked_prefill_min_rows: int | None = None) -> Qwen35ForCausalLM:
-    """Load a qwen35 / qwen35moe GGUF as a `Qwen35ForCausalLM` trunk (verispec.gguf_load.load_trunk),
+    """Load a qwen35 / qwen35moe GGUF as a `Qwen35ForCausalLM` trunk (verispec.gguf.load.load_trunk),
     with `.draft_head` when the file holds an MTP block.
 
     dtype: "int8" (default) | "bfloat16" | "float32" | "int4" (linears; everything else fp32).
     context_length: max positions (default: the file's context_length).
     chunked_prefill_min_rows: see Qwen35ForCausalLM (default None: the exact row loop only).
-    Raises gguf_io errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.UnsupportedArchitecture,
+    Raises gguf.errors (MissingKey, MissingTensor, BadTensorShape, ...), errors.UnsupportedArchitecture,
     errors.DamagedFile, errors.UnusedTensors (a file holding tensors the math would not use, listed),
     UnsupportedQwen35Variant (qwen3next layouts, a standalone MTP file), weights.quant.UnknownWeightDtype.
     """
@@ -142,7 +142,7 @@ def load_mtp_file(path: str | os.PathLike, trunk, *, use_cache: bool = True):
     head (the file's copies of token_embd / output are not read). Returns a `Qwen35MtpHead`.
     Raises UnsupportedQwen35Variant (not an MTP-only file, or `trunk` is not a qwen35 trunk, or
     its config differs from the file's: the fields are named), errors.UnusedTensors (tensors a head
-    does not read: dedicated MTP embeddings, scale sidecars), gguf_io errors for a broken file.
+    does not read: dedicated MTP embeddings, scale sidecars), verispec.gguf.errors for a broken file.
     """
     from torch import nn
     from verispec.weights.quant import swap_linears

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from verispec.errors import DamagedFile, UnsupportedVariant
-from verispec.gguf_io import MissingTensor, arch_value
+from verispec.gguf.io import MissingTensor, arch_value
 from verispec.kernels import ckernels, triton_delta_rule, triton_dispatch
 from verispec.nn.attention import attend_rows
 from verispec.nn.elementwise import rowwise

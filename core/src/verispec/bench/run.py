@@ -10,8 +10,8 @@ rendered through it.
 
 On a terminal a progress bar on stderr names the scenario (i/n) and the phase (plain or spec);
 it is silent when stderr is not a terminal. `--plot` draws the rows and one scenario's
-per-step trace (verispec.bench_plot); `--diagnostic` runs the teacher-forced row check instead
-(verispec.bench_diagnostic).
+per-step trace (verispec.bench.plot); `--diagnostic` runs the teacher-forced row check instead
+(verispec.bench.diagnostic).
 """
 from __future__ import annotations
 
@@ -25,9 +25,6 @@ import attrs
 
 from verispec.engine import SpecOptions
 from verispec.errors import InvalidArgument
-
-COLUMNS = ("prompt_tokens", "new_tokens", "ttft_ms", "plain_decode_tps", "spec_decode_tps", "speedup",
-           "drafted", "accepted", "identical", "governor")
 
 
 def load_scenarios(names=None) -> list[dict]:
@@ -125,6 +122,7 @@ def compare(engine, scenario: dict, spec: SpecOptions, repeats: int = 1, *, trac
         "drafted": fast.drafted, "accepted": fast.accepted,
         "identical": all(r.tokens == plain.tokens for r in plain_runs + spec_runs),
         "governor": fast.governor,
+        "cost_model": engine.cost_summary(),
     }
 
 
@@ -138,15 +136,27 @@ def format_row(r: dict) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """The human table: a header, a row per scenario, then each scenario's governor line."""
+    """The human table: a header, a row per scenario, then each scenario's governor and cost-model lines."""
     lines = [" | ".join(HEADER), *map(format_row, rows)]
-    return "\n".join(lines + [f"{r['scenario']}: {r['governor']}" for r in rows if r["governor"]])
+    return "\n".join(lines + footer(rows))
+
+
+def footer(rows: list[dict]) -> list[str]:
+    """Each scenario's governor line, then the cost model the engine measured (verispec.cost_model)."""
+    lines = [f"{r['scenario']}: {r['governor']}" for r in rows if r["governor"]]
+    costs = next((r["cost_model"] for r in reversed(rows) if r.get("cost_model")), None)
+    if costs:
+        forward = " ".join(f"{n}:{ms:.2f}" for n, ms in costs["forward_ms"].items())
+        propose = " ".join(f"{k}:{ms:.3f}" for k, ms in costs["propose_ms"].items()) or "-"
+        lines.append(f"cost model: forward ms by rows {forward}; propose ms by k {propose}; "
+                     f"upkeep {costs['upkeep_ms_per_row']:.4f} ms/row")
+    return lines
 
 
 def run_bench(engine, spec: SpecOptions, scenarios: list[dict], *, max_tokens: int | None = None, repeats: int = 1,
               as_json: bool = False, plot: str | None = None) -> int:
     """`verispec bench`: warm up, compare every scenario (`load_scenarios`) on one loaded engine,
-    print a table or JSON; with `plot` (a .png path) also draw them (verispec.bench_plot).
+    print a table or JSON; with `plot` (a .png path) also draw them (verispec.bench.plot).
     Returns 0, or 3 when a speculative stream differed from plain."""
     from tqdm.auto import tqdm
 
@@ -176,9 +186,9 @@ def run_bench(engine, spec: SpecOptions, scenarios: list[dict], *, max_tokens: i
     if as_json:
         print(json.dumps(rows, indent=1))
     else:
-        print("\n".join(f"{r['scenario']}: {r['governor']}" for r in rows if r["governor"]))
+        print("\n".join(footer(rows)))
     if plot:
-        from verispec.bench_plot import plot_bench, trace_scenario
+        from verispec.bench.plot import plot_bench, trace_scenario
 
         name = trace_scenario(rows)
         plot_bench(rows, name, traces[name], plot)

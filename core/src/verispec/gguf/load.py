@@ -11,7 +11,7 @@ picks the GGUF source present in the file (in the `gguf` weight mode it first gi
 placeholder linear the class for its source's ggml types, `weights.gguf_mode.resolve_gguf_linears`: a
 stack whose parts need different classes becomes a `PartwiseLinear`, one linear per run);
 `WeightPlan.check` (run by `load`) refuses a missing
-(gguf_io.MissingTensor) or misshapen (BadTensorShape, via `GGUFFile.expect_shape`) tensor
+(gguf.errors.MissingTensor) or misshapen (BadTensorShape, via `GGUFFile.expect_shape`) tensor
 before any conversion starts. `WeightPlan.convert` reads each source (dequantised to fp32 by
 `GGUFFile.tensor`) and decides its dtype:
 - the weight of a linear (`weights.quant.Float32Linear` and subclasses) is converted to that
@@ -26,7 +26,7 @@ memory-maps the converted state; the key holds the module's state layout, `struc
 state converted for another layout, e.g. unfused q/k/v, is never read back) and fills the
 module with `load_state_dict(assign=True)`.
 
-The table's entries: `gguf_table` (Tensor, Stack).
+The table's entries: `gguf.table` (Tensor, Stack).
 """
 from __future__ import annotations
 
@@ -42,9 +42,9 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from torch import nn
 
-from verispec.gguf_checks import check_finite, check_numbers
-from verispec.gguf_io import GGUFFile
-from verispec.gguf_table import Tensor, TensorSource, expand_table
+from verispec.gguf.checks import check_finite, check_numbers
+from verispec.gguf.io import GGUFFile
+from verispec.gguf.table import Tensor, TensorSource, expand_table
 from verispec.weights.gguf_blocks import GGUFBlocks
 from verispec.weights.gguf_mode import resolve_gguf_linears
 from verispec.weights.quant import Float32Linear, PartwiseLinear
@@ -109,7 +109,7 @@ class WeightPlan:
         (an absent optional entry: a copy of the module's default).
 
         progress: tqdm bar (None: on a terminal, after a second).
-        Raises what `check` raises, gguf_io.UnsupportedTensorType."""
+        Raises what `check` raises, gguf.errors.UnsupportedTensorType."""
         from tqdm.auto import tqdm
 
         self.check()
@@ -311,14 +311,14 @@ def load_trunk(path: str | os.PathLike, archs: Mapping[str, Arch], *, dtype: str
 
     archs: `general.architecture` -> its `Arch`. options: passed to the model class
     (context_length, max_rows_per_forward, ...). shards, splits: one rank of a tensor-parallel
-    group (nn.parallel.Shards) and the family's `gguf_shard.Split`s (a list, or config -> list):
-    the model is built with `shards=`, its weights planned on that rank's `gguf_shard.ShardedGGUF`
-    and cached per rank; raises nn.parallel.HeadsNotDivisible, gguf_shard.ShardNotBlockAligned. Returns the trunk in eval mode with
+    group (nn.parallel.Shards) and the family's `gguf.shard.Split`s (a list, or config -> list):
+    the model is built with `shards=`, its weights planned on that rank's `gguf.shard.ShardedGGUF`
+    and cached per rank; raises nn.parallel.HeadsNotDivisible, gguf.shard.ShardNotBlockAligned. Returns the trunk in eval mode with
     `.tokenizer` (when `tokenizer`) and `.check_weights` (`check_finite` of the file: the seam's
     declaration, run when a forward's logits are unusable). Before the config is read, `check_numbers` refuses a file
     whose sizes contradict its tensors, so nothing is allocated per layer for a count the file
     does not back.
-    Raises gguf_io errors, errors.UnsupportedArchitecture, errors.DamagedFile,
+    Raises gguf.errors, errors.UnsupportedArchitecture, errors.DamagedFile,
     errors.UnusedTensors (naming the tensors), the family's UnsupportedVariant subclass,
     weights.quant.UnknownWeightDtype."""
     from verispec.errors import UnsupportedArchitecture, UnusedTensors
@@ -337,7 +337,7 @@ def load_trunk(path: str | os.PathLike, archs: Mapping[str, Arch], *, dtype: str
     config = arch.config(gguf)
     source, layout = gguf, arch.layout
     if shards is not None:
-        from verispec.gguf_shard import ShardedGGUF
+        from verispec.gguf.shard import ShardedGGUF
 
         options["shards"] = shards
         source = ShardedGGUF(gguf, splits(config) if callable(splits) else splits, shards)

@@ -1,9 +1,9 @@
-"""Chat templates: HF's jinja2 dialect, compiled and rendered in `chat_sandbox`'s bounded sandbox.
+"""Chat templates: HF's jinja2 dialect, compiled and rendered in `chat.sandbox`'s bounded sandbox.
 
 A template renders with HF's variables: messages, add_generation_prompt, bos_token, eos_token,
 raise_exception, strftime_now, plus the caller's (tools, ...). `ChatTemplate.render_marked` also
 says where each message's content lies in the render (how user text is kept from becoming control
-tokens). A template that fails raises ChatTemplateError (chat_sandbox's bounds and refusals).
+tokens). A template that fails raises ChatTemplateError (chat.sandbox's bounds and refusals).
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from verispec.chat_sandbox import RENDER_MAX_CHARS, RENDER_TIME_LIMIT_S, ChatTemplateError, compile_template, render
+from verispec.chat.sandbox import (RENDER_MAX_CHARS, RENDER_TIME_LIMIT_S, ChatTemplateError, compile_template,
+                                   render)
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "DEFAULT_CHAT_TEMPLATES", "MarkedRender", "RENDER_MAX_CHARS",
            "RENDER_TIME_LIMIT_S"]

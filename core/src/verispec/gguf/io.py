@@ -1,7 +1,7 @@
 """Open and validate a GGUF file: typed metadata, tensor table, tensors as torch.
 
-The file is memory-mapped once and its header parsed by `gguf_header.parse` (0.1 s for Gemma 3
-270M's 262k-token vocabulary); the errors it raises are `gguf_errors`' (listed here too).
+The file is memory-mapped once and its header parsed by `gguf.header.parse` (0.1 s for Gemma 3
+270M's 262k-token vocabulary); the errors it raises are `gguf.errors`' (listed here too).
 Tensor data stays in the map until asked for: `raw_tensor` returns a read-only view of
 the stored bytes, `tensor` dequantises through `gguf.quants.dequantize`.
 
@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from verispec.gguf_errors import (BadTensorShape, CorruptGGUF, GGUFError, MissingKey, MissingTensor, NotGGUF,
+from verispec.gguf.errors import (BadTensorShape, CorruptGGUF, GGUFError, MissingKey, MissingTensor, NotGGUF,
                                   TruncatedGGUF, UnsupportedGGUFVersion, UnsupportedTensorType)
-from verispec.gguf_header import PLAIN_NUMPY, TensorInfo, architecture_text, parse, read_architecture
+from verispec.gguf.header import PLAIN_NUMPY, TensorInfo, architecture_text, parse, read_architecture
 
 if TYPE_CHECKING:
     import torch

@@ -3,7 +3,7 @@
 String arrays (a 262k-token vocabulary) are decoded in one pass: 0.1 s for Gemma 3 270M,
 where `gguf.GGUFReader` builds a numpy view per vocabulary entry and takes 9-24 s. Every
 count and offset is checked against the file before it is used (`TruncatedGGUF`,
-`CorruptGGUF`). Layout: see `gguf_io`.
+`CorruptGGUF`). Layout: see `gguf.io`.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import attrs
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from verispec.gguf_errors import (KNOWN_VERSIONS, SUPPORTED_VERSIONS, CorruptGGUF, MissingKey, NotGGUF, TruncatedGGUF,
-                                  UnsupportedGGUFVersion, UnsupportedTensorType)
+from verispec.gguf.errors import (KNOWN_VERSIONS, SUPPORTED_VERSIONS, CorruptGGUF, MissingKey, NotGGUF,
+                                  TruncatedGGUF, UnsupportedGGUFVersion, UnsupportedTensorType)
 
 _MAGIC = b"GGUF"
 #: a version field above this is garbage (no writer has got near it), unless it is a known

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from verispec.gguf_io import GGUFFile
+from verispec.gguf.io import GGUFFile
 
 __all__ = ["FLOATS", "POSITIVE_SIZES", "SIZES", "check_finite", "check_numbers"]
 
@@ -43,7 +43,7 @@ def check_numbers(gguf: GGUFFile) -> None:
     (RoPE bases and scales positive, epsilons and softcaps non-negative); the token list as long
     as token_embd's rows (llama.cpp's rule), the bos/eos ids inside it. Reads metadata and the
     tensor table only.
-    Raises errors.DamagedFile (one line naming the key and the numbers), gguf_io.MissingKey."""
+    Raises errors.DamagedFile (one line naming the key and the numbers), gguf.errors.MissingKey."""
     from verispec.errors import DamagedFile
 
     arch, source = gguf.architecture, gguf.path

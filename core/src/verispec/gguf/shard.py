@@ -3,7 +3,7 @@
 `ShardedGGUF(gguf, splits, shards)` is a `GGUFFile` whose `tensor_info`, `raw_tensor` and
 `tensor` give, for every tensor a family's `Split` names, only this rank's rows or columns
 (`nn.parallel.Shards.range` over whole units: heads, FFN features, vocabulary rows). Handed to
-`gguf_load.plan_weights` in place of the file, the family's ordinary tensor table and loader
+`gguf.load.plan_weights` in place of the file, the family's ordinary tensor table and loader
 fill a module built with the shard's sizes; a rank never reads, dequantises or holds another
 rank's slice (the memory map is shared, only touched pages are read).
 
@@ -14,7 +14,7 @@ for the K types). Where it is not, `tensor` dequantises that one tensor whole an
 (a tensor, never the model), and `raw_tensor` (the `gguf` weight mode's stored blocks) raises
 ShardNotBlockAligned: load such a file with another --dtype.
 
-`gguf_load.load_trunk(..., shards=, splits=)` loads one rank's trunk through this view.
+`gguf.load.load_trunk(..., shards=, splits=)` loads one rank's trunk through this view.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES
 
 from verispec.errors import VerispecError
-from verispec.gguf_io import GGUFFile
+from verispec.gguf.io import GGUFFile
 from verispec.nn.parallel import Shards
 
 __all__ = ["ShardNotBlockAligned", "ShardedGGUF", "Split"]

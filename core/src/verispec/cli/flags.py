@@ -1,5 +1,5 @@
 """The `verispec` command line's flags: the parser (`build_parser`), the flag spellings it
-refuses with their replacement, and the checks of text arguments (cli.py's module docstring
+refuses with their replacement, and the checks of text arguments (cli/main.py's module docstring
 states the exit statuses these lead to).
 """
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _ranged(kind, lo, hi):
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF path or checkpoint alias (default: the embedded default model)")
     p.add_argument("--dtype", choices=["gguf", "int8", "int4", "bf16", "fp32"],
-                   help="weight dtype (default: the model's choice; gguf: the file's own quantised blocks, see README)")
+                   help="weight dtype (default: the model's choice; gguf: the file's own quantised blocks, see docs/kernels.md)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
                    help="where the trunk runs (default cpu; auto: cuda when torch sees a GPU)")
     p.add_argument("--threads", type=_ranged(int, 1, 1024),
@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     plugins = sub.add_parser("plugins", help="list installed plugins (does not import torch)")
     plugins.add_argument("--json", action="store_true")
+    plugins.add_argument("--check", action="store_true",
+                         help="import every plugin's factories, loaders and decline checks (as building them would; "
+                              "torch included) and report each that does not import, naming its distribution; exit 1 "
+                              "if any does not, or a plugin was kept out")
 
     bench = sub.add_parser("bench", help="plain vs speculative decoding on named scenarios")
     bench.add_argument("--scenario", action="append", help="scenario name (repeatable; default: all)")
@@ -192,7 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-running", type=_ranged(int, 1, 1024), default=16, metavar="N",
                        help="requests decoding together in one batch (default 16); later ones queue")
     serve.add_argument("--api-key", metavar="KEY", default=os.environ.get("VERISPEC_API_KEY") or None,
-                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $VERISPEC_API_KEY; none: open)")
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $VERISPEC_API_KEY, which, unlike "
+                            "this flag, other users do not see in ps; none: open)")
+    serve.add_argument("--allowed-host", action="append", metavar="NAME", default=[],
+                       help="a host name clients reach the server by, besides IP addresses and localhost (repeatable; "
+                            "'*': any); a request naming another host in its Host header answers 421 (DNS rebinding)")
+    serve.add_argument("--docs", action="store_true",
+                       help="serve FastAPI's /docs, /redoc and /openapi.json (off: they load scripts from a CDN and "
+                            "stay open under --api-key)")
     _add_model_args(serve)
     _add_spec_args(serve)
     for command in sub.choices.values():

@@ -1,5 +1,5 @@
 """`verispec` command line: the commands (torch is imported lazily, per command); the flags
-are cli_flags.py's.
+are cli/flags.py's.
 
 Exit status: 0 done; 1 bad input (one line naming the fix: verispec's own error classes,
 and a path given that cannot be opened); 2 bad flags (the error and a one-line usage);
@@ -15,7 +15,7 @@ import os
 import sys
 import traceback
 
-from verispec.cli_flags import EXIT_USAGE, CliError, build_parser, check_removed_flags, check_text_args
+from verispec.cli.flags import EXIT_USAGE, CliError, build_parser, check_removed_flags, check_text_args
 
 #: the built-in prompt (`verispec generate` with none): quoting a document, where drafting pays;
 #: it stops at DEFAULT_STOP and is compared with plain decoding in the same run.
@@ -77,9 +77,14 @@ def load_engine(args):
 
 
 def cmd_plugins(args) -> int:
-    from verispec.registry import Registry, format_plugin_table
+    from verispec.registry import Registry, format_check, format_plugin_table
 
-    rows = Registry.discover().plugin_rows()
+    registry = Registry.discover()
+    if args.check:
+        rows = registry.check_references()
+        print(json.dumps(rows, indent=1) if args.json else format_check(rows))
+        return EXIT_USER_ERROR if any(row["error"] for row in rows) else 0
+    rows = registry.plugin_rows()
     print(json.dumps(rows, indent=1) if args.json else format_plugin_table(rows))
     return 0
 
@@ -134,13 +139,17 @@ def cmd_generate(args) -> int:
                           "speculator": r.speculator, "speculator_fault": r.speculator_fault,
                           "drafted": r.spec.num_draft_tokens,
                           "accepted": r.spec.num_accepted_tokens, "governor": r.governor,
-                          "reason": r.reason.as_dict(),
+                          "reason": r.reason.as_dict(), "declined": own_declines(engine.choice),
                           **({"plain": {"decode_tokens_per_s": plain.decode_tokens_per_s,
                                         "identical": plain.tokens == r.tokens}} if plain else {})}))
     else:
         print(flush=True)  # the text ends with a newline, so a file or pipe gets a whole last line
         print(f"\n[{summary}]" + (f"\n[{r.governor}]" if r.governor else "")
               + f"\n[speculation: {r.reason.code}: {r.reason.text}]", file=sys.stderr)
+        declined = own_declines(engine.choice)
+        if declined and r.speculator:
+            print(f"[declined before {r.speculator}: " + "; ".join(f"{name}: {why}" for name, why in declined.items())
+                  + "]", file=sys.stderr)
         if plain is not None:
             print(comparison_line(r, plain), file=sys.stderr)
         from verispec.cpu import generation_hint
@@ -149,6 +158,16 @@ def cmd_generate(args) -> int:
         if hint:
             print(hint, file=sys.stderr)
     return 0
+
+
+def own_declines(choice) -> dict[str, str]:
+    """name -> reason of the speculators ranked above the one picked that declined in their own
+    code (a `Decline`, a `DrafterMismatch`, their decline check, a failed build): a plugin author
+    sees why theirs lost. Declines by declaration (no draft head...) and factories returning
+    None stay quiet; with nothing picked the speculation line names every reason already."""
+    if choice is None or choice.speculator is None:
+        return {}
+    return {name: why for name, why in choice.declines.items() if name in choice.own_reasons}
 
 
 def comparison_line(spec, plain) -> str:
@@ -174,17 +193,17 @@ def _stdin_prompt() -> str:
 
 
 def cmd_bench(args) -> int:
-    from verispec.bench import load_scenarios, run_bench
+    from verispec.bench.run import load_scenarios, run_bench
 
     spec, scenarios = spec_options(args), load_scenarios(args.scenario)  # bad input fails before the model loads
     if args.diagnostic:
         if args.plot:
             raise CliError("--plot draws the timed bench; leave it out with --diagnostic")
-        from verispec import bench_diagnostic
+        from verispec.bench import diagnostic
 
-        return bench_diagnostic.run(load_engine(args), scenarios, max_tokens=args.max_tokens, as_json=args.json)
+        return diagnostic.run(load_engine(args), scenarios, max_tokens=args.max_tokens, as_json=args.json)
     if args.plot:
-        from verispec.bench_plot import require_matplotlib
+        from verispec.bench.plot import require_matplotlib
 
         require_matplotlib()
         folder = os.path.dirname(os.path.abspath(args.plot))
@@ -195,7 +214,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from verispec.chat import run_chat
+    from verispec.chat.repl import run_chat
 
     sampling = sampling_params(args)
     engine = load_engine(args)
@@ -217,9 +236,13 @@ def cmd_serve(args) -> int:
 
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key is empty: give a key, or leave the flag out to serve without one")
+    from verispec.server.connection import check_port
+
+    check_port(args.host, args.port)  # a port in use is found now, not after the model has loaded
     engine = load_engine(args)
     serve(engine, host=args.host, port=args.port, model_name=args.model or "default",
-          request_timeout=args.request_timeout, api_key=args.api_key)
+          request_timeout=args.request_timeout, api_key=args.api_key, allowed_hosts=args.allowed_host,
+          docs=args.docs)
     return 0
 
 
@@ -240,6 +263,8 @@ COMMANDS = {"generate": cmd_generate, "plugins": cmd_plugins, "bench": cmd_bench
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if os.environ.get("VERISPEC_DEBUG") == "1":
+        _warnings_carry_their_exception()
     try:
         check_removed_flags(argv)
         args = build_parser().parse_args(argv)
@@ -268,6 +293,25 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERNAL
 
 
+def _warnings_carry_their_exception() -> None:
+    """VERISPEC_DEBUG=1: a verispec warning logged while an exception is being handled carries
+    that exception's traceback. A plugin's fault (its propose, commit, new_state... raised: the
+    speculator is switched off with one warning, decoding goes on) is reported from inside the
+    handler that caught it, so its traceback points at the plugin's line."""
+    import logging
+
+    make_record = logging.getLogRecordFactory()
+
+    def record(*args, **kwargs):
+        rec = make_record(*args, **kwargs)
+        if (rec.exc_info is None and rec.levelno >= logging.WARNING and rec.name.startswith("verispec")
+                and sys.exc_info()[0] is not None):
+            rec.exc_info = sys.exc_info()
+        return rec
+
+    logging.setLogRecordFactory(record)
+
+
 #: OS errors about a path the user gave (--model, a cache directory): one line is enough.
 USER_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
@@ -292,6 +336,3 @@ def _stdout_to_devnull() -> None:
     except (OSError, ValueError):  # no real file descriptor (captured in tests)
         pass
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,10 @@
+"""Chat: the templates a conversation is rendered through, and `verispec chat`.
+
+- `template`: `ChatTemplate`, HF's jinja2 dialect with HF's variables; `render_marked` says where each
+  message's content lies (so user text never becomes control tokens); defaults for GGUFs without one.
+- `sandbox`: the bounded jinja2 sandbox templates render in (time and output-size limits);
+  `ChatTemplateError`.
+- `repl`: `verispec chat`, an interactive conversation on stdin, one user turn per line (`run_chat`).
+
+`verispec.tokenizer` renders through `template`; the engine, the server and `repl` reach it through the tokenizer.
+"""
