@@ -338,8 +338,13 @@ def _raises(ctx):
     raise Boom("drafter bug")
 
 
+def _exits(ctx):
+    raise SystemExit(3)
+
+
 @pytest.mark.parametrize("script, why", [
     (_raises, "propose raised Boom: drafter bug"),
+    (_exits, "propose raised SystemExit: 3"),
     (lambda ctx: None, "returned NoneType"),
     (lambda ctx: "abc", "returned str"),
     (lambda ctx: [1.5, 2], "1.5"),

@@ -205,10 +205,11 @@ class SpeculativeExecution:
     # -- plugin faults -----------------------------------------------------------------
 
     def _plugin_call(self, what: str, call: Callable, *args):
-        """`call(*args)`, or None after switching the speculator off when it raises."""
+        """`call(*args)`, or None after switching the speculator off when it raises — SystemExit
+        included: a plugin never ends the process (KeyboardInterrupt, Ctrl-C's, still does)."""
         try:
             return call(*args)
-        except Exception as exc:  # noqa: BLE001 -- any exception from a plugin is the plugin's fault
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 -- anything a plugin raises is its fault
             self._plugin_fault(f"{what} raised {type(exc).__name__}: {exc}")
             return None
 
