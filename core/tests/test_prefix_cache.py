@@ -184,3 +184,52 @@ def test_common_prefix_compares_blocks_as_token_by_token(a, b, limit, block):
     while expected < min(limit, len(a), len(b)) and a[expected] == b[expected]:
         expected += 1
     assert common_prefix(a, b, limit, block=block) == expected
+
+
+class _CountingTrunk:
+    """Sequences of a fixed length, one byte a position, recording what is released in order."""
+
+    max_context_length = 1000
+
+    def __init__(self):
+        self.released = []
+
+    def sequence_nbytes(self, positions: int) -> int:
+        return positions
+
+    def seq_len(self, seq: int) -> int:
+        return 100
+
+    def release(self, seq: int) -> None:
+        self.released.append(seq)
+
+
+def test_idle_sequences_past_the_limit_are_released_least_recently_used_first():
+    from verispec.prefix_cache import PrefixCache
+
+    trunk = _CountingTrunk()
+    cache = PrefixCache(trunk, max_idle_sequences=2)
+    for seq in (11, 12, 13):
+        cache.park(seq, [seq] * 4)
+    assert trunk.released == [11] and cache.sequences() == [12, 13]
+    cache.park(14, [14] * 4)
+    assert trunk.released == [11, 12] and cache.sequences() == [13, 14]
+    seq, reused = cache.reuse([13] * 4 + [1], running=[])  # the next turn of 13 takes it over
+    assert (seq, reused) == (13, 4) and cache.sequences() == [14]
+
+
+def test_the_kv_budget_releases_the_oldest_idle_sequence_first():
+    from verispec.kv_budget import KVBudget
+    from verispec.nn.kv_cache import MAX_VERIFY_ROWS
+    from verispec.prefix_cache import PrefixCache
+
+    trunk = _CountingTrunk()
+    cache = PrefixCache(trunk, max_idle_sequences=8)
+    each = 100 + MAX_VERIFY_ROWS  # what an idle sequence of 100 positions counts
+    budget = KVBudget(trunk, 4 * each, cache)
+    for seq in (21, 22, 23, 24):
+        cache.park(seq, [seq])
+    assert budget.make_room(each) == 1 and trunk.released == [21]  # room for one: the oldest goes
+    assert budget.make_room(2 * each) == 1 and trunk.released == [21, 22]
+    assert budget.make_room(3 * each + 1, keep=23) == 1 and trunk.released == [21, 22, 24]  # `keep` goes last
+    assert cache.sequences() == [23]
