@@ -1,16 +1,20 @@
-"""The engine on a tiny glm4moe file: `--spec-type mtp` (the NextN head) and `--spec-type ngram`
-stream exactly the plain greedy tokens, in-process (verispec.load) and through the CLI in a
-subprocess (the TrunkSpec found through the installed entry point)."""
+"""The engine on each architecture's tiny file: `--spec-type mtp` (the NextN head) and `--spec-type
+ngram` stream exactly the plain greedy tokens, in-process (verispec.load) and through the CLI in a
+subprocess (the TrunkSpec found through the installed entry point). glm-dsa's streams run past
+index_topk, so the indexer restricts attention in the verifies; glm5-next's past index_topk + kpool,
+and every rejected draft row rolls its KDA state back by `keep`."""
 import json
 import subprocess
 import sys
 
 import pytest
+from glm_archs import ARCHS
 
 pytest.importorskip("transformers")
 
 PROMPT_IDS = [1, 5, 9, 2, 7, 3, 11, 4, 8, 6, 10, 12] * 2
 PROMPT = "the cat sat on the mat. the cat sat on the mat."
+SPEC_TYPES = {"mtp": "verispec_mtp_nextn", "ngram": "verispec_ngram"}
 
 
 def _tokens(engine, n=40):
@@ -18,12 +22,13 @@ def _tokens(engine, n=40):
     return [e.token for e in generation], generation.result
 
 
-@pytest.mark.parametrize("spec_type", ["mtp", "ngram"])
-def test_engine_speculation_streams_the_plain_tokens(tiny_fixture, spec_type):
+@pytest.mark.parametrize("spec_type", list(SPEC_TYPES))
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_engine_speculation_streams_the_plain_tokens(tiny_glm, arch, spec_type):
     import verispec
 
-    pytest.importorskip("verispec_mtp_nextn" if spec_type == "mtp" else "verispec_ngram")
-    _, _, path = tiny_fixture("nextn")
+    pytest.importorskip(SPEC_TYPES[spec_type])
+    path = tiny_glm(arch)[2]
     plain, _ = _tokens(verispec.load(path, enabled=False))
     got, result = _tokens(verispec.load(path, spec_type=spec_type, adaptive=False, min_draft_prob=0.0))
     assert got == plain
@@ -38,10 +43,12 @@ def _generate(path, *flags):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_cli_generate_with_the_nextn_head_gives_the_plain_tokens(tiny_fixture):
-    pytest.importorskip("verispec_mtp_nextn")
-    _, _, path = tiny_fixture("nextn")
-    spec = _generate(path, "--spec-type", "mtp", "--spec-adaptive", "off", "--spec-pmin", "0")
+@pytest.mark.parametrize("spec_type", list(SPEC_TYPES))
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_cli_generate_gives_the_plain_tokens(tiny_glm, arch, spec_type):
+    pytest.importorskip(SPEC_TYPES[spec_type])
+    path = tiny_glm(arch)[2]
+    spec = _generate(path, "--spec-type", spec_type, "--spec-adaptive", "off", "--spec-pmin", "0")
     plain = _generate(path, "--no-spec")
-    assert spec["speculator"] == "mtp" and spec["drafted"] > 0
+    assert spec["speculator"] == spec_type and spec["drafted"] > 0
     assert plain["speculator"] is None and spec["tokens"] == plain["tokens"]
