@@ -33,6 +33,7 @@ The costs, in seconds, all measured on this engine (nothing is guessed once meas
 """
 from __future__ import annotations
 
+import bisect
 import time
 
 #: weight of a new measurement in a running mean of seconds.
@@ -60,24 +61,40 @@ def _ema(old: float | None, new: float) -> float:
     return new if old is None else old + COST_EMA_WEIGHT * (new - old)
 
 
-def _interpolate(table: dict[int, float], n: int, *, zero: float | None = None) -> float:
-    """table[n]; else linear between the nearest measured counts; past the largest, that count's
-    value plus the last segment's slope (never negative); below the smallest, its value. `zero`:
-    the value at n = 0 when it is known (propose(0) = 0)."""
-    points = dict(table) if zero is None else {0: zero} | table
-    if n in points:
-        return points[n]
-    below = [m for m in points if m < n]
-    above = [m for m in points if m > n]
-    if not below:
-        return points[min(above)]
-    lo = max(below)
-    if above:
-        hi = min(above)
-        return points[lo] + (points[hi] - points[lo]) * (n - lo) / (hi - lo)
-    lower = [m for m in points if m < lo]
-    slope = max((points[lo] - points[max(lower)]) / (lo - max(lower)), 0.0) if lower else 0.0
-    return points[lo] + slope * (n - lo)
+class _Table:
+    """Running means of seconds by count, read by linear interpolation: between the nearest
+    measured counts; past the largest, its value plus the last segment's slope (never negative);
+    below the smallest, its value (or `zero` at 0 when given: propose(0) = 0)."""
+
+    def __init__(self, zero: float | None = None):
+        self.means: dict[int, float] = {}
+        self._zero = zero
+        self._keys: list[int] = []
+        self._values: list[float] = []
+
+    def record(self, n: int, seconds: float) -> None:
+        self.means[n] = _ema(self.means.get(n), seconds)
+        points = self.means if self._zero is None else {0: self._zero} | self.means
+        self._keys = sorted(points)
+        self._values = [points[k] for k in self._keys]
+
+    def __bool__(self) -> bool:
+        return bool(self.means)
+
+    def __call__(self, n: int) -> float:
+        keys, values = self._keys, self._values
+        i = bisect.bisect_left(keys, n)
+        if i < len(keys) and keys[i] == n:
+            return values[i]
+        if i == 0:
+            return values[0]
+        if i < len(keys):
+            lo, hi = keys[i - 1], keys[i]
+            return values[i - 1] + (values[i] - values[i - 1]) * (n - lo) / (hi - lo)
+        if len(keys) == 1:
+            return values[-1]
+        slope = max((values[-1] - values[-2]) / (keys[-1] - keys[-2]), 0.0)
+        return values[-1] + slope * (n - keys[-1])
 
 
 class Acceptance:
@@ -125,8 +142,8 @@ class CostModel:
         if max_draft_tokens < 1:
             raise ValueError(f"CostModel({max_draft_tokens=}): give max_draft_tokens >= 1")
         self.max_draft_tokens, self.adaptive, self.clock = max_draft_tokens, adaptive, clock
-        self._forward_s: dict[int, float] = {}  # rows -> running mean of seconds
-        self._propose_s: dict[int, float] = {}  # k bound -> running mean of seconds
+        self._forward_s = _Table()  # rows -> running mean of seconds
+        self._propose_s = _Table(zero=0.0)  # k bound -> running mean of seconds
         self._upkeep_s_per_row: float | None = None
         self._propose_calls = 0
         self.profiled = False
@@ -156,14 +173,14 @@ class CostModel:
     def record_forward(self, num_rows: int, seconds: float) -> None:
         """A forward of `num_rows` rows took `seconds`."""
         if num_rows >= 1 and seconds >= 0:
-            self._forward_s[num_rows] = _ema(self._forward_s.get(num_rows), seconds)
+            self._forward_s.record(num_rows, seconds)
 
     def record_propose(self, k: int, seconds: float) -> bool:
         """`propose` with a bound of k drafts took `seconds`; False when the call was cold (discarded)."""
         self._propose_calls += 1
         if self._propose_calls <= COLD_PROPOSE_CALLS:
             return False
-        self._propose_s[k] = _ema(self._propose_s.get(k), seconds)
+        self._propose_s.record(k, seconds)
         return True
 
     def record_upkeep(self, num_rows: int, seconds: float) -> None:
@@ -178,13 +195,13 @@ class CostModel:
         1 + PRIOR_ROW_COST · (n - 1) in units of one row."""
         if not self._forward_s:
             return 1.0 + PRIOR_ROW_COST * (num_rows - 1)
-        return _interpolate(self._forward_s, num_rows)
+        return self._forward_s(num_rows)
 
     def propose_s(self, k: int) -> float:
         """Seconds of `propose` bounded at k drafts (0 for k = 0, and before any warm call)."""
         if k == 0 or not self._propose_s:
             return 0.0
-        return _interpolate(self._propose_s, k, zero=0.0)
+        return self._propose_s(k)
 
     @property
     def upkeep_s_per_row(self) -> float:
@@ -195,15 +212,22 @@ class CostModel:
         num_other_rows the step's prefill rows. The rule is the module docstring's."""
         if not self.adaptive:
             return list(limits)
-        slots = sorted(((alphas[i] ** j, i) for i, lim in enumerate(limits) for j in range(1, lim + 1)),
-                       key=lambda s: -s[0])
+        slots = sorted(((alphas[i] ** j, i) for i, lim in enumerate(limits) if alphas[i] > 0
+                        for j in range(1, lim + 1)), key=lambda s: -s[0])
+        rows = len(alphas) + num_other_rows
+        forward = [self.forward_s(rows + b) for b in range(len(slots) + 1)]  # by slots admitted
+        propose = [self.propose_s(k) for k in range(max(limits, default=0) + 1)]
+        upkeep = self.upkeep_s_per_row
         ks = [0] * len(alphas)
-        best_ks, best = list(ks), self.value(alphas, ks, num_other_rows)
-        for survival, i in slots:
-            if survival <= 0.0:
-                break
-            ks[i] += 1
-            value = self.value(alphas, ks, num_other_rows)
+        tokens, drafting = float(len(alphas)), 0.0  # value(ks) = tokens / (forward + drafting), kept as slots join
+        best_ks, best = list(ks), tokens / forward[0]
+        for b, (survival, i) in enumerate(slots, start=1):
+            k = ks[i]
+            # a request's first slot adds its propose call and its correction row's upkeep
+            drafting += propose[k + 1] - propose[k] + upkeep * (survival + (k == 0))
+            tokens += survival
+            ks[i] = k + 1
+            value = tokens / (forward[b] + drafting)
             if value > best:
                 best_ks, best = list(ks), value
         return best_ks
@@ -220,8 +244,8 @@ class CostModel:
 
     def summary(self) -> dict:
         """What was measured, in ms: forward by rows, propose by k, upkeep per committed row."""
-        return {"forward_ms": {n: round(1e3 * s, 3) for n, s in sorted(self._forward_s.items())},
-                "propose_ms": {k: round(1e3 * s, 3) for k, s in sorted(self._propose_s.items())},
+        return {"forward_ms": {n: round(1e3 * s, 3) for n, s in sorted(self._forward_s.means.items())},
+                "propose_ms": {k: round(1e3 * s, 3) for k, s in sorted(self._propose_s.means.items())},
                 "upkeep_ms_per_row": round(1e3 * self.upkeep_s_per_row, 4)}
 
     def why_plain(self, alpha: float, limit: int) -> str:
