@@ -14,6 +14,7 @@ import pytest
 import torch
 import tiny_glm5next
 from verispec.testing import forward_one
+from verispec.testing.hf_parity import random_tokens
 from verispec_glm5.loader_glm5next import load
 
 pytest.importorskip("transformers")
@@ -22,10 +23,8 @@ ATOL = 1e-4
 PROMPT, DECODES = 80, 16
 
 
-def _tokens(vocab, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, vocab, (PROMPT,), generator=g).tolist(),
-            torch.randint(0, vocab, (DECODES,), generator=g).tolist())
+def _tokens(vocab):
+    return random_tokens(vocab, PROMPT, DECODES)
 
 
 @pytest.fixture(scope="module")

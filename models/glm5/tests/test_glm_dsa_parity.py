@@ -13,6 +13,7 @@ Tolerance: max |Δlogit| <= 1e-4 (logits up to ~9; measured <= 2e-5).
 import pytest
 import torch
 from verispec.testing import forward_one
+from verispec.testing.hf_parity import hf_prefill_and_decodes, random_tokens
 from verispec_glm5.loader_glm_dsa import load
 from verispec_glm5.mla import UNABSORBED_MIN_ROWS, MlaAttention
 
@@ -22,21 +23,8 @@ ATOL = 1e-4
 PROMPT, DECODES = 80, 16
 
 
-def _hf_prefill_and_decodes(hf_model, prompt, continuation):
-    """HF logits fp32 [len(prompt), V] for the prompt, then [len(continuation), V] of one-token decodes."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=hf_model.config)
-    with torch.no_grad():
-        prefill = hf_model(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0]
-        decodes = [hf_model(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0] for t in continuation]
-    return prefill, torch.cat(decodes)
-
-
-def _tokens(vocab, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (PROMPT,), generator=g).tolist(), torch.randint(0, vocab, (DECODES,),
-                                                                                    generator=g).tolist()
+def _tokens(vocab):
+    return random_tokens(vocab, PROMPT, DECODES)
 
 
 @pytest.mark.parametrize("name", ["shared", "full"])
@@ -46,7 +34,7 @@ def test_prefill_and_decode_logits_match_transformers(tiny_dsa_fixture, name, mo
     assert ours.config.index_topk < PROMPT and PROMPT >= UNABSORBED_MIN_ROWS
     assert ours.config.indexer_full == tuple(t == "full" for t in hf_model.config.indexer_types)
     prompt, continuation = _tokens(hf_model.config.vocab_size)
-    expected_prefill, expected_decodes = _hf_prefill_and_decodes(hf_model, prompt, continuation)
+    expected_prefill, expected_decodes = hf_prefill_and_decodes(hf_model, prompt, continuation)
 
     unabsorbed_rows = []
     original = MlaAttention._unabsorbed

@@ -11,6 +11,7 @@ Tolerance: max |Δlogit| <= 1e-4 (logits up to ~10; measured <= 2e-5).
 import pytest
 import torch
 from verispec.testing import forward_one
+from verispec.testing.hf_parity import assert_logits_match_transformers, random_tokens
 from verispec_glm5.loader import load
 
 pytest.importorskip("transformers")
@@ -18,35 +19,13 @@ pytest.importorskip("transformers")
 ATOL = 1e-4
 
 
-def _hf_prefill_and_decodes(hf_model, prompt, continuation):
-    """HF logits fp32 [len(prompt), V] for the prompt, then [len(continuation), V] of one-token decodes."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=hf_model.config)
-    with torch.no_grad():
-        prefill = hf_model(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0]
-        decodes = [hf_model(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0] for t in continuation]
-    return prefill, torch.cat(decodes)
-
-
 @pytest.mark.parametrize("name", ["nextn", "grouped"])
 def test_prefill_and_decode_logits_match_transformers(tiny_fixture, name):
     hf_model, _, path = tiny_fixture(name)
     ours = load(path, dtype="float32")
-    g = torch.Generator().manual_seed(1)
-    vocab = hf_model.config.vocab_size
-    prompt = torch.randint(0, vocab, (64,), generator=g).tolist()
-    continuation = torch.randint(0, vocab, (16,), generator=g).tolist()
-    expected_prefill, expected_decodes = _hf_prefill_and_decodes(hf_model, prompt, continuation)
-
-    seq = ours.new_sequence()
-    prefill = forward_one(ours, seq, prompt).logits
-    decodes = torch.cat([forward_one(ours, seq, [t], logits="last").logits for t in continuation])
-    assert ours.seq_len(seq) == len(prompt) + len(continuation) and ours.vocab_size == vocab
     assert ours.num_layers == hf_model.config.num_hidden_layers
-    assert expected_prefill.abs().max() > 5  # sharp logits: parity is not trivially small numbers
-    torch.testing.assert_close(prefill, expected_prefill, atol=ATOL, rtol=0)
-    torch.testing.assert_close(decodes, expected_decodes, atol=ATOL, rtol=0)
+    prompt, continuation = random_tokens(hf_model.config.vocab_size, 64, 16)
+    assert_logits_match_transformers(ours, hf_model, prompt, continuation, atol=ATOL)
 
 
 def test_prefill_split_into_chunks_matches_transformers(tiny_fixture):

@@ -58,23 +58,24 @@ def build_hf_model(name: str, seed: int = 0):
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32,
                                              experts_implementation="eager").eval()
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            p.copy_(_draw(pname, p.shape, g))
-        for pname, b in model.named_buffers():
-            if pname.endswith("e_score_correction_bias"):
-                b.copy_(_draw(pname, b.shape, g))
+    draw_weights(model, g)
     mtp = None
     if config.num_mtp_layers:
         mtp = MtpModel(model, config.num_mtp_layers).eval()
-        with torch.no_grad():
-            for pname, p in mtp.named_parameters():
-                if not pname.startswith(("embed_tokens.", "shared_head.")):  # the trunk's, drawn above
-                    p.copy_(_draw(pname, p.shape, g))
-            for pname, b in mtp.named_buffers():
-                if pname.endswith("e_score_correction_bias"):
-                    b.copy_(_draw(pname, b.shape, g))
+        draw_weights(mtp, g, keep=("embed_tokens.", "shared_head."))  # the trunk's, drawn above
     return model, mtp
+
+
+def draw_weights(module, g: torch.Generator, keep: tuple[str, ...] = ()) -> None:
+    """Redraw `module`'s parameters (but those whose names start with `keep`) and its routers'
+    selection biases (`_draw`), in named order from `g`."""
+    with torch.no_grad():
+        for pname, p in module.named_parameters():
+            if not pname.startswith(keep):
+                p.copy_(_draw(pname, p.shape, g))
+        for pname, b in module.named_buffers():
+            if pname.endswith("e_score_correction_bias"):
+                b.copy_(_draw(pname, b.shape, g))
 
 
 def _draw(pname: str, shape, g) -> torch.Tensor:
@@ -120,6 +121,38 @@ def _layer_tensors(rest: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {_LAYER[rest]: w}
 
 
+def moe_metadata(a: str, cfg) -> dict:
+    """The `{a}.*` keys of a GLM MoE (sigmoid gating, expert groups) and the vocabulary size."""
+    return {
+        f"{a}.expert_count": cfg.n_routed_experts,
+        f"{a}.expert_used_count": cfg.num_experts_per_tok,
+        f"{a}.expert_shared_count": cfg.n_shared_experts,
+        f"{a}.expert_feed_forward_length": cfg.moe_intermediate_size,
+        f"{a}.leading_dense_block_count": cfg.first_k_dense_replace,
+        f"{a}.expert_gating_func": 2,  # sigmoid
+        f"{a}.expert_weights_scale": float(cfg.routed_scaling_factor),
+        f"{a}.expert_weights_norm": bool(cfg.norm_topk_prob),
+        f"{a}.expert_group_count": cfg.n_group,
+        f"{a}.expert_group_used_count": cfg.topk_group,
+        f"{a}.vocab_size": cfg.vocab_size,
+    }
+
+
+def trunk_end(name: str, w: torch.Tensor, cfg, tensors: dict) -> bool:
+    """Puts the embedding, final norm or (untied) LM head `name` into `tensors` under its GGUF
+    name; False for any other tensor."""
+    if name == "model.embed_tokens.weight":
+        tensors["token_embd.weight"] = w
+    elif name == "model.norm.weight":
+        tensors["output_norm.weight"] = w
+    elif name == "lm_head.weight":
+        if not cfg.tie_word_embeddings:
+            tensors["output.weight"] = w
+    else:
+        return False
+    return True
+
+
 def hf_to_gguf(model, mtp=None) -> tuple[str, dict, dict]:
     """(arch, metadata, tensors) for `write_gguf`, in llama.cpp's names and layout. `mtp`: a
     transformers MtpModel, or a state dict in its names (`layers.0.*`), or None."""
@@ -137,31 +170,14 @@ def hf_to_gguf(model, mtp=None) -> tuple[str, dict, dict]:
         f"{a}.attention.layer_norm_rms_epsilon": cfg.rms_norm_eps,
         f"{a}.rope.dimension_count": int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]),
         f"{a}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
-        f"{a}.expert_count": cfg.n_routed_experts,
-        f"{a}.expert_used_count": cfg.num_experts_per_tok,
-        f"{a}.expert_shared_count": cfg.n_shared_experts,
-        f"{a}.expert_feed_forward_length": cfg.moe_intermediate_size,
-        f"{a}.leading_dense_block_count": cfg.first_k_dense_replace,
-        f"{a}.expert_gating_func": 2,  # sigmoid
-        f"{a}.expert_weights_scale": float(cfg.routed_scaling_factor),
-        f"{a}.expert_weights_norm": bool(cfg.norm_topk_prob),
-        f"{a}.expert_group_count": cfg.n_group,
-        f"{a}.expert_group_used_count": cfg.topk_group,
-        f"{a}.vocab_size": cfg.vocab_size,
+        **moe_metadata(a, cfg),
     }
     if mtp is not None:
         metadata[f"{a}.nextn_predict_layers"] = 1
     tensors = {}
     for name, w in model.state_dict().items():
         w = w.detach().clone()
-        if name == "model.embed_tokens.weight":
-            tensors["token_embd.weight"] = w
-        elif name == "model.norm.weight":
-            tensors["output_norm.weight"] = w
-        elif name == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                tensors["output.weight"] = w
-        else:
+        if not trunk_end(name, w, cfg, tensors):
             _, _, bid, rest = name.split(".", 3)
             for suffix, t in _layer_tensors(rest, w).items():
                 tensors[f"blk.{bid}.{suffix}"] = t

@@ -2,7 +2,7 @@
 converter would.
 
 `build_hf_model(name)` builds the seeded transformers `GlmMoeDsaForCausalLM` of `TINY_CONFIGS[name]`
-with random weights (`tiny_glm4moe._draw`: ~unit gain) and, for the names in `WITH_NEXTN`, a
+with random weights (`tiny_glm4moe.draw_weights`: ~unit gain) and, for the names in `WITH_NEXTN`, a
 NextN block as transformers' own `MtpLayer` (modeling_layers: enorm, hnorm, eh_proj, post_norm)
 over a GlmMoeDsaDecoderLayer with the MoE and its own indexer (`_MtpBlock`; transformers 5.24 has
 no MtpModel for glm_moe_dsa, so the layer is composed here); `nextn_reference` runs it.
@@ -22,7 +22,7 @@ product) that would make top-k ties.
 from __future__ import annotations
 
 import torch
-from tiny_glm4moe import _draw, _layer_tensors
+from tiny_glm4moe import _NEXTN, _layer_tensors, draw_weights, moe_metadata, trunk_end
 
 _COMMON = {
     "vocab_size": 151, "hidden_size": 48, "num_hidden_layers": 3, "num_attention_heads": 3,
@@ -70,23 +70,13 @@ def build_hf_model(name: str, seed: int = 0):
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32,
                                              experts_implementation="eager").eval()
     g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            p.copy_(_draw(pname, p.shape, g))
-        for pname, b in model.named_buffers():
-            if pname.endswith("e_score_correction_bias"):
-                b.copy_(_draw(pname, b.shape, g))
+    draw_weights(model, g)
     mtp = None
     if name in WITH_NEXTN:
         from transformers.modeling_layers import MtpLayer
 
         mtp = MtpLayer(config, _mtp_block_class(), type(model.model.norm), 0).eval()
-        with torch.no_grad():
-            for pname, p in mtp.named_parameters():
-                p.copy_(_draw(pname, p.shape, g))
-            for pname, b in mtp.named_buffers():
-                if pname.endswith("e_score_correction_bias"):
-                    b.copy_(_draw(pname, b.shape, g))
+        draw_weights(mtp, g)
     return model, mtp
 
 
@@ -146,10 +136,6 @@ _ATTN = {
 }
 
 
-_NEXTN = {"eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
-          "hnorm.weight": "nextn.hnorm.weight", "post_norm.weight": "nextn.shared_head_norm.weight"}
-
-
 def hf_to_gguf(model, mtp=None) -> tuple[str, dict, dict]:
     """(arch, metadata, tensors) for `write_gguf`, in llama.cpp's glm-dsa names and layout; `mtp`:
     the NextN MtpLayer (written as blk.{L}) or None."""
@@ -175,17 +161,7 @@ def hf_to_gguf(model, mtp=None) -> tuple[str, dict, dict]:
         f"{a}.attention.indexer.top_k": cfg.index_topk,
         f"{a}.rope.dimension_count": rope,
         f"{a}.rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
-        f"{a}.expert_count": cfg.n_routed_experts,
-        f"{a}.expert_used_count": cfg.num_experts_per_tok,
-        f"{a}.expert_shared_count": cfg.n_shared_experts,
-        f"{a}.expert_feed_forward_length": cfg.moe_intermediate_size,
-        f"{a}.leading_dense_block_count": cfg.first_k_dense_replace,
-        f"{a}.expert_gating_func": 2,  # sigmoid
-        f"{a}.expert_weights_scale": float(cfg.routed_scaling_factor),
-        f"{a}.expert_weights_norm": bool(cfg.norm_topk_prob),
-        f"{a}.expert_group_count": cfg.n_group,
-        f"{a}.expert_group_used_count": cfg.topk_group,
-        f"{a}.vocab_size": cfg.vocab_size,
+        **moe_metadata(a, cfg),
     }
     if mtp is not None:
         metadata[f"{a}.nextn_predict_layers"] = 1
@@ -198,29 +174,22 @@ def hf_to_gguf(model, mtp=None) -> tuple[str, dict, dict]:
                    for k, w in mtp.state_dict().items()]
     for name, w in layers:
         w = w.detach().clone()
-        if name == "model.embed_tokens.weight":
-            tensors["token_embd.weight"] = w
-        elif name == "model.norm.weight":
-            tensors["output_norm.weight"] = w
-        elif name == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                tensors["output.weight"] = w
-        elif name.endswith("rotary_emb.inv_freq") or name.endswith("rotary_emb.original_inv_freq"):
+        if trunk_end(name, w, cfg, tensors) or name.endswith(("rotary_emb.inv_freq",
+                                                              "rotary_emb.original_inv_freq")):
             continue
+        _, _, bid, rest = name.split(".", 3)
+        if rest in _NEXTN and int(bid) == cfg.num_hidden_layers:
+            tensors[f"blk.{bid}.{_NEXTN[rest]}"] = w
+        elif rest == "self_attn.kv_b_proj.weight":
+            # [H·(nope + vh), kvL] -> k_b [H, kvL, nope] (transposed per head), v_b [H, vh, kvL]
+            per_head = w.view(heads, nope + vh, -1)
+            tensors[f"blk.{bid}.attn_k_b.weight"] = per_head[:, :nope].transpose(1, 2).contiguous()
+            tensors[f"blk.{bid}.attn_v_b.weight"] = per_head[:, nope:].contiguous()
+        elif rest in _ATTN:
+            tensors[f"blk.{bid}.{_ATTN[rest]}"] = w
         else:
-            _, _, bid, rest = name.split(".", 3)
-            if rest in _NEXTN and int(bid) == cfg.num_hidden_layers:
-                tensors[f"blk.{bid}.{_NEXTN[rest]}"] = w
-            elif rest == "self_attn.kv_b_proj.weight":
-                # [H·(nope + vh), kvL] -> k_b [H, kvL, nope] (transposed per head), v_b [H, vh, kvL]
-                per_head = w.view(heads, nope + vh, -1)
-                tensors[f"blk.{bid}.attn_k_b.weight"] = per_head[:, :nope].transpose(1, 2).contiguous()
-                tensors[f"blk.{bid}.attn_v_b.weight"] = per_head[:, nope:].contiguous()
-            elif rest in _ATTN:
-                tensors[f"blk.{bid}.{_ATTN[rest]}"] = w
-            else:
-                for suffix, t in _layer_tensors(rest, w).items():
-                    tensors[f"blk.{bid}.{suffix}"] = t
+            for suffix, t in _layer_tensors(rest, w).items():
+                tensors[f"blk.{bid}.{suffix}"] = t
     return a, metadata, tensors
 
 
