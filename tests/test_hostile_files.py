@@ -223,3 +223,179 @@ def test_the_command_refuses_in_one_line_with_exit_1(family_mutants, family, kin
     assert len(lines) == 1 and lines[0].startswith("verispec: error: "), f"{name}: {run.stderr}"
     assert any(text in lines[0] for text in mutant["expect"]), f"{name}: {lines[0]}"
 
+
+
+# --- targeted mutants of the GLM families and DFlash (issue 43, item 1) ---------------------------
+# A handful per family, aimed at the numbers their configs read beyond the generic SIZE_KEYS (MLA
+# ranks, the sparse indexer, expert groups, KDA, hyper-connections, per-layer clamps), the byte-level
+# tokenizer's merges, and a DFlash drafter's block_count, which sized a per-layer tuple before any
+# check. Each must be refused naming its key, in bounded memory and time (the same worker rules).
+
+TARGETED_WORKER = r"""
+import json, sys, traceback
+import torch
+torch.set_num_threads(1)
+from verispec.api import load
+from verispec.errors import VerispecError
+from verispec.registry import Registry
+
+registry = Registry.discover()
+for mutant in json.load(open(sys.argv[1])):
+    print(json.dumps({"name": mutant["name"], "started": True}), flush=True)
+    try:
+        if mutant["loader"] == "dflash":
+            from verispec_dflash.loader import read_config
+            read_config(mutant["path"])
+        else:
+            engine = load(mutant["path"], registry=registry, threads=1, kv_cache_gb=0)
+            "".join(event.text for event in engine.generate("hello", max_tokens=2))
+        outcome = {"outcome": "served"}
+    except VerispecError as e:
+        outcome = {"outcome": "refused", "type": type(e).__name__, "message": str(e)}
+    except BaseException as e:
+        outcome = {"outcome": "bug", "type": type(e).__name__, "message": traceback.format_exc()}
+    print(json.dumps({"name": mutant["name"], **outcome}), flush=True)
+"""
+
+
+def _u64(value):
+    from gguf.constants import GGUFValueType
+    from gguf.gguf_writer import GGUFValue
+
+    return GGUFValue(value, GGUFValueType.UINT64)
+
+
+def _i32(value):
+    from gguf.constants import GGUFValueType
+    from gguf.gguf_writer import GGUFValue
+
+    return GGUFValue(value, GGUFValueType.INT32)
+
+
+def _vocab_without_merges(rows):
+    vocab = byte_level_vocab(rows)
+    del vocab["tokenizer.ggml.merges"]
+    return vocab
+
+
+def _vocab_with_a_stray_merge(rows):
+    vocab = byte_level_vocab(rows)
+    vocab["tokenizer.ggml.merges"] = [*vocab["tokenizer.ggml.merges"], "zz\u00a7q zz\u00a7r"]  # tokens it lacks
+    return vocab
+
+
+#: family -> (builder of (arch, metadata, tensors), [(name, metadata override, vocab maker or None, expected)]).
+def _glm4moe():
+    from tiny_glm4moe import build_hf_model, hf_to_gguf
+
+    return hf_to_gguf(build_hf_model("grouped")[0])
+
+
+def _glm_dsa():
+    from tiny_glm_dsa import build_hf_model, hf_to_gguf
+
+    return hf_to_gguf(build_hf_model("shared")[0])
+
+
+def _glm5next():
+    from tiny_glm5next import build_hf_model, hf_to_gguf
+
+    return hf_to_gguf(build_hf_model("flash"))
+
+
+TARGETED = {
+    "glm4moe": ("verispec_glm5", _glm4moe, [
+        ("expert_group_count=3", {"expert_group_count": 3}, None, "expert_group_count"),
+        ("expert_group_used_count=9", {"expert_group_used_count": 9}, None, "expert_group_used_count"),
+        ("expert_count=0", {"expert_count": 0}, None, "expert_count"),
+        ("expert_weights_scale=nan", {"expert_weights_scale": float("nan")}, None, "expert_weights_scale"),
+        ("head_count=-1", {"attention.head_count": _i32(-1)}, None, "head_count"),
+        ("block_count=1e9", {"block_count": 10**9}, None, "block_count"),
+        ("no merges", {}, _vocab_without_merges, "tokenizer.ggml.merges"),
+    ]),
+    "glm-dsa": ("verispec_glm5", _glm_dsa, [
+        ("q_lora_rank=1e9", {"attention.q_lora_rank": 10**9}, None, "q_lora_rank"),
+        ("kv_lora_rank=1e9", {"attention.kv_lora_rank": 10**9}, None, "kv_lora_rank"),
+        ("indexer.key_length=1e9", {"attention.indexer.key_length": 10**9}, None, "indexer.key_length"),
+        ("key_length_mla=0", {"attention.key_length_mla": 0}, None, "key_length_mla"),
+        ("indexer.top_k=0", {"attention.indexer.top_k": 0}, None, "top_k"),
+        ("indexer.top_k=-1", {"attention.indexer.top_k": _i32(-1)}, None, "top_k"),
+        ("kv_lora_rank=2^63+5", {"attention.kv_lora_rank": _u64(2**63 + 5)}, None, "kv_lora_rank"),
+        ("a merge of absent tokens", {}, _vocab_with_a_stray_merge, "tokenizer.ggml"),
+    ]),
+    "glm5-next": ("verispec_glm5", _glm5next, [
+        ("sinkhorn_iterations=1e9", {"hyper_connection.sinkhorn_iterations": 10**9}, None, "sinkhorn_iterations"),
+        ("gate_lower_bound=nan", {"kda.gate_lower_bound": float("nan")}, None, "gate_lower_bound"),
+        ("swiglu_clamp_exp short", "short:swiglu_clamp_exp", None, "swiglu_clamp_exp"),
+        ("swiglu_clamp_shexp inf", "inf:swiglu_clamp_shexp", None, "swiglu_clamp_shexp"),
+    ]),
+}
+DFLASH = [("block_count=1e9", {"block_count": 10**9}, "block_count"),
+          ("embedding_length=1e9", {"embedding_length": 10**9}, "embedding_length"),
+          ("rms epsilon nan", {"attention.layer_norm_rms_epsilon": float("nan")}, "epsilon")]
+
+
+def _override(arch, metadata, change):
+    """The `{arch}.*` keys of `change` (a dict of suffixes, or "short:KEY" / "inf:KEY" for a per-layer list)."""
+    if isinstance(change, str):
+        how, key = change.split(":")
+        values = list(metadata[f"{arch}.{key}"])
+        return {f"{arch}.{key}": values[:-2] if how == "short" else [float("inf")] + values[1:]}
+    return {f"{arch}.{k}": v for k, v in change.items()}
+
+
+@pytest.fixture(scope="module")
+def targeted_mutants(tmp_path_factory):
+    """name -> {"path", "expect", "loader"} for the families of TARGETED and DFlash installed."""
+    import importlib.util
+
+    from verispec.testing.fixture_writer import write_gguf
+
+    directory, out = tmp_path_factory.mktemp("targeted"), {}
+    pytest.importorskip("transformers")
+    for family, (package, build, mutants) in TARGETED.items():
+        if importlib.util.find_spec(package) is None:
+            continue
+        arch, metadata, tensors = build()
+        rows = int(tensors["token_embd.weight"].shape[0])
+        for i, (name, change, vocab, expect) in enumerate(mutants):
+            path = write_gguf(directory / f"{family}-{i}.gguf", arch=arch,
+                              metadata={**metadata, **_override(arch, metadata, change)}, tensors=tensors,
+                              vocab=vocab(rows) if vocab else "byte-level")
+            out[f"{family} {name}"] = {"path": path, "expect": expect, "loader": "trunk"}
+    if importlib.util.find_spec("verispec_dflash") is not None and importlib.util.find_spec("dflash") is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "plugins" / "dflash" / "tests"))
+        try:
+            from tiny_dflash import make_drafter
+            from verispec_dflash.gguf_writer import write_dflash_gguf
+        finally:
+            sys.path.pop(0)
+        drafter = make_drafter("d1_causal_window")
+        for i, (name, change, expect) in enumerate(DFLASH):
+            path = write_dflash_gguf(directory / f"dflash-{i}.gguf", drafter, vocab=None,
+                                     extra_metadata={f"dflash.{k}": v for k, v in change.items()})
+            out[f"dflash {name}"] = {"path": path, "expect": expect, "loader": "dflash"}
+    if not out:
+        pytest.skip("neither verispec-glm5 nor verispec-dflash is installed")
+    return out
+
+
+def test_targeted_glm_and_dflash_mutants_are_refused_naming_their_key(targeted_mutants, tmp_path):
+    manifest = tmp_path / "targeted.json"
+    manifest.write_text(json.dumps([{"name": n, "path": m["path"], "loader": m["loader"]}
+                                    for n, m in targeted_mutants.items()]))
+    try:
+        run = _run(["-c", TARGETED_WORKER, str(manifest)], WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        records = _records(e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or "")
+        pytest.fail(f"the worker ran past {WORKER_TIMEOUT_S} s, at {records[-1]['name'] if records else 'start'}")
+    records = _records(run.stdout)
+    started = [r["name"] for r in records if "started" in r]
+    assert run.returncode == 0, (f"the worker died (rc {run.returncode}: out of memory under RLIMIT_AS?) at "
+                                 f"{started[-1] if started else 'start'}: {run.stderr[-2000:]}")
+    results = {r["name"]: r for r in records if "outcome" in r}
+    problems = [f"{name}: {results[name]['outcome']} {results[name].get('type', '')} "
+                f"{results[name].get('message', '')}" for name, mutant in targeted_mutants.items()
+                if results[name]["outcome"] != "refused" or "\n" in results[name]["message"]
+                or mutant["expect"] not in results[name]["message"]]
+    assert not problems, f"{len(problems)} of {len(targeted_mutants)} mutants:\n" + "\n".join(problems)

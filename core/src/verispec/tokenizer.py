@@ -368,10 +368,19 @@ def _build(gguf: GGUFFile, model: str):
     for name in ("scores", "token_type"):  # the converter zips and compares them as Python values
         if name in spec:
             spec[name] = spec[name].tolist()
+    if model == "gpt2" and "tokenizer.ggml.merges" not in md:
+        raise UnsupportedTokenizer(model, gguf.architecture, "the file has no tokenizer.ggml.merges, which a "
+                                   "byte-level BPE vocabulary needs; reconvert the model with its merges")
     try:
         backend, _ = convert_gguf_tokenizer(gguf.architecture, spec)
     except ValueError as e:
         raise UnsupportedTokenizer(model, gguf.architecture, str(e)) from None
+    except Exception as e:  # noqa: BLE001 -- the converter and tokenizers fail on bad metadata in many ways
+        # (a KeyError for a missing key, the Rust side's bare Exception for a merge naming an absent token)
+        lines = str(e).strip().splitlines()
+        raise UnsupportedTokenizer(model, gguf.architecture, f"its tokenizer.ggml metadata does not build "
+                                   f"({type(e).__name__}: {lines[0] if lines else 'no message'}); reconvert "
+                                   "the model") from None
     _set_unknown_token(backend, md)
     return backend
 

@@ -22,15 +22,27 @@ SIZES = ("attention.head_count", "attention.head_count_kv", "embedding_length", 
          "attention.value_length_swa", "rope.dimension_count", "rope.dimension_count_swa",
          "ssm.inner_size", "ssm.state_size", "ssm.conv_kernel", "ssm.time_step_rank", "ssm.group_count",
          "expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_feed_forward_length",
-         "embedding_length_per_layer_input")
+         "embedding_length_per_layer_input",
+         # MLA, its sparse indexer, grouped experts, KDA, hyper-connections (glm4moe, glm-dsa, glm5-next)
+         "attention.q_lora_rank", "attention.kv_lora_rank", "attention.key_length_mla", "attention.value_length_mla",
+         "attention.indexer.head_count", "attention.indexer.key_length", "expert_group_count",
+         "expert_group_used_count", "expert_shared_count", "kda.head_dim", "hyper_connection.count")
 #: sizes a model divides by or builds from: zero (in every layer) is damage.
 POSITIVE_SIZES = ("attention.head_count", "embedding_length", "attention.key_length", "attention.value_length",
                   "attention.key_length_swa", "attention.value_length_swa", "ssm.inner_size", "ssm.state_size",
-                  "ssm.conv_kernel", "ssm.time_step_rank", "ssm.group_count")
+                  "ssm.conv_kernel", "ssm.time_step_rank", "ssm.group_count", "attention.kv_lora_rank",
+                  "attention.key_length_mla", "attention.value_length_mla", "attention.indexer.head_count",
+                  "attention.indexer.key_length", "kda.head_dim", "hyper_connection.count")
+#: counts that size a loop rather than a tensor, with their bounds (inclusive): a forward runs
+#: sinkhorn_iterations normalisation passes per layer and token, so 10^9 of them is a hang.
+LOOP_COUNTS = {"attention.indexer.top_k": (1, 2**31 - 1), "hyper_connection.sinkhorn_iterations": (1, 1000)}
 #: float keys and the smallest value each may hold (exclusive for RoPE bases and scales).
 FLOATS = {"rope.freq_base": 0.0, "rope.freq_base_swa": 0.0, "rope.scaling.factor": 0.0,
           "attention.layer_norm_rms_epsilon": None, "attention.layer_norm_epsilon": None,
-          "final_logit_softcapping": None, "attn_logit_softcapping": None}
+          "final_logit_softcapping": None, "attn_logit_softcapping": None, "expert_weights_scale": None,
+          "hyper_connection.epsilon": None, "kda.gate_lower_bound": float("-inf")}
+#: per-layer float lists (or one float for every layer): a finite, non-negative value for each block.
+LAYER_FLOATS = ("swiglu_clamp_exp", "swiglu_clamp_shexp")
 
 
 def check_numbers(gguf: GGUFFile) -> None:
@@ -40,7 +52,8 @@ def check_numbers(gguf: GGUFFile) -> None:
     outgrows the file), those in `POSITIVE_SIZES` positive in some layer; heads no more than
     `embedding_length` where the head width is derived from it; `embedding_length` token_embd's
     columns; a sliding window no wider than the context; the float keys of `FLOATS` finite
-    (RoPE bases and scales positive, epsilons and softcaps non-negative); the token list as long
+    (RoPE bases and scales positive, epsilons and softcaps non-negative) and `LAYER_FLOATS` one
+    finite value per block; expert counts that agree, `LOOP_COUNTS` within bounds; the token list as long
     as token_embd's rows (llama.cpp's rule), the bos/eos ids inside it. Reads metadata and the
     tensor table only.
     Raises errors.DamagedFile (one line naming the key and the numbers), gguf.errors.MissingKey."""
@@ -53,7 +66,8 @@ def check_numbers(gguf: GGUFFile) -> None:
         raise DamagedFile(source, f"{arch}.block_count is {count!r}, but the file has tensors for blocks "
                           f"{_span(blocks)}")
     _check_sizes(gguf)
-    _check_floats(gguf)
+    _check_experts(gguf)
+    _check_floats(gguf, count)
     window, context = gguf.arch_key("attention.sliding_window", None), gguf.arch_key("context_length", None)
     if _is_int(window) and _is_int(context) and window > context:
         raise DamagedFile(source, f"{arch}.attention.sliding_window is {window}, wider than the "
@@ -116,8 +130,8 @@ def _check_sizes(gguf: GGUFFile) -> None:
                           "embedding_length has dimensions (no attention.key_length says their width)")
 
 
-def _check_floats(gguf: GGUFFile) -> None:
-    """The `FLOATS` rule of `check_numbers`."""
+def _check_floats(gguf: GGUFFile, num_blocks: int) -> None:
+    """The `FLOATS` and `LAYER_FLOATS` rules of `check_numbers` (a floor of -inf: any finite value)."""
     from verispec.errors import DamagedFile
 
     for key, floor in FLOATS.items():
@@ -126,8 +140,48 @@ def _check_floats(gguf: GGUFFile) -> None:
             continue
         number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
         if not number or not np.isfinite(value) or (value <= floor if floor is not None else value < 0):
-            need = "a finite value above 0" if floor is not None else "a finite value of 0 or more"
+            need = ("a finite value" if floor == float("-inf") else "a finite value above 0" if floor is not None
+                    else "a finite value of 0 or more")
             raise DamagedFile(gguf.path, f"{gguf.architecture}.{key} is {value!r}: {need} is needed")
+    for key in LAYER_FLOATS:
+        value = gguf.arch_key(key, None)
+        if value is None:
+            continue
+        values = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value]
+        if isinstance(value, (list, tuple, np.ndarray)) and len(values) < num_blocks:
+            raise DamagedFile(gguf.path, f"{gguf.architecture}.{key} has {len(values)} entries for {num_blocks} "
+                              "blocks: one per block is needed")
+        if not all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+                   and np.isfinite(v) and v >= 0 for v in values):
+            raise DamagedFile(gguf.path, f"{gguf.architecture}.{key} holds {_short(values)}: finite values of 0 "
+                              "or more are needed")
+
+
+def _check_experts(gguf: GGUFFile) -> None:
+    """Expert counts that agree (used <= routed, groups that divide the experts, used groups <=
+    groups) and the `LOOP_COUNTS` bounds."""
+    from verispec.errors import DamagedFile
+
+    arch, source = gguf.architecture, gguf.path
+
+    def count(key):
+        value = gguf.arch_key(key, None)
+        return value if _is_int(value) else None
+    experts, used = count("expert_count"), count("expert_used_count")
+    if used is not None and experts is not None and (used > experts or (experts > 0 and used < 1)):
+        raise DamagedFile(source, f"{arch}.expert_used_count is {used} of {arch}.expert_count {experts}: "
+                          "between 1 and the expert count is needed")
+    groups, used_groups = count("expert_group_count"), count("expert_group_used_count")
+    if groups and experts and experts % groups:
+        raise DamagedFile(source, f"{arch}.expert_group_count is {groups}, which does not divide the "
+                          f"{experts} experts")
+    if used_groups is not None and groups is not None and used_groups > max(groups, 1):
+        raise DamagedFile(source, f"{arch}.expert_group_used_count is {used_groups}, more than the "
+                          f"{groups} expert groups")
+    for key, (low, high) in LOOP_COUNTS.items():
+        value = gguf.arch_key(key, None)
+        if value is not None and not (_is_int(value) and low <= value <= high):
+            raise DamagedFile(source, f"{arch}.{key} is {value!r}: an integer from {low} to {high} is needed")
 
 
 def _is_int(value: Any) -> bool:

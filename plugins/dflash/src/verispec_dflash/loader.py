@@ -1,8 +1,9 @@
 """The `DraftFileSpec` loader: a `dflash` GGUF (DFlash or DFlash2) bound to its trunk as a `DFlashHead`.
 
-Steps: read the keys and tensor shapes (`config.DFlashConfig.from_gguf`: schema, generation,
-every tensor present with its shape, nothing unknown), check the numbers are finite
-(`verispec.gguf.checks.check_numbers`), check the binding against the trunk (`binding.binding_problem`),
+Steps: check the numbers (`verispec.gguf.checks.check_numbers`: block_count backed by the file's
+blocks, sizes no larger than its tensors, finite floats) before anything is sized by them, read the
+keys and tensor shapes (`config.DFlashConfig.from_gguf`: schema, generation, every tensor present
+with its shape, nothing unknown), check the binding against the trunk (`binding.binding_problem`),
 then read every tensor as fp32 (gguf-py's dequantisation) and, for the linears of a quantised
 file (fc, q/k/v/o, gate/up/down in a type the core's block kernel reads), the file's own blocks
 as `BlockLinear`s: a drafter forward is bound by the bytes of its weights, and Q8_0 blocks are a
@@ -28,11 +29,13 @@ __all__ = ["load", "read_config"]
 
 def read_config(path: str | os.PathLike) -> tuple[GGUFFile, DFlashConfig]:
     """(the opened GGUF, its DFlashConfig). Raises errors.UnsupportedArchitecture (not `dflash`),
-    and what DFlashConfig.from_gguf raises."""
+    errors.DamagedFile (numbers the file does not back: check_numbers, before the config sizes a
+    per-layer tuple by block_count), and what DFlashConfig.from_gguf raises."""
     path = os.fspath(path)
     gguf = GGUFFile.open(path)
     if gguf.architecture != ARCH:
         raise UnsupportedArchitecture(path, gguf.architecture, (ARCH,))
+    check_numbers(gguf)
     return gguf, DFlashConfig.from_gguf(gguf.metadata, {n: gguf.tensor_info(n).shape for n in gguf}, source=path)
 
 
@@ -53,7 +56,6 @@ def load(path: str | os.PathLike, trunk, *, use_conv: bool = True, use_selector:
     """
     path = os.fspath(path)
     gguf, config = read_config(path)
-    check_numbers(gguf)
     tokens = gguf.get("tokenizer.ggml.tokens")
     problem = binding_problem(config, tokens, trunk)
     if problem is not None:
