@@ -282,3 +282,40 @@ def test_switching_speculation_off_stops_a_request_that_has_not_drafted_yet(mode
     assert result.spec.plain_steps["detached"] == len(result.tokens) - 1
     assert result.reason.code == "off"
     assert result.tokens == solo(model_path, registry, PROMPTS[0], max_tokens=40, ignore_eos=True).tokens
+
+
+@pytest.mark.parametrize("answer", ["raise", "short"])
+def test_a_propose_batch_that_fails_switches_every_caller_off_and_the_streams_stay_plain(model_path, registry, answer,
+                                                                                        caplog):
+    """Two requests draft together; on the third batched call the speculator raises (or answers one
+    draft for two contexts): both requests fault, go on plainly, and each stream is its plain one."""
+    calls = []
+
+    class Flaky(EchoSpeculator):
+        def propose_batch(self, states, ctxs):
+            calls.append(len(ctxs))
+            if len(calls) >= 3 and len(ctxs) == 2:
+                if answer == "raise":
+                    raise RuntimeError("batch bug")
+                return [[]]
+            return super().propose_batch(states, ctxs)
+
+    class FlakyPlugin:
+        @hookimpl
+        def register_speculators(self, register):
+            register(SpeculatorSpec(name="flaky", summary="fails in a batch (test)", can_arm_after_prefix_reuse=True,
+                                    factory=lambda t, **kw: Flaky(kw["spec"], max_draft_tokens=kw["max_draft_tokens"]),
+                                    priority=10))
+
+    engine = api.load(model_path, registry=Registry.from_plugins({"toy": toy_plugin, "f": FlakyPlugin()}),
+                      spec_type="flaky", adaptive=False)
+    requests = [dict(prompt=PROMPTS[0], max_tokens=30, ignore_eos=True),
+                dict(prompt=PROMPTS[1], max_tokens=24, ignore_eos=True)]
+    with caplog.at_level("WARNING", logger="verispec"):
+        results = drain(engine, [engine.generate(**kw) for kw in requests])
+    assert any(n == 2 for n in calls)
+    for kw, got in zip(requests, results):
+        assert got.tokens == solo(model_path, registry, **kw).tokens
+        assert got.reason.code == "faulted" and ("batch bug" in got.reason.text or "ids for" in got.reason.text
+                                                 or "returned" in got.reason.text)
+    assert sum("switched off for this engine" in r.getMessage() for r in caplog.records) == 1

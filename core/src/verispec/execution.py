@@ -140,7 +140,7 @@ class SpeculativeExecution:
       run alone (`should_speculate`, `plain_cause`, `record_*`). None = always armed.
     cost_model: optional verispec.cost_model.CostModel; it picks k for `step` and hears the
       drafter's propose and upkeep timings. None = k is the whole draft limit.
-    max_draft_tokens: the K ceiling (--spec-draft); default the speculator's.
+    max_draft_tokens: the K ceiling (--spec-draft), within the speculator's own; default the speculator's.
     on_plugin_fault: called once with a one-line reason when the speculator faults (module
       docstring); default: a logged warning naming the speculator.
     steps: a list that receives a StepRecord per step (it becomes `stats.steps`); None records none.
@@ -154,7 +154,8 @@ class SpeculativeExecution:
         self.speculator = speculator
         self.stop_token_ids = frozenset(stop_token_ids)
         self.governor, self.cost_model, self.clock = governor, cost_model, clock
-        self.max_draft_tokens = max_draft_tokens or (speculator.max_draft_tokens if speculator else 0)
+        ceiling = speculator.max_draft_tokens if speculator is not None else 0
+        self.max_draft_tokens = min(max_draft_tokens, ceiling) if max_draft_tokens else ceiling
         self.stats = ExecutionStats(steps=steps)
         self.acceptance = Acceptance()
         self.last_token: int | None = None
@@ -310,15 +311,23 @@ class SpeculativeExecution:
         else [last, d1..dk'] with the speculator's draft (k' <= k; an empty draft is a no-draft
         step). timed: the governor times this step (it runs alone). Hand the forward's output for
         this segment to `take`."""
-        if self.last_token is None:
-            raise RuntimeError("next_segment() before the first token: prefill, sample it, and set last_token")
-        step = self._step = _Step(start=self.clock(), timed=timed and self.governor is not None, cause=cause)
         if k == 0:
+            self._begin(0, cause, timed)
             if cause == "budget" and self.cost_model is not None:
                 self.stats.budget_line = self.cost_model.why_plain(self.acceptance.alpha, self.draft_limit()[0])
             if not self._deferred:
                 self._report_upkeep()
             return self.segment([self.last_token])
+        ctx = self.begin_draft(k, timed=timed)
+        started = self.clock()
+        proposed = None if ctx is None else self._plugin_call("propose", self.speculator.propose, self._state, ctx)
+        return self.end_draft(proposed, self.clock() - started)
+
+    def begin_draft(self, k: int, *, timed: bool = False) -> DraftContext | None:
+        """The first half of a drafting step (k >= 1): the speculator catches up (deferred commits,
+        `prepare`, timed as upkeep); returns the step's DraftContext for `propose`, or None when
+        the speculator faulted on the way. Then `end_draft` with what it proposed."""
+        self._begin(k, None, timed)
         self._catch_up()
         ctx = DraftContext(last_token=self.last_token, pos=self.seq_len, max_draft_tokens=k,
                            min_draft_prob=self.speculator.min_draft_prob, hidden_prev=self._hidden_prev,
@@ -328,16 +337,24 @@ class SpeculativeExecution:
             self._plugin_call("prepare", self.speculator.prepare, self._state, ctx)
             self._upkeep_s += self.clock() - started
         self._report_upkeep()
-        started = self.clock()
-        proposed = None if self.fault else self._plugin_call("propose", self.speculator.propose, self._state, ctx)
-        step.draft_s = self.clock() - started
-        self.stats.draft_s += step.draft_s
-        step.warm = self.cost_model.record_propose(k, step.draft_s) if self.cost_model is not None else True
-        step.draft = self._checked_draft(proposed, k)
-        step.cause = None
+        return ctx if self.fault is None else None
+
+    def end_draft(self, proposed, draft_s: float) -> Segment:
+        """The second half: `proposed` (propose's return for this step's context; None after a
+        fault) took `draft_s` seconds of drafting; returns the segment to forward."""
+        step = self._step
+        step.draft_s = draft_s
+        self.stats.draft_s += draft_s
+        step.warm = self.cost_model.record_propose(step.k, draft_s) if self.cost_model is not None else True
+        step.draft = self._checked_draft(proposed, step.k)
         if not step.draft:
             return self.segment([self.last_token])
         return self.segment([self.last_token, *step.draft], logits="all", verify=True)
+
+    def _begin(self, k: int, cause: str | None, timed: bool) -> None:
+        if self.last_token is None:
+            raise RuntimeError("a step before the first token: prefill, sample it, and set last_token")
+        self._step = _Step(start=self.clock(), timed=timed and self.governor is not None, cause=cause, k=k)
 
     def take(self, out, sampler, on_token: OnToken) -> bool:
         """This sequence's output (a SegmentOutput) of the forward of `next_segment`'s segment: accept,
@@ -459,13 +476,49 @@ class SpeculativeExecution:
         self._upkeep_rows, self._upkeep_s = 0, 0.0
 
 
+def draft_segments(executions: Sequence[SpeculativeExecution], plans: Sequence[tuple[int, str | None]], *,
+                   timed: bool = False) -> list[Segment]:
+    """`next_segment` for several sequences of one step, plans[i] = (k, plain cause): the ones that
+    draft propose in one `Speculator.propose_batch` call per speculator (a drafter that forwards
+    a model runs one forward per draft position over all of them), each charged an equal share
+    of its time. A raise or a wrong-length answer is every caller's plugin fault."""
+    segments: list[Segment | None] = [None] * len(executions)
+    groups: dict[int, list] = {}
+    for i, (ex, (k, cause)) in enumerate(zip(executions, plans)):
+        if k == 0:
+            segments[i] = ex.next_segment(0, cause, timed=timed)
+            continue
+        ctx = ex.begin_draft(k, timed=timed)
+        if ctx is None:
+            segments[i] = ex.end_draft(None, 0.0)
+        else:
+            groups.setdefault(id(ex.speculator), []).append((i, ex, ctx))
+    for group in groups.values():
+        speculator, clock = group[0][1].speculator, group[0][1].clock
+        started = clock()
+        try:
+            proposals = speculator.propose_batch([ex._state for _, ex, _ in group], [ctx for _, _, ctx in group])
+            if not isinstance(proposals, (list, tuple)) or len(proposals) != len(group):
+                raise TypeError(f"returned {type(proposals).__name__} for {len(group)} contexts, not one list each")
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 -- anything a plugin raises is its fault
+            what = "propose" if type(speculator).propose_batch is Speculator.propose_batch else "propose_batch"
+            for _, ex, _ in group:
+                ex._plugin_fault(f"{what} raised {type(exc).__name__}: {exc}")
+            proposals = [None] * len(group)
+        share = (clock() - started) / len(group)
+        for (i, ex, _), proposed in zip(group, proposals):
+            segments[i] = ex.end_draft(proposed, share)
+    return segments
+
+
 @attrs.define
 class _Step:
     """What `next_segment` decided, for `take`."""
 
     start: float
     timed: bool
-    cause: str | None  # why the step is plain; None once the speculator was asked to draft
+    cause: str | None  # why the step is plain; None when the speculator is asked to draft
+    k: int = 0
     draft: list[int] = attrs.field(factory=list)
     draft_s: float = 0.0
     warm: bool = True  # the propose timing counts (not a cold first call)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
-from verispec.execution import ExecutionStats, SpeculativeExecution
+from verispec.execution import ExecutionStats, SpeculativeExecution, draft_segments
 from verispec.reasons import SpeculationReason, request_reason
 from verispec.sampling import Sampler, SamplingParams
 
@@ -221,9 +221,11 @@ class Request:
         """k for a step it runs alone (governor, then cost model)."""
         return self.execution.solo_plan(self.num_tokens_left)
 
-    def next_segment(self, k: int, cause: str | None, *, timed: bool):
-        """The rows it forwards this decoding step: its pending token and up to k drafts."""
-        return self.execution.next_segment(k, cause, timed=timed)
+    @staticmethod
+    def next_segments(requests: Sequence["Request"], plans: Sequence[tuple[int, str | None]], *, timed: bool) -> list:
+        """The rows each decoding request forwards this step, plans[i] = (k, plain cause): its pending
+        token and up to k drafts; the ones that draft propose together (execution.draft_segments)."""
+        return draft_segments([r.execution for r in requests], plans, timed=timed)
 
     def take(self, segment, out) -> bool | None:
         """Its output (a SegmentOutput) of this step's forward of `segment`; True when it finished

@@ -231,10 +231,12 @@ class Scheduler:
                     budget -= n
                     prefills[request] = request.prefill_segment(n)
         plan = self._plan(solo, sum(len(s.tokens) for s in prefills.values()))
+        decoding = list(plan)
+        segments = dict(zip(decoding, Request.next_segments(decoding, [plan[r] for r in decoding],
+                                                            timed=solo is not None)))
         owners, batch = [], []
         for request in self._running:
-            segment = request.next_segment(*plan[request], timed=solo is not None) if request.decoding \
-                else prefills.get(request)
+            segment = segments.get(request) or prefills.get(request)
             if segment is not None:
                 owners.append(request)
                 batch.append(segment)

@@ -312,6 +312,12 @@ class Speculator:
         """Draft ids for positions ctx.pos+1 .. (at most ctx.max_draft_tokens); may be empty."""
         raise NotImplementedError
 
+    def propose_batch(self, states: Sequence[Any], ctxs: Sequence[DraftContext]) -> list[list[int]]:
+        """`propose` for several sequences of one engine step at once (one state and context each,
+        in order); returns one draft per context. Default: `propose` for each. A drafter that runs
+        a model overrides it to forward all of them together, one forward per draft position."""
+        return [self.propose(state, ctx) for state, ctx in zip(states, ctxs)]
+
     def commit(self, state: Any, tokens: Sequence[int], hidden_rows: "torch.Tensor | None", start_pos: int) -> None:
         """Tokens that landed in the sequence at positions start_pos.., with their tapped rows [n, F]."""
         raise NotImplementedError

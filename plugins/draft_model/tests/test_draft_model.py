@@ -55,14 +55,15 @@ def plain(trunk, prompt, n):
 
 
 def exact_drafts(spec, text):
-    """Wrap spec.propose; returns the list of (proposal, what `text` holds there) it made."""
-    made, propose = [], spec.propose
+    """Wrap spec.propose_batch (what the engine calls); returns the list of (proposal, what `text`
+    holds there) it made."""
+    made, propose_batch = [], spec.propose_batch
 
-    def recording(state, ctx):
-        draft = propose(state, ctx)
-        made.append((draft, text[ctx.pos + 1:ctx.pos + 1 + len(draft)]))
-        return draft
-    spec.propose = recording
+    def recording(states, ctxs):
+        drafts = propose_batch(states, ctxs)
+        made.extend((draft, text[ctx.pos + 1:ctx.pos + 1 + len(draft)]) for draft, ctx in zip(drafts, ctxs))
+        return drafts
+    spec.propose_batch = recording
     return made
 
 
@@ -90,8 +91,14 @@ def test_a_near_drafter_gives_the_plain_stream_and_drafts_from_the_committed_tex
     after exactly the committed text: rejected rows were cut off its state."""
     spec = speculator(load(paths["near"]), trunk)
     text = PROMPT + plain(trunk, PROMPT, 48)
-    made, positions, propose = [], [], spec.propose
-    spec.propose = lambda state, ctx: positions.append(ctx.pos) or made.append(propose(state, ctx)) or made[-1]
+    made, positions, propose_batch = [], [], spec.propose_batch
+
+    def recording(states, ctxs):
+        drafts = propose_batch(states, ctxs)
+        positions.extend(ctx.pos for ctx in ctxs)
+        made.extend(drafts)
+        return drafts
+    spec.propose_batch = recording
     tokens, execution = run_greedy(trunk, PROMPT, 48, spec)
     assert PROMPT + tokens == text
     assert 0.2 < execution.stats.acceptance_rate < 0.9
@@ -108,18 +115,32 @@ def test_a_drafter_reading_a_suffix_of_the_prompt_still_gives_the_plain_stream(p
     assert tokens == plain(trunk, PROMPT, 32) and execution.stats.num_draft_tokens > 0
 
 
-def test_the_drafter_catches_up_after_a_batched_interlude(paths, trunk):
-    """Request 0 speculates alone, runs beside request 1 (plain, batched), then alone again: the
-    drafter caught up over the batched rows, so its drafts stay exact."""
-    spec = speculator(load(paths["trunk"]), trunk)
+def test_the_requests_of_a_batch_draft_together_one_drafter_forward_per_position(paths, trunk):
+    """Request 0 speculates alone, then beside request 1 (both drafting in one propose_batch call
+    per step, one drafter forward per draft position over both), then alone again: every draft
+    is the exact continuation of its own request's text."""
+    draft = load(paths["trunk"])
+    spec = speculator(draft, trunk)
     prompts, limits = [PROMPT, PROMPT[3:30]], [100, 30]
     texts = [prompt + plain(trunk, prompt, limit) for prompt, limit in zip(prompts, limits)]
-    made = exact_drafts(spec, texts[0])  # request 1 never runs alone, so never drafts
+    made, calls, propose_batch = [], [], spec.propose_batch
+
+    def recording(states, ctxs):
+        drafts = propose_batch(states, ctxs)
+        calls.append(len(ctxs))
+        for state, ctx, proposal in zip(states, ctxs, drafts):
+            held = state.tokens[:ctx.pos] + [ctx.last_token]
+            text = next(t for t in texts if t[:len(held)] == held)
+            made.append((proposal, text[ctx.pos + 1:ctx.pos + 1 + len(proposal)]))
+        return drafts
+    spec.propose_batch = recording
+    widths, forward = [], draft.forward
+    draft.forward = lambda batch: widths.append(len(batch)) or forward(batch)
     runs = run_greedy_requests(trunk, prompts, limits, spec, submit_at=[0, 6])
     for (tokens, _), prompt, text in zip(runs, prompts, texts):
         assert prompt + tokens == text
-    assert runs[0][1].stats.num_plain_steps > 0  # the interlude happened
-    assert runs[1][1].stats.num_draft_tokens == 0
+    assert max(calls) == 2 and max(widths) == 2  # one call and one forward per position for both
+    assert all(ex.stats.num_draft_tokens > 0 for _, ex in runs)
     assert_exact(made, 30)
 
 

@@ -24,7 +24,9 @@ over the ten largest logits is below it, after a drafted stop token, at the draf
 where the drafter's context ends. Greedy drafts: the loop's acceptance keeps the output exact for
 any sampler.
 
-Both models share the process's torch threads and run one after the other.
+Several sequences draft together (`propose_batch`, a batched engine step): one drafter forward
+per draft position carries every sequence still drafting. Both models share the process's torch
+threads and run one after the other.
 """
 from __future__ import annotations
 
@@ -83,28 +85,38 @@ class DraftModelSpeculator(Speculator):
         return state
 
     def propose(self, state: _DraftSequence, ctx: DraftContext) -> list[int]:
-        if ctx.last_token in ctx.stop_token_ids:
-            return []
-        if len(state.tokens) != ctx.pos or state.offset is None:
-            raise ValueError(f"{len(state.tokens)} tokens committed, but the pending token sits at {ctx.pos}")
-        pos = ctx.pos - state.offset  # x's position in the drafter
-        # the drafter writes positions up to pos + k - 1 (it never forwards the last draft)
-        k = min(ctx.max_draft_tokens, self.draft.max_context_length - pos)
-        if k < 1:
-            return []
-        state.base = pos
-        rows = [*state.tokens[state.offset + self.draft.seq_len(state.seq):], ctx.last_token]
-        draft: list[int] = []
-        while True:
-            logits = self.draft.forward([Segment(state.seq, rows)])[0].logits[-1, :self.vocab_size]
-            if top1_gate_prob(logits) < ctx.min_draft_prob:
-                break
-            token = int(logits.argmax())
-            draft.append(token)
-            if token in ctx.stop_token_ids or len(draft) == k:
-                break
-            rows = [token]
-        return draft
+        return self.propose_batch([state], [ctx])[0]
+
+    def propose_batch(self, states: Sequence[_DraftSequence], ctxs: Sequence[DraftContext]) -> list[list[int]]:
+        """Every sequence's draft, one drafter forward per draft position over all that still draft."""
+        drafts: list[list[int]] = [[] for _ in states]
+        active = []  # (index, state, ctx, k, rows to forward)
+        for i, (state, ctx) in enumerate(zip(states, ctxs)):
+            if ctx.last_token in ctx.stop_token_ids:
+                continue
+            if len(state.tokens) != ctx.pos or state.offset is None:
+                raise ValueError(f"{len(state.tokens)} tokens committed, but the pending token sits at {ctx.pos}")
+            pos = ctx.pos - state.offset  # x's position in the drafter
+            # the drafter writes positions up to pos + k - 1 (it never forwards the last draft)
+            k = min(ctx.max_draft_tokens, self.draft.max_context_length - pos)
+            if k < 1:
+                continue
+            state.base = pos
+            active.append((i, state, ctx, k, [*state.tokens[state.offset + self.draft.seq_len(state.seq):],
+                                              ctx.last_token]))
+        while active:
+            outs = self.draft.forward([Segment(state.seq, rows) for _, state, _, _, rows in active])
+            still = []
+            for (i, state, ctx, k, _), out in zip(active, outs):
+                logits = out.logits[-1, :self.vocab_size]
+                if top1_gate_prob(logits) < ctx.min_draft_prob:
+                    continue
+                token = int(logits.argmax())
+                drafts[i].append(token)
+                if token not in ctx.stop_token_ids and len(drafts[i]) < k:
+                    still.append((i, state, ctx, k, [token]))
+            active = still
+        return drafts
 
     def commit(self, state: _DraftSequence, tokens: Sequence[int], hidden_rows, start_pos: int) -> None:
         if start_pos > len(state.tokens):
