@@ -275,13 +275,16 @@ def test_a_slow_speculator_is_parked_at_its_first_warm_call_and_named_once_the_t
     from verispec.cost_model import COLD_PROPOSE_CALLS
 
     engines, losses_at_calls = [], []
+    plain_engine = api.load(model_path, registry=Registry.from_plugins({"toy": toy_plugin}),
+                            spec=SpecOptions(enabled=False))
+    text = plain_engine.encode(PROMPT) + run(plain_engine, max_tokens=64, ignore_eos=True)[0].tokens
 
-    class SlowEcho(EchoSpeculator):
+    class SlowEcho(EchoSpeculator):  # slow, and always right: only its cost can stop it
         def propose(self, history, ctx):
             governor = engines[0].governor()[0]
             losses_at_calls.append(governor.stats.losses)
             time.sleep(max(0.02, 2 * ctx.max_draft_tokens * governor.stats.plain_ms_per_token / 1e3))
-            return super().propose(history, ctx)
+            return text[ctx.pos + 1:ctx.pos + 1 + ctx.max_draft_tokens]
 
     class SlowPlugin:
         @hookimpl
