@@ -37,7 +37,7 @@ def model_with(forward, *, max_draft_tokens=8, propose=None, upkeep_per_row=None
     for n in range(1, 8 * (max_draft_tokens + 1) + 1):
         model.record_forward(n, forward(n))
     for _ in range(COLD_PROPOSE_CALLS):
-        model.record_propose(1, 99.0)  # cold: discarded
+        model.record_propose(1, 0.05)  # cold (under COLD_SLACK forwards): discarded
     for k, s in (propose or {}).items():
         model.record_propose(k, s)
     if upkeep_per_row is not None:
@@ -127,12 +127,17 @@ def test_a_drafter_whose_upkeep_alone_outweighs_its_gain_is_never_armed():
     assert model_with(lambda n: 0.02 + 0.0001 * n, upkeep_per_row=0.001).plan([1.0], [8]) == [8]
 
 
-def test_cold_propose_calls_are_discarded():
+def test_cold_propose_calls_are_discarded_but_not_a_stall():
     model = CostModel(4)
-    assert [model.record_propose(2, 1.0) for _ in range(COLD_PROPOSE_CALLS)] == [False] * COLD_PROPOSE_CALLS
+    model.record_forward(1, 0.01)
+    assert [model.record_propose(2, 0.15) for _ in range(COLD_PROPOSE_CALLS)] == [False] * COLD_PROPOSE_CALLS
     assert model.propose_s(2) == 0.0  # nothing warm measured yet
     assert model.record_propose(2, 0.004)
     assert model.propose_s(2) == pytest.approx(0.004) and model.propose_s(4) == pytest.approx(0.008)
+    stalled = CostModel(4)
+    stalled.record_forward(1, 0.01)
+    assert stalled.record_propose(2, 60.0)  # a first call of a minute is a stall: judged at once
+    assert stalled.plan([1.0], [4]) == [0]
 
 
 def test_adaptive_off_drafts_every_limit():
@@ -197,7 +202,7 @@ def test_upkeep_measured_through_the_loop_makes_the_request_plain():
 
 
 def test_a_cold_first_propose_does_not_park():
-    """The first propose takes 30 plain steps (cold), later ones almost nothing: the governor never
+    """The first propose takes 10 plain steps (cold), later ones almost nothing: the governor never
     hears of the cold one and does not park; the request speculates."""
     trunk = ToyTrunk(vocab_size=32, recurrent=True)
     plain = run_greedy(trunk, PROMPT, 40)[0]
@@ -207,7 +212,7 @@ def test_a_cold_first_propose_does_not_park():
 
     def script(ctx):
         calls.append(ctx.pos)
-        clock.now += 0.6 if len(calls) == 1 else 0.0001
+        clock.now += 0.2 if len(calls) == 1 else 0.0001
         return perfect.script(ctx)
     speculator = ScriptedSpeculator(script)
     governor = SpeculationCostGovernor(clock=clock)

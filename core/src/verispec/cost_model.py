@@ -25,7 +25,8 @@ The costs, in seconds, all measured on this engine (nothing is guessed once meas
 - propose(k): the drafter's `propose` for a bound of k drafts, a running mean per k; an
   unmeasured k interpolates linearly from the measured ones (0 before any). The first
   COLD_PROPOSE_CALLS calls of an engine are discarded: a cold call (allocation, first-touch
-  of a head's weights) is never judged.
+  of a head's weights) is never judged, unless it took more than COLD_SLACK one-row forwards
+  (a stall, not a warm-up: judged at once).
 - upkeep: seconds per committed row of the drafter's own work outside `propose` (`commit`,
   `prepare`: a head's Pass A/B, a draft model's catch-up rows), a running mean.
 
@@ -38,8 +39,10 @@ import time
 
 #: weight of a new measurement in a running mean of seconds.
 COST_EMA_WEIGHT = 0.25
-#: propose calls of an engine whose timing is discarded (cold: first allocations, caches).
+#: propose calls of an engine whose timing is discarded (cold: first allocations, caches), unless
+#: slower than COLD_SLACK one-row forwards (a stall is never excused as cold).
 COLD_PROPOSE_CALLS = 2
+COLD_SLACK = 20.0
 #: timed repetitions per row count in `profile` (after one untimed warm-up forward).
 PROFILE_REPEATS = 2
 #: one more verify row relative to one row, before anything is measured (the memory-bound slope of an
@@ -178,7 +181,8 @@ class CostModel:
     def record_propose(self, k: int, seconds: float) -> bool:
         """`propose` with a bound of k drafts took `seconds`; False when the call was cold (discarded)."""
         self._propose_calls += 1
-        if self._propose_calls <= COLD_PROPOSE_CALLS:
+        if self._propose_calls <= COLD_PROPOSE_CALLS and (
+                not self._forward_s or seconds <= COLD_SLACK * self.forward_s(1)):
             return False
         self._propose_s.record(k, seconds)
         return True
