@@ -4,6 +4,7 @@ serve` runs before it loads the model."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import socket
 
@@ -16,7 +17,8 @@ DEFAULT_HEADER_TIMEOUT = 20.0
 
 
 class PortInUse(VerispecError, OSError):
-    """`verispec serve --port N` where the port cannot be bound; found before the model loads."""
+    """`verispec serve --host H --port N` where that address cannot be bound (the port in use, a
+    host that is not this machine's); found before the model loads."""
 
 
 def check_port(host: str, port: int) -> None:
@@ -25,14 +27,15 @@ def check_port(host: str, port: int) -> None:
     (the OS picks one) is always free."""
     if port == 0:
         return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn picks it
     try:
-        family = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind((host.strip("[]"), port))
     except OSError as e:
-        raise PortInUse(f"cannot serve on {host}:{port} ({e.strerror or e}): another process may hold the port; "
-                        "pass another --port, or stop that process") from None
+        fix = ("another process holds the port: pass another --port, or stop that process"
+               if e.errno == errno.EADDRINUSE else "pass a --host of this machine (default 127.0.0.1) and a free --port")
+        raise PortInUse(f"cannot serve on {host}:{port} ({e.strerror or e}): {fix}") from None
 
 
 def host_allowed(host_header: str, allowed: frozenset[str]) -> bool:
