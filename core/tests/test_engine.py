@@ -267,9 +267,10 @@ def test_a_speculator_class_without_a_name_reports_its_registered_name(model_pat
 
 def test_a_slow_speculator_is_parked_at_its_first_warm_call_and_named_once_the_text_plain(model_path, caplog):
     """A plugin whose propose sleeps twice what a full window of plain decodes costs (the governor's
-    own baseline, so no load on the machine can make it look fast): its first COLD_PROPOSE_CALLS
-    calls are not judged, the next parks it, and the cost model, which has now measured it, never
-    calls it again: one warning naming it, the plain text."""
+    own baseline, so no load on the machine can make it look fast): at most its first
+    COLD_PROPOSE_CALLS calls are excused as cold (a call past COLD_SLACK one-row forwards is judged
+    at once), the next parks it, and the cost model, which has now measured it, never calls it
+    again: one warning naming it, the plain text."""
     import time
 
     from verispec.cost_model import COLD_PROPOSE_CALLS
@@ -297,8 +298,8 @@ def test_a_slow_speculator_is_parked_at_its_first_warm_call_and_named_once_the_t
     engines.append(api.load(model_path, registry=registry, spec_type="slow-echo"))
     with caplog.at_level("WARNING", logger="verispec"):
         spec, _ = run(engines[0], max_tokens=64, ignore_eos=True)
-    assert losses_at_calls[:COLD_PROPOSE_CALLS + 1] == [0] * (COLD_PROPOSE_CALLS + 1)
-    assert len(losses_at_calls) <= COLD_PROPOSE_CALLS + 2 and engines[0].governor()[0].stats.losses >= 1
+    assert losses_at_calls[0] == 0 and len(losses_at_calls) <= COLD_PROPOSE_CALLS + 2
+    assert engines[0].governor()[0].stats.losses >= 1
     assert len(caplog.records) == 1
     assert "speculator 'slow-echo'" in caplog.text and "propose took" in caplog.text
     engines[0].update_speculation(SpecOptions(enabled=False))

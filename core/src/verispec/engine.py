@@ -16,6 +16,7 @@ import attrs
 
 from verispec.cost_model import CostModel
 from verispec.errors import InvalidArgument
+from verispec.plugin_calls import PLUGIN_CALL_BOUND_S, PluginCalls
 from verispec.execution import resolve_max_draft_tokens
 from verispec.governor import SpeculationCostGovernor
 from verispec.reasons import SpeculationReason
@@ -64,13 +65,16 @@ class InferenceEngine:
     prefill_chunk: rows one engine step forwards at most (prefill chunks beside decodes).
     max_running: requests decoding at once (later ones queue). max_idle_sequences: finished
     sequences kept for prefix reuse. kv_budget_bytes: KV/state memory of running and idle
-    sequences (verispec.kv_budget; None = no budget).
+    sequences (verispec.kv_budget; None = no budget). plugin_call_bound_s: seconds a speculator
+    call may run before it is abandoned and the speculator switched off (verispec.plugin_calls;
+    `engine.plugin_calls.bound_s` changes it later).
     """
 
     def __init__(self, trunk, *, registry=None, spec: SpecOptions = SpecOptions(), prefill_chunk: int = 512,
                  max_running: int = DEFAULT_MAX_RUNNING, max_idle_sequences: int = DEFAULT_MAX_IDLE_SEQUENCES,
-                 kv_budget_bytes: int | None = None):
+                 kv_budget_bytes: int | None = None, plugin_call_bound_s: float = PLUGIN_CALL_BOUND_S):
         self.trunk = trunk
+        self.plugin_calls = PluginCalls(plugin_call_bound_s)
         self.tokenizer = declared(trunk, "tokenizer")
         self.registry = registry
         self.scheduler = Scheduler(trunk, max_rows_per_step=prefill_chunk, max_running=max_running,
@@ -124,7 +128,7 @@ class InferenceEngine:
         if self.speculator is None:
             return None
         governor, cost_model = self.governor()
-        return Speculation(self.speculator, governor, cost_model, self._plugin_fault)
+        return Speculation(self.speculator, governor, cost_model, self._plugin_fault, self.plugin_calls)
 
     def _plugin_fault(self, reason: str) -> None:
         """A speculator faulted mid-request (execution module docstring): one warning naming its

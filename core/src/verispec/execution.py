@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from verispec.cost_model import Acceptance
+from verispec.plugin_calls import PluginTimeout
 from verispec.sampling import InvalidLogits
 from verispec.seams import DraftContext, Segment, Trunk, Speculator, UnsupportedTap, declared
 
@@ -143,17 +144,21 @@ class SpeculativeExecution:
     max_draft_tokens: the K ceiling (--spec-draft), within the speculator's own; default the speculator's.
     on_plugin_fault: called once with a one-line reason when the speculator faults (module
       docstring); default: a logged warning naming the speculator.
+    plugin_calls: runs each speculator call, `plugin_calls(fn, *args)` (verispec.plugin_calls:
+      on a worker thread, abandoned past a bound); None calls them directly.
     steps: a list that receives a StepRecord per step (it becomes `stats.steps`); None records none.
     """
 
     def __init__(self, trunk: Trunk, seq: int, speculator: Speculator | None, *,
                  stop_token_ids: Sequence[int] = (), governor=None, cost_model=None,
                  max_draft_tokens: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 on_plugin_fault: Callable[[str], None] | None = None, steps: list | None = None):
+                 on_plugin_fault: Callable[[str], None] | None = None, plugin_calls: Callable | None = None,
+                 steps: list | None = None):
         self.trunk, self.seq = trunk, seq
         self.speculator = speculator
         self.stop_token_ids = frozenset(stop_token_ids)
         self.governor, self.cost_model, self.clock = governor, cost_model, clock
+        self.plugin_calls = plugin_calls
         ceiling = speculator.max_draft_tokens if speculator is not None else 0
         self.max_draft_tokens = min(max_draft_tokens, ceiling) if max_draft_tokens else ceiling
         self.stats = ExecutionStats(steps=steps)
@@ -206,13 +211,16 @@ class SpeculativeExecution:
     # -- plugin faults -----------------------------------------------------------------
 
     def _plugin_call(self, what: str, call: Callable, *args):
-        """`call(*args)`, or None after switching the speculator off when it raises — SystemExit
-        included: a plugin never ends the process (KeyboardInterrupt, Ctrl-C's, still does)."""
+        """`call(*args)` (through plugin_calls when given), or None after switching the speculator off
+        when it raises — SystemExit included: a plugin never ends the process — or runs past the
+        plugin_calls bound (abandoned)."""
         try:
-            return call(*args)
+            return self.plugin_calls(call, *args) if self.plugin_calls is not None else call(*args)
+        except PluginTimeout:
+            self._plugin_fault(f"{what} did not return within {self.plugin_calls.bound_s:g} s; abandoned")
         except (Exception, SystemExit) as exc:  # noqa: BLE001 -- anything a plugin raises is its fault
             self._plugin_fault(f"{what} raised {type(exc).__name__}: {exc}")
-            return None
+        return None
 
     def _plugin_fault(self, what: str) -> None:
         if self.fault is not None:
@@ -496,12 +504,19 @@ def draft_segments(executions: Sequence[SpeculativeExecution], plans: Sequence[t
     for group in groups.values():
         speculator, clock = group[0][1].speculator, group[0][1].clock
         started = clock()
+        what = "propose" if type(speculator).propose_batch is Speculator.propose_batch else "propose_batch"
+        runner = group[0][1].plugin_calls
         try:
-            proposals = speculator.propose_batch([ex._state for _, ex, _ in group], [ctx for _, _, ctx in group])
+            states, ctxs = [ex._state for _, ex, _ in group], [ctx for _, _, ctx in group]
+            proposals = runner(speculator.propose_batch, states, ctxs) if runner is not None \
+                else speculator.propose_batch(states, ctxs)
             if not isinstance(proposals, (list, tuple)) or len(proposals) != len(group):
                 raise TypeError(f"returned {type(proposals).__name__} for {len(group)} contexts, not one list each")
+        except PluginTimeout:
+            for _, ex, _ in group:
+                ex._plugin_fault(f"{what} did not return within {runner.bound_s:g} s; abandoned")
+            proposals = [None] * len(group)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 -- anything a plugin raises is its fault
-            what = "propose" if type(speculator).propose_batch is Speculator.propose_batch else "propose_batch"
             for _, ex, _ in group:
                 ex._plugin_fault(f"{what} raised {type(exc).__name__}: {exc}")
             proposals = [None] * len(group)

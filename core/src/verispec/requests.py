@@ -69,6 +69,8 @@ class Speculation:
     cost_model: object  # verispec.cost_model.CostModel
     #: called once with a one-line reason when the speculator faults.
     on_plugin_fault: Callable[[str], None]
+    #: runs every speculator call (verispec.plugin_calls.PluginCalls), or None to call directly.
+    plugin_calls: Callable | None = None
 
 
 @attrs.define
@@ -192,7 +194,8 @@ class Request:
         self.execution = SpeculativeExecution(
             trunk, self.seq, speculation.speculator, stop_token_ids=self.stop_ids, governor=speculation.governor,
             cost_model=speculation.cost_model, max_draft_tokens=speculation.cost_model.max_draft_tokens,
-            on_plugin_fault=speculation.on_plugin_fault, steps=self.generation.step_records)
+            on_plugin_fault=speculation.on_plugin_fault, plugin_calls=speculation.plugin_calls,
+            steps=self.generation.step_records)
         if self.reused:
             self.execution.seed_committed(self.ids[:self.reused])
 

@@ -102,6 +102,9 @@ def create_app(engine: InferenceEngine, *, model_name: str = "verispec",
     @app.get("/health")
     async def health():
         speculator = engine.speculator
+        problem = served.engine_thread.health()
+        if problem is not None:  # 503: a load balancer stops sending requests here
+            return JSONResponse({"status": "unhealthy", "detail": problem}, status_code=503)
         return {"status": "ok", "speculator": speculator.name if speculator is not None else None}
 
     @app.get("/metrics", response_class=PlainTextResponse)
