@@ -14,7 +14,7 @@ import pytest
 
 from verispec import hookimpl
 from verispec.install_hints import DEFAULT_CHECKPOINT_INSTALL, checkout_root
-from verispec.registry import (NoDefaultCheckpoint, Registry, UnknownArchitecture, UnknownCheckpoint, format_check,
+from verispec.registry import (NoDefaultCheckpoint, PluginError, Registry, UnknownArchitecture, UnknownCheckpoint, format_check,
                                format_plugin_table)
 from verispec.seams import DraftHeadKind, DrafterMismatch
 from verispec.speculator_choice import SpeculationUnavailable, choose_speculator
@@ -678,3 +678,13 @@ def test_check_references_names_the_distribution_of_each_typo(monkeypatch):
     assert "plugin 'typo' (typo-drafters 1.0): speculator 'typo': factory 'json:dumpz' does not import: " \
            "AttributeError: module 'json' has no attribute 'dumpz'" in report
     assert report[-1] == "checked 6 references of 4 plugins: 4 problems"
+
+
+def test_an_unknown_name_with_a_plugin_kept_out_says_it_may_be_that_one():
+    """A speculator whose plugin failed to import is not 'not installed': the message names the
+    plugin kept out and `verispec plugins --check` before any install advice."""
+    registry = Registry.from_plugins({"toys": Toy(spec("free"))})
+    broken = Registry(registry._entries, (PluginError("bigram", "trial-bigram", "0.1", "ModuleNotFoundError: x"),))
+    with pytest.raises(SpeculationUnavailable, match="kept out because they failed to load: trial-bigram") as info:
+        choose_speculator(broken, "bigram", Trunk(), max_draft_tokens=8)
+    assert "verispec plugins --check" in str(info.value)

@@ -152,6 +152,12 @@ def _candidates(registry: Registry, spec_type: str) -> list[Entry]:
         return group
     if spec_type in registry.speculators:
         return [registry.speculators[spec_type]]
+    kept_out = [f"{e.distribution or e.plugin} ({e.error})" for e in registry.errors]
+    if kept_out:  # it may be installed, and broken: say so before advising an install
+        raise SpeculationUnavailable(spec_type, {spec_type: (
+            f"no speculator named {spec_type!r} is registered (installed: {installed}); plugins kept out because "
+            f"they failed to load: {'; '.join(kept_out)} — fix those (`verispec plugins --check`), or "
+            f"{_install_advice(spec_type)}")})
     raise SpeculationUnavailable(spec_type, {spec_type: (
         f"no speculator named {spec_type!r} is installed (installed: {installed}); {_install_advice(spec_type)}")})
 
