@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_qwen35 import TINY_CONFIGS, build_hf_model, hf_to_gguf, write_fixture
 from verispec.errors import UnsupportedArchitecture, UnusedTensors
-from verispec.gguf_io import GGUFFile, MissingTensor
+from verispec.gguf.io import GGUFFile, MissingTensor
 from verispec_qwen35.loader import config_from_gguf, load
 from verispec_qwen35.modeling_qwen35 import FULL_ATTENTION, LINEAR_ATTENTION, UnsupportedQwen35Variant
 
