@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from verispec.cost_model import (
     COLD_PROPOSE_CALLS,
+    OPTIMISTIC_ALPHA,
     PRIOR_ACCEPT_RATE,
     Acceptance,
     CostModel,
@@ -73,11 +74,23 @@ def test_acceptance_is_the_truncated_geometric_estimate_and_decays_to_the_prior(
         a.record(4, 0)
     low = a.alpha
     assert low < 0.05
-    for _ in range(30):
+    assert a.planning_alpha == a.alpha  # its own evidence plans
+    for _ in range(120):
         a.skip()
     assert low < a.alpha == pytest.approx(PRIOR_ACCEPT_RATE, abs=0.01)
+    assert a.planning_alpha == OPTIMISTIC_ALPHA  # its own evidence has faded: measured again first
     with pytest.raises(ValueError, match="accepted <= drafted"):
         a.record(2, 3)
+
+
+def test_a_new_request_plans_optimistically_until_its_own_drafts_are_judged():
+    a = Acceptance()
+    assert a.planning_alpha == OPTIMISTIC_ALPHA > a.alpha
+    a.record(1, 0)  # one judged draft: not yet enough
+    assert a.planning_alpha == OPTIMISTIC_ALPHA
+    for _ in range(4):  # one judged draft each (the first rejected): 1.8, 2.4, 2.95, 3.4 decayed
+        a.record(2, 0)
+    assert a.planning_alpha == a.alpha < 0.3
 
 
 @settings(max_examples=150, deadline=None)
@@ -94,6 +107,14 @@ def test_plan_is_the_brute_force_optimum_when_drafting_is_free(alphas, limits, s
     assert model.value(alphas, got, other) == pytest.approx(best)
     assert all(0 <= k <= lim for k, lim in zip(got, limits))
     assert sum(got) == sum(want) or model.value(alphas, got, other) == pytest.approx(best)
+
+
+def test_a_noisy_table_is_read_non_decreasing_and_extrapolated_by_its_mean_slope():
+    model = CostModel(8)
+    for n, s in {1: 0.016, 4: 0.026, 7: 0.054, 8: 0.046}.items():  # 8 rows measured cheaper than 7: noise
+        model.record_forward(n, s)
+    assert model.forward_s(8) == pytest.approx(0.054)  # never less than a smaller count's time
+    assert model.forward_s(32) == pytest.approx(0.054 + (0.054 - 0.016) / 7 * 24)  # never free past the table
 
 
 def test_memory_bound_rows_draft_deep_and_compute_bound_rows_shallow():
@@ -151,10 +172,10 @@ def test_profile_times_every_verify_width_on_a_scratch_sequence():
     model = CostModel(5)
     before = trunk.num_forwards
     model.profile(trunk)
-    assert set(model.summary()["forward_ms"]) == set(range(1, 7))
-    assert trunk.num_forwards - before == 1 + 2 * 6
+    assert set(model.summary()["forward_ms"]) == {*range(1, 7), 12, 24}  # K + 1 = 6, and a batch's 2x and 4x
+    assert trunk.num_forwards - before == 1 + 2 * 6 + 2
     model.profile(trunk)  # once
-    assert trunk.num_forwards - before == 1 + 2 * 6
+    assert trunk.num_forwards - before == 1 + 2 * 6 + 2
     assert run_greedy(trunk, PROMPT, 12)[0] == run_greedy(ToyTrunk(vocab_size=32, recurrent=True), PROMPT, 12)[0]
 
 

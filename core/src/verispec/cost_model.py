@@ -18,10 +18,10 @@ every request plain, is always a candidate: value = N / forward(N + P). Ties go 
 
 The costs, in seconds, all measured on this engine (nothing is guessed once measured):
 
-- forward(n): a trunk forward of n rows. `profile` times n = 1..max_draft_tokens + 1 rows
-  once (a scratch sequence, well under a second on the default model); every real step then
-  refreshes its row count (running mean, COST_EMA_WEIGHT). Between measured counts: linear
-  interpolation; past the largest: its per-row slope.
+- forward(n): a trunk forward of n rows. `profile` times n = 1..K + 1 rows, and 2(K + 1) and
+  4(K + 1) once (a scratch sequence, about a second on the default model); every real step then
+  refreshes its row count (running mean, COST_EMA_WEIGHT). Read as a non-decreasing line:
+  between measured counts, linear interpolation; past the largest, the mean slope.
 - propose(k): the drafter's `propose` for a bound of k drafts, a running mean per k; an
   unmeasured k interpolates linearly from the measured ones (0 before any). The first
   COLD_PROPOSE_CALLS calls of an engine are discarded: a cold call (allocation, first-touch
@@ -35,6 +35,7 @@ The costs, in seconds, all measured on this engine (nothing is guessed once meas
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 
 #: weight of a new measurement in a running mean of seconds.
@@ -53,6 +54,14 @@ ACCEPT_DECAY = 0.8
 #: prior acceptance rate, worth PRIOR_JUDGED judged drafts of evidence.
 PRIOR_ACCEPT_RATE = 0.5
 PRIOR_JUDGED = 2.0
+#: a request's own judged drafts (decayed) before its estimate alone plans its drafts; below it the
+#: plan uses at least OPTIMISTIC_ALPHA, so every request drafts (if drafting can pay at all) before
+#: its own evidence can stop it.
+MIN_OWN_JUDGED = 3.0
+OPTIMISTIC_ALPHA = 0.8
+#: weight kept per step that drafted nothing: the estimate drifts back to the prior, and the
+#: request's own evidence fades, over tens of steps (then it is measured again).
+SKIP_DECAY = 0.95
 
 
 def expected_accepted(alpha: float, k: int) -> float:
@@ -65,9 +74,11 @@ def _ema(old: float | None, new: float) -> float:
 
 
 class _Table:
-    """Running means of seconds by count, read by linear interpolation: between the nearest
-    measured counts; past the largest, its value plus the last segment's slope (never negative);
-    below the smallest, its value (or `zero` at 0 when given: propose(0) = 0)."""
+    """Running means of seconds by count, read as a non-decreasing line: each measured count's
+    value is the largest mean at or below it (more rows never cost less: measurement noise is
+    not a discount); between measured counts, linear interpolation; past the largest, the mean
+    slope over the measured range; below the smallest, its value (or `zero` at 0 when given:
+    propose(0) = 0)."""
 
     def __init__(self, zero: float | None = None):
         self.means: dict[int, float] = {}
@@ -79,7 +90,7 @@ class _Table:
         self.means[n] = _ema(self.means.get(n), seconds)
         points = self.means if self._zero is None else {0: self._zero} | self.means
         self._keys = sorted(points)
-        self._values = [points[k] for k in self._keys]
+        self._values = list(itertools.accumulate((points[k] for k in self._keys), max))
 
     def __bool__(self) -> bool:
         return bool(self.means)
@@ -96,7 +107,7 @@ class _Table:
             return values[i - 1] + (values[i] - values[i - 1]) * (n - lo) / (hi - lo)
         if len(keys) == 1:
             return values[-1]
-        slope = max((values[-1] - values[-2]) / (keys[-1] - keys[-2]), 0.0)
+        slope = (values[-1] - values[0]) / (keys[-1] - keys[0])
         return values[-1] + slope * (n - keys[-1])
 
 
@@ -108,29 +119,40 @@ class Acceptance:
     judged, the maximum-likelihood estimate of a geometric run truncated at K. Both sums decay by
     ACCEPT_DECAY per step (the estimate follows the text) and start from PRIOR_JUDGED drafts at
     PRIOR_ACCEPT_RATE. A step that drafted nothing (`skip`) decays the evidence toward the prior,
-    so a request the model said not to draft for is measured again after a few steps.
+    so a request the model said not to draft for is measured again after some steps.
     """
 
     def __init__(self) -> None:
         self._passed = PRIOR_ACCEPT_RATE * PRIOR_JUDGED
         self._judged = PRIOR_JUDGED
+        self._own = 0.0  # the part of _judged this request's drafts contributed
 
     @property
     def alpha(self) -> float:
+        """The estimate α."""
         return self._passed / self._judged
+
+    @property
+    def planning_alpha(self) -> float:
+        """What the plan uses: α once the request's own evidence reaches MIN_OWN_JUDGED judged
+        drafts, else at least OPTIMISTIC_ALPHA (optimism under uncertainty: it is measured first)."""
+        return self.alpha if self._own >= MIN_OWN_JUDGED else max(self.alpha, OPTIMISTIC_ALPHA)
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         """A verify of `num_drafted` drafts accepted `num_accepted` of them (0 <= accepted <= drafted)."""
         if not 0 <= num_accepted <= num_drafted:
             raise ValueError(f"record({num_drafted=}, {num_accepted=}): report 0 <= accepted <= drafted")
         if num_drafted:
+            judged = num_accepted + (num_accepted < num_drafted)
             self._passed = ACCEPT_DECAY * self._passed + num_accepted
-            self._judged = ACCEPT_DECAY * self._judged + num_accepted + (num_accepted < num_drafted)
+            self._judged = ACCEPT_DECAY * self._judged + judged
+            self._own = ACCEPT_DECAY * self._own + judged
 
     def skip(self) -> None:
-        """A step that verified no draft: the evidence decays toward the prior."""
-        self._passed = ACCEPT_DECAY * self._passed + (1 - ACCEPT_DECAY) * PRIOR_ACCEPT_RATE * PRIOR_JUDGED
-        self._judged = ACCEPT_DECAY * self._judged + (1 - ACCEPT_DECAY) * PRIOR_JUDGED
+        """A step the plan gave no draft: the evidence drifts toward the prior (SKIP_DECAY)."""
+        self._passed = SKIP_DECAY * self._passed + (1 - SKIP_DECAY) * PRIOR_ACCEPT_RATE * PRIOR_JUDGED
+        self._judged = SKIP_DECAY * self._judged + (1 - SKIP_DECAY) * PRIOR_JUDGED
+        self._own *= SKIP_DECAY
 
 
 class CostModel:
@@ -154,8 +176,9 @@ class CostModel:
     # -- measurements -------------------------------------------------------------------------
 
     def profile(self, trunk) -> None:
-        """Time verify forwards of 1 .. max_draft_tokens + 1 rows on a scratch sequence (released
-        after), once; later calls do nothing."""
+        """Time verify forwards of 1 .. K + 1 rows (PROFILE_REPEATS each), and of 2 (K + 1) and
+        4 (K + 1) rows once (a batch's draft rows), on a scratch sequence released after; once,
+        later calls do nothing."""
         if self.profiled:
             return
         self.profiled = True
@@ -164,8 +187,10 @@ class CostModel:
         seq = trunk.new_sequence()
         try:
             trunk.forward([Segment(seq, [0], logits="last")])  # one committed row; untimed warm-up
-            for n in range(1, self.max_draft_tokens + 2):
-                for _ in range(PROFILE_REPEATS):
+            widest = self.max_draft_tokens + 1
+            for n, repeats in [(n, PROFILE_REPEATS) for n in range(1, widest + 1)] + [(2 * widest, 1),
+                                                                                     (4 * widest, 1)]:
+                for _ in range(repeats):  # the last two: a batch's worth of verify rows, once each
                     start = self.clock()
                     trunk.forward([Segment(seq, [0] * n, logits="all", verify=True)])
                     self.record_forward(n, self.clock() - start)

@@ -298,7 +298,7 @@ class SpeculativeExecution:
         if self.governor is not None and not self.governor.should_speculate():
             return 0, self.governor.plain_cause()
         if self.cost_model is not None:
-            k = self.cost_model.plan([self.acceptance.alpha], [k])[0]
+            k = self.cost_model.plan([self.acceptance.planning_alpha], [k])[0]
             if k == 0:
                 return 0, "budget"
         return k, None
@@ -322,7 +322,7 @@ class SpeculativeExecution:
         if k == 0:
             self._begin(0, cause, timed)
             if cause == "budget" and self.cost_model is not None:
-                self.stats.budget_line = self.cost_model.why_plain(self.acceptance.alpha, self.draft_limit()[0])
+                self.stats.budget_line = self.cost_model.why_plain(self.acceptance.planning_alpha, self.draft_limit()[0])
             if not self._deferred:
                 self._report_upkeep()
             return self.segment([self.last_token])

@@ -217,8 +217,8 @@ class Request:
 
     @property
     def alpha(self) -> float:
-        """Its per-draft acceptance estimate α (verispec.cost_model.Acceptance)."""
-        return self.execution.acceptance.alpha
+        """Its per-draft acceptance α as the plan uses it (verispec.cost_model.Acceptance.planning_alpha)."""
+        return self.execution.acceptance.planning_alpha
 
     def solo_plan(self) -> tuple[int, str | None]:
         """k for a step it runs alone (governor, then cost model)."""
