@@ -54,13 +54,13 @@ ACCEPT_DECAY = 0.8
 #: prior acceptance rate, worth PRIOR_JUDGED judged drafts of evidence.
 PRIOR_ACCEPT_RATE = 0.5
 PRIOR_JUDGED = 2.0
-#: a request's own judged drafts (decayed) before its estimate alone plans its drafts; below it the
-#: plan uses at least OPTIMISTIC_ALPHA, so every request drafts (if drafting can pay at all) before
-#: its own evidence can stop it.
-MIN_OWN_JUDGED = 3.0
+#: a request's own judged drafts before its estimate alone plans its drafts; until then the plan
+#: uses at least OPTIMISTIC_ALPHA with at most PROBE_MAX_DRAFTS drafts a step, so every request is
+#: measured (cheaply: two rejected drafts suffice) before the prior can stop it.
+MIN_OWN_JUDGED = 2
 OPTIMISTIC_ALPHA = 0.8
-#: weight kept per step that drafted nothing: the estimate drifts back to the prior, and the
-#: request's own evidence fades, over tens of steps (then it is measured again).
+PROBE_MAX_DRAFTS = 2
+#: weight kept per step the plan gave no draft: the estimate drifts back to the prior over tens of steps.
 SKIP_DECAY = 0.95
 
 
@@ -125,7 +125,9 @@ class Acceptance:
     def __init__(self) -> None:
         self._passed = PRIOR_ACCEPT_RATE * PRIOR_JUDGED
         self._judged = PRIOR_JUDGED
-        self._own = 0.0  # the part of _judged this request's drafts contributed
+        self._own = 0  # drafts of this request judged so far
+        #: its own drafts have been judged MIN_OWN_JUDGED times: its estimate plans from now on.
+        self.measured = False
 
     @property
     def alpha(self) -> float:
@@ -134,9 +136,9 @@ class Acceptance:
 
     @property
     def planning_alpha(self) -> float:
-        """What the plan uses: α once the request's own evidence reaches MIN_OWN_JUDGED judged
-        drafts, else at least OPTIMISTIC_ALPHA (optimism under uncertainty: it is measured first)."""
-        return self.alpha if self._own >= MIN_OWN_JUDGED else max(self.alpha, OPTIMISTIC_ALPHA)
+        """What the plan uses: α once the request is `measured`, else at least OPTIMISTIC_ALPHA
+        (optimism under uncertainty: it is measured before the prior can stop it)."""
+        return self.alpha if self.measured else max(self.alpha, OPTIMISTIC_ALPHA)
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         """A verify of `num_drafted` drafts accepted `num_accepted` of them (0 <= accepted <= drafted)."""
@@ -146,13 +148,14 @@ class Acceptance:
             judged = num_accepted + (num_accepted < num_drafted)
             self._passed = ACCEPT_DECAY * self._passed + num_accepted
             self._judged = ACCEPT_DECAY * self._judged + judged
-            self._own = ACCEPT_DECAY * self._own + judged
+            self._own += judged
+            self.measured = self._own >= MIN_OWN_JUDGED
 
     def skip(self) -> None:
-        """A step the plan gave no draft: the evidence drifts toward the prior (SKIP_DECAY)."""
+        """A step the plan gave no draft: the estimate drifts toward the prior (SKIP_DECAY), so a
+        text that changes is tried again when its (decayed) estimate says drafting may pay."""
         self._passed = SKIP_DECAY * self._passed + (1 - SKIP_DECAY) * PRIOR_ACCEPT_RATE * PRIOR_JUDGED
         self._judged = SKIP_DECAY * self._judged + (1 - SKIP_DECAY) * PRIOR_JUDGED
-        self._own *= SKIP_DECAY
 
 
 class CostModel:

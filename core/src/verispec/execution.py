@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from verispec.cost_model import Acceptance
+from verispec.cost_model import PROBE_MAX_DRAFTS, Acceptance
 from verispec.plugin_calls import PluginTimeout
 from verispec.sampling import InvalidLogits
 from verispec.seams import DraftContext, Segment, Trunk, Speculator, UnsupportedTap, declared
@@ -287,6 +287,8 @@ class SpeculativeExecution:
             return 0, "stop_token"
         room = self.trunk.max_context_length - self.seq_len - 1  # verify writes k + 1 rows
         k = min(self.max_draft_tokens, room, tokens_left - 1 if tokens_left is not None else room)
+        if self.cost_model is not None and self.cost_model.adaptive and not self.acceptance.measured:
+            k = min(k, PROBE_MAX_DRAFTS)  # measured cheaply first (verispec.cost_model)
         return (k, None) if k >= 1 else (0, "too_short")
 
     def solo_plan(self, tokens_left: int | None = None) -> tuple[int, str | None]:
