@@ -241,3 +241,16 @@ def test_a_cold_first_propose_does_not_park():
     assert out == plain
     assert governor.stats.losses == 0 and governor.stats.state is not GovernorState.PARKED
     assert ex.stats.num_spec_steps > 0 and ex.stats.num_accepted_tokens > 0
+
+
+def test_a_new_request_starts_from_the_drafters_acceptance_on_this_engine():
+    model = CostModel(4)
+    assert model.drafter_alpha is None and Acceptance(model.drafter_alpha).planning_alpha == OPTIMISTIC_ALPHA
+    for _ in range(12):
+        model.record_acceptance(2, 0)  # a drafter that is always wrong here
+    prior = model.drafter_alpha
+    assert prior == 0.0
+    fresh = Acceptance(prior)
+    assert fresh.planning_alpha == 0.0  # no optimism: earlier requests measured this drafter
+    fresh.skip()
+    assert fresh.alpha == 0.0

@@ -60,6 +60,10 @@ PRIOR_JUDGED = 2.0
 MIN_OWN_JUDGED = 2
 OPTIMISTIC_ALPHA = 0.8
 PROBE_MAX_DRAFTS = 2
+#: weight kept by the drafter's engine-wide acceptance per verify (≈ the last 50 verifies count), and
+#: the judged drafts it needs before it is a new request's prior.
+DRAFTER_DECAY = 0.98
+DRAFTER_MIN_JUDGED = 8.0
 #: weight kept per step the plan gave no draft: the estimate drifts back to the prior over tens of steps.
 SKIP_DECAY = 0.95
 
@@ -118,12 +122,16 @@ class Acceptance:
     rejection; the drafts after it were never judged) and K when a = K, so α = Σ passes / Σ
     judged, the maximum-likelihood estimate of a geometric run truncated at K. Both sums decay by
     ACCEPT_DECAY per step (the estimate follows the text) and start from PRIOR_JUDGED drafts at
-    PRIOR_ACCEPT_RATE. A step that drafted nothing (`skip`) decays the evidence toward the prior,
-    so a request the model said not to draft for is measured again after some steps.
+    the prior rate (`prior`: the drafter's acceptance over this engine's earlier requests,
+    CostModel.drafter_alpha; PRIOR_ACCEPT_RATE without one). A step that drafted nothing (`skip`)
+    decays the evidence toward the prior, so a request the model said not to draft for is
+    measured again after some steps.
     """
 
-    def __init__(self) -> None:
-        self._passed = PRIOR_ACCEPT_RATE * PRIOR_JUDGED
+    def __init__(self, prior: float | None = None) -> None:
+        self.prior = PRIOR_ACCEPT_RATE if prior is None else prior
+        self._optimistic = OPTIMISTIC_ALPHA if prior is None else prior
+        self._passed = self.prior * PRIOR_JUDGED
         self._judged = PRIOR_JUDGED
         self._own = 0  # drafts of this request judged so far
         #: its own drafts have been judged MIN_OWN_JUDGED times: its estimate plans from now on.
@@ -136,9 +144,10 @@ class Acceptance:
 
     @property
     def planning_alpha(self) -> float:
-        """What the plan uses: α once the request is `measured`, else at least OPTIMISTIC_ALPHA
-        (optimism under uncertainty: it is measured before the prior can stop it)."""
-        return self.alpha if self.measured else max(self.alpha, OPTIMISTIC_ALPHA)
+        """What the plan uses: α once the request is `measured`; before, at least the drafter's
+        acceptance on this engine so far (`prior`), or OPTIMISTIC_ALPHA for an engine's first
+        requests (optimism under uncertainty: a drafter is measured before a guess can stop it)."""
+        return self.alpha if self.measured else max(self.alpha, self._optimistic)
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         """A verify of `num_drafted` drafts accepted `num_accepted` of them (0 <= accepted <= drafted)."""
@@ -154,7 +163,7 @@ class Acceptance:
     def skip(self) -> None:
         """A step the plan gave no draft: the estimate drifts toward the prior (SKIP_DECAY), so a
         text that changes is tried again when its (decayed) estimate says drafting may pay."""
-        self._passed = SKIP_DECAY * self._passed + (1 - SKIP_DECAY) * PRIOR_ACCEPT_RATE * PRIOR_JUDGED
+        self._passed = SKIP_DECAY * self._passed + (1 - SKIP_DECAY) * self.prior * PRIOR_JUDGED
         self._judged = SKIP_DECAY * self._judged + (1 - SKIP_DECAY) * PRIOR_JUDGED
 
 
@@ -174,6 +183,7 @@ class CostModel:
         self._propose_s = _Table(zero=0.0)  # k bound -> running mean of seconds
         self._upkeep_s_per_row: float | None = None
         self._propose_calls = 0
+        self._passed = self._judged = 0.0  # every request's judged drafts, decayed by DRAFTER_DECAY
         self.profiled = False
 
     # -- measurements -------------------------------------------------------------------------
@@ -214,6 +224,18 @@ class CostModel:
             return False
         self._propose_s.record(k, seconds)
         return True
+
+    def record_acceptance(self, num_drafted: int, num_accepted: int) -> None:
+        """A verify of any request of this engine judged its drafts (Acceptance.record's rule)."""
+        if num_drafted:
+            self._passed = DRAFTER_DECAY * self._passed + num_accepted
+            self._judged = DRAFTER_DECAY * self._judged + num_accepted + (num_accepted < num_drafted)
+
+    @property
+    def drafter_alpha(self) -> float | None:
+        """The drafter's per-draft acceptance over this engine's requests (recent ones weigh
+        most), the prior of a new request; None before DRAFTER_MIN_JUDGED drafts were judged."""
+        return self._passed / self._judged if self._judged >= DRAFTER_MIN_JUDGED else None
 
     def record_upkeep(self, num_rows: int, seconds: float) -> None:
         """The drafter's work outside propose for `num_rows` committed rows took `seconds`."""

@@ -162,7 +162,7 @@ class SpeculativeExecution:
         ceiling = speculator.max_draft_tokens if speculator is not None else 0
         self.max_draft_tokens = min(max_draft_tokens, ceiling) if max_draft_tokens else ceiling
         self.stats = ExecutionStats(steps=steps)
-        self.acceptance = Acceptance()
+        self.acceptance = Acceptance(cost_model.drafter_alpha if cost_model is not None else None)
         self.last_token: int | None = None
         self.arming = Arming.ARMED if speculator is not None else None
         #: why the speculator was switched off for this sequence, or None.
@@ -181,6 +181,9 @@ class SpeculativeExecution:
             self._state = self._plugin_call("new_state", speculator.new_state)
             self._check_taps()
         self._step: _Step | None = None  # the step between next_segment and take
+        # the base class's prepare and keep do nothing: a speculator that keeps them is not called for them
+        self._calls_prepare = speculator is not None and _overrides(speculator, "prepare")
+        self._calls_keep = speculator is not None and _overrides(speculator, "keep")
 
     @property
     def seq_len(self) -> int:
@@ -342,7 +345,7 @@ class SpeculativeExecution:
         ctx = DraftContext(last_token=self.last_token, pos=self.seq_len, max_draft_tokens=k,
                            min_draft_prob=self.speculator.min_draft_prob, hidden_prev=self._hidden_prev,
                            stop_token_ids=self.stop_token_ids, seq=self.seq, trunk=self._view)
-        if self.fault is None:
+        if self.fault is None and self._calls_prepare:
             started = self.clock()
             self._plugin_call("prepare", self.speculator.prepare, self._state, ctx)
             self._upkeep_s += self.clock() - started
@@ -413,7 +416,8 @@ class SpeculativeExecution:
             i += 1
         num_kept = i + 1  # [last, d1..di] stay in the sequence; `token` is the new pending token
         self.trunk.keep(self.seq, num_kept)
-        self._plugin_call("keep", self.speculator.keep, self._state, num_kept)
+        if self._calls_keep:
+            self._plugin_call("keep", self.speculator.keep, self._state, num_kept)
         self._commit(rows[:num_kept], None if out.hidden is None else out.hidden[:num_kept], base)
         self.last_token = token
         self._record_step("spec", len(draft), num_accepted, num_kept)
@@ -426,6 +430,8 @@ class SpeculativeExecution:
         for j in range(num_accepted):
             stats.num_accepted_tokens_per_pos[j] += 1
         self.acceptance.record(len(draft), num_accepted)
+        if self.cost_model is not None:
+            self.cost_model.record_acceptance(len(draft), num_accepted)
         if step.timed and step.warm:
             self.governor.record_spec_step(self.clock() - step.start, num_emitted=num_kept,
                                            num_accepted=num_accepted, num_drafted=len(draft), draft_s=step.draft_s)
@@ -484,6 +490,12 @@ class SpeculativeExecution:
         if self.cost_model is not None and self._upkeep_rows > 0:
             self.cost_model.record_upkeep(self._upkeep_rows, self._upkeep_s)
         self._upkeep_rows, self._upkeep_s = 0, 0.0
+
+
+def _overrides(speculator: Speculator, name: str) -> bool:
+    """The speculator's `name` (its class's, or set on the instance) is not the base class's."""
+    method = getattr(speculator, name)
+    return getattr(method, "__func__", method) is not getattr(Speculator, name)
 
 
 def draft_segments(executions: Sequence[SpeculativeExecution], plans: Sequence[tuple[int, str | None]], *,
