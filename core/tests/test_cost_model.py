@@ -254,3 +254,16 @@ def test_a_new_request_starts_from_the_drafters_acceptance_on_this_engine():
     assert fresh.planning_alpha == 0.0  # no optimism: earlier requests measured this drafter
     fresh.skip()
     assert fresh.alpha == 0.0
+
+
+def test_real_steps_rescale_the_profiles_shape():
+    """A long real context makes every row dearer than the profile's: a few real steps at 3x the
+    profiled time for 8 rows price every row count at 3x, not only 8 (a count never stepped must
+    not look cheap next to it)."""
+    model = CostModel(5)
+    model.profile(ToyTrunk(vocab_size=32, recurrent=False))
+    profiled = {n: model.forward_s(n) for n in (1, 4, 8, 24)}
+    for _ in range(40):
+        model.record_forward(8, 3 * profiled[8])
+    for n, s in profiled.items():
+        assert model.forward_s(n) == pytest.approx(3 * s, rel=1e-3)

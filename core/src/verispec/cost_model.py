@@ -19,9 +19,12 @@ every request plain, is always a candidate: value = N / forward(N + P). Ties go 
 The costs, in seconds, all measured on this engine (nothing is guessed once measured):
 
 - forward(n): a trunk forward of n rows. `profile` times n = 1..K + 1 rows, and 2(K + 1) and
-  4(K + 1) once (a scratch sequence, about a second on the default model); every real step then
-  refreshes its row count (running mean, COST_EMA_WEIGHT). Read as a non-decreasing line:
-  between measured counts, linear interpolation; past the largest, the mean slope.
+  4(K + 1) once (a scratch sequence, about a second on the default model): the shape. Every
+  real step then rescales it by its time over the profile's for its row count (a running mean,
+  COST_EMA_WEIGHT): real contexts make every row dearer than the profile's, and one scale keeps
+  counts no step has used priced alike. Read as a non-decreasing line: between measured
+  counts, linear interpolation; past the largest, the mean slope. Without a profile (tests),
+  real steps fill the table themselves.
 - propose(k): the drafter's `propose` for a bound of k drafts, a running mean per k; an
   unmeasured k interpolates linearly from the measured ones (0 before any). The first
   COLD_PROPOSE_CALLS calls of an engine are discarded: a cold call (allocation, first-touch
@@ -179,7 +182,10 @@ class CostModel:
         if max_draft_tokens < 1:
             raise ValueError(f"CostModel({max_draft_tokens=}): give max_draft_tokens >= 1")
         self.max_draft_tokens, self.adaptive, self.clock = max_draft_tokens, adaptive, clock
-        self._forward_s = _Table()  # rows -> running mean of seconds
+        self._forward_s = _Table()  # rows -> running mean of seconds (the profile's, once profiled)
+        #: real steps' time over the profile's for their row count, a running mean: the profile's
+        #: shape at this engine's contexts (a verify at 500 positions costs more than at 1)
+        self._scale = 1.0
         self._propose_s = _Table(zero=0.0)  # k bound -> running mean of seconds
         self._upkeep_s_per_row: float | None = None
         self._propose_calls = 0
@@ -206,14 +212,19 @@ class CostModel:
                 for _ in range(repeats):  # the last two: a batch's worth of verify rows, once each
                     start = self.clock()
                     trunk.forward([Segment(seq, [0] * n, logits="all", verify=True)])
-                    self.record_forward(n, self.clock() - start)
+                    self._forward_s.record(n, self.clock() - start)
                     trunk.keep(seq, 0)  # a verify that accepted nothing: the sequence is back to one row
         finally:
             trunk.release(seq)
 
     def record_forward(self, num_rows: int, seconds: float) -> None:
-        """A forward of `num_rows` rows took `seconds`."""
-        if num_rows >= 1 and seconds >= 0:
+        """A forward of `num_rows` rows took `seconds`: it rescales the profile (once profiled: its
+        shape by row count, scaled to what real steps cost), else it is the table itself."""
+        if num_rows < 1 or seconds < 0:
+            return
+        if self.profiled:
+            self._scale = _ema(self._scale, seconds / self._forward_s(num_rows))
+        else:
             self._forward_s.record(num_rows, seconds)
 
     def record_propose(self, k: int, seconds: float) -> bool:
@@ -249,7 +260,7 @@ class CostModel:
         1 + PRIOR_ROW_COST · (n - 1) in units of one row."""
         if not self._forward_s:
             return 1.0 + PRIOR_ROW_COST * (num_rows - 1)
-        return self._forward_s(num_rows)
+        return self._scale * self._forward_s(num_rows)
 
     def propose_s(self, k: int) -> float:
         """Seconds of `propose` bounded at k drafts (0 for k = 0, and before any warm call)."""
@@ -298,7 +309,7 @@ class CostModel:
 
     def summary(self) -> dict:
         """What was measured, in ms: forward by rows, propose by k, upkeep per committed row."""
-        return {"forward_ms": {n: round(1e3 * s, 3) for n, s in sorted(self._forward_s.means.items())},
+        return {"forward_ms": {n: round(1e3 * self.forward_s(n), 3) for n in sorted(self._forward_s.means)},
                 "propose_ms": {k: round(1e3 * s, 3) for k, s in sorted(self._propose_s.means.items())},
                 "upkeep_ms_per_row": round(1e3 * self.upkeep_s_per_row, 4)}
 
