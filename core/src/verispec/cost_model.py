@@ -14,7 +14,8 @@ emitted tokens (the correction or bonus token included). `plan` picks the k that
 value(k): it ranks every (request, draft position j) slot by its survival α_i^j and admits the
 best B slots, for the B (0 .. every slot) of highest value — vLLM's adaptive verification
 (vllm-project/vllm PR #47808) with the drafter's own cost and upkeep in the denominator. B = 0,
-every request plain, is always a candidate: value = N / forward(N + P). Ties go to fewer slots.
+every request plain, is always a candidate: value = N / forward(N + P), and a plan with drafts
+must beat it by PLAN_MARGIN (3 %). Ties go to fewer slots.
 
 The costs, in seconds, all measured on this engine (nothing is guessed once measured):
 
@@ -41,6 +42,9 @@ import bisect
 import itertools
 import time
 
+#: how much more tokens per second than plain a plan with drafts must promise (the model's own
+#: error: a tie, or a gain inside measurement noise, stays plain).
+PLAN_MARGIN = 1.03
 #: weight of a new measurement in a running mean of seconds.
 COST_EMA_WEIGHT = 0.25
 #: propose calls of an engine whose timing is discarded (cold: first allocations, caches), unless
@@ -285,7 +289,7 @@ class CostModel:
         upkeep = self.upkeep_s_per_row
         ks = [0] * len(alphas)
         tokens, drafting = float(len(alphas)), 0.0  # value(ks) = tokens / (forward + drafting), kept as slots join
-        best_ks, best = list(ks), tokens / forward[0]
+        best_ks, best = list(ks), PLAN_MARGIN * tokens / forward[0]  # drafting must beat plain by the margin
         for b, (survival, i) in enumerate(slots, start=1):
             k = ks[i]
             # a request's first slot adds its propose call and its correction row's upkeep
