@@ -273,3 +273,10 @@ def test_real_steps_rescale_the_profiles_shape():
         model.record_forward(8, 3 * profiled[8])
     for n, s in profiled.items():
         assert model.forward_s(n) == pytest.approx(3 * s, rel=1e-3)
+
+
+def test_profile_fits_a_short_context():
+    """A model loaded with a 10-position context: the profile stops at the rows it can hold."""
+    model = CostModel(8)
+    model.profile(ToyTrunk(vocab_size=32, recurrent=True, max_context_length=10))
+    assert set(model.summary()["forward_ms"]) == set(range(1, 10))

@@ -211,8 +211,11 @@ class CostModel:
         try:
             trunk.forward([Segment(seq, [0], logits="last")])  # one committed row; untimed warm-up
             widest = self.max_draft_tokens + 1
+            room = trunk.max_context_length - 1  # a short context bounds the rows a verify may take
             for n, repeats in [(n, PROFILE_REPEATS) for n in range(1, widest + 1)] + [(2 * widest, 1),
                                                                                      (4 * widest, 1)]:
+                if n > room:
+                    break
                 for _ in range(repeats):  # the last two: a batch's worth of verify rows, once each
                     start = self.clock()
                     trunk.forward([Segment(seq, [0] * n, logits="all", verify=True)])
