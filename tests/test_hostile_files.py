@@ -225,7 +225,7 @@ def test_the_command_refuses_in_one_line_with_exit_1(family_mutants, family, kin
 
 
 
-# --- targeted mutants of the GLM families and DFlash (issue 43, item 1) ---------------------------
+# --- targeted mutants of the GLM families and DFlash ----------------------------
 # A handful per family, aimed at the numbers their configs read beyond the generic SIZE_KEYS (MLA
 # ranks, the sparse indexer, expert groups, KDA, hyper-connections, per-layer clamps), the byte-level
 # tokenizer's merges, and a DFlash drafter's block_count, which sized a per-layer tuple before any

@@ -1,5 +1,5 @@
-"""Caches that cannot be written, copied caches, and entries that are not files (issue 43, item 5),
-and an entry without its sha256 (item 8): a read-only or full VERISPEC_CACHE costs one warning
+"""Caches that cannot be written, copied caches, and entries that are not files,
+and an entry without its sha256: a read-only or full VERISPEC_CACHE costs one warning
 and the run goes on uncached; an assembled checkpoint in a copied cache is re-keyed by content
 (hashed, never assembled again); a directory where an entry belongs is removed and rebuilt.
 

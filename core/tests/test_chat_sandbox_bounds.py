@@ -1,4 +1,4 @@
-"""verispec.chat.sandbox's bounds against hostile templates (issue 43, item 4): every filter and
+"""verispec.chat.sandbox's bounds against hostile templates: every filter and
 every stringification stays within RENDER_MAX_CHARS / RENDER_MAX_ITEMS, refused before the value
 is built, and the RENDER_TIME_LIMIT_S deadline is enforced from outside the rendering call (a
 filter looping in Python stops there). The hostile set runs in a subprocess under a 1 GiB

@@ -1,4 +1,4 @@
-"""Control-token text in every role's content stays text (issue 43, item 8): a system or assistant
+"""Control-token text in every role's content stays text: a system or assistant
 message forging `<|im_start|>` / `<|im_end|>`, and a content that is one lone `<|im_end|>` (the
 marker spanning the whole content), yield exactly the control tokens of the template's own markup,
 as the same messages with the markers misspelled do. On the real SmolLM2 tokenizer (ChatML)."""

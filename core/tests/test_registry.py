@@ -259,9 +259,9 @@ def test_the_named_speculator_declining_is_the_unused_line_and_auto_goes_on(tiny
 
 
 def test_the_speculator_a_file_names_uses_it_without_requiring_a_head_and_no_false_not_used_line(tiny_file):
-    """The false line of issue 45: `--spec-type theirs --draft-model head.gguf` said "no installed
-    speculator drafts with a block draft head" while two did. Named by its file, theirs drives it;
-    a file that names nobody gets the speculators that do draft with a head, not "none"."""
+    """`--spec-type theirs --draft-model head.gguf` never claims "no installed speculator drafts with
+    a block draft head" while some do: named by its file, theirs drives it; a file that names
+    nobody gets the speculators that do draft with a head, not "none"."""
     theirs = spec("theirs", priority=1)  # reads the head its factory got, without declaring requires_draft_head
     head = Head(DraftHeadKind.BLOCK)
     named = Registry.from_plugins({"toys": Toy(spec("bigblock", requires_draft_head=True, priority=30), theirs,

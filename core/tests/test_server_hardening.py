@@ -1,4 +1,4 @@
-"""The server's edges (issue 43, item 6): the Host check against DNS rebinding, FastAPI's /docs
+"""The server's edges: the Host check against DNS rebinding, FastAPI's /docs
 and /redoc off by default, the `bearer` scheme in any case, the header timeout for half-sent
 headers, the port checked before the model loads, VERISPEC_API_KEY named over `--api-key KEY`,
 and one line from a tensor-parallel follower that lost its group. Also the key on GET /v1/models

@@ -1,4 +1,4 @@
-"""A hung test fails the run instead of hanging it (issue 43, item 8): pytest-timeout is in core's
+"""A hung test fails the run instead of hanging it: pytest-timeout is in core's
 test extra and the root pytest config gives every test a generous bound with the thread method,
 which also ends a hang inside C code (a collective, a lock) that a signal cannot interrupt."""
 import subprocess

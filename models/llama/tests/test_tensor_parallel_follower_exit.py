@@ -1,4 +1,4 @@
-"""A tensor-parallel follower that loses its group says so in one line (issue 43, item 6): rank 0
+"""A tensor-parallel follower that loses its group says so in one line: rank 0
 (a subprocess here) joins, loads its shard, and is killed, as a crashed rank 0 would be; the
 follower (`python -m verispec.tensor_parallel`, rank 1) exits 1 with one `verispec: error: rank 1:
 lost the tensor-parallel group: ...` line and no traceback."""

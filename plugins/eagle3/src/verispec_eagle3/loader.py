@@ -1,4 +1,4 @@
-"""The `DraftFileSpec` loader: an `eagle3` GGUF (llama.cpp's format; issue 50 names b11434) bound to
+"""The `DraftFileSpec` loader: an `eagle3` GGUF (llama.cpp b11434's format) bound to
 its trunk as an `Eagle3Head`.
 
 What the file means, read from llama.cpp's sources (src/models/eagle3.cpp, src/models/llama.cpp,
