@@ -1,5 +1,5 @@
 """`verispec bench --plot` (verispec.bench.plot) and the per-step records it draws
-(execution.StepRecord through Generation.step_records), on the toy GGUF with an echo drafter."""
+(step_stats.StepRecord through Generation.step_records), on the toy GGUF with an echo drafter."""
 import struct
 import sys
 
@@ -8,7 +8,7 @@ import pytest
 from verispec import api
 from verispec.bench.run import compare, load_scenarios
 from verispec.engine import SpecOptions
-from verispec.execution import StepRecord
+from verispec.step_stats import StepRecord
 from verispec.reasons import PLAIN_CAUSES
 from verispec.hookspecs import hookimpl
 from verispec.registry import Registry

@@ -55,7 +55,7 @@ def test_gguf_weights_without_the_kernels_get_their_own_hint(monkeypatch):
     import numpy as np
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from verispec.execution import ExecutionStats
+    from verispec.step_stats import ExecutionStats
     from verispec.kernels import ckernels
     from verispec.weights.block_linear import block_linear_class
     from verispec.weights.gguf_blocks import GGUFBlocks
@@ -77,7 +77,7 @@ def test_gguf_weights_without_the_kernels_get_their_own_hint(monkeypatch):
 def test_a_decode_slow_only_for_its_drafting_names_the_speculator(monkeypatch):
     """80 ms/token against a 36 ms hint threshold: with 65 ms of each token in propose the
     plugin is named, with 20 ms the rest is still slow and the machine hint stands."""
-    from verispec.execution import ExecutionStats
+    from verispec.step_stats import ExecutionStats
 
     engine = type("Engine", (), {"trunk": torch.nn.Linear(250, 100, bias=False)})()  # 100 kB of fp32
     monkeypatch.setattr(cpu, "FLOOR_BYTES_PER_S", 1e7)  # 10 ms a token to stream, 12 with the step; 3x: 36

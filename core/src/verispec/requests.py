@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
-from verispec.execution import ExecutionStats, SpeculativeExecution, draft_segments
+from verispec.execution import SpeculativeExecution, draft_segments
+from verispec.step_stats import ExecutionStats
 from verispec.reasons import SpeculationReason, request_reason
 from verispec.sampling import Sampler, SamplingParams
 
@@ -119,7 +120,7 @@ class Generation:
         #: called from the stepping thread after new items arrive (e.g. to wake an event loop).
         self.listener: Callable[[], None] | None = None
         #: set to a list before the first step to have a speculating request record its steps into
-        #: it (execution.StepRecord; also `result.spec.steps`).
+        #: it (step_stats.StepRecord; also `result.spec.steps`).
         self.step_records: list | None = None
 
     def cancel(self) -> None:

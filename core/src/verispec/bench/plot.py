@@ -2,7 +2,7 @@
 
 Top: plain vs speculative decode tok/s per scenario, each speculative bar annotated with its
 acceptance (accepted / drafted) and speedup. Bottom: the speculative run of one scenario step by
-step (execution.StepRecord): tokens emitted per step, drafted vs accepted per step, and the
+step (step_stats.StepRecord): tokens emitted per step, drafted vs accepted per step, and the
 steps the cost governor parked shaded. It is the picture of where drafting paid.
 
 matplotlib is core's optional `plot` extra (`pip install 'matplotlib>=3.8'`); it is imported only here,

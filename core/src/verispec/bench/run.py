@@ -48,7 +48,7 @@ class RunStats:
     drafted: int
     accepted: int
     governor: str | None
-    #: execution.StepRecords of every turn, when asked for (run_scenario's `steps`).
+    #: step_stats.StepRecords of every turn, when asked for (run_scenario's `steps`).
     steps: list | None = None
 
     @property
@@ -58,7 +58,7 @@ class RunStats:
 
 def run_scenario(engine, scenario: dict, steps: list | None = None) -> RunStats:
     """Decode a scenario from an empty cache; multi-turn answers feed the next turn.
-    steps: a list that receives every turn's execution.StepRecords, in order (speculative runs)."""
+    steps: a list that receives every turn's step_stats.StepRecords, in order (speculative runs)."""
     engine.reset_cache()
     chat = engine.tokenizer.chat_template is not None
     turns = scenario.get("turns") or [scenario["prompt"]]
@@ -96,7 +96,7 @@ def compare(engine, scenario: dict, spec: SpecOptions, repeats: int = 1, *, trac
             on_phase: Callable[[str], None] | None = None) -> dict:
     """One row of the bench: plain then speculative, `repeats` times, medians of speeds.
 
-    trace: a list that receives the last speculative run's execution.StepRecords.
+    trace: a list that receives the last speculative run's step_stats.StepRecords.
     on_phase: called with "plain" or "spec" before each run (the progress bar)."""
     plain_runs, spec_runs = [], []
     for repeat in range(repeats):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from verispec.engine import InferenceEngine
-from verispec.execution import acceptance_rate
+from verispec.step_stats import acceptance_rate
 from verispec.reasons import REASON_CODES
 
 
