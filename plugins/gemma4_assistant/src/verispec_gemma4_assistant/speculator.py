@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from verispec.draft_gate import top1_gate_prob
+from verispec.draft_gate import greedy_chain
 from verispec.seams import DraftContext, Speculator
 
 from verispec_gemma4_assistant.hooks import SPEC
@@ -39,19 +39,8 @@ class AssistantSpeculator(Speculator):
         if ctx.hidden_prev is None or ctx.seq is None or ctx.last_token in ctx.stop_token_ids:
             return []
         state.seq = ctx.seq
-        k = ctx.max_draft_tokens
         kv = self.head.read_kv(ctx.seq, ctx.pos)  # the trunk does not move while we draft
-        draft: list[int] = []
-        token, hidden = ctx.last_token, ctx.hidden_prev
-        while len(draft) < k:
-            logits, hidden = self.head.step(kv, token, hidden, ctx.pos)
-            if top1_gate_prob(logits) < ctx.min_draft_prob:
-                break
-            token = int(logits.argmax())
-            draft.append(token)
-            if token in ctx.stop_token_ids:
-                break
-        return draft
+        return greedy_chain(lambda token, hidden, j: self.head.step(kv, token, hidden, ctx.pos), ctx)
 
     def commit(self, state: Any, tokens: Sequence[int], hidden_rows, start_pos: int) -> None:
         """Nothing to record: every round reads the trunk's committed K/V afresh."""

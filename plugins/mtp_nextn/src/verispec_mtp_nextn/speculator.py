@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from verispec.draft_gate import top1_gate_prob
+from verispec.draft_gate import greedy_chain
 from verispec.seams import DraftContext, DraftHeadKind, Speculator
 
 from verispec_mtp_nextn.hooks import SPEC
@@ -43,20 +43,7 @@ class MtpSpeculator(Speculator):
         return self.head.new_state()
 
     def propose(self, state: Any, ctx: DraftContext) -> list[int]:
-        if ctx.hidden_prev is None or ctx.last_token in ctx.stop_token_ids:
-            return []
-        k = ctx.max_draft_tokens
-        draft: list[int] = []
-        token, hidden, pos = ctx.last_token, ctx.hidden_prev, ctx.pos
-        while len(draft) < k:
-            logits, hidden = self.head.draft_step(state, token, hidden, pos)
-            if top1_gate_prob(logits) < ctx.min_draft_prob:
-                break
-            token, pos = int(logits.argmax()), pos + 1
-            draft.append(token)
-            if token in ctx.stop_token_ids:
-                break
-        return draft
+        return greedy_chain(lambda token, hidden, j: self.head.draft_step(state, token, hidden, ctx.pos + j), ctx)
 
     def commit(self, state: Any, tokens: Sequence[int], hidden_rows, start_pos: int) -> None:
         self.head.draft_catch_up(state, tokens, hidden_rows, start_pos)
