@@ -8,9 +8,10 @@ leaves its directory; the next session removes it (the name carries the owner's 
 VERISPEC_TEST_CACHE=DIR keeps one cache between runs instead (conversions then happen once:
 reruns are ~30 s faster).
 
-The test modules of the model, plugin and example packages and the workspace's tests/ run torch on one
-thread (`_one_thread`); core's tests keep torch's default, since some of them test the threaded
-kernels.
+`./test.sh` runs the suite on pytest-xdist workers (one per core, four at most): every worker
+uses the session's one cache (its entries are written whole or not at all: `cache_digest.save`),
+and every test module runs torch on one thread (`_one_thread`), so two workers do not fight over
+two cores; the tests of the threaded kernels set their own thread count.
 """
 import os
 import re
@@ -22,8 +23,6 @@ import pytest
 
 _PREFIX = "verispec-test-cache-"
 _ROOT = Path(__file__).resolve().parent
-#: top-level folders whose test modules run torch on one thread
-ONE_THREAD_TREES = ("models", "plugins", "examples", "tests")
 _temporary: str | None = None
 
 
@@ -33,6 +32,8 @@ def pytest_configure(config):
     user_cache = os.environ.get("VERISPEC_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "verispec")
     os.environ.setdefault("VERISPEC_LLAMA_CPP", os.path.join(user_cache, "llama.cpp"))
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller's cache, inherited in os.environ
+        return
     kept = os.environ.get("VERISPEC_TEST_CACHE")
     if kept:
         os.environ["VERISPEC_CACHE"] = kept
@@ -44,14 +45,13 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread(request):
-    """Each test module under ONE_THREAD_TREES runs torch on one thread (verispec.testing.plugin's
-    `one_thread`): tiny models, where OpenMP's spin-waits on a shared machine only cost time."""
+    """Each of the workspace's test modules runs torch on one thread (verispec.testing.plugin's
+    `one_thread`): tiny models, where OpenMP's spin-waits beside another worker only cost time."""
     try:
-        tree = Path(request.path).resolve().relative_to(_ROOT).parts[0]
+        Path(request.path).resolve().relative_to(_ROOT)
     except ValueError:  # a module outside the workspace
         return
-    if tree in ONE_THREAD_TREES:
-        request.getfixturevalue("one_thread")
+    request.getfixturevalue("one_thread")
 
 
 def pytest_unconfigure(config):

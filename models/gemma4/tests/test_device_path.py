@@ -88,8 +88,9 @@ def test_past_the_ring_the_logits_stay_the_cpu_paths_within_rounding(trunks):
 
 class TestPlacedGemma3(PlacedTrunkSuite):
     prompt = PROMPT
-    verify_tokens = PROMPT + [8, 6, 10, 12, 30, 31, 32, 2, 4]
-    verify_prefix = 12
+    verify_tokens = PROMPT + [8, 6, 10, 12, 30]
+    verify_prefix, verify_rows = 12, 5  # the kernels' own tests cover 1..17 rows bitwise
+    stream_steps = 8
 
     def speculator(self, trunk, plain):
         from verispec_ngram.speculator import NGramSpeculator

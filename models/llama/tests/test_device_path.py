@@ -5,10 +5,11 @@ PyTorch row gather included, kernels.triton_attend over nn.kv_pool's pools, the 
 PyTorch statements for RMSNorm / SwiGLU, the RoPE table), but for the `.to(device)`.
 
 Checked against the same file's CPU trunk (the C kernels): logits bitwise (the Triton kernels and
-the statements are bitwise the references the C kernels are held to), n-gram speculative greedy
-streams equal to plain greedy, a k-row verify (k = 2..9) bitwise the one-row decodes, and keep /
-rollback after a rejected draft leaving the caches as a plain run's. Tiny shapes: the
-interpreter runs each Triton program in numpy."""
+the statements are bitwise the references the C kernels are held to), speculative greedy streams
+(full, partial and no acceptance) equal to plain greedy, a k-row verify (k = 2..5) bitwise the one-row decodes, and keep /
+rollback after a rejected draft leaving the caches as a plain run's. Tiny shapes and short
+streams: the interpreter runs each Triton program in numpy, ~0.2 s a (row, head) of attention
+(the kernels' own tests cover 1..17 rows bitwise)."""
 import os
 
 import pytest
@@ -75,8 +76,8 @@ def test_plain_greedy_logits_bitwise_the_cpu_path(trunks, calls):
     cpu, dev = trunks
     with pytest.MonkeyPatch.context() as mp:  # the CPU trunk with its C kernels
         mp.setattr(ckernels, "library", ckernels.LIBRARY.load)
-        want_tokens, want = greedy(cpu, PROMPT, 6)
-    got_tokens, got = greedy(dev, PROMPT, 6)
+        want_tokens, want = greedy(cpu, PROMPT, 4)
+    got_tokens, got = greedy(dev, PROMPT, 4)
     assert calls["qmatmul"] > 0 and calls["attend"] > 0, calls
     assert got.dtype == torch.float32
     assert torch.equal(got, want), f"max |diff| {(got - want).abs().max():.3g}"
@@ -93,12 +94,18 @@ def test_the_device_trunk_holds_pooled_caches_and_its_table(trunks):
 
 class TestPlacedLlama(PlacedTrunkSuite):
     prompt = PROMPT
-    verify_tokens = PROMPT + [8, 6, 10, 12, 30, 31, 32, 2, 4]
+    verify_tokens = PROMPT + [8, 6, 10, 12, 30]
+    verify_rows = 5
+    stream_steps = 8
 
     def speculator(self, trunk, plain):
-        from verispec_ngram.speculator import NGramSpeculator
+        """Drafts from the plain stream with random accept counts (eight tokens are too few for the
+        tiny random model to repeat itself for an n-gram drafter): full, partial and no acceptance."""
+        import random
 
-        return NGramSpeculator(max_draft_tokens=4)
+        from verispec.testing import oracle_speculator
+
+        return oracle_speculator(plain, vocab_size=trunk.vocab_size, max_draft_tokens=4, rng=random.Random(0))
 
 
 def test_the_llama_family_declares_cuda():
@@ -113,11 +120,11 @@ def test_with_triton_off_the_device_path_runs_pytorch_and_keeps_the_stream(trunk
     pools (never a C kernel, never Triton); attention's softmax / bmm are not the kernel's order,
     so logits within 1e-4 of the C path's, the same greedy tokens."""
     cpu, dev = trunks
-    want_tokens, want = greedy(cpu, PROMPT, 6)
+    want_tokens, want = greedy(cpu, PROMPT, 4)
     monkeypatch.setenv("VERISPEC_TRITON", "0")
     forbid_c_kernels(monkeypatch)
     monkeypatch.setattr(triton_attend, "attend", None)  # not called
     monkeypatch.setattr(triton_qmatmul, "qmatmul", None)
-    got_tokens, got = greedy(dev, PROMPT, 6)
+    got_tokens, got = greedy(dev, PROMPT, 4)
     assert got_tokens == want_tokens
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

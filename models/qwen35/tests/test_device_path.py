@@ -78,7 +78,8 @@ def test_plain_greedy_is_the_cpu_paths_within_rounding(trunks, monkeypatch):
 
 class TestPlacedQwen35(PlacedTrunkSuite):
     prompt = verify_tokens = PROMPT
-    verify_prefix, verify_rows = 12, 6
+    verify_prefix, verify_rows = 12, 5  # the kernels' own tests cover 1..17 rows bitwise
+    stream_steps = 8
     truncate = False  # recurrent state
 
     def speculator(self, trunk, plain):

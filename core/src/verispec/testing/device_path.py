@@ -142,6 +142,8 @@ class PlacedTrunkSuite:
     verify_tokens: Sequence[int]
     verify_prefix = 8
     verify_rows = 9
+    #: tokens the speculative stream check decodes
+    stream_steps = 12
     #: False for a trunk with recurrent state (it refuses to truncate)
     truncate = True
 
@@ -150,7 +152,8 @@ class PlacedTrunkSuite:
         raise NotImplementedError
 
     def test_speculative_greedy_is_the_plain_stream(self, trunks):
-        assert_speculative_stream_is_plain(trunks[1], self.prompt, lambda plain: self.speculator(trunks[1], plain))
+        assert_speculative_stream_is_plain(trunks[1], self.prompt, lambda plain: self.speculator(trunks[1], plain),
+                                           steps=self.stream_steps)
 
     def test_verify_rows_are_one_row_decodes(self, trunks):
         from verispec.testing.gguf_weights import assert_verify_rows_are_one_row_decodes
