@@ -184,6 +184,29 @@ def test_profile_times_every_verify_width_on_a_scratch_sequence():
     assert run_greedy(trunk, PROMPT, 12)[0] == run_greedy(ToyTrunk(vocab_size=32, recurrent=True), PROMPT, 12)[0]
 
 
+def test_a_burst_of_other_load_during_the_profile_is_not_the_trunks_cost():
+    """Another process takes the cores while the first pass times 2..4 rows (5x each): each count
+    keeps its least time over the interleaved passes, so the profile is the quiet trunk's."""
+    clock = FakeClock()
+    trunk = ToyTrunk(vocab_size=32, recurrent=False)
+    calls = []
+    forward = trunk.forward
+
+    def timed(segments):
+        rows = sum(len(s.tokens) for s in segments)
+        calls.append(rows)
+        burst = 5.0 if len(calls) <= 5 and 2 <= rows <= 4 else 1.0  # the warm-up, then pass 1
+        clock.now += 0.01 * (1 + 0.5 * (rows - 1)) * burst
+        return forward(segments)
+
+    trunk.forward = timed
+    model = CostModel(5, clock=clock)
+    model.profile(trunk)
+    assert calls[1:13] == [*range(1, 7)] * 2  # interleaved passes over 1 .. K + 1
+    for n in range(1, 7):
+        assert model.forward_s(n) == pytest.approx(0.01 * (1 + 0.5 * (n - 1)))
+
+
 # -- through the execution, on a fake clock ---------------------------------------------------
 
 def _solo(trunk, speculator, *, clock, cost_model, governor=None, max_tokens=40, forward_s=0.02):

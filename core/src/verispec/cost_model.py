@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import time
 
 #: how much more tokens per second than plain a plan with drafts must promise (the model's own
@@ -51,8 +52,9 @@ COST_EMA_WEIGHT = 0.25
 #: slower than COLD_SLACK one-row forwards (a stall is never excused as cold).
 COLD_PROPOSE_CALLS = 2
 COLD_SLACK = 20.0
-#: timed repetitions per row count in `profile` (after one untimed warm-up forward).
-PROFILE_REPEATS = 2
+#: timed passes over the row counts in `profile` (after one untimed warm-up forward); each count keeps
+#: its least time (a burst of other load on a shared machine is not the trunk's cost).
+PROFILE_PASSES = 2
 #: one more verify row relative to one row, before anything is measured (the memory-bound slope of an
 #: int8 trunk on a CPU: docs/reference/baselines.md §5).
 PRIOR_ROW_COST = 0.06
@@ -199,30 +201,32 @@ class CostModel:
     # -- measurements -------------------------------------------------------------------------
 
     def profile(self, trunk) -> None:
-        """Time verify forwards of 1 .. K + 1 rows (PROFILE_REPEATS each), and of 2 (K + 1) and
-        4 (K + 1) rows once (a batch's draft rows), on a scratch sequence released after; once,
-        later calls do nothing."""
+        """Time verify forwards of 1 .. K + 1 rows in PROFILE_PASSES interleaved passes, keeping
+        each count's least time, and of 2 (K + 1) and 4 (K + 1) rows once (a batch's draft rows),
+        on a scratch sequence released after; once, later calls do nothing. Load that lasts is
+        followed by `record_forward`'s rescaling from real steps."""
         if self.profiled:
             return
         self.profiled = True
         from verispec.seams import Segment
 
+        widest = self.max_draft_tokens + 1
+        room = trunk.max_context_length - 1  # a short context bounds the rows a verify may take
+        counts = [n for n in range(1, widest + 1) if n <= room]
+        least: dict[int, float] = {}
         seq = trunk.new_sequence()
         try:
             trunk.forward([Segment(seq, [0], logits="last")])  # one committed row; untimed warm-up
-            widest = self.max_draft_tokens + 1
-            room = trunk.max_context_length - 1  # a short context bounds the rows a verify may take
-            for n, repeats in [(n, PROFILE_REPEATS) for n in range(1, widest + 1)] + [(2 * widest, 1),
-                                                                                     (4 * widest, 1)]:
-                if n > room:
-                    break
-                for _ in range(repeats):  # the last two: a batch's worth of verify rows, once each
-                    start = self.clock()
-                    trunk.forward([Segment(seq, [0] * n, logits="all", verify=True)])
-                    self._forward_s.record(n, self.clock() - start)
-                    trunk.keep(seq, 0)  # a verify that accepted nothing: the sequence is back to one row
+            schedule = counts * PROFILE_PASSES + [n for n in (2 * widest, 4 * widest) if n <= room]
+            for n in schedule:
+                start = self.clock()
+                trunk.forward([Segment(seq, [0] * n, logits="all", verify=True)])
+                least[n] = min(least.get(n, math.inf), self.clock() - start)
+                trunk.keep(seq, 0)  # a verify that accepted nothing: the sequence is back to one row
         finally:
             trunk.release(seq)
+        for n in sorted(least):
+            self._forward_s.record(n, least[n])
 
     def record_forward(self, num_rows: int, seconds: float) -> None:
         """A forward of `num_rows` rows took `seconds`: it rescales the profile (once profiled: its

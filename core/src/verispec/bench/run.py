@@ -20,6 +20,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from importlib import resources
+from pathlib import Path
 
 import attrs
 
@@ -28,15 +29,53 @@ from verispec.errors import InvalidArgument
 
 
 def load_scenarios(names=None) -> list[dict]:
-    """The bundled scenarios (verispec/scenarios/*.json), all or those named; unknown names are an error."""
+    """The bundled scenarios (verispec/scenarios/*.json), all or those named, in order. A name
+    ending in `.json` is a file of one scenario object or a list of them (`read_scenario_file`).
+    Raises InvalidArgument naming an unknown name or a file that is not a scenario file."""
     folder = resources.files("verispec") / "scenarios"
     scenarios = {s["name"]: s for s in (json.loads(p.read_text()) for p in folder.iterdir() if p.name.endswith(".json"))}
-    if names:
-        unknown = sorted(set(names) - set(scenarios))
-        if unknown:
-            raise InvalidArgument(f"unknown scenario(s) {unknown}; choose from {sorted(scenarios)}")
-        return [scenarios[n] for n in names]
-    return [scenarios[n] for n in sorted(scenarios)]
+    if not names:
+        return [scenarios[n] for n in sorted(scenarios)]
+    unknown = sorted(n for n in names if n not in scenarios and not n.endswith(".json"))
+    if unknown:
+        raise InvalidArgument(f"unknown scenario(s) {unknown}; choose from {sorted(scenarios)}, or give a "
+                              "FILE.json of your own (docs/benchmarks.md, 'Prompts of your own')")
+    return [s for n in names for s in (read_scenario_file(n) if n.endswith(".json") else [scenarios[n]])]
+
+
+def read_scenario_file(path: str) -> list[dict]:
+    """Scenarios from a JSON file: one object or a list of objects, each with "name" (str),
+    "prompt" (str) or "turns" (a list of str: each sent after the model's previous answer),
+    "max_new_tokens" (int >= 1) and optionally "kind" (str, default "custom"). Raises
+    InvalidArgument naming the file, the scenario and the field that is wrong."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise InvalidArgument(f"--scenario {path}: cannot read it ({e.strerror or e}); give a readable JSON file") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidArgument(f"--scenario {path}: not JSON ({e}); give a scenario object or a list of them") from e
+    items = data if isinstance(data, list) else [data]
+    if not items:
+        raise InvalidArgument(f"--scenario {path}: an empty list; give at least one scenario")
+    out = []
+    for i, item in enumerate(items):
+        where = f"--scenario {path}, scenario {i}"
+        if not isinstance(item, dict):
+            raise InvalidArgument(f"{where}: a {type(item).__name__}; each scenario is a JSON object")
+        if not isinstance(item.get("name"), str) or not item["name"]:
+            raise InvalidArgument(f"{where}: \"name\" must be a non-empty string")
+        where = f"--scenario {path}, scenario {item['name']!r}"
+        turns = item.get("turns", [item.get("prompt")])
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+            raise InvalidArgument(f"{where}: give \"prompt\" (a non-empty string) or \"turns\" (a list of them)")
+        budget = item.get("max_new_tokens")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise InvalidArgument(f"{where}: \"max_new_tokens\" must be an integer >= 1, not {budget!r}")
+        kind = item.get("kind", "custom")
+        if not isinstance(kind, str):
+            raise InvalidArgument(f"{where}: \"kind\" must be a string, not {kind!r}")
+        out.append({**item, "kind": kind})
+    return out
 
 
 @attrs.define

@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "if any does not, or a plugin was kept out")
 
     bench = sub.add_parser("bench", help="plain vs speculative decoding on named scenarios")
-    bench.add_argument("--scenario", action="append", help="scenario name (repeatable; default: all)")
+    bench.add_argument("--scenario", action="append",
+                       help="scenario name, or FILE.json of your own (repeatable; default: all)")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--compare", choices=["transformers"], help="also run a peer system side by side")
     _add_model_args(bench)
