@@ -327,3 +327,31 @@ class Speculator:
 
     def close(self) -> None:
         """Release resources; the speculator is not used again."""
+
+
+class HeadSpeculator(Speculator):
+    """A Speculator drafting with a `DraftHead` (an MTP block, an EAGLE-3 head, a Gemma 4
+    assistant, a DFlash drafter): it reads the head's taps (`tap_layers`) and keeps the head's
+    per-sequence state in step with the trunk (`new_state`, `commit` -> `DraftHead.draft_catch_up`,
+    `keep` -> `DraftHead.keep`). A subclass writes `propose`. Raises ValueError for a head whose
+    `draft_head_kind` is not `head_kind` (when the subclass sets one)."""
+
+    #: the DraftHeadKind this speculator drafts with; None: the factory checked the head already.
+    head_kind: DraftHeadKind | None = None
+
+    def __init__(self, head: DraftHead, spec, **kwargs):
+        if self.head_kind is not None and head.draft_head_kind is not self.head_kind:
+            raise ValueError(f"{type(self).__name__} drafts with {self.head_kind.value} heads, "
+                             f"got a {head.draft_head_kind.value} head")
+        super().__init__(spec, **kwargs)
+        self.head = head
+        self.tap_layers = head.tap_layers
+
+    def new_state(self) -> Any:
+        return self.head.new_state()
+
+    def commit(self, state: Any, tokens: Sequence[int], hidden_rows: "torch.Tensor | None", start_pos: int) -> None:
+        self.head.draft_catch_up(state, tokens, hidden_rows, start_pos)
+
+    def keep(self, state: Any, num_rows: int) -> None:
+        self.head.keep(state, num_rows)

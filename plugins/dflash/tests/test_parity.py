@@ -10,6 +10,8 @@ orders a caller may use: commit the kept rows after `keep` (the loop's), or inje
 """
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 from tiny_dflash import MASK_ID, TARGET, VARIANTS
@@ -74,7 +76,7 @@ def test_random_steps_with_rollbacks_match_the_reference(variant, target, drafte
     ref, path = drafter_file(variant)
     head = load(path, trunk)
     assert head.config.generation == (2 if "d2" in variant else 1)
-    g = torch.Generator().manual_seed(hash(variant) % 1000)
+    g = torch.Generator().manual_seed(zlib.crc32(variant.encode()))  # not hash(): salted per process
     T = len(head.tap_layers)
     features = torch.randn(400, T * H, generator=g)
     state = head.new_state()

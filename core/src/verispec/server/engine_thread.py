@@ -51,9 +51,10 @@ class EngineThread:
         """Something was queued or cancelled: step until the engine has no work."""
         with self._lock:
             self._work.set()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
-                self._thread.start()
+            if self._thread is None:  # started before it is published: health() never sees it unstarted
+                thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
+                thread.start()
+                self._thread = thread
 
     def _run(self) -> None:
         while True:

@@ -17,26 +17,20 @@ same with --spec-draft-n-max.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-from verispec.seams import DraftContext, DraftHeadKind, Speculator
+from verispec.seams import DraftContext, DraftHeadKind, HeadSpeculator
 
 from verispec_dflash.hooks import SPEC
 
 
-class BlockSpeculator(Speculator):
+class BlockSpeculator(HeadSpeculator):
     """Proposes a BLOCK head's draft (module docstring)."""
 
-    def __init__(self, head, spec=SPEC, **kwargs):
-        if head.draft_head_kind is not DraftHeadKind.BLOCK:
-            raise ValueError(f"BlockSpeculator drafts with BLOCK heads, got a {head.draft_head_kind.value} head")
-        super().__init__(spec, **kwargs)
-        self.head = head
-        self.tap_layers = head.tap_layers
+    head_kind = DraftHeadKind.BLOCK
 
-    def new_state(self) -> Any:
-        return self.head.new_state()
+    def __init__(self, head, spec=SPEC, **kwargs):
+        super().__init__(head, spec, **kwargs)
 
     def propose(self, state: Any, ctx: DraftContext) -> list[int]:
         if ctx.last_token in ctx.stop_token_ids:
@@ -53,12 +47,6 @@ class BlockSpeculator(Speculator):
             if token in ctx.stop_token_ids:
                 break
         return draft
-
-    def commit(self, state: Any, tokens: Sequence[int], hidden_rows, start_pos: int) -> None:
-        self.head.draft_catch_up(state, tokens, hidden_rows, start_pos)
-
-    def keep(self, state: Any, num_rows: int) -> None:
-        self.head.keep(state, num_rows)
 
 
 def create(trunk, *, spec, max_draft_tokens, min_draft_prob, draft_head):

@@ -22,25 +22,19 @@ drafting; the rows of the last verify stay folded into the round's first step, a
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from verispec.draft_gate import greedy_chain
-from verispec.seams import DraftContext, Speculator
+from verispec.seams import DraftContext, HeadSpeculator
 
 from verispec_eagle3.hooks import SPEC
 
 
-class Eagle3Speculator(Speculator):
+class Eagle3Speculator(HeadSpeculator):
     """Drafts by chaining `Eagle3Head.draft_step` (module docstring)."""
 
     def __init__(self, head, spec=SPEC, **kwargs):
-        super().__init__(spec, **kwargs)
-        self.head = head
-        self.tap_layers = head.tap_layers
-
-    def new_state(self) -> Any:
-        return self.head.new_state()
+        super().__init__(head, spec, **kwargs)
 
     def prepare(self, state: Any, ctx: DraftContext) -> None:
         if len(state.pending) > ctx.max_draft_tokens + 1:
@@ -48,12 +42,6 @@ class Eagle3Speculator(Speculator):
 
     def propose(self, state: Any, ctx: DraftContext) -> list[int]:
         return greedy_chain(lambda token, hidden, j: self.head.draft_step(state, token, hidden, ctx.pos + j), ctx)
-
-    def commit(self, state: Any, tokens: Sequence[int], hidden_rows, start_pos: int) -> None:
-        self.head.draft_catch_up(state, tokens, hidden_rows, start_pos)
-
-    def keep(self, state: Any, num_rows: int) -> None:
-        self.head.keep(state, num_rows)
 
 
 def create(trunk, *, spec, max_draft_tokens, min_draft_prob, draft_head):

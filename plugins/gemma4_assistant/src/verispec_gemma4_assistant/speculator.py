@@ -15,25 +15,20 @@ Nothing is committed or kept: the head holds no state (its `draft_head_resumes_a
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from verispec.draft_gate import greedy_chain
-from verispec.seams import DraftContext, Speculator
+from verispec.seams import DraftContext, HeadSpeculator
 
 from verispec_gemma4_assistant.hooks import SPEC
 
 
-class AssistantSpeculator(Speculator):
-    """Drafts by chaining `Gemma4AssistantHead.step` at the pending token's position."""
+class AssistantSpeculator(HeadSpeculator):
+    """Drafts by chaining `Gemma4AssistantHead.step` at the pending token's position. Nothing to
+    commit or keep: every round reads the trunk's committed K/V afresh (the head's no-ops)."""
 
     def __init__(self, head, spec=SPEC, **kwargs):
-        super().__init__(spec, **kwargs)
-        self.head = head
-        self.tap_layers = head.tap_layers
-
-    def new_state(self) -> Any:
-        return self.head.new_state()
+        super().__init__(head, spec, **kwargs)
 
     def propose(self, state: Any, ctx: DraftContext) -> list[int]:
         if ctx.hidden_prev is None or ctx.seq is None or ctx.last_token in ctx.stop_token_ids:
@@ -41,9 +36,6 @@ class AssistantSpeculator(Speculator):
         state.seq = ctx.seq
         kv = self.head.read_kv(ctx.seq, ctx.pos)  # the trunk does not move while we draft
         return greedy_chain(lambda token, hidden, j: self.head.step(kv, token, hidden, ctx.pos), ctx)
-
-    def commit(self, state: Any, tokens: Sequence[int], hidden_rows, start_pos: int) -> None:
-        """Nothing to record: every round reads the trunk's committed K/V afresh."""
 
 
 def create(trunk, *, spec, max_draft_tokens, min_draft_prob, draft_head):

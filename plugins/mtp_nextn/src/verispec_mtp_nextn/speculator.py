@@ -20,36 +20,24 @@ Works with any PER_TOKEN head: Qwen 3.5/3.6 MTP today, GLM NextN later.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from verispec.draft_gate import greedy_chain
-from verispec.seams import DraftContext, DraftHeadKind, Speculator
+from verispec.seams import DraftContext, DraftHeadKind, HeadSpeculator
 
 from verispec_mtp_nextn.hooks import SPEC
 
 
-class MtpSpeculator(Speculator):
+class MtpSpeculator(HeadSpeculator):
     """Drafts by chaining a PER_TOKEN `DraftHead` (see the module docstring)."""
 
-    def __init__(self, head, spec=SPEC, **kwargs):
-        if head.draft_head_kind is not DraftHeadKind.PER_TOKEN:
-            raise ValueError(f"MtpSpeculator chains PER_TOKEN heads, got a {head.draft_head_kind.value} head")
-        super().__init__(spec, **kwargs)
-        self.head = head
-        self.tap_layers = head.tap_layers
+    head_kind = DraftHeadKind.PER_TOKEN
 
-    def new_state(self) -> Any:
-        return self.head.new_state()
+    def __init__(self, head, spec=SPEC, **kwargs):
+        super().__init__(head, spec, **kwargs)
 
     def propose(self, state: Any, ctx: DraftContext) -> list[int]:
         return greedy_chain(lambda token, hidden, j: self.head.draft_step(state, token, hidden, ctx.pos + j), ctx)
-
-    def commit(self, state: Any, tokens: Sequence[int], hidden_rows, start_pos: int) -> None:
-        self.head.draft_catch_up(state, tokens, hidden_rows, start_pos)
-
-    def keep(self, state: Any, num_rows: int) -> None:
-        self.head.keep(state, num_rows)
 
 
 def create(trunk, *, spec, max_draft_tokens, min_draft_prob, draft_head):
