@@ -31,11 +31,6 @@ from verispec.nn.rope import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread(one_thread):
-    """torch on one thread (verispec.testing.plugin.one_thread)."""
-
-
 def _gen(seed=0):
     return torch.Generator().manual_seed(seed)
 

@@ -24,14 +24,6 @@ TP_LOGIT_BOUND = 1e-4
 PROMPT = [1, 5, 9, 2, 7, 3, 11, 4, 8, 6, 10, 12, 1, 5, 9, 2, 7, 3, 11, 4, 8, 6, 10, 12, 30, 31, 32]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def trunks(tiny_fixture):
     """(world size 1 trunk, 2-rank BroadcastTrunk) of the tiny qwen2 (4 heads, 2 KV heads; odd V and I).

@@ -8,11 +8,6 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).parent))  # tiny_eagle3, under --import-mode=importlib
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread(one_thread):
-    """Every module runs torch on one thread (verispec.testing.plugin.one_thread)."""
-
-
 @pytest.fixture(scope="session")
 def target(tmp_path_factory):
     """(transformers llama target, its GGUF path, our fp32 trunk of it): tiny_eagle3.TARGET, built once."""

@@ -39,7 +39,7 @@ def load_scenarios(names=None) -> list[dict]:
     unknown = sorted(n for n in names if n not in scenarios and not n.endswith(".json"))
     if unknown:
         raise InvalidArgument(f"unknown scenario(s) {unknown}; choose from {sorted(scenarios)}, or give a "
-                              "FILE.json of your own (docs/benchmarks.md, 'Prompts of your own')")
+                              "FILE.json of your own (docs/benchmarks.md, 'Held-out prompts')")
     return [s for n in names for s in (read_scenario_file(n) if n.endswith(".json") else [scenarios[n]])]
 
 

@@ -35,8 +35,8 @@ def toy_trunk():
 def one_thread():
     """torch on one thread for the module, restored after it. Tiny models gain nothing from
     threads, and on a shared 2-core machine OpenMP's spin-waits make each small op 10-100x
-    slower while other processes run. The workspace's conftest.py applies it to every module of
-    the model and plugin packages (`_one_thread`); another conftest can do the same with
+    slower while other processes run. The workspace's conftest.py applies it to every test module
+    of the workspace (`_one_thread`); another conftest can do the same with
     `@pytest.fixture(autouse=True, scope="module")` `def _one_thread(one_thread): pass`."""
     import torch
 
