@@ -8,8 +8,8 @@ Checked against the same file's CPU trunk (the C kernels): logits bitwise (the T
 the statements are bitwise the references the C kernels are held to), speculative greedy streams
 (full, partial and no acceptance) equal to plain greedy, a k-row verify (k = 2..5) bitwise the
 one-row decodes, and keep / rollback after a rejected draft leaving the caches as a plain run's.
-Tiny shapes and short streams: the interpreter runs each Triton program in numpy, ~0.2 s a (row, head) of attention
-(the kernels' own tests cover 1..17 rows bitwise)."""
+Tiny shapes and short streams: the interpreter runs each Triton program in numpy, ~0.2 s a
+(row, head) of attention (the kernels' own tests cover 1..17 rows bitwise)."""
 import os
 
 import pytest
