@@ -74,8 +74,9 @@ class UnsupportedArchitecture(VerispecError, ValueError):
 class DamagedFile(VerispecError, ValueError):
     """A model file whose numbers contradict each other or its tensors (a block count the tensors
     do not have, zero heads, a token list the embedding does not match, non-finite weights).
-    Message: `<source>: <what>; <fix>`."""
+    Message: `<source>: <what>; <fix>` (fix: by default, convert the file again)."""
 
-    def __init__(self, source: str, what: str):
+    def __init__(self, source: str, what: str,
+                 fix: str = "the file is damaged or was converted wrongly: convert it again"):
         self.source, self.what = source, what
-        super().__init__(f"{source}: {what}; the file is damaged or was converted wrongly: convert it again")
+        super().__init__(f"{source}: {what}; {fix}")

@@ -112,3 +112,19 @@ def test_mtp_speculation_through_draft_model(tiny_fixture, tmp_path):
     got = [e.token for e in generation]
     assert got == want and generation.result.speculator == "mtp"
     assert generation.result.spec.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("value, counts", [(float("nan"), "1 NaN of"), (float("-inf"), "1 inf of")])
+def test_a_standalone_mtp_file_with_non_finite_weights_is_refused(tiny_fixture, tmp_path, value, counts):
+    from verispec.errors import DamagedFile
+    from verispec.testing.fixture_writer import plant_values
+    from verispec_qwen35.loader import load_mtp_file
+
+    main, mtp_only, _ = _split_files(tiny_fixture, tmp_path)
+    trunk = load(main, dtype="float32", use_cache=False)
+    name = f"blk.{trunk.config.num_hidden_layers}.nextn.eh_proj.weight"
+    bad = plant_values(mtp_only, tmp_path / "bad-mtp.gguf", name, [value])
+    with pytest.raises(DamagedFile) as info:
+        load_mtp_file(bad, trunk, use_cache=False)
+    message = str(info.value)
+    assert message.startswith(f"{bad}: tensor '{name}' holds {counts} ") and "train it again" in message

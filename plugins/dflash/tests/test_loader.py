@@ -203,3 +203,18 @@ def test_a_quantised_file_runs_its_linears_on_its_own_blocks(tmp_path, target, d
     z, z_fp32 = head.block_logits(a, 3, 20)[0], dequantised.block_logits(b, 3, 20)[0]
     assert not torch.equal(z, z_fp32)  # the block kernel ran
     torch.testing.assert_close(z, z_fp32, atol=0.05 * float(z_fp32.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("values, counts", [([float("nan")], "1 NaN of 1,392 values"),
+                                            ([float("inf"), 1.0, float("-inf")], "2 inf of 1,392 values")])
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, target, drafter_file, values, counts):
+    from verispec.errors import DamagedFile
+    from verispec.testing.fixture_writer import plant_values
+
+    _, path = drafter_file("d1_noncausal")
+    bad = plant_values(path, tmp_path / "bad.gguf", "blk.1.ffn_down.weight", values)
+    with pytest.raises(DamagedFile) as info:
+        load(bad, target[2])
+    message = str(info.value)
+    assert message.startswith(f"{bad}: tensor 'blk.1.ffn_down.weight' holds {counts}; ")
+    assert "convert the drafter again" in message and "train it again" in message and "\n" not in message

@@ -131,3 +131,20 @@ def test_refuses_a_d2t_that_is_not_int64(target, tmp_path):
     tensors["d2t"] = d2t.float()
     with pytest.raises(UnsupportedEagle3, match="I64"):
         load(write_head(tmp_path / "h.gguf", tensors, None), target[2])
+
+
+@pytest.mark.parametrize("values, counts", [([float("nan")], "1 NaN of"),
+                                            ([float("inf"), float("-inf")], "2 inf of")])
+def test_refuses_non_finite_weights_naming_the_tensor(target, tmp_path, values, counts):
+    from verispec.errors import DamagedFile
+    from verispec.testing.fixture_writer import plant_values
+
+    tensors, d2t = head_tensors()
+    good = write_head(tmp_path / "h.gguf", tensors, d2t)
+    bad = plant_values(good, tmp_path / "bad.gguf", "fc.weight", values)
+    with pytest.raises(DamagedFile) as info:
+        load(bad, target[2])
+    message = str(info.value)
+    size = tensors["fc.weight"].numel()
+    assert message.startswith(f"{bad}: tensor 'fc.weight' holds {counts} {size:,} values; ")
+    assert "train it again" in message and "\n" not in message

@@ -104,3 +104,18 @@ def test_registered_as_drafter_file_and_speculator():
     assert spec.priority > registry.speculators["mtp"].spec.priority if "mtp" in registry.speculators else True
     assert resolve(spec.factory)(None, spec=spec, max_draft_tokens=3, min_draft_prob=0.1, draft_head=None) is None
     assert Gemma4AssistantHead.draft_head_resumes_after_gap
+
+
+@pytest.mark.parametrize("values, counts", [([float("nan")], "1 NaN of"), ([float("inf")], "1 inf of")])
+def test_non_finite_weights_are_refused_naming_the_tensor(pair, values, counts):
+    from verispec.errors import DamagedFile
+    from verispec.testing.fixture_writer import plant_values
+
+    target, assistant, trunk, directory = pair
+    good = write_assistant_gguf(directory / "finite.gguf", assistant, target)
+    bad = plant_values(good, directory / "bad.gguf", "blk.0.ffn_down.weight", values)
+    with pytest.raises(DamagedFile) as info:
+        load(bad, trunk, use_cache=False)
+    message = str(info.value)
+    assert message.startswith(f"{bad}: tensor 'blk.0.ffn_down.weight' holds {counts} ")
+    assert "train it again" in message and "\n" not in message

@@ -2,6 +2,10 @@
 tensors back, positive counts, finite floats, bos/eos inside the vocabulary; metadata and the
 tensor table only) and `check_finite` (every tensor's values; run only when logits come out
 non-finite). Both raise errors.DamagedFile naming the key or tensor and the numbers.
+
+A drafter's loader checks its values at load instead (`check_drafter_values`, on the float
+tensors it reads anyway): a NaN in a draft head never shows in the output, which the trunk
+verifies, only in drafts that are never accepted.
 """
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ import torch
 
 from verispec.gguf.io import GGUFFile
 
-__all__ = ["FLOATS", "POSITIVE_SIZES", "SIZES", "check_finite", "check_numbers"]
+__all__ = ["DRAFTER_FIX", "FLOATS", "POSITIVE_SIZES", "SIZES", "check_drafter_values", "check_finite",
+           "check_numbers"]
 
 
 #: `{arch}.*` sizes that count heads or elements of a tensor: none can exceed the largest tensor
@@ -103,6 +108,32 @@ def check_finite(gguf: GGUFFile) -> None:
         if values.is_floating_point() and not torch.isfinite(values).all():
             bad = int((~torch.isfinite(values)).sum())
             raise DamagedFile(gguf.path, f"tensor {name!r} holds {bad} NaN or infinite values of {values.numel()}")
+
+
+#: the fix a drafter file with non-finite values is refused with.
+DRAFTER_FIX = ("convert the drafter again from its checkpoint, or train it again if the checkpoint "
+               "itself holds them")
+
+
+def check_drafter_values(source: str, name: str, values: torch.Tensor, *, of: str = "values") -> None:
+    """Refuse a drafter (draft head) file whose tensor `name` holds a NaN or an infinity.
+
+    source: the file (named first in the message). values: any dtype, any shape, as the loader
+    read it (fp32 after gguf-py's dequantisation, or a quantised linear's fp16/fp32 block scales,
+    `of="block scales"`); integer tensors cannot hold either and pass. One isfinite pass, at load.
+    Raises errors.DamagedFile: `<source>: tensor 'blk.0.attn_q.weight' holds 3 NaN, 1 inf of
+    1,048,576 values; <DRAFTER_FIX>`."""
+    if not values.is_floating_point():
+        return
+    finite = torch.isfinite(values)
+    if bool(finite.all()):
+        return
+    from verispec.errors import DamagedFile
+
+    nan = int(torch.isnan(values).sum())
+    inf = int((~finite).sum()) - nan
+    counts = ", ".join(part for part, n in ((f"{nan:,} NaN", nan), (f"{inf:,} inf", inf)) if n)
+    raise DamagedFile(source, f"tensor {name!r} holds {counts} of {values.numel():,} {of}", fix=DRAFTER_FIX)
 
 
 def _check_sizes(gguf: GGUFFile) -> None:

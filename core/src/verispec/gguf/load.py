@@ -42,7 +42,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from torch import nn
 
-from verispec.gguf.checks import check_finite, check_numbers
+from verispec.gguf.checks import check_drafter_values, check_finite, check_numbers
 from verispec.gguf.io import GGUFFile
 from verispec.gguf.table import Tensor, TensorSource, expand_table
 from verispec.weights.gguf_blocks import GGUFBlocks
@@ -100,7 +100,7 @@ class WeightPlan:
             for part, shape in zip(job.parts or (), job.part_shapes):
                 self.gguf.expect_shape(part, shape)
 
-    def convert(self, progress: bool | None = None) -> dict[str, torch.Tensor]:
+    def convert(self, progress: bool | None = None, *, finite: bool = False) -> dict[str, torch.Tensor]:
         """The model's state dict read from the file, no cache: for each linear, the entries of
         `type(linear).from_float(weight)` (fp32 / bf16 [out, in], int8 [out, in'] + bf16 scales
         [out], int4 packed groups: see weights.quant), or of `from_gguf(blocks)` when the class has
@@ -109,7 +109,9 @@ class WeightPlan:
         (an absent optional entry: a copy of the module's default).
 
         progress: tqdm bar (None: on a terminal, after a second).
-        Raises what `check` raises, gguf.errors.UnsupportedTensorType."""
+        finite: refuse a non-finite value as it is read (a draft head's file: checks.check_drafter_values
+          on each dequantised tensor, or on a block linear's scales), naming the GGUF tensor.
+        Raises what `check` raises, gguf.errors.UnsupportedTensorType, errors.DamagedFile (finite)."""
         from tqdm.auto import tqdm
 
         self.check()
@@ -121,13 +123,17 @@ class WeightPlan:
                 state[name] = job.default.clone()
             elif job.linear is not None and hasattr(type(job.linear), "from_gguf"):
                 blocks = [self._blocks(part, job.expert) for part in job.parts]
-                state |= _prefixed(name, type(job.linear).from_gguf(blocks))
+                entries = _prefixed(name, type(job.linear).from_gguf(blocks))
+                if finite:
+                    for values in entries.values():
+                        check_drafter_values(self.gguf.path, " + ".join(job.parts), values, of="block scales")
+                state |= entries
             else:
                 if job.expert is None:
-                    tensors = [self.gguf.tensor(part) for part in job.parts]
+                    tensors = [self._read(part, finite) for part in job.parts]
                 else:
                     if job.parts not in experts:
-                        experts = {job.parts: [self.gguf.tensor(part) for part in job.parts]}
+                        experts = {job.parts: [self._read(part, finite) for part in job.parts]}
                     tensors = [stacked[job.expert] for stacked in experts[job.parts]]
                 tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
                 if job.linear is None:
@@ -136,23 +142,33 @@ class WeightPlan:
                     state |= _prefixed(name, type(job.linear).from_float(tensor))
         return state
 
+    def _read(self, part: str, finite: bool) -> torch.Tensor:
+        """GGUF tensor `part` dequantised; with `finite`, refused when it holds a NaN or an infinity."""
+        values = self.gguf.tensor(part)
+        if finite:
+            check_drafter_values(self.gguf.path, part, values)
+        return values
+
     def _blocks(self, part: str, expert: int | None) -> GGUFBlocks:
         """The stored blocks of a 2-D part, or of expert `expert`'s slice of a 3-D one."""
         raw, ggml_type, shape = self.gguf.raw_tensor(part)
         raw = raw if expert is None else raw[expert]
         return GGUFBlocks.from_raw(raw, ggml_type, shape)
 
-    def load(self, *, dtype: str, layout: str, use_cache: bool = True, progress: bool | None = None) -> None:
+    def load(self, *, dtype: str, layout: str, use_cache: bool = True, progress: bool | None = None,
+             finite: bool = False) -> None:
         """Fill the model: `check`, the converted state from `weight_cache.cached_state` (read
         back from the cache, else `convert`ed and saved), `load_state_dict(assign=True)`, then
         eval mode.
 
         dtype: the canonical weight dtype the model was built with (part of the cache key).
         layout: the family's tag for its converted layout (part of the cache key).
+        finite: `convert`'s (draft heads' loaders pass True; a state is cached only once converted,
+          so a cached one passed the check).
         Raises what `convert` raises."""
         self.check()
-        state = cached_state(self.gguf, dtype, lambda: self.convert(progress), use_cache=use_cache,
-                             layout=f"{layout}/{structure_key(self.model)}")
+        state = cached_state(self.gguf, dtype, lambda: self.convert(progress, finite=finite),
+                             use_cache=use_cache, layout=f"{layout}/{structure_key(self.model)}")
         self.model.load_state_dict(state, assign=True)
         self.model.eval()
 

@@ -40,7 +40,7 @@ from gguf.constants import GGMLQuantizationType, GGUFValueType, TokenType
 from gguf.gguf_writer import GGUFValue
 from gguf.quants import quantize
 
-__all__ = ["SPECIAL_TOKENS", "byte_level_vocab", "bytes_to_unicode", "write_gguf"]
+__all__ = ["SPECIAL_TOKENS", "byte_level_vocab", "bytes_to_unicode", "plant_values", "write_gguf"]
 
 #: the control tokens every byte-level fixture vocabulary starts with, at ids 0..3.
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
@@ -161,6 +161,28 @@ def write_gguf(path: str | os.PathLike, *, arch: str, metadata: Mapping[str, Any
     writer.write_tensors_to_file()
     writer.close()
     return os.fspath(path)
+
+
+def plant_values(path: str | os.PathLike, dest: str | os.PathLike, name: str, values: Any) -> str:
+    """A copy of the GGUF at `path`, written to `dest`, whose F32 / F16 tensor `name` starts
+    (flat, file order) with `values` (e.g. `[float("nan")]`, to check that a loader names a
+    damaged tensor); everything else byte for byte. Returns `dest` as a str.
+    Raises gguf.errors.MissingTensor, ValueError (another type, or more values than the tensor has)."""
+    import shutil
+
+    from verispec.gguf.io import GGUFFile
+
+    info = GGUFFile.open(path).tensor_info(name)
+    dtype = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}.get(info.ggml_type)
+    values = np.asarray(values, dtype=dtype)
+    if dtype is None or values.size > info.nbytes // values.itemsize:
+        raise ValueError(f"{name} is {info.ggml_type.name} with {info.nbytes} bytes: plant_values writes "
+                         f"the first values of an F32 or F16 tensor")
+    shutil.copyfile(path, dest)
+    with open(dest, "r+b") as f:
+        f.seek(info.offset)
+        f.write(values.tobytes())
+    return os.fspath(dest)
 
 
 def _value_type(key: str, value: Any) -> tuple[GGUFValueType, GGUFValueType | None]:

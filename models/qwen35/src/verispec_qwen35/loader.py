@@ -142,7 +142,8 @@ def load_mtp_file(path: str | os.PathLike, trunk, *, use_cache: bool = True):
     head (the file's copies of token_embd / output are not read). Returns a `Qwen35MtpHead`.
     Raises UnsupportedQwen35Variant (not an MTP-only file, or `trunk` is not a qwen35 trunk, or
     its config differs from the file's: the fields are named), errors.UnusedTensors (tensors a head
-    does not read: dedicated MTP embeddings, scale sidecars), verispec.gguf.errors for a broken file.
+    does not read: dedicated MTP embeddings, scale sidecars), verispec.gguf.errors for a broken file,
+    errors.DamagedFile (a tensor holding a NaN or an infinity: the file and the tensor are named).
     """
     from torch import nn
     from verispec.weights.quant import swap_linears
@@ -171,7 +172,7 @@ def load_mtp_file(path: str | os.PathLike, trunk, *, use_cache: bool = True):
     unused = plan.unused_tensors(read_elsewhere=_READ_FROM_TRUNK)
     if unused:
         raise UnusedTensors(path, f"{config.architecture} MTP head", unused)
-    plan.load(dtype=trunk.dtype, layout="qwen35-mtp", use_cache=use_cache, progress=False)
+    plan.load(dtype=trunk.dtype, layout="qwen35-mtp", use_cache=use_cache, progress=False, finite=True)
     return Qwen35MtpHead(trunk, mtp=holder.mtp)
 
 

@@ -4,7 +4,8 @@ Steps: check the numbers (`verispec.gguf.checks.check_numbers`: block_count back
 blocks, sizes no larger than its tensors, finite floats) before anything is sized by them, read the
 keys and tensor shapes (`config.DFlashConfig.from_gguf`: schema, generation, every tensor present
 with its shape, nothing unknown), check the binding against the trunk (`binding.binding_problem`),
-then read every tensor as fp32 (gguf-py's dequantisation) and, for the linears of a quantised
+then read every tensor as fp32 (gguf-py's dequantisation; a NaN or an infinity in any is refused,
+`check_drafter_values`) and, for the linears of a quantised
 file (fc, q/k/v/o, gate/up/down in a type the core's block kernel reads), the file's own blocks
 as `BlockLinear`s: a drafter forward is bound by the bytes of its weights, and Q8_0 blocks are a
 quarter of fp32's. `block_kernel=False` multiplies by the fp32 tensors instead.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import os
 
 from verispec.errors import UnsupportedArchitecture
-from verispec.gguf.checks import check_numbers
+from verispec.gguf.checks import check_drafter_values, check_numbers
 from verispec.gguf.io import GGUFFile
 from verispec.seams import DrafterMismatch
 from verispec.weights.gguf_blocks import BLOCK_FORMATS, GGUFBlocks
@@ -52,7 +53,8 @@ def load(path: str | os.PathLike, trunk, *, use_conv: bool = True, use_selector:
     Raises seams.DrafterMismatch (a VerispecError naming the mismatch and the fix: hidden size, taps
     vs the trunk's depth, fc width vs tap count, tokenizer, mask id, selector vocabulary),
     errors.NotADFlashDrafter / UnsupportedDFlash / MalformedDFlash, errors.UnsupportedArchitecture,
-    verispec.gguf.errors (MissingKey, ...), errors.DamagedFile (non-finite numbers).
+    verispec.gguf.errors (MissingKey, ...), errors.DamagedFile (non-finite numbers in the keys, or a
+    tensor holding a NaN or an infinity: the file and the tensor are named).
     """
     path = os.fspath(path)
     gguf, config = read_config(path)
@@ -63,6 +65,8 @@ def load(path: str | os.PathLike, trunk, *, use_conv: bool = True, use_selector:
         raise DrafterMismatch(f"--draft-model {path}{f' ({made_for})' if made_for else ''} does not fit this "
                               f"model: {problem}")
     tensors = {name: gguf.tensor(name) for name in config.expected_shapes()}
+    for name, values in tensors.items():
+        check_drafter_values(path, name, values)
     linears = block_linears(gguf, tensors) if block_kernel else {}
     drafter = DFlashDrafter(config, tensors, linears=linears, use_conv=use_conv, use_selector=use_selector)
     return DFlashHead(drafter, trunk.view(), max_context=trunk.max_context_length, path=path)

@@ -25,8 +25,9 @@ src/llama-arch.cpp, conversion/llama.py; the commits read are named in the packa
 
 Steps: keys and shapes (`config.Eagle3Config.from_gguf`), finite numbers and sizes
 (`gguf.checks.check_numbers`), d2t read as int64, the binding (`binding.binding_problem`, raised as
-seams.DrafterMismatch), then every tensor as fp32 (gguf-py dequantises a quantised file) and the
-linears converted to the trunk's weight dtype (`head_dtype`).
+seams.DrafterMismatch), then every tensor as fp32 (gguf-py dequantises a quantised file; a NaN or
+an infinity in any is refused, `check_drafter_values`) and the linears converted to the trunk's
+weight dtype (`head_dtype`).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import os
 
 import torch
 from verispec.errors import UnsupportedArchitecture
-from verispec.gguf.checks import check_numbers
+from verispec.gguf.checks import check_drafter_values, check_numbers
 from verispec.gguf.io import GGUFFile
 from verispec.seams import DrafterMismatch
 
@@ -62,7 +63,8 @@ def load(path: str | os.PathLike, trunk) -> Eagle3Head:
     Raises seams.DrafterMismatch (a VerispecError naming the mismatch and the fix: trunk family,
     target hidden size, layer ids past the trunk's depth, widths, vocabulary, d2t out of range or
     duplicated, tokenizer), config.UnsupportedEagle3 (a d2t that is not I64), errors.UnsupportedArchitecture,
-    errors.UnusedTensors, gguf errors (MissingKey, MissingTensor), errors.DamagedFile."""
+    errors.UnusedTensors, gguf errors (MissingKey, MissingTensor), errors.DamagedFile (non-finite
+    numbers in the keys, or a tensor holding a NaN or an infinity: the file and the tensor are named)."""
     path = os.fspath(path)
     gguf, config = read_config(path)
     check_numbers(gguf)
@@ -80,6 +82,8 @@ def load(path: str | os.PathLike, trunk) -> Eagle3Head:
                               f"model: {problem}")
     w = {name: gguf.tensor(name) for name in config.expected_shapes()}
     factors = gguf.tensor(ROPE_FREQS) if ROPE_FREQS in gguf else None
+    for name, values in (w | ({ROPE_FREQS: factors} if factors is not None else {})).items():
+        check_drafter_values(path, name, values)
     layer = Eagle3Layer(config, w, rope_factors=factors, dtype=head_dtype(getattr(trunk, "dtype", "float32")))
     return Eagle3Head(layer, trunk.view(), vocab_size=trunk.vocab_size, embedding=w.get(TOKEN_EMBD), d2t=d2t,
                       path=path)

@@ -12,7 +12,7 @@ import os
 import attrs
 import torch
 from verispec.errors import DamagedFile, UnusedTensors
-from verispec.gguf.checks import check_numbers
+from verispec.gguf.checks import check_drafter_values, check_numbers
 from verispec.gguf.io import GGUFFile
 from verispec.gguf.load import plan_weights
 from verispec.gguf.table import Stack, Tensor
@@ -53,7 +53,8 @@ def load(path: str | os.PathLike, trunk, *, centroids: bool = False, use_cache: 
     Raises seams.DrafterMismatch (a VerispecError) when the assistant was made for other sizes
     (binding.binding_problem names the difference), errors.UnsupportedArchitecture, verispec.gguf.errors
     errors (MissingKey, MissingTensor, BadTensorShape), errors.DamagedFile (bad numbers, a token
-    ordering that is not a permutation of the vocabulary), errors.UnusedTensors (tensors the
+    ordering that is not a permutation of the vocabulary, a tensor holding a NaN or an infinity: the
+    file and the tensor are named), errors.UnusedTensors (tensors the
     assistant's math does not read: a K/V projection, say), ValueError (centroids=True without them).
     """
     path = os.fspath(path)
@@ -68,7 +69,9 @@ def load(path: str | os.PathLike, trunk, *, centroids: bool = False, use_cache: 
     factors = trunk.config.full_rope_freq_factors
     if ROPE_FREQS in gguf:
         gguf.expect_shape(ROPE_FREQS, (config.global_head_dim // 2,))
-        factors = tuple(gguf.tensor(ROPE_FREQS).tolist())
+        values = gguf.tensor(ROPE_FREQS)
+        check_drafter_values(path, ROPE_FREQS, values)
+        factors = tuple(values.tolist())
     config = attrs.evolve(config, full_rope_freq_factors=factors)
     model = Gemma4Assistant(config, device="meta")
     swap_linears(model, trunk.dtype)
@@ -76,7 +79,7 @@ def load(path: str | os.PathLike, trunk, *, centroids: bool = False, use_cache: 
     unused = plan.unused_tensors(read_elsewhere={ROPE_FREQS, TOKEN_ORDERING})
     if unused:
         raise UnusedTensors(path, "Gemma 4 assistant", unused)
-    plan.load(dtype=trunk.dtype, layout="gemma4-assistant", use_cache=use_cache, progress=False)
+    plan.load(dtype=trunk.dtype, layout="gemma4-assistant", use_cache=use_cache, progress=False, finite=True)
     if config.num_centroids:
         model.token_ordering = _token_ordering(gguf, config, path)
     return Gemma4AssistantHead(model, trunk, centroids=centroids, path=path)
