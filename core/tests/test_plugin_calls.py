@@ -1,6 +1,7 @@
 """PluginCalls and the engine around it: a speculator call that hangs is abandoned after the
-bound, the speculator is switched off with one warning, and the request finishes plainly; a
-plugin's SystemExit or KeyboardInterrupt never ends the process."""
+bound, or once a request's time limit passed, the speculator is switched off with one warning,
+and the request finishes plainly (or ends at its time limit); a plugin's SystemExit or
+KeyboardInterrupt never ends the process."""
 import threading
 import time
 
@@ -9,7 +10,7 @@ import pytest
 from verispec import api
 from verispec.engine import SpecOptions
 from verispec.hookspecs import hookimpl
-from verispec.plugin_calls import PluginCalls, PluginRaised, PluginTimeout
+from verispec.plugin_calls import PLUGIN_CALL_GRACE_S, PluginCalls, PluginRaised, PluginTimeout
 from verispec.registry import Registry
 from verispec.specs import SpeculatorSpec
 from verispec.testing import toy_plugin
@@ -49,8 +50,26 @@ def test_a_hung_call_is_abandoned_at_the_bound_and_a_new_worker_serves_the_next(
         PluginCalls(0)
 
 
+def test_a_hung_call_is_abandoned_at_a_request_time_limit_before_the_bound():
+    calls, release = PluginCalls(30.0), threading.Event()
+    calls.deadline = (time.perf_counter() + 0.3, 0.3)  # a 0.3 s limit: the call still gets the grace
+    started = time.monotonic()
+    rule = r"ran past a request's time limit of 0.3 s \(waited 1 s\)"
+    with pytest.raises(PluginTimeout, match=rule) as info:
+        calls(release.wait)
+    assert PLUGIN_CALL_GRACE_S - 0.05 <= time.monotonic() - started < PLUGIN_CALL_GRACE_S + 2.0
+    assert info.value.rule.startswith("ran past") and calls.num_abandoned == 1
+    calls.deadline = (time.perf_counter() + 60.0, 60.0)  # further off than the bound: the bound rules
+    assert calls.wait() == (30.0, "did not return within 30 s")
+    calls.deadline = None
+    assert calls(lambda: 7) == 7
+    release.set()
+
+
 class Hanging(EchoSpeculator):
-    """Drafts normally for a few steps, then one propose hangs for a minute."""
+    """Drafts normally for a few steps, then one propose hangs for `hang_s` seconds."""
+
+    hang_s = 60.0
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -59,16 +78,22 @@ class Hanging(EchoSpeculator):
     def propose(self, history, ctx):
         self.calls += 1
         if self.calls == 4:
-            time.sleep(60)
+            time.sleep(self.hang_s)
         return super().propose(history, ctx)
 
 
 class HangingPlugin:
+    def __init__(self, hang_s: float = 60.0):
+        self.hang_s = hang_s
+
     @hookimpl
     def register_speculators(self, register):
+        def factory(t, **kw):
+            speculator = Hanging(kw["spec"], max_draft_tokens=kw["max_draft_tokens"])
+            speculator.hang_s = self.hang_s
+            return speculator
         register(SpeculatorSpec(name="hanging", summary="hangs in its 4th propose (test)",
-                                can_arm_after_prefix_reuse=True, priority=10,
-                                factory=lambda t, **kw: Hanging(kw["spec"], max_draft_tokens=kw["max_draft_tokens"])))
+                                can_arm_after_prefix_reuse=True, priority=10, factory=factory))
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +120,54 @@ def test_a_propose_that_never_returns_is_abandoned_and_the_request_finishes_plai
     again = engine.generate(PROMPT, max_tokens=8, ignore_eos=True)
     list(again)
     assert again.result.reason.code == "faulted"
+
+
+LIMIT_S, HANG_S = 0.5, 20.0  # a request's time limit, and how long the 4th propose sleeps (bound 30 s)
+
+
+def test_a_request_time_limit_ends_it_while_a_propose_hangs(model_path, caplog):
+    """The 4th propose sleeps 20 s, far past the request's 0.5 s limit and within the 30 s bound:
+    the call is abandoned once the limit passed (and the grace), the speculator switched off
+    with one warning naming the limit, and the request ends there, its tokens the plain ones."""
+    registry = Registry.from_plugins({"toy": toy_plugin, "hanging": HangingPlugin(HANG_S)})
+    plain = api.load(model_path, registry=registry, spec=SpecOptions(enabled=False))
+    want = [e.token for e in plain.generate(PROMPT, max_tokens=400, ignore_eos=True)]
+    engine = api.load(model_path, registry=registry, spec_type="hanging", adaptive=False)
+    assert engine.plugin_calls.bound_s == 30.0
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="verispec"):
+        generation = engine.generate(PROMPT, max_tokens=400, ignore_eos=True, time_limit=LIMIT_S)
+        got = [e.token for e in generation]
+    assert time.monotonic() - started < LIMIT_S + PLUGIN_CALL_GRACE_S + 2.0  # not the 20 s propose sleeps
+    result = generation.result
+    assert result.finish_reason == "length" and 1 <= len(got) < len(want) and got == want[:len(got)]
+    assert result.reason.code == "faulted"
+    assert "propose ran past a request's time limit of 0.5 s" in result.reason.text
+    assert sum("switched off for this engine" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_server_request_timeout_ends_a_request_while_a_propose_hangs(model_path):
+    """The same through the server's --request-timeout: the response comes once the limit (and
+    the grace) passed, finish_reason "length", its text the plain text's start."""
+    from fastapi.testclient import TestClient
+
+    from verispec.server import create_app
+
+    registry = Registry.from_plugins({"toy": toy_plugin, "hanging": HangingPlugin(HANG_S)})
+    plain = api.load(model_path, registry=registry, spec=SpecOptions(enabled=False))
+    generation = plain.generate(PROMPT, max_tokens=400, ignore_eos=True)
+    list(generation)
+    engine = api.load(model_path, registry=registry, spec_type="hanging", adaptive=False)
+    client = TestClient(create_app(engine, model_name="toy", request_timeout=LIMIT_S))
+    started = time.monotonic()
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 400, "temperature": 0,
+                                             "ignore_eos": True})
+    assert time.monotonic() - started < LIMIT_S + PLUGIN_CALL_GRACE_S + 2.0  # not the 20 s propose sleeps
+    assert r.status_code == 200
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and 1 <= r.json()["usage"]["completion_tokens"] < 400
+    assert generation.result.text.startswith(choice["text"])
+    assert engine.speculator is None and "time limit of 0.5 s" in engine.fault
 
 
 def test_health_says_503_while_one_engine_step_runs_past_its_bound(model_path):

@@ -67,7 +67,8 @@ class InferenceEngine:
     sequences kept for prefix reuse. kv_budget_bytes: KV/state memory of running and idle
     sequences (verispec.kv_budget; None = no budget). plugin_call_bound_s: seconds a speculator
     call may run before it is abandoned and the speculator switched off (verispec.plugin_calls;
-    `engine.plugin_calls.bound_s` changes it later).
+    `engine.plugin_calls.bound_s` changes it later); a call also waits no longer than the nearest
+    time limit of the step's requests (`generate(time_limit=)`; it still gets PLUGIN_CALL_GRACE_S).
     """
 
     def __init__(self, trunk, *, registry=None, spec: SpecOptions = SpecOptions(), prefill_chunk: int = 512,

@@ -159,11 +159,11 @@ class SpeculativeExecution:
     def _plugin_call(self, what: str, call: Callable, *args):
         """`call(*args)` (through plugin_calls when given), or None after switching the speculator off
         when it raises — SystemExit included: a plugin never ends the process — or runs past the
-        plugin_calls bound (abandoned)."""
+        plugin_calls wait (abandoned: its bound, or a request's time limit)."""
         try:
             return self.plugin_calls(call, *args) if self.plugin_calls is not None else call(*args)
-        except PluginTimeout:
-            self._plugin_fault(f"{what} did not return within {self.plugin_calls.bound_s:g} s; abandoned")
+        except PluginTimeout as exc:
+            self._plugin_fault(f"{what} {exc.rule}; abandoned")
         except (Exception, SystemExit) as exc:  # noqa: BLE001 -- anything a plugin raises is its fault
             self._plugin_fault(f"{what} raised {type(exc).__name__}: {exc}")
         return None
@@ -469,9 +469,9 @@ def draft_segments(executions: Sequence[SpeculativeExecution], plans: Sequence[t
                 else speculator.propose_batch(states, ctxs)
             if not isinstance(proposals, (list, tuple)) or len(proposals) != len(group):
                 raise TypeError(f"returned {type(proposals).__name__} for {len(group)} contexts, not one list each")
-        except PluginTimeout:
+        except PluginTimeout as exc:
             for _, ex, _ in group:
-                ex._plugin_fault(f"{what} did not return within {runner.bound_s:g} s; abandoned")
+                ex._plugin_fault(f"{what} {exc.rule}; abandoned")
             proposals = [None] * len(group)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 -- anything a plugin raises is its fault
             for _, ex, _ in group:

@@ -70,7 +70,8 @@ class Speculation:
     cost_model: object  # verispec.cost_model.CostModel
     #: called once with a one-line reason when the speculator faults.
     on_plugin_fault: Callable[[str], None]
-    #: runs every speculator call (verispec.plugin_calls.PluginCalls), or None to call directly.
+    #: runs every speculator call (verispec.plugin_calls.PluginCalls; the scheduler sets its
+    #: `deadline` each step), or None to call directly.
     plugin_calls: Callable | None = None
 
 

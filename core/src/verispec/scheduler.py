@@ -17,7 +17,9 @@ Every forward without prefill rows refreshes the cost model's time for its row c
 
 Each request samples its own rows with its own SamplingParams, stops, max_tokens and time
 limit; its events reach its `Generation` as they are drawn, and it leaves the batch the step
-it finishes. A cancelled request leaves at the next step and its sequence is released.
+it finishes. A cancelled request leaves at the next step and its sequence is released. A
+speculator call waits no longer than the nearest time limit of the step's requests
+(verispec.plugin_calls), so a hung plugin cannot hold a request past its limit.
 
 Its parts, objects it owns: the prefix cache (verispec.prefix_cache: a finished request's
 sequence kept idle, a new request starting from the longest prefix it shares with an idle or a
@@ -128,6 +130,7 @@ class Scheduler:
                 self._admit()
                 if not self._running:
                     return
+                self._bound_plugin_calls(self._running)
                 solo = self._running[0] if len(self._running) == 1 and self._running[0].decoding else None
                 if solo is not None and (not self._was_solo or self._governed is not solo):
                     self._start_governing(solo)
@@ -192,6 +195,7 @@ class Scheduler:
         request.admitted_at = time.perf_counter()
         if request.time_limit is not None:
             request.stop_state.deadline = request.admitted_at + request.time_limit
+        self._bound_plugin_calls([*self._running, request])  # its speculator hears of it now
         request.start_execution(self.trunk, self.speculation, self.plain_reason)
         if request.reused:
             self.metrics.num_prefix_cache_hits += 1
@@ -206,6 +210,14 @@ class Scheduler:
         """(sequence, the tokens it holds) of every running request, for prefix reuse."""
         for request in self._running:
             yield request.seq, request.held_tokens(self.trunk.seq_len(request.seq))
+
+    def _bound_plugin_calls(self, requests) -> None:
+        """Speculator calls wait no longer than the nearest time limit of `requests`, the ones in
+        the step (verispec.plugin_calls: PluginCalls.deadline): a hung call cannot hold them past it."""
+        runner = self.speculation.plugin_calls if self.speculation is not None else None
+        if runner is not None:
+            runner.deadline = min(((r.stop_state.deadline, r.time_limit) for r in requests
+                                   if r.stop_state.deadline is not None), default=None)
 
     def _start_governing(self, request: Request) -> None:
         """A solo phase begins: the shared governor hears of a new request, or of one resuming

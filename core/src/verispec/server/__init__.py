@@ -18,8 +18,9 @@ leaves — mid-stream, or while waiting for a whole response — cancels its req
 the batch at the next step and its sequence is freed (a request abandoned while queued never
 runs). A generation that runs longer than `request_timeout` seconds (`verispec serve
 --request-timeout`, default 600; queueing time not counted) ends at that token with
-finish_reason "length", as if max_tokens had been reached. An engine error fails the
-requests of that step (HTTP 500), never the server, except a lost tensor-parallel rank
+finish_reason "length", as if max_tokens had been reached, even while a speculator call hangs
+(verispec.plugin_calls: the call is abandoned and the speculator switched off). An engine
+error fails the requests of that step (HTTP 500), never the server, except a lost tensor-parallel rank
 (`verispec serve --tp N`; verispec.tensor_parallel.RankLost): the model cannot run again, so
 its requests answer 503 (mid-stream: a last `data: {"error": ...}` event) naming the rank, and
 the server shuts down, `verispec serve` exiting with status 1 and that message (a supervisor
