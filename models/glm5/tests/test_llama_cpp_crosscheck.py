@@ -5,18 +5,18 @@ fp32 KV cache; llama-perplexity's scoring: `verispec.testing.perplexity`).
 
 Runs only where llama.cpp is built (`python benchmarks/llama_cpp.py --build`, ~10-20 min once;
 CI does not build it, so there it skips). The NextN block is in the `nextn` file (llama.cpp
-loads it by its NEXTN names; perplexity does not run it). Measured (llama-cpp-python 0.3.36's
-tree): nextn 580.7089 (llama.cpp) vs 580.7090 (ours), grouped 1469.7257 vs 1469.7258; the bound is
+loads it by its NEXTN names; perplexity does not run it). Measured against llama.cpp b11434:
+nextn 580.7089 (llama.cpp) vs 580.7090 (ours), grouped 1469.7257 vs 1469.7257; the bound is
 2e-5 relative.
 
 glm-dsa (`tiny_glm_dsa`, 64-token windows past index_topk, so llama.cpp's sparse selection runs
-too): shared 1002.7482 vs 1002.7482, full 1441.7599 vs 1441.7596. Those files set the rms epsilon
+too): shared 1002.7481 vs 1002.7482, full 1441.7598 vs 1441.7597. Those files set the rms epsilon
 to 1e-6: llama.cpp's graph uses the file's epsilon for the q_a / kv_a latent norms, where
 transformers (and this package) use 1e-6 whatever the config says.
 
 glm5-next (`tiny_glm5next` "flash": KDA and NoPE MLA layers, the k-pool indexer selecting 4 of 16
-pools in each 64-token window, mHC, the NextN block in the file): 1035.8212 vs 1035.8219
-(6.6e-7 relative), with the fixture's own epsilons (rms 1e-5, indexer k-norm 1e-6) unchanged.
+pools in each 64-token window, mHC, the NextN block in the file): 1035.8216 vs 1035.8214
+(2e-7 relative), with the fixture's own epsilons (rms 1e-5, indexer k-norm 1e-6) unchanged.
 """
 import sys
 from pathlib import Path

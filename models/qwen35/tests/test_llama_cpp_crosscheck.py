@@ -7,8 +7,8 @@ CI does not build it, so there it skips). llama.cpp's
 qwen35 code takes the GDN value head size from `ssm.state_size` (head_v_dim = head_k_dim), so
 these fixtures use dk == dv (the other fixtures keep them distinct to catch a transposed state).
 Its KV cache is asked for in fp32 (`-ctk f32 -ctv f32`); the rest of its CPU math on F32
-weights is fp32. Measured: dense 784.1662 (llama.cpp) vs 784.1638 (ours), MoE 1976.7411 vs
-1976.7429: within 3e-6 relative; the bound is 2e-5. The MTP block is in both files (llama.cpp
+weights is fp32. Measured against llama.cpp b11434: dense 784.1645 (llama.cpp) vs 784.1640
+(ours), MoE 1976.7406 vs 1976.7439: within 2e-6 relative; the bound is 2e-5. The MTP block is in both files (llama.cpp
 loads it by its NEXTN names; perplexity does not run it).
 """
 import sys

@@ -45,17 +45,28 @@ def our_perplexity(trunk, text: str = TEXT, n_ctx: int = 64) -> float:
 
 
 def llama_cpp_perplexity(binary: str | Path, model_path: str | Path, workdir: str | Path, *, text: str = TEXT,
-                         n_ctx: int = 64, attempts: int = 2) -> float:
-    """llama-perplexity's "Final estimate" on `model_path` (one thread, batch = n_ctx, fp32 KV, no flash attention).
-    Retried once: the binary ended without its estimate in ~1 run of 20 on this machine.
-    Raises AssertionError with the tail of its output when no estimate appears."""
+                         n_ctx: int = 64, attempts: int = 4) -> float:
+    """llama-perplexity's perplexity of `model_path` (one thread, batch = n_ctx, fp32 KV, no flash
+    attention): its "Final estimate", or else its running value after the last chunk (`[N]ppl`
+    with N the chunk count it announced), which is the same exp(mean NLL) printed one line earlier.
+
+    llama.cpp's logger writes from a worker thread that the process does not wait for at exit
+    (common/log.cpp: the logger is leaked on purpose), so a run can end with its last lines unwritten;
+    the output goes to a file (which loses less than a pipe) and a run without either figure is
+    retried, `attempts` runs in all. Raises AssertionError with the tail of its output when no run
+    gives one."""
     text_file = Path(workdir) / "perplexity.txt"
     text_file.write_text(text)
+    log_file = Path(workdir) / "perplexity.log"
     for _ in range(attempts):
-        done = subprocess.run([str(binary), "-m", str(model_path), "-f", str(text_file), "-c", str(n_ctx),
-                               "-b", str(n_ctx), "-t", "1", "-ctk", "f32", "-ctv", "f32", "-fa", "off"],
-                              capture_output=True, text=True, timeout=300)
-        found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
-        if found:
+        with open(log_file, "w") as out:
+            done = subprocess.run([str(binary), "-m", str(model_path), "-f", str(text_file), "-c", str(n_ctx),
+                                   "-b", str(n_ctx), "-t", "1", "-ctk", "f32", "-ctv", "f32", "-fa", "off"],
+                                  stdout=out, stderr=subprocess.STDOUT, timeout=300)
+        output = log_file.read_text()
+        if found := re.search(r"Final estimate: PPL = ([0-9.]+)", output):
             return float(found.group(1))
-    raise AssertionError(f"llama-perplexity exit {done.returncode}: " + (done.stdout + done.stderr)[-3000:])
+        chunks = re.search(r"calculating perplexity over (\d+) chunks", output)
+        if chunks and (last := re.search(rf"\[{chunks.group(1)}\]([0-9.]+),", output)):
+            return float(last.group(1))
+    raise AssertionError(f"llama-perplexity exit {done.returncode}: " + output[-3000:])
