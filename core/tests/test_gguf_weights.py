@@ -4,6 +4,7 @@ int8; checked against `gguf.quants.dequantize` on random stored blocks (every bi
 the packed fields), the C kernel against its PyTorch statement bitwise, through the loader and
 the weight cache, and for batch invariance."""
 import ctypes
+import itertools
 
 import numpy as np
 import pytest
@@ -141,6 +142,24 @@ def test_the_kernel_is_its_pytorch_statement_bitwise(ggml_type):
 
 @needs_kernels
 @pytest.mark.parametrize("ggml_type", TYPES)
+def test_the_kernel_is_exact_at_the_largest_integer_sums(ggml_type):
+    """Every stored integer at its largest (packed bytes all 0xFF: u = 2^bits - 1) against
+    activations all +127 or all -127 (a constant row): the largest sums any block can hold, where
+    an integer path that adds products in narrower lanes (the AVX2 path's int16 sums) would overflow
+    first. Still bitwise the PyTorch statement."""
+    linear, _ = _linear(ggml_type, seed=6)
+    linear.packed.fill_(0xFF)
+    x = torch.cat([torch.full((3, 512), 0.5), torch.full((2, 512), -2.0)])
+    a, _, _ = quantize_activations(x)
+    assert a[:3].eq(127).all() and a[3:].eq(-127).all()  # premise
+    for n in (1, 5):
+        rows = x[:n] if n == 1 else x
+        assert torch.equal(linear(rows), reference_matmul(rows, linear.values())), n
+    assert linear.values().u.eq(2 ** BLOCK_FORMATS[ggml_type].bits - 1).all()  # premise: every u at its largest
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", TYPES)
 def test_block_linears_are_batch_and_thread_invariant(ggml_type):
     """k = 2..9 rows in one call are bitwise the rows computed one at a time, at 1 and 2 threads."""
     linear, _ = _linear(ggml_type, rows=600, seed=3)  # 38 tiles: enough work for two threads
@@ -175,20 +194,23 @@ def _cpu_has(*flags: str) -> bool:
 def test_every_path_of_the_kernel_gives_the_same_bits(tmp_path, monkeypatch, flags, path):
     """qmatmul.c built for another instruction set (the plain loop other CPUs run, AVX2 without
     AVX-512, AVX-512 VNNI without AMX's tile products) gives the same bits as this machine's build,
-    for every format, at 1, 9 and 40 rows (40: runs of 16 rows through AMX where this machine has it)."""
+    for every format, at 1, 9 and 40 rows (40: runs of 16 rows through AMX where this machine has it),
+    on random weights and on the largest integer sums (every u at its largest, activations ±127)."""
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
     other = ctypes.CDLL(str(ckernels.LIBRARY.build(extra_flags=flags)))
     assert other.verispec_qmatmul_path() == path
-    for ggml_type in TYPES:
+    for ggml_type, largest in itertools.product(TYPES, (False, True)):
         linear, _ = _linear(ggml_type, seed=4)
+        if largest:  # as test_the_kernel_is_exact_at_the_largest_integer_sums
+            linear.packed.fill_(0xFF)
         for n in (1, 9, 40):
-            x = _x(n, 512)
+            x = torch.full((n, 512), -2.0 if n == 9 else 0.5) if largest else _x(n, 512)
             y = torch.empty(n, 40)
             assert other.verispec_qmatmul(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(n), ctypes.c_int64(512),
                                           *[ctypes.c_void_p(a) if i < 3 else ctypes.c_int64(a)
                                             for i, a in enumerate(linear.kernel_args())],
                                           ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(1)) == 0
-            assert torch.equal(y, linear(x)), (ggml_type.name, n)
+            assert torch.equal(y, linear(x)), (ggml_type.name, n, largest)
 
 
 def test_without_the_kernels_the_reference_runs(monkeypatch):

@@ -451,6 +451,7 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
     const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
                                             3, 3, 3, 3, 3, 3, 3);
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const int J16 = bits == 5 ? 4 : bits == 6 ? 2 : 8; /* vectors j summed in int16 (below) */
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = q->w + (t * nb + b) * bytes;
         __m256i wv[8][2], hv[8][2]; /* [j][half]; hv: 8-bit u's high nibbles */
@@ -487,16 +488,26 @@ static inline __attribute__((always_inline)) void tile_rows_format(const qjob *q
             const __m256 db = _mm256_set1_ps(q->d[(r0 + r) * nb + b]);
             int32_t a4[8];
             memcpy(a4, ab, 32);
+            __m256i av[8];
+            for (int j = 0; j < 8; j++) av[j] = _mm256_set1_epi32(a4[j]);
             for (int half = 0; half < 2; half++) {
                 __m256i I[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-                for (int j = 0; j < 8; j++) {
-                    const __m256i av = _mm256_set1_epi32(a4[j]);
-                    __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j][half], av), ones);
-                    if (bits == 8)
-                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(hv[j][half], av), sixteen));
-                    I[j / 4] = _mm256_add_epi32(I[j / 4], sum);
+                /* maddubs' int16 pair sums of J vectors j added in int16 before widening: with
+                 * |a| <= 127, 2J products of u <= 2^bits - 1 stay within 32767 (4 bits or 8-bit
+                 * nibbles: J = 8, 30480; 5 bits: J = 4, 31496; 6 bits: J = 2, 32004), so the int32
+                 * sums are the same integers. J divides 4: a group (16 columns) is never split. */
+                for (int j0 = 0; j0 < 8; j0 += J16) {
+                    __m256i lo = _mm256_maddubs_epi16(wv[j0][half], av[j0]), hi = _mm256_setzero_si256();
+                    if (bits == 8) hi = _mm256_maddubs_epi16(hv[j0][half], av[j0]);
+                    for (int j = j0 + 1; j < j0 + J16; j++) {
+                        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(wv[j][half], av[j]));
+                        if (bits == 8) hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(hv[j][half], av[j]));
+                    }
+                    __m256i sum = _mm256_madd_epi16(lo, ones);
+                    if (bits == 8) sum = _mm256_add_epi32(sum, _mm256_madd_epi16(hi, sixteen));
+                    I[j0 / 4] = _mm256_add_epi32(I[j0 / 4], sum);
                 }
-                if (gpb == 1) I[0] = _mm256_add_epi32(I[0], I[1]);
+                if (gpb == 1 && J16 < 8) I[0] = _mm256_add_epi32(I[0], I[1]);
                 for (int64_t h = 0; h < gpb; h++) {
                     const __m256i Ih = mb ? I[h] : _mm256_sub_epi32(I[h], _mm256_set1_epi32(zero_sum(q, g0 + h)));
                     const __m256 sd = _mm256_mul_ps(sv[h][half], db);
