@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import attrs
 
@@ -228,8 +229,10 @@ class BroadcastTrunk:
 
 def _who_stopped(group: Group) -> str:
     """"rank 1 (killed by signal 9) of 2 tensor-parallel ranks" for the local ranks this process
-    spawned that have ended (within EXIT_GRACE_S); "a tensor-parallel rank of N" when none has (a
-    remote rank, or one that hangs)."""
+    spawned that have ended (within EXIT_GRACE_S), else "rank 2 (stopped by a signal) of 3 ..."
+    for those the kernel reports stopped (SIGSTOP, SIGTSTP: state T in /proc/PID/stat; alive,
+    sockets open, answering nothing); "a tensor-parallel rank of N" when neither (a remote rank,
+    or one that hangs while running)."""
     ended, deadline = [], time.monotonic() + EXIT_GRACE_S  # a killed rank's sockets close before it is reaped
     for rank, process in enumerate(group.followers, start=1):
         try:
@@ -239,8 +242,21 @@ def _who_stopped(group: Group) -> str:
         if code is not None:
             ended.append(f"rank {rank}" + (f" (killed by signal {-code})" if code < 0 else f" (exit status {code})"))
     if not ended:
+        ended = [f"rank {rank} (stopped by a signal)" for rank, process in enumerate(group.followers, start=1)
+                 if _process_state(process.pid) in ("T", "t")]
+    if not ended:
         return f"a tensor-parallel rank of {group.world_size}"
     return f"{', '.join(ended)} of {group.world_size} tensor-parallel ranks"
+
+
+def _process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of process `pid` (R, S, D, T stopped, t traced-stopped, Z, ...)
+    from /proc/PID/stat, or None where there is no such file (another OS, or the process is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[0]  # after "(comm)", which may hold spaces or parentheses
 
 
 class _BroadcastView:

@@ -128,8 +128,8 @@ def test_a_hung_rank_gives_a_clear_error_once_the_timeout_passes(tiny_fixture):
         forward_one(tp, seq, PROMPT[:6])
         follower.send_signal(signal.SIGSTOP)  # alive, sockets open, answering nothing
         began = time.monotonic()
-        with pytest.raises(RankLost, match=r"a tensor-parallel rank of 2 stopped answering during forward "
-                                           r"\(collective timeout 3 s\)"):
+        with pytest.raises(RankLost, match=r"rank 1 \(stopped by a signal\) of 2 tensor-parallel ranks stopped "
+                                           r"answering during forward \(collective timeout 3 s\)"):
             forward_one(tp, seq, PROMPT[6:9])
         assert timeout - 0.5 < time.monotonic() - began < timeout + 3.0
     finally:
