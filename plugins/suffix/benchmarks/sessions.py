@@ -5,15 +5,20 @@ drafter's engine-wide index holds the earlier requests' outputs when a later one
 is a function of the earlier answers' texts (an agent re-quoting code it wrote). For every spec type
 the engine gets a fresh speculator (empty index) and an empty prefix cache at the start of each
 session. Prints per-request decode tok/s, the whole session's decode tok/s (tokens / decode time),
-the speedup over plain, and whether every stream equals plain's (it must).
+the speedup over plain and over ngram, and whether every stream equals plain's (it must). With --rounds N the
+spec types take turns N times per scenario (plain, ngram, suffix, plain, ...); the figures are
+medians over the rounds (x_plain: the median of each round's ratio to that round's plain), and
+"identical" must hold in every round.
 
     python plugins/suffix/benchmarks/sessions.py [--model smollm2-135m-instruct] [--max-tokens 96]
-        [--spec-types ngram suffix] [--scenarios three-users regenerate ...] [--adaptive on|off] [--json]
+        [--spec-types ngram suffix] [--scenarios three-users regenerate ...] [--adaptive on|off]
+        [--rounds 3] [--threads 2] [--json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import verispec
 from verispec.engine import SpecOptions
@@ -68,38 +73,50 @@ def main(argv=None) -> None:
     parser.add_argument("--spec-types", nargs="+", default=["ngram", "suffix"])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     parser.add_argument("--adaptive", choices=("on", "off"), default="on")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; figures are medians")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's choice)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
-    engine = verispec.load(args.model, enabled=False, kv_cache_gb=0)
+    engine = verispec.load(args.model, enabled=False, kv_cache_gb=0, threads=args.threads)
     report = {}
     for name in args.scenarios:
-        runs = {"plain": run_session(engine, SCENARIOS[name], SpecOptions(enabled=False), args.max_tokens)}
-        for spec_type in args.spec_types:
-            runs[spec_type] = run_session(engine, SCENARIOS[name],
-                                          SpecOptions(spec_type=spec_type, adaptive=args.adaptive == "on"),
-                                          args.max_tokens)
-        plain_tokens = [row["tokens"] for row in runs["plain"]]
+        rounds = []
+        for _ in range(args.rounds):
+            runs = {"plain": run_session(engine, SCENARIOS[name], SpecOptions(enabled=False), args.max_tokens)}
+            for spec_type in args.spec_types:
+                runs[spec_type] = run_session(engine, SCENARIOS[name],
+                                              SpecOptions(spec_type=spec_type, adaptive=args.adaptive == "on"),
+                                              args.max_tokens)
+            rounds.append(runs)
+        plain_tokens = [row["tokens"] for row in rounds[0]["plain"]]
         report[name] = {}
-        for spec_type, rows in runs.items():
-            n = sum(len(row["tokens"]) for row in rows)
-            seconds = sum(row["decode_s"] for row in rows)
+        for spec_type in rounds[0]:
+            per_round = []
+            for runs in rounds:
+                rows, base_rows = runs[spec_type], runs["plain"]
+                seconds = sum(row["decode_s"] for row in rows)
+                base_seconds = sum(row["decode_s"] for row in base_rows)
+                n = sum(len(row["tokens"]) for row in rows)
+                ngram_seconds = sum(row["decode_s"] for row in runs.get("ngram", rows))
+                per_round.append((n / seconds if seconds else 0.0, base_seconds / seconds if seconds else 0.0, rows,
+                                  ngram_seconds / seconds if seconds else 0.0))
+            last = per_round[-1][2]
             report[name][spec_type] = {
-                "per_request_tok_s": [round(row["tok_s"], 1) for row in rows],
-                "session_tok_s": round(n / seconds, 1) if seconds else 0.0,
-                "accepted/drafted": [f"{row['accepted']}/{row['drafted']}" for row in rows],
-                "identical": [row["tokens"] for row in rows] == plain_tokens,
+                "per_request_tok_s": [round(row["tok_s"], 1) for row in last],
+                "session_tok_s": round(statistics.median(r[0] for r in per_round), 1),
+                "x_plain": round(statistics.median(r[1] for r in per_round), 2),
+                "x_ngram": round(statistics.median(r[3] for r in per_round), 2),
+                "accepted/drafted": [f"{row['accepted']}/{row['drafted']}" for row in last],
+                "identical": all([row["tokens"] for row in r[2]] == plain_tokens for r in per_round),
             }
-        base = report[name]["plain"]["session_tok_s"]
-        for entry in report[name].values():
-            entry["x_plain"] = round(entry["session_tok_s"] / base, 2) if base else 0.0
     if args.json:
         print(json.dumps(report, indent=1))
         return
     for name, by_spec in report.items():
         print(name)
         for spec_type, e in by_spec.items():
-            print(f"  {spec_type:8} session {e['session_tok_s']:7.1f} tok/s  x{e['x_plain']:<5} "
+            print(f"  {spec_type:8} session {e['session_tok_s']:7.1f} tok/s  x{e['x_plain']:<5} (x{e['x_ngram']} ngram) "
                   f"identical={e['identical']}  per request {e['per_request_tok_s']}  {e['accepted/drafted']}")
 
 
