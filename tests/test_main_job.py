@@ -22,7 +22,10 @@ def test_the_main_job_quotes_the_poem_and_compares_with_plain_decoding():
                          r"\(([\d.]+)x\); identical: (\S+)\]", out.stderr)
     assert compared, out.stderr
     assert compared.group(4) == "yes" and float(compared.group(1)) > 0 and float(compared.group(2)) > 0
-    # armed on a quiet machine; under load the cost governor may measure speculation as dearer
-    # and park it, which is its job (the streams stay identical either way)
+    # armed on a quiet machine; under load (another test worker on the second core) the cost
+    # governor may measure speculation as dearer and park it, or the cost model may price a verify
+    # row above what a draft saves and give no draft slot: each is its job, and each names its rule
+    # (the streams stay identical either way)
     assert re.search(r"\[speculation: (armed: speculator 'ngram' drafted|parked: the cost governor parked "
-                     r"speculator 'ngram')", out.stderr), out.stderr
+                     r"speculator 'ngram'|budget: the cost model gave 'ngram' no draft slot: draft [\d.]+ ms \+ "
+                     r"verify [\d.]+ ms)", out.stderr), out.stderr
