@@ -190,7 +190,8 @@ def hf_to_gguf(model, mtp=None, options=None) -> tuple[str, dict, dict]:
         f"{a}.ssm.group_count": cfg.linear_num_key_heads,
         f"{a}.ssm.time_step_rank": cfg.linear_num_value_heads,
         f"{a}.ssm.inner_size": cfg.linear_value_head_dim * cfg.linear_num_value_heads,
-        f"{a}.full_attention_interval": 4,
+        # every layer_types[i] of a tiny config is full iff (i + 1) % interval == 0 (the loader's rule)
+        f"{a}.full_attention_interval": cfg.layer_types.index("full_attention") + 1,
     }
     if mtp:
         metadata[f"{a}.nextn_predict_layers"] = 1
