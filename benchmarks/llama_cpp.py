@@ -1,7 +1,7 @@
 """Plain decode and prefill, verispec vs llama.cpp b11434's own `llama-bench`, on the same GGUF
 files, beside this machine's read roofline.
 
-    python benchmarks/llama_cpp.py --build         # once: ~15-25 min on 2 cores
+    python benchmarks/llama_cpp.py --build         # once: ~10 min on 2 cores
     python benchmarks/llama_cpp.py                 # the four checkpoints, 2 threads, 3 rounds
     python benchmarks/llama_cpp.py --models gemma3-270m --dtype int8
 
