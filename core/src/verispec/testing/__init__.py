@@ -7,8 +7,8 @@
 - `ToyTrunk`, `MarkovTrunk`, `ScriptedSpeculator`, `oracle_speculator`: toy trunks and drafters (see `toy`;
   `toy_plugin`: a whole toy plugin, trunk family, BLOCK head from its own drafter file, block speculator).
 - `fixture_writer`: writes tiny GGUF fixtures with llama.cpp's key and tensor names.
-- `our_perplexity`, `llama_cpp_perplexity`: llama-perplexity's score, ours and llama.cpp's (cross-checks;
-  see `perplexity`).
+- `our_perplexity`, `llama_cpp_perplexity`: llama-perplexity's score, ours and llama.cpp's, and
+  `run_llama_cpp`, any llama.cpp tool's output for a cross-check (see `perplexity`).
 - Checks the families' tests share: `device_path` (a trunk placed on a device), `gguf_weights` (the
   `gguf` weight mode against gguf-py), `hf_parity` (fp32 logits against transformers'); helpers:
   `serving` (a server on a loopback port), `terminal` (a command on a pseudo-terminal, Ctrl-C).
@@ -40,6 +40,7 @@ _EXPORTS = {
     "built_once": "verispec.testing.plugin",
     "our_perplexity": "verispec.testing.perplexity",
     "llama_cpp_perplexity": "verispec.testing.perplexity",
+    "run_llama_cpp": "verispec.testing.perplexity",
 }
 
 __all__ = list(_EXPORTS)

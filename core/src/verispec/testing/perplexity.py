@@ -8,12 +8,19 @@ from row k, k = n_ctx/2 .. n_ctx − 2. `our_perplexity` applies the same rule t
 logits; `llama_cpp_perplexity` runs the binary with an fp32 KV cache and flash attention off:
 its CPU flash-attention kernel (on by default, `-fa auto`) rounds even an fp32 cache's rows
 (measured on a tiny glm4moe: 428.2185 with it, 428.2463 without; ours 428.2462).
+
+`run_llama_cpp` runs any llama.cpp tool for such a cross-check (also the eagle3 plugin's): its
+logger writes from a worker thread that the process does not wait for at exit (common/log.cpp:
+the logger is leaked on purpose), so a run can end with its last lines unwritten. The output goes
+to a file (which loses less than a pipe) and a run whose output lacks what the caller needs is
+repeated.
 """
 from __future__ import annotations
 
 import math
 import re
 import subprocess
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 #: a text whose repetitions give a tiny model's perplexity something to learn within a chunk
@@ -44,29 +51,44 @@ def our_perplexity(trunk, text: str = TEXT, n_ctx: int = 64) -> float:
     return math.exp(nll / count)
 
 
+def run_llama_cpp(binary: str | Path, args: Sequence[str], log_file: str | Path, *,
+                  complete: Callable[[str], bool], attempts: int, timeout: float = 300) -> tuple[int, str]:
+    """(exit status, output) of `binary args`, stdout and stderr written to `log_file`: the first
+    run whose output is `complete`, or one that exited non-zero (a failure, not lost lines), else
+    the last of `attempts` runs (module docstring: why a run can lose its last lines)."""
+    for _ in range(attempts):
+        with open(log_file, "w") as out:
+            done = subprocess.run([str(binary), *map(str, args)], stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=timeout)
+        output = Path(log_file).read_text()
+        if done.returncode != 0 or complete(output):
+            break
+    return done.returncode, output
+
+
+def _printed_perplexity(output: str) -> float | None:
+    """llama-perplexity's "Final estimate", or else its running value after the last chunk (`[N]ppl`
+    with N the chunk count it announced: the same exp(mean NLL), printed one line earlier); None
+    when the output holds neither."""
+    if found := re.search(r"Final estimate: PPL = ([0-9.]+)", output):
+        return float(found.group(1))
+    chunks = re.search(r"calculating perplexity over (\d+) chunks", output)
+    if chunks and (last := re.search(rf"\[{chunks.group(1)}\]([0-9.]+),", output)):
+        return float(last.group(1))
+    return None
+
+
 def llama_cpp_perplexity(binary: str | Path, model_path: str | Path, workdir: str | Path, *, text: str = TEXT,
                          n_ctx: int = 64, attempts: int = 4) -> float:
     """llama-perplexity's perplexity of `model_path` (one thread, batch = n_ctx, fp32 KV, no flash
-    attention): its "Final estimate", or else its running value after the last chunk (`[N]ppl`
-    with N the chunk count it announced), which is the same exp(mean NLL) printed one line earlier.
-
-    llama.cpp's logger writes from a worker thread that the process does not wait for at exit
-    (common/log.cpp: the logger is leaked on purpose), so a run can end with its last lines unwritten;
-    the output goes to a file (which loses less than a pipe) and a run without either figure is
-    retried, `attempts` runs in all. Raises AssertionError with the tail of its output when no run
-    gives one."""
+    attention), as `_printed_perplexity` reads it from the output; `attempts` runs at most
+    (`run_llama_cpp`). Raises AssertionError with the tail of its output when no run gives one."""
     text_file = Path(workdir) / "perplexity.txt"
     text_file.write_text(text)
-    log_file = Path(workdir) / "perplexity.log"
-    for _ in range(attempts):
-        with open(log_file, "w") as out:
-            done = subprocess.run([str(binary), "-m", str(model_path), "-f", str(text_file), "-c", str(n_ctx),
-                                   "-b", str(n_ctx), "-t", "1", "-ctk", "f32", "-ctv", "f32", "-fa", "off"],
-                                  stdout=out, stderr=subprocess.STDOUT, timeout=300)
-        output = log_file.read_text()
-        if found := re.search(r"Final estimate: PPL = ([0-9.]+)", output):
-            return float(found.group(1))
-        chunks = re.search(r"calculating perplexity over (\d+) chunks", output)
-        if chunks and (last := re.search(rf"\[{chunks.group(1)}\]([0-9.]+),", output)):
-            return float(last.group(1))
-    raise AssertionError(f"llama-perplexity exit {done.returncode}: " + output[-3000:])
+    status, output = run_llama_cpp(binary, ["-m", model_path, "-f", text_file, "-c", n_ctx, "-b", n_ctx, "-t", 1,
+                                            "-ctk", "f32", "-ctv", "f32", "-fa", "off"],
+                                   Path(workdir) / "perplexity.log",
+                                   complete=lambda out: _printed_perplexity(out) is not None, attempts=attempts)
+    if status == 0 and (ppl := _printed_perplexity(output)) is not None:
+        return ppl
+    raise AssertionError(f"llama-perplexity exit {status}: " + output[-3000:])
