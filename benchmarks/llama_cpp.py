@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import math
 import os
@@ -173,27 +174,26 @@ def cpu_class() -> dict[str, str]:
     return {"cpu": name, "cpu_class": kind, "flags": " ".join(vector)}
 
 
-_ROOFLINE = None
+@functools.cache
+def _roofline_library():
+    """`read_roofline.c` through verispec's C kernel build (built on first use), or None (warned)."""
+    from verispec.kernels.build import CLibrary
+
+    def declare(lib):
+        lib.read_roofline.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+        lib.read_roofline.restype = ctypes.c_int
+        lib.read_roofline_load_bits.restype = ctypes.c_int
+
+    return CLibrary("read_roofline", [Path(__file__).with_name("read_roofline.c")], declare=declare).load()
 
 
 def roofline(threads: int, num_bytes: int = 1 << 30, passes: int = 5) -> dict[str, float]:
-    """The read roofline (`read_roofline.c`, built by verispec's C kernel build): `threads`
-    threads streaming `num_bytes` (1 GiB) `passes` times; GB/s (1e9 B/s) of the best pass and
-    of the median, and the load width in bits. Raises RuntimeError when it cannot be built or run."""
-    global _ROOFLINE
+    """The read roofline (`read_roofline.c`): `threads` threads streaming `num_bytes` (1 GiB)
+    `passes` times; GB/s (1e9 B/s) of the best pass and of the median, and the load width in bits.
+    Raises RuntimeError when it cannot be built or run."""
     import statistics
 
-    from verispec.kernels.build import CLibrary
-
-    if _ROOFLINE is None:
-        def declare(lib):
-            lib.read_roofline.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
-            lib.read_roofline.restype = ctypes.c_int
-            lib.read_roofline_load_bits.restype = ctypes.c_int
-
-        _ROOFLINE = CLibrary("read_roofline", [Path(__file__).with_name("read_roofline.c")], declare=declare)
-        _ROOFLINE.build()
-    lib = _ROOFLINE.load()
+    lib = _roofline_library()
     if lib is None:
         raise RuntimeError("read_roofline.c did not build (see the warning above)")
     out = (ctypes.c_double * passes)()

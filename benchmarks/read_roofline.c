@@ -4,8 +4,8 @@
  *
  * Each thread reads its own contiguous slice of the buffer once per pass, with eight
  * independent accumulators (so the adds never limit the loads); a pass is timed from a
- * barrier all threads leave together to the barrier the last one reaches. The best of `passes` passes
- * is the roofline: a decode step cannot read its weights faster than this.
+ * barrier all threads leave together to the barrier the last one reaches. The best of `passes`
+ * passes is the roofline: a decode step cannot read its weights faster than this.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -62,13 +62,13 @@ static uint64_t read_slice(const char *begin, size_t bytes) {
 #endif
 }
 
-/* Reads `bytes` (rounded down to 512 per thread) with `threads` OpenMP threads, each its own
+/* Reads `bytes` (rounded down to 4096 per thread: aligned_alloc takes whole pages) with `threads` OpenMP threads, each its own
  * slice (first touched by that thread), `passes` times; writes each pass's GB/s (1e9 bytes per
  * second) to gbps_out[p]. Returns 0; -1 when the buffer cannot be had, -2 when OpenMP gave
  * fewer threads than asked. */
 int read_roofline(size_t bytes, int threads, int passes, double *gbps_out) {
     if (threads < 1 || passes < 1) return -1;
-    size_t per = (bytes / (size_t)threads) & ~(size_t)511;
+    size_t per = (bytes / (size_t)threads) & ~(size_t)4095;
     char *buffer = aligned_alloc(4096, per * (size_t)threads);
     if (!buffer) return -1;
     int status = 0;
