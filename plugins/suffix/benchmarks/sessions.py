@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 
 import verispec
@@ -66,6 +67,11 @@ def run_session(engine, requests, spec: SpecOptions, max_tokens: int) -> list[di
     return rows
 
 
+def _decode_s(rows: list[dict]) -> float:
+    """Seconds of decoding of a session's requests (run_session's rows)."""
+    return sum(row["decode_s"] for row in rows)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -94,21 +100,20 @@ def main(argv=None) -> None:
         for spec_type in rounds[0]:
             per_round = []
             for runs in rounds:
-                rows, base_rows = runs[spec_type], runs["plain"]
-                seconds = sum(row["decode_s"] for row in rows)
-                base_seconds = sum(row["decode_s"] for row in base_rows)
-                n = sum(len(row["tokens"]) for row in rows)
-                ngram_seconds = sum(row["decode_s"] for row in runs.get("ngram", rows))
-                per_round.append((n / seconds if seconds else 0.0, base_seconds / seconds if seconds else 0.0, rows,
-                                  ngram_seconds / seconds if seconds else 0.0))
-            last = per_round[-1][2]
+                rows = runs[spec_type]
+                seconds = _decode_s(rows) or math.inf  # no decode time: speeds and ratios 0
+                per_round.append({"tok_s": sum(len(row["tokens"]) for row in rows) / seconds,
+                                  "x_plain": _decode_s(runs["plain"]) / seconds,
+                                  "x_ngram": _decode_s(runs.get("ngram", rows)) / seconds,
+                                  "identical": [row["tokens"] for row in rows] == plain_tokens})
+            last = rounds[-1][spec_type]
             report[name][spec_type] = {
                 "per_request_tok_s": [round(row["tok_s"], 1) for row in last],
-                "session_tok_s": round(statistics.median(r[0] for r in per_round), 1),
-                "x_plain": round(statistics.median(r[1] for r in per_round), 2),
-                "x_ngram": round(statistics.median(r[3] for r in per_round), 2),
+                "session_tok_s": round(statistics.median(r["tok_s"] for r in per_round), 1),
+                "x_plain": round(statistics.median(r["x_plain"] for r in per_round), 2),
+                "x_ngram": round(statistics.median(r["x_ngram"] for r in per_round), 2),
                 "accepted/drafted": [f"{row['accepted']}/{row['drafted']}" for row in last],
-                "identical": all([row["tokens"] for row in r[2]] == plain_tokens for r in per_round),
+                "identical": all(r["identical"] for r in per_round),
             }
     if args.json:
         print(json.dumps(report, indent=1))
