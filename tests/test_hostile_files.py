@@ -225,11 +225,13 @@ def test_the_command_refuses_in_one_line_with_exit_1(family_mutants, family, kin
 
 
 
-# --- targeted mutants of the GLM families and DFlash ----------------------------
+# --- targeted mutants of the GLM families and the drafters with weights ------------
 # A handful per family, aimed at the numbers their configs read beyond the generic SIZE_KEYS (MLA
 # ranks, the sparse indexer, expert groups, KDA, hyper-connections, per-layer clamps), the byte-level
-# tokenizer's merges, and a DFlash drafter's block_count, which sized a per-layer tuple before any
-# check. Each must be refused naming its key, in bounded memory and time (the same worker rules).
+# tokenizer's merges, and a drafter's block_count, which sizes per-layer lists (DFlash's tuple, the
+# Gemma 4 assistant's layer types). The assistant is loaded onto its trunk, so its sizes, float keys
+# and weights (NaN, inf) are refused as --draft-model would refuse them. Each must be refused naming
+# its key or tensor, in bounded memory and time (the same worker rules).
 
 TARGETED_WORKER = r"""
 import json, sys, traceback
@@ -246,6 +248,11 @@ for mutant in json.load(open(sys.argv[1])):
         if mutant["loader"] == "dflash":
             from verispec_dflash.loader import read_config
             read_config(mutant["path"])
+        elif mutant["loader"] == "gemma4-assistant":
+            from verispec_gemma4.loader import load as load_trunk
+            from verispec_gemma4_assistant.loader import load as load_assistant
+            trunk = load_trunk(mutant["trunk"], dtype="float32", use_cache=False, tokenizer=False)
+            load_assistant(mutant["path"], trunk, use_cache=False)
         else:
             engine = load(mutant["path"], registry=registry, threads=1, kv_cache_gb=0)
             "".join(event.text for event in engine.generate("hello", max_tokens=2))
@@ -333,6 +340,30 @@ TARGETED = {
 DFLASH = [("block_count=1e9", {"block_count": 10**9}, "block_count"),
           ("embedding_length=1e9", {"embedding_length": 10**9}, "embedding_length"),
           ("rms epsilon nan", {"attention.layer_norm_rms_epsilon": float("nan")}, "epsilon")]
+#: a Gemma 4 assistant drafter (loaded onto its tiny trunk): (name, `gemma4-assistant.*` overrides
+#: (None: the key left out), {tensor: value planted at its first element}, expected in the message).
+#: Without a layer pattern the config builds its per-layer lists from block_count alone.
+ASSISTANT = [("block_count=1e9", {"block_count": 10**9}, {}, "block_count"),
+             ("block_count=1e9, no pattern", {"block_count": 10**9, "attention.sliding_window_pattern": None}, {},
+              "block_count"),
+             ("block_count=0", {"block_count": 0}, {}, "block_count"),
+             ("head_count=0", {"attention.head_count": 0}, {}, "head_count"),
+             ("head_count=-1", {"attention.head_count": _i32(-1)}, {}, "head_count"),
+             ("head_count=1e9", {"attention.head_count": 10**9}, {}, "head_count"),
+             ("head_count_kv=0", {"attention.head_count_kv": 0}, {}, "over 0 KV heads"),
+             ("key_length=-1", {"attention.key_length": _i32(-1)}, {}, "key_length"),
+             ("key_length=1e9", {"attention.key_length": 10**9}, {}, "key_length"),
+             ("key_length_swa=2^32-1", {"attention.key_length_swa": 2**32 - 1}, {}, "key_length_swa"),
+             ("embedding_length=1e9", {"embedding_length": 10**9}, {}, "embedding_length"),
+             ("embedding_length_out=1e9", {"embedding_length_out": 10**9}, {}, "embedding_length_out"),
+             ("feed_forward_length=1e9", {"feed_forward_length": 10**9}, {}, "feed_forward_length"),
+             ("sliding_window=1e9", {"attention.sliding_window": 10**9}, {}, "sliding_window"),
+             ("centroid_top_k=1e9", {"centroid_top_k": 10**9}, {}, "top-k"),
+             ("rope.freq_base=nan", {"rope.freq_base": float("nan")}, {}, "rope.freq_base"),
+             ("rope.freq_base_swa=0", {"rope.freq_base_swa": 0.0}, {}, "rope.freq_base_swa"),
+             ("rms epsilon inf", {"attention.layer_norm_rms_epsilon": float("inf")}, {}, "epsilon"),
+             ("NaN weight", {}, {"blk.0.attn_q.weight": float("nan")}, "blk.0.attn_q.weight"),
+             ("inf rope_freqs", {}, {"rope_freqs.weight": float("inf")}, "rope_freqs.weight")]
 
 
 def _override(arch, metadata, change):
@@ -346,7 +377,8 @@ def _override(arch, metadata, change):
 
 @pytest.fixture(scope="module")
 def targeted_mutants(tmp_path_factory):
-    """name -> {"path", "expect", "loader"} for the families of TARGETED and DFlash installed."""
+    """name -> {"path", "expect", "loader"[, "trunk"]} for the installed families of TARGETED, DFlash
+    and the Gemma 4 assistant."""
     import importlib.util
 
     from verispec.testing.fixture_writer import write_gguf
@@ -375,14 +407,40 @@ def targeted_mutants(tmp_path_factory):
             path = write_dflash_gguf(directory / f"dflash-{i}.gguf", drafter, vocab=None,
                                      extra_metadata={f"dflash.{k}": v for k, v in change.items()})
             out[f"dflash {name}"] = {"path": path, "expect": expect, "loader": "dflash"}
+    if importlib.util.find_spec("verispec_gemma4_assistant") is not None:
+        out |= _assistant_mutants(directory)
     if not out:
-        pytest.skip("neither verispec-glm5 nor verispec-dflash is installed")
+        pytest.skip("none of verispec-glm5, verispec-dflash, verispec-gemma4-assistant is installed")
     return out
 
 
-def test_targeted_glm_and_dflash_mutants_are_refused_naming_their_key(targeted_mutants, tmp_path):
+def _assistant_mutants(directory: Path) -> dict:
+    """The ASSISTANT mutants of the tiny E-style pair (centroid head, rope_freqs), each with its trunk."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "plugins" / "gemma4_assistant" / "tests"))
+    try:
+        from tiny_assistant import ARCH, assistant_gguf_metadata, assistant_gguf_tensors, make_pair
+    finally:
+        sys.path.pop(0)
+    from verispec.testing.fixture_writer import write_gguf
+
+    target, assistant, trunk, _ = make_pair("e_style", directory)
+    metadata, tensors = assistant_gguf_metadata(assistant), assistant_gguf_tensors(assistant, target, rope_freqs=True)
+    out = {}
+    for i, (name, change, planted, expect) in enumerate(ASSISTANT):
+        changed = {**metadata, **{f"{ARCH}.{k}": v for k, v in change.items()}}
+        bad = {tensor: tensors[tensor].clone() for tensor in planted}
+        for tensor, value in planted.items():
+            bad[tensor].view(-1)[0] = value
+        path = write_gguf(directory / f"assistant-{i}.gguf", arch=ARCH, tensors={**tensors, **bad}, vocab=None,
+                          metadata={k: v for k, v in changed.items() if v is not None})
+        out[f"gemma4-assistant {name}"] = {"path": path, "expect": expect, "loader": "gemma4-assistant",
+                                           "trunk": trunk}
+    return out
+
+
+def test_targeted_mutants_are_refused_naming_their_key(targeted_mutants, tmp_path):
     manifest = tmp_path / "targeted.json"
-    manifest.write_text(json.dumps([{"name": n, "path": m["path"], "loader": m["loader"]}
+    manifest.write_text(json.dumps([{"name": n, "path": m["path"], "loader": m["loader"], "trunk": m.get("trunk")}
                                     for n, m in targeted_mutants.items()]))
     try:
         run = _run(["-c", TARGETED_WORKER, str(manifest)], WORKER_TIMEOUT_S)

@@ -59,8 +59,8 @@ def load(path: str | os.PathLike, trunk, *, centroids: bool = False, use_cache: 
     """
     path = os.fspath(path)
     gguf = GGUFFile.open(path)
+    check_numbers(gguf)  # first: the config builds per-layer lists block_count long
     config = AssistantConfig.from_gguf(gguf.metadata, {n: gguf.tensor_info(n).shape for n in gguf}, source=path)
-    check_numbers(gguf)
     problem = binding_problem(config, trunk)
     if problem is not None:
         raise DrafterMismatch(f"--draft-model {path}: {problem}")
