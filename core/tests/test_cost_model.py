@@ -9,17 +9,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verispec.cost_model import (
+    CALIBRATION_EDGES,
     COLD_PROPOSE_CALLS,
     PLAN_MARGIN,
     OPTIMISTIC_ALPHA,
     PRIOR_ACCEPT_RATE,
     Acceptance,
+    Calibration,
     CostModel,
     expected_accepted,
 )
 from verispec.execution import SpeculativeExecution
 from verispec.governor import GovernorState, SpeculationCostGovernor
 from verispec.sampling import Sampler, SamplingParams
+from verispec.seams import Proposal
+from verispec.specs import SpeculatorSpec
 from verispec.testing import ScriptedSpeculator, ToyTrunk, oracle_speculator, run_greedy
 
 PROMPT = [1, 5, 9, 2, 7, 3, 11, 4]
@@ -303,3 +307,132 @@ def test_profile_fits_a_short_context():
     model = CostModel(8)
     model.profile(ToyTrunk(vocab_size=32, recurrent=True, max_context_length=10))
     assert set(model.summary()["forward_ms"]) == set(range(1, 10))
+
+
+# -- scored drafts (SpeculatorSpec.scores_drafts) -------------------------------------------------
+
+
+def test_calibration_measures_each_probability_bin_apart():
+    """Believed until measured (each bin starts at its middle); drafts scored 0.99 that are always
+    rejected bring that bin down and leave the others alone; survivals are running products."""
+    cal = Calibration()
+    assert cal.alpha(0.99) == pytest.approx((CALIBRATION_EDGES[-1] + 1) / 2)
+    before = cal.alpha(0.6)
+    for _ in range(40):
+        cal.record([0.99, 0.99, 0.99], 0)  # only the first is judged: a rejection
+    assert cal.alpha(0.99) < 0.2 and cal.alpha(0.6) == before
+    for _ in range(40):
+        cal.record([0.6, 0.6], 2)
+    assert cal.alpha(0.6) > 0.9
+    assert cal.survivals([0.6, 0.99]) == pytest.approx([cal.alpha(0.6), cal.alpha(0.6) * cal.alpha(0.99)])
+    assert cal.survivals([]) == []
+    with pytest.raises(ValueError, match="accepted"):
+        cal.record([0.5], 2)
+
+
+def _scored_brute_force(model, alphas, limits, survivals, other):
+    """The best k vector by exhaustive search when drafting is free; survivals[i] replaces α_i^j."""
+    def value(ks):
+        tokens = len(alphas) + sum(
+            (expected_accepted(alphas[i], k) if survivals[i] is None else sum(survivals[i][:k]))
+            for i, k in enumerate(ks))
+        v = tokens / model.forward_s(len(alphas) + other + sum(ks))
+        return v if any(ks) else PLAN_MARGIN * v
+    ranges = [range((lim if s is None else min(lim, len(s))) + 1) for lim, s in zip(limits, survivals)]
+    return max(value(ks) for ks in itertools.product(*ranges)), value
+
+
+@settings(max_examples=100, deadline=None)
+@given(alphas=st.lists(st.floats(0.0, 0.99), min_size=3, max_size=3),
+       limits=st.lists(st.integers(0, 4), min_size=3, max_size=3),
+       scored=st.lists(st.one_of(st.none(), st.lists(st.floats(0.0, 1.0), max_size=4)), min_size=3, max_size=3),
+       slope=st.floats(0.0, 1.5), other=st.integers(0, 6))
+def test_plan_with_scored_proposals_is_the_brute_force_optimum(alphas, limits, scored, slope, other):
+    """A request with a scored proposal plans from its own survivals (at most as many slots as it
+    proposed), beside requests planned from α: the plan is still the optimum when drafting is free."""
+    survivals = [None if p is None else Calibration().survivals(p) for p in scored]
+    model = model_with(lambda n: 1.0 + slope * (n - 1))
+    got = model.plan(alphas, limits, other, survivals=survivals)
+    best, value = _scored_brute_force(model, alphas, limits, survivals, other)
+    assert value(got) == pytest.approx(best)
+    assert all(0 <= k <= (lim if s is None else min(lim, len(s))) for k, lim, s in zip(got, limits, survivals))
+
+
+class _ScoringSpeculator(ScriptedSpeculator):
+    """A scripted drafter that scores its drafts: script(ctx) -> (ids, probs)."""
+
+    def __init__(self, script, *, as_list=False):
+        super().__init__(script, spec=SpeculatorSpec(name="scoring", summary="scored drafts (tests)",
+                                                     factory=ScriptedSpeculator, scores_drafts=True))
+        self.as_list = as_list
+        self.bounds: list[int] = []
+
+    def propose(self, state, ctx):
+        self.bounds.append(ctx.max_draft_tokens)
+        ids, probs = self.script(ctx)
+        ids = ids[:ctx.max_draft_tokens]
+        probs = probs[:len(ids)]
+        return list(ids) if self.as_list else Proposal(ids, probs)
+
+
+def _rows_priced(trunk, clock, *, one_row_s=0.02, row_slope=0.5) -> CostModel:
+    """Every forward of n rows costs one_row_s · (1 + row_slope · (n - 1)) on the fake clock;
+    returns a CostModel (K = 8) that has profiled it, as the engine's does at load."""
+    forward = trunk.forward
+
+    def priced(batch):
+        clock.now += one_row_s * (1 + row_slope * (sum(len(s.tokens) for s in batch) - 1))
+        return forward(batch)
+    trunk.forward = priced
+    model = CostModel(8, clock=clock)
+    model.profile(trunk)
+    return model
+
+
+def test_a_scored_proposal_is_verified_as_far_as_it_pays():
+    """Drafts scored 0.99, 0.99, 0.99, then 0.05 (the oracle gets the first three right): the
+    drafter is asked at the whole limit, and the plan verifies the three likely ones only, so
+    every verified draft is accepted; the stream is plain."""
+    trunk = ToyTrunk(vocab_size=32, recurrent=True)
+    plain = run_greedy(trunk, PROMPT, 40)[0]
+    oracle = oracle_speculator(PROMPT + plain, vocab_size=32, correct=3).script
+    speculator = _ScoringSpeculator(lambda ctx: (oracle(ctx), [0.99] * 3 + [0.05] * 5))
+    clock = FakeClock()
+    out, ex = _solo(trunk, speculator, clock=clock, cost_model=_rows_priced(trunk, clock), forward_s=0.0)
+    assert out == plain
+    assert set(speculator.bounds[:-1]) == {8}  # no probe cap: the proposal itself is weighed
+    assert len(ex.stats.num_accepted_tokens_per_pos) == 3  # never a fourth draft verified
+    assert ex.stats.num_accepted_tokens == ex.stats.num_draft_tokens > 0
+
+
+def test_a_drafter_sure_of_wrong_drafts_is_calibrated_down_to_plain():
+    """Every draft scored 0.99 and every one wrong: after a few rejections the engine's calibration
+    of 0.99 falls and the plan verifies nothing ("budget"); the stream is plain."""
+    trunk = ToyTrunk(vocab_size=32, recurrent=True)
+    plain = run_greedy(trunk, PROMPT, 40)[0]
+    wrong = oracle_speculator(PROMPT + plain, vocab_size=32, correct=0).script
+    speculator = _ScoringSpeculator(lambda ctx: (wrong(ctx), [0.99] * 8))
+    clock = FakeClock()
+    model = _rows_priced(trunk, clock)
+    out, ex = _solo(trunk, speculator, clock=clock, cost_model=model, forward_s=0.0)
+    assert out == plain
+    assert ex.stats.num_spec_steps <= 10 and ex.stats.plain_steps["budget"] > 0.6 * len(out)
+    assert model.calibration.alpha(0.99) < 0.5
+    assert "α=" in ex.stats.budget_line
+
+
+def test_a_scoring_drafter_that_returns_a_bare_list_is_switched_off():
+    trunk = ToyTrunk(vocab_size=32, recurrent=True)
+    plain = run_greedy(trunk, PROMPT, 40)[0]
+    oracle = oracle_speculator(PROMPT + plain, vocab_size=32).script
+    speculator = _ScoringSpeculator(lambda ctx: (oracle(ctx), [0.9] * 8), as_list=True)
+    out, ex = _solo(trunk, speculator, clock=FakeClock(), cost_model=CostModel(8))
+    assert out == plain
+    assert "not a Proposal" in ex.fault and ex.stats.num_spec_steps == 0
+
+
+def test_a_proposal_holds_one_probability_per_id():
+    assert Proposal([3, 4], [0.5, 1.0]).probs == [0.5, 1.0] and Proposal([3, 4], [0.5, 1]) == [3, 4]
+    for probs in ([0.5], [0.5, 1.5], [float("nan"), 0.5]):
+        with pytest.raises(ValueError, match="one probability in"):
+            Proposal([3, 4], probs)

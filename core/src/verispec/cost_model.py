@@ -34,7 +34,11 @@ The costs, in seconds, all measured on this engine (nothing is guessed once meas
 - upkeep: seconds per committed row of the drafter's own work outside `propose` (`commit`,
   `prepare`: a head's Pass A/B, a draft model's catch-up rows), a running mean.
 
-α_i comes from the request's own `Acceptance`, with a prior until it has drafted.
+α_i comes from the request's own `Acceptance`, with a prior until it has drafted. A drafter that
+scores its drafts (SpeculatorSpec.scores_drafts) proposes before the plan, and its request's
+slots are the proposal's own survivals instead: s_j = c(p_1) · … · c(p_j), with p_j the
+drafter's probability of draft j given the drafts before it and c the engine's `Calibration` of
+such probabilities to measured acceptance; its propose is already paid (0 in the plan).
 """
 from __future__ import annotations
 
@@ -75,6 +79,8 @@ DRAFTER_DECAY = 0.98
 DRAFTER_MIN_JUDGED = 8.0
 #: weight kept per step the plan gave no draft: the estimate drifts back to the prior over tens of steps.
 SKIP_DECAY = 0.95
+#: upper edges of the drafter-probability bins a `Calibration` measures (the last bin ends at 1).
+CALIBRATION_EDGES = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
 
 
 def expected_accepted(alpha: float, k: int) -> float:
@@ -176,6 +182,48 @@ class Acceptance:
         self._judged = SKIP_DECAY * self._judged + (1 - SKIP_DECAY) * PRIOR_JUDGED
 
 
+class Calibration:
+    """What a scoring drafter's probabilities are worth on this engine: per bin of the drafter's
+    probability p of a draft (given the drafts before it; bins end at CALIBRATION_EDGES and 1),
+    the measured acceptance of drafts in that bin, passed / judged, a draft judged as in
+    `Acceptance.record` (the drafts up to the first rejection). Both sums decay by DRAFTER_DECAY
+    per judged draft of their bin and start from PRIOR_JUDGED drafts at the bin's middle p (the
+    drafter is believed until measured: optimism under uncertainty, as `Acceptance`'s)."""
+
+    def __init__(self) -> None:
+        lows = (0.0, *CALIBRATION_EDGES)
+        highs = (*CALIBRATION_EDGES, 1.0)
+        self._passed = [PRIOR_JUDGED * (lo + hi) / 2 for lo, hi in zip(lows, highs)]
+        self._judged = [PRIOR_JUDGED] * len(self._passed)
+
+    @staticmethod
+    def _bin(p: float) -> int:
+        return bisect.bisect_right(CALIBRATION_EDGES, p)
+
+    def alpha(self, p: float) -> float:
+        """The measured acceptance of drafts the drafter gave probability p (0 <= p <= 1)."""
+        b = self._bin(p)
+        return self._passed[b] / self._judged[b]
+
+    def survivals(self, probs: list[float]) -> list[float]:
+        """[s_1 .. s_k]: s_j = alpha(p_1) · … · alpha(p_j), the chance that drafts 1..j all pass."""
+        return list(itertools.accumulate((self.alpha(p) for p in probs), lambda a, b: a * b))
+
+    def record(self, probs: list[float], num_accepted: int) -> None:
+        """A verify of drafts scored `probs` accepted the first `num_accepted` of them."""
+        if not 0 <= num_accepted <= len(probs):
+            raise ValueError(f"record({len(probs)} drafts, {num_accepted=}): report 0 <= accepted <= drafts")
+        for j, p in enumerate(probs[:num_accepted + 1]):
+            b = self._bin(p)
+            self._passed[b] = DRAFTER_DECAY * self._passed[b] + (j < num_accepted)
+            self._judged[b] = DRAFTER_DECAY * self._judged[b] + 1
+
+    def summary(self) -> dict:
+        """Measured acceptance by bin, keyed by the bin's upper edge."""
+        return {hi: round(passed / judged, 3)
+                for hi, passed, judged in zip((*CALIBRATION_EDGES, 1.0), self._passed, self._judged)}
+
+
 class CostModel:
     """Measured step costs of one engine (trunk and drafter), and the per-step draft plan.
 
@@ -196,6 +244,8 @@ class CostModel:
         self._upkeep_s_per_row: float | None = None
         self._propose_calls = 0
         self._passed = self._judged = 0.0  # every request's judged drafts, decayed by DRAFTER_DECAY
+        #: a scoring drafter's probabilities against its measured acceptance (the module docstring)
+        self.calibration = Calibration()
         self.profiled = False
 
     # -- measurements -------------------------------------------------------------------------
@@ -283,13 +333,20 @@ class CostModel:
     def upkeep_s_per_row(self) -> float:
         return self._upkeep_s_per_row or 0.0
 
-    def plan(self, alphas: list[float], limits: list[int], num_other_rows: int = 0) -> list[int]:
+    def plan(self, alphas: list[float], limits: list[int], num_other_rows: int = 0,
+             survivals: list[list[float] | None] | None = None) -> list[int]:
         """k_i for each decoding request: alphas[i] its α, limits[i] its bound (0: it cannot draft),
-        num_other_rows the step's prefill rows. The rule is the module docstring's."""
+        num_other_rows the step's prefill rows; survivals[i], when given and not None, request i's
+        proposed drafts' survivals (`Calibration.survivals`, at most limits[i] of them), its slots in
+        place of α_i^j, its propose already paid. The rule is the module docstring's."""
         if not self.adaptive:
-            return list(limits)
-        slots = sorted(((alphas[i] ** j, i) for i, lim in enumerate(limits) if alphas[i] > 0
-                        for j in range(1, lim + 1)), key=lambda s: -s[0])
+            return [lim if survivals is None or survivals[i] is None else min(lim, len(survivals[i]))
+                    for i, lim in enumerate(limits)]
+        scored = [None] * len(alphas) if survivals is None else survivals
+        slots = sorted(((alphas[i] ** j if scored[i] is None else scored[i][j - 1], i) for i, lim in enumerate(limits)
+                        if alphas[i] > 0 or scored[i] is not None
+                        for j in range(1, (lim if scored[i] is None else min(lim, len(scored[i]))) + 1)),
+                       key=lambda s: -s[0])  # stable: a request's slots keep their order on ties
         rows = len(alphas) + num_other_rows
         forward = [self.forward_s(rows + b) for b in range(len(slots) + 1)]  # by slots admitted
         propose = [self.propose_s(k) for k in range(max(limits, default=0) + 1)]
@@ -299,8 +356,9 @@ class CostModel:
         best_ks, best = list(ks), PLAN_MARGIN * tokens / forward[0]  # drafting must beat plain by the margin
         for b, (survival, i) in enumerate(slots, start=1):
             k = ks[i]
-            # a request's first slot adds its propose call and its correction row's upkeep
-            drafting += propose[k + 1] - propose[k] + upkeep * (survival + (k == 0))
+            # a request's first slot adds its propose call (unless paid) and its correction row's upkeep
+            paid = scored[i] is not None
+            drafting += (0.0 if paid else propose[k + 1] - propose[k]) + upkeep * (survival + (k == 0))
             tokens += survival
             ks[i] = k + 1
             value = tokens / (forward[b] + drafting)

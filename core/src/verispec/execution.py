@@ -16,7 +16,10 @@ halves around the caller's forward (the scheduler's, beside other sequences, or 
 
 Who picks k: `draft_limit` says how many drafts the sequence allows (0 with a cause when it
 cannot draft); the scheduler's plan (verispec.cost_model) picks k within it. A step `step` runs
-alone asks the governor first (`solo_plan`).
+alone asks the governor first (`solo_plan`). A speculator that scores its drafts
+(SpeculatorSpec.scores_drafts) is asked first, at the limit (`draft_ahead`): the plan weighs the
+proposal's calibrated probabilities, and `next_segment(k)` verifies its first k ids (k = 0, or
+no proposal: a plain step for "budget").
 
 Upkeep is deferred while it can be: a speculator that needs no hidden rows sees committed
 tokens only when it next drafts (one `commit` of everything since its last one), so plain steps
@@ -43,7 +46,7 @@ from verispec.cost_model import PROBE_MAX_DRAFTS, Acceptance
 from verispec.plugin_calls import PluginTimeout
 from verispec.sampling import InvalidLogits
 from verispec.step_stats import ExecutionStats, StepRecord
-from verispec.seams import DraftContext, Segment, Trunk, Speculator, UnsupportedTap, declared
+from verispec.seams import DraftContext, Proposal, Segment, Trunk, Speculator, UnsupportedTap, declared
 
 if TYPE_CHECKING:
     from verispec.sampling import Draw
@@ -233,7 +236,8 @@ class SpeculativeExecution:
             return 0, "stop_token"
         room = self.trunk.max_context_length - self.seq_len - 1  # verify writes k + 1 rows
         k = min(self.max_draft_tokens, room, tokens_left - 1 if tokens_left is not None else room)
-        if self.cost_model is not None and self.cost_model.adaptive and not self.acceptance.measured:
+        if (self.cost_model is not None and self.cost_model.adaptive and not self.acceptance.measured
+                and not self.speculator.spec.scores_drafts):
             k = min(k, PROBE_MAX_DRAFTS)  # measured cheaply first (verispec.cost_model)
         return (k, None) if k >= 1 else (0, "too_short")
 
@@ -246,10 +250,25 @@ class SpeculativeExecution:
         if self.governor is not None and not self.governor.should_speculate():
             return 0, self.governor.plain_cause()
         if self.cost_model is not None:
-            k = self.cost_model.plan([self.acceptance.planning_alpha], [k])[0]
+            survivals = self.draft_ahead(k, timed=True)
+            k = self.cost_model.plan([self.acceptance.planning_alpha], [k], survivals=[survivals])[0]
             if k == 0:
                 return 0, "budget"
         return k, None
+
+    def draft_ahead(self, k: int, *, timed: bool = False) -> list[float] | None:
+        """For a speculator that scores its drafts: propose now, at most k ids (the draft limit,
+        >= 1), and return the proposal's survivals for the plan (CostModel.calibration.survivals:
+        the chance that drafts 1..j all pass; [] for no draft); `next_segment` then verifies its
+        first ids. None for any other speculator (it proposes in `next_segment`, k as planned)."""
+        if self.cost_model is None or not self.speculator.spec.scores_drafts:
+            return None
+        ctx = self.begin_draft(k, timed=timed)
+        started = self.clock()
+        proposed = None if ctx is None else self._plugin_call("propose", self.speculator.propose, self._state, ctx)
+        self.end_draft(proposed, self.clock() - started)
+        self._step.ahead = True
+        return self.cost_model.calibration.survivals(self._step.probs)
 
     def step(self, sampler, on_token: OnToken) -> bool:
         """One step of this sequence alone (solo_plan, next_segment, the trunk's forward, take):
@@ -265,12 +284,22 @@ class SpeculativeExecution:
     def next_segment(self, k: int, cause: str | None = None, *, timed: bool = False) -> Segment:
         """The rows this sequence forwards this step: [last] when k = 0 (a plain step, for `cause`),
         else [last, d1..dk'] with the speculator's draft (k' <= k; an empty draft is a no-draft
-        step). timed: the governor times this step (it runs alone). Hand the forward's output for
-        this segment to `take`."""
+        step). timed: the governor times this step (it runs alone). After `draft_ahead`: the
+        proposal's first k ids, no new propose. Hand the forward's output for this segment to `take`."""
+        ahead = self._step if self._step is not None and self._step.ahead else None
+        if ahead is not None:
+            if k > 0 and ahead.draft:
+                del ahead.draft[k:], ahead.probs[k:]
+                return self.segment([self.last_token, *ahead.draft], logits="all", verify=True)
+            k, cause, timed = 0, cause or "budget", ahead.timed
         if k == 0:
             self._begin(0, cause, timed)
             if cause == "budget" and self.cost_model is not None:
-                self.stats.budget_line = self.cost_model.why_plain(self.acceptance.planning_alpha, self.draft_limit()[0])
+                self.stats.budget_line = (
+                    "the speculator proposed no draft" if ahead is not None and not ahead.draft else
+                    self.cost_model.why_plain(self.cost_model.calibration.alpha(ahead.probs[0]), len(ahead.draft))
+                    if ahead is not None else
+                    self.cost_model.why_plain(self.acceptance.planning_alpha, self.draft_limit()[0]))
             if not self._deferred:
                 self._report_upkeep()
             return self.segment([self.last_token])
@@ -303,6 +332,13 @@ class SpeculativeExecution:
         self.stats.draft_s += draft_s
         step.warm = self.cost_model.record_propose(step.k, draft_s) if self.cost_model is not None else True
         step.draft = self._checked_draft(proposed, step.k)
+        if step.draft and self.speculator.spec.scores_drafts:
+            if isinstance(proposed, Proposal):
+                step.probs = list(proposed.probs)
+            else:
+                self._plugin_fault(f"propose returned a {type(proposed).__name__}, not a Proposal with each draft's "
+                                   "probability, though its spec declares scores_drafts")
+                step.draft = []
         if not step.draft:
             return self.segment([self.last_token])
         return self.segment([self.last_token, *step.draft], logits="all", verify=True)
@@ -375,6 +411,8 @@ class SpeculativeExecution:
         self.acceptance.record(len(draft), num_accepted)
         if self.cost_model is not None:
             self.cost_model.record_acceptance(len(draft), num_accepted)
+            if step.probs:
+                self.cost_model.calibration.record(step.probs, num_accepted)
         if step.timed and step.warm:
             self.governor.record_spec_step(self.clock() - step.start, num_emitted=num_kept,
                                            num_accepted=num_accepted, num_drafted=len(draft), draft_s=step.draft_s)
@@ -450,8 +488,8 @@ def draft_segments(executions: Sequence[SpeculativeExecution], plans: Sequence[t
     segments: list[Segment | None] = [None] * len(executions)
     groups: dict[int, list] = {}
     for i, (ex, (k, cause)) in enumerate(zip(executions, plans)):
-        if k == 0:
-            segments[i] = ex.next_segment(0, cause, timed=timed)
+        if k == 0 or (ex._step is not None and ex._step.ahead):  # plain, or proposed already (draft_ahead)
+            segments[i] = ex.next_segment(k, cause, timed=timed)
             continue
         ctx = ex.begin_draft(k, timed=timed)
         if ctx is None:
@@ -494,3 +532,5 @@ class _Step:
     draft: list[int] = attrs.field(factory=list)
     draft_s: float = 0.0
     warm: bool = True  # the propose timing counts (not a cold first call)
+    probs: list[float] = attrs.field(factory=list)  # a scored draft's probabilities (Proposal.probs)
+    ahead: bool = False  # proposed before the plan (draft_ahead)

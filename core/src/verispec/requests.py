@@ -222,6 +222,11 @@ class Request:
         """Its per-draft acceptance α as the plan uses it (verispec.cost_model.Acceptance.planning_alpha)."""
         return self.execution.acceptance.planning_alpha
 
+    def draft_ahead(self, k: int) -> list[float] | None:
+        """A scoring speculator's proposal of at most k drafts, made before the plan: its survivals,
+        or None for any other speculator (SpeculativeExecution.draft_ahead)."""
+        return self.execution.draft_ahead(k)
+
     def solo_plan(self) -> tuple[int, str | None]:
         """k for a step it runs alone (governor, then cost model)."""
         return self.execution.solo_plan(self.num_tokens_left)

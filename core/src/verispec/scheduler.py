@@ -269,8 +269,9 @@ class Scheduler:
         limits = {r: r.draft_limit() for r in decoding}
         if self.speculation is None or not any(k for k, _ in limits.values()):
             return {r: (0, cause) for r, (_, cause) in limits.items()}
+        survivals = [r.draft_ahead(limits[r][0]) if limits[r][0] else None for r in decoding]
         ks = self.speculation.cost_model.plan([r.alpha for r in decoding], [limits[r][0] for r in decoding],
-                                              num_prefill_rows)
+                                              num_prefill_rows, survivals=survivals)
         return {r: (k, None if k else limits[r][1] or "budget") for r, k in zip(decoding, ks)}
 
     def _after_tokens(self, request: Request, stop: bool) -> None:

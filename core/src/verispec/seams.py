@@ -271,6 +271,21 @@ class DraftContext:
     trunk: "TrunkView | None" = None
 
 
+class Proposal(list):
+    """A scored draft: the draft ids (a list[int], as `propose` returns) and `probs`, the
+    drafter's probability of each draft given the drafts before it (floats in [0, 1], one per
+    id). A speculator whose spec declares `scores_drafts` returns one from `propose`: the engine
+    calibrates the probabilities against what it accepts (verispec.cost_model.Calibration) and
+    verifies the prefix that pays. Raises ValueError when probs is not one number in [0, 1] per id."""
+
+    def __init__(self, tokens, probs):
+        super().__init__(tokens)
+        self.probs = [float(p) for p in probs]
+        if len(self.probs) != len(self) or not all(0.0 <= p <= 1.0 for p in self.probs):
+            raise ValueError(f"Proposal of {len(self)} ids with probs {self.probs!r}: give one probability "
+                             "in [0, 1] per id")
+
+
 class Speculator:
     """Base of every drafting algorithm. A speculator is free to be wrong; it must not be slow.
 
@@ -309,7 +324,8 @@ class Speculator:
         `propose` alone). `propose` must not depend on it having run. Default: nothing."""
 
     def propose(self, state: Any, ctx: DraftContext) -> list[int]:
-        """Draft ids for positions ctx.pos+1 .. (at most ctx.max_draft_tokens); may be empty."""
+        """Draft ids for positions ctx.pos+1 .. (at most ctx.max_draft_tokens); may be empty. With
+        spec.scores_drafts, a `Proposal` (the ids and each one's probability)."""
         raise NotImplementedError
 
     def propose_batch(self, states: Sequence[Any], ctxs: Sequence[DraftContext]) -> list[list[int]]:

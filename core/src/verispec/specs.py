@@ -85,6 +85,10 @@ class SpeculatorSpec:
     #: the --spec-pmin default, in this algorithm's units, within [0, 1].
     default_min_draft_prob: float = attrs.field(default=0.0, converter=float,
                                                 validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
+    #: `propose` is cheap (no forward) and returns a `seams.Proposal`, each draft's probability: a
+    #: step proposes up to the draft limit first, and the cost model verifies the prefix that pays
+    #: at those probabilities as this engine has measured them (verispec.cost_model.Calibration).
+    scores_drafts: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     #: ranks algorithms for --spec-type auto (higher wins among those that can serve).
     priority: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
     #: "module:attr" of `decline(trunk) -> str | None`, a cheap check run before the factory.

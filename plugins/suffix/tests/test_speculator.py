@@ -75,7 +75,16 @@ def test_a_cursor_kept_across_a_change_of_the_shared_index_is_found_again(first,
 
 def test_worked_example_from_the_docstring():
     speculator = SuffixSpeculator()
-    assert speculator.propose(seeded(speculator, [A, B, C, A, B, D, A, B]), ctx(C, 8, pmin=0.1)) == [A, B, D]
+    draft = speculator.propose(seeded(speculator, [A, B, C, A, B, D, A, B]), ctx(C, 8, pmin=0.1))
+    assert draft == [A, B, D]
+    assert draft.probs == pytest.approx([0.75] * 3)  # each 1/1 along the path, times |w| / (|w| + 1) = 3/4
+
+
+def test_each_draft_is_scored_given_the_drafts_before_it():
+    # as below: after [A], B twice, C once; after [A B], D once, X once; the match w = [A]
+    speculator = SuffixSpeculator(max_spec_factor=4.0)
+    draft = speculator.propose(seeded(speculator, [A, B, X, A, B, D, A, C, 7]), ctx(A, 9, pmin=0.0, k=2))
+    assert draft == [B, D] and draft.probs == pytest.approx([0.5 * 2 / 3, 0.5 * 1 / 2])
 
 
 def test_alpha_caps_the_draft_at_match_length_times_factor():

@@ -13,6 +13,8 @@ SPEC = SpeculatorSpec(
     requires_draft_head=False,
     needs_hidden_state=False,
     can_arm_after_prefix_reuse=True,
+    # propose returns each draft's probability: the cost model verifies the prefix that pays
+    scores_drafts=True,
     # a drafted token's estimated probability (along the matched path) must reach this; ArcticInference's default
     default_min_draft_prob=0.1,
     priority=9,  # below ngram: `auto` keeps its choice until sessions are benchmarked

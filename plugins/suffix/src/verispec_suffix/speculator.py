@@ -16,6 +16,12 @@ match length the same way: the longest match can run into the end of its text, e
 candidate with the higher score is drafted, the sequence's own on a tie. A draft ends right after a
 stop token (the stop is drafted); a pending stop token gets no draft.
 
+The draft is scored (a `Proposal`, SpeculatorSpec.scores_drafts): token j's probability given the
+drafts before it is its count over its parent's along the matched path, times |w| / (|w| + 1) for
+the match's evidence (a match of one token is a coin toss; of 16, 0.94). The engine calibrates
+these numbers against what it accepts and verifies only the prefix that pays, so a repeated
+answer is drafted in full at once while a weak match in a new request costs nothing.
+
 Cost per step: the longest match is one link walk from a cursor kept along the sequence; the
 shorter suffixes are its links, longest first; one with as many occurrences as the last one tried
 is skipped (the same occurrences: the same continuation under a lower cap), and the walk stops once
@@ -48,7 +54,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from verispec.seams import DraftContext, Speculator
+from verispec.seams import DraftContext, Proposal, Speculator
 from verispec.specs import SpeculatorSpec
 from verispec_suffix.hooks import SPEC
 from verispec_suffix.index import Node, RecentDocuments, SuffixIndex
@@ -147,29 +153,34 @@ class SuffixSpeculator(Speculator):
             if follow:
                 state.shared_cursor = shared.advance(state.shared_cursor, t)
 
-    def propose(self, state: SuffixState, ctx: DraftContext) -> list[int]:
-        """Draft ids for positions ctx.pos+1 .., at most ctx.max_draft_tokens (the rule: module docstring)."""
+    def propose(self, state: SuffixState, ctx: DraftContext) -> Proposal:
+        """Draft ids for positions ctx.pos+1 .., at most ctx.max_draft_tokens, each with its
+        probability given the drafts before it (the rule: module docstring)."""
         if (state.is_silent or ctx.pos != len(state.document.tokens) or ctx.last_token in ctx.stop_token_ids
                 or ctx.max_draft_tokens <= 0):
-            return []
+            return Proposal([], [])
         last = int(ctx.last_token)
-        draft, score = self.candidate(state.index, state.tail, last, ctx.max_draft_tokens, ctx.min_draft_prob)
+        best = self.candidate(state.index, state.tail, last, ctx.max_draft_tokens, ctx.min_draft_prob)
         if self.shared.num_tokens:
-            shared_draft, shared_score = self.candidate(self.shared.index, self._shared_cursor(state), last,
-                                                        ctx.max_draft_tokens, ctx.min_draft_prob)
-            if shared_score > score:
-                draft = shared_draft
+            shared = self.candidate(self.shared.index, self._shared_cursor(state), last,
+                                    ctx.max_draft_tokens, ctx.min_draft_prob)
+            if shared[2] > best[2]:
+                best = shared
+        draft, path_probs, _, depth = best
         stops = ctx.stop_token_ids.intersection(draft)
         if stops:  # never continue past a stop token; keep the stop itself
             del draft[min(draft.index(s) for s in stops) + 1:]
-        return draft
+        evidence = depth / (depth + 1)
+        conditional = [p / q for p, q in zip(path_probs, [1.0, *path_probs])]
+        return Proposal(draft, [evidence * p for p in conditional[:len(draft)]])
 
     def candidate(self, index: SuffixIndex, cursor: Node, last: int, max_tokens: int,
-                  min_prob: float) -> tuple[list[int], float]:
-        """One index's draft after cursor·last and its score (0 when nothing matches)."""
+                  min_prob: float) -> tuple[list[int], list[float], float, int]:
+        """One index's draft after cursor·last: its ids, their path probabilities, its score (0 when
+        nothing matches) and the matched suffix's length |w|."""
         node = index.match(cursor, last)
         room = max(1, index.max_depth - max_tokens)  # so that max_tokens fit under max_depth
-        best, best_score, tried_count = [], 0.0, 0
+        best, best_probs, best_score, best_depth, tried_count = [], [], 0.0, 0, 0
         while node is not None and node.depth > 0:  # the matched suffix, then ever shorter ones
             # As many occurrences as the longer suffix tried last: the same occurrences, so the same
             # continuation under a lower cap; it cannot win.
@@ -179,10 +190,10 @@ class SuffixSpeculator(Speculator):
                     break
                 tokens, probs = index.continuation(node, cap, min_prob)
                 if sum(probs) > best_score:
-                    best, best_score = tokens, sum(probs)
+                    best, best_probs, best_score, best_depth = tokens, probs, sum(probs), node.depth
                 tried_count = node.count
             node = node.link
-        return best, best_score
+        return best, best_probs, best_score, best_depth
 
     def _shared_cursor(self, state: SuffixState) -> Node:
         """The longest suffix of the committed tokens in the shared index, found again after it changed."""
