@@ -228,25 +228,30 @@ class BroadcastTrunk:
 
 
 def _who_stopped(group: Group) -> str:
-    """"rank 1 (killed by signal 9) of 2 tensor-parallel ranks" for the local ranks this process
-    spawned that have ended (within EXIT_GRACE_S), else "rank 2 (stopped by a signal) of 3 ..."
-    for those the kernel reports stopped (SIGSTOP, SIGTSTP: state T in /proc/PID/stat; alive,
-    sockets open, answering nothing); "a tensor-parallel rank of N" when neither (a remote rank,
-    or one that hangs while running)."""
-    ended, deadline = [], time.monotonic() + EXIT_GRACE_S  # a killed rank's sockets close before it is reaped
+    """"rank 1 (killed by signal 9) of 2 tensor-parallel ranks" or "rank 2 (stopped by a signal)
+    of 3 ..." for the local ranks this process spawned that were killed (ended by a signal within
+    EXIT_GRACE_S) or that the kernel reports stopped (SIGSTOP, SIGTSTP: state T in /proc/PID/stat;
+    alive, sockets open, answering nothing); else "rank 1 (exit status 1) ..." for those that
+    exited; "a tensor-parallel rank of N" when none did (a remote rank, or one that hangs while
+    running). An exit is named only when nothing was killed or stopped: a live rank waiting in
+    the same collective as a stopped one times out too and exits 1, and is not the cause."""
+    halted, exited, deadline = [], [], time.monotonic() + EXIT_GRACE_S  # sockets close before the reap
     for rank, process in enumerate(group.followers, start=1):
+        if _process_state(process.pid) in ("T", "t"):
+            halted.append(f"rank {rank} (stopped by a signal)")
+            continue
         try:
             code = process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             code = None
-        if code is not None:
-            ended.append(f"rank {rank}" + (f" (killed by signal {-code})" if code < 0 else f" (exit status {code})"))
-    if not ended:
-        ended = [f"rank {rank} (stopped by a signal)" for rank, process in enumerate(group.followers, start=1)
-                 if _process_state(process.pid) in ("T", "t")]
-    if not ended:
+        if code is not None and code < 0:
+            halted.append(f"rank {rank} (killed by signal {-code})")
+        elif code is not None:
+            exited.append(f"rank {rank} (exit status {code})")
+    named = halted or exited
+    if not named:
         return f"a tensor-parallel rank of {group.world_size}"
-    return f"{', '.join(ended)} of {group.world_size} tensor-parallel ranks"
+    return f"{', '.join(named)} of {group.world_size} tensor-parallel ranks"
 
 
 def _process_state(pid: int) -> str | None:

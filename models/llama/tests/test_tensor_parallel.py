@@ -136,3 +136,31 @@ def test_a_hung_rank_gives_a_clear_error_once_the_timeout_passes(tiny_fixture):
         follower.kill()
         follower.wait()
         tp.close()
+
+
+def test_a_hung_rank_of_three_is_named_not_the_rank_that_timed_out_waiting_for_it(tmp_path, monkeypatch):
+    """3 ranks, rank 2 stopped: rank 1, alive, times out in the same collective and exits; the
+    error still names rank 2, once (within one collective timeout, not two)."""
+    import tiny_llama
+
+    monkeypatch.setitem(tiny_llama.TINY_CONFIGS, "qwen2_tp3", ("qwen2", {  # heads and KV heads divide by 3
+        "vocab_size": 139, "hidden_size": 48, "intermediate_size": 41, "num_hidden_layers": 2,
+        "num_attention_heads": 6, "num_key_value_heads": 3, "tie_word_embeddings": False}))
+    path = tiny_llama.write_fixture(tiny_llama.build_hf_model("qwen2_tp3"), tmp_path / "tp3.gguf")
+    timeout = 3.0
+    tp = load_parallel_trunk(load, path, world_size=3, dtype="fp32", threads=1, timeout_s=timeout)
+    first, second = tp._group.followers
+    try:
+        seq = tp.new_sequence()
+        forward_one(tp, seq, PROMPT[:6])
+        second.send_signal(signal.SIGSTOP)
+        began = time.monotonic()
+        with pytest.raises(RankLost, match=r"^rank 2 \(stopped by a signal\) of 3 tensor-parallel ranks stopped "
+                                           r"answering during forward \(collective timeout 3 s\)"):
+            forward_one(tp, seq, PROMPT[6:9])
+        assert timeout - 0.5 < time.monotonic() - began < timeout + 3.0
+    finally:
+        for follower in (first, second):
+            follower.kill()
+            follower.wait()
+        tp.close()
