@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from verispec.install_hints import DEFAULT_CHECKPOINT_INSTALL, install_hint
-from verispec.registry import Registry, format_plugin_table
+from verispec.cli.plugin_listing import format_plugin_table
+from verispec.registry import Registry
 from verispec.speculator_choice import choose_speculator
 
 ROOT = Path(__file__).resolve().parents[1]

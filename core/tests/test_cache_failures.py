@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from verispec import cache_digest, checkpoints, weight_cache
-from verispec import tokenizer as tokenizer_module
+from verispec.gguf import vocab
 from verispec.gguf.io import GGUFFile
 from verispec.specs import CheckpointSpec
 from verispec.testing.fixture_writer import byte_level_vocab, write_gguf
@@ -117,7 +117,7 @@ def test_a_read_only_cache_still_serves_its_intact_entries(monkeypatch, caplog, 
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
     monkeypatch.setattr(os, "replace", read_only)
     monkeypatch.setattr(Path, "unlink", read_only)
-    monkeypatch.setattr(tokenizer_module, "_build", lambda *a: pytest.fail("rebuilt despite an intact entry"))
+    monkeypatch.setattr(vocab, "_build", lambda *a: pytest.fail("rebuilt despite an intact entry"))
     with caplog.at_level(logging.WARNING):
         assert Tokenizer.from_gguf(tok_gguf).encode(TEXT) == ids
         assert _equal(_cached_state(tok_gguf, monkeypatch, convert=lambda: pytest.fail("converted again")),

@@ -51,7 +51,7 @@ def test_cli_device_cuda_without_cuda_is_one_line_and_exit_1():
 
 
 def test_a_family_that_declares_cuda_runs_there_and_the_others_are_named():
-    from verispec.nn.trunk import TrunkModule
+    from verispec.nn.trunk_module import TrunkModule
 
     class OnCuda(TrunkModule):
         devices = ("cpu", "cuda")
@@ -66,7 +66,7 @@ def test_a_family_that_declares_cuda_runs_there_and_the_others_are_named():
 
 
 def test_packed_integer_dtypes_are_refused_off_the_cpu():
-    from verispec.nn.trunk import TrunkModule
+    from verispec.nn.trunk_module import TrunkModule
 
     class OnCuda(TrunkModule):
         devices = ("cpu", "cuda")
@@ -82,7 +82,7 @@ def test_on_a_gpu_only_block_linears_declare_batch_invariance():
     """cuBLAS picks its blocking by shape: a placed trunk with a float linear declares no batch
     invariance, one whose linears are all GGUF block linears (Triton) does."""
     from gguf.constants import GGMLQuantizationType as T
-    from verispec.nn.trunk import TrunkModule
+    from verispec.nn.trunk_module import TrunkModule
     from verispec.weights.block_linear import block_linear_class
     from verispec.weights.quant import Float32Linear
 

@@ -13,9 +13,9 @@ import types
 import pytest
 
 from verispec import hookimpl
+from verispec.cli.plugin_listing import format_check, format_plugin_table
 from verispec.install_hints import DEFAULT_CHECKPOINT_INSTALL, checkout_root
-from verispec.registry import (NoDefaultCheckpoint, PluginError, Registry, UnknownArchitecture, UnknownCheckpoint, format_check,
-                               format_plugin_table)
+from verispec.registry import NoDefaultCheckpoint, PluginError, Registry, UnknownArchitecture, UnknownCheckpoint
 from verispec.seams import DraftHeadKind, DrafterMismatch
 from verispec.speculator_choice import SpeculationUnavailable, choose_speculator
 from verispec.specs import CheckpointSpec, Decline, DraftFileSpec, SpeculatorSpec, TrunkSpec

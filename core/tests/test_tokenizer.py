@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from verispec import cache_digest
-from verispec import tokenizer as tokenizer_module
 from verispec.chat.template import ChatTemplateError
+from verispec.gguf import vocab
 from verispec.gguf.io import GGUFFile, MissingKey
 from verispec.testing.fixture_writer import byte_level_vocab, write_gguf
 from verispec.tokenizer import NoChatTemplate, StreamDecoder, Tokenizer, UnsupportedTokenizer
@@ -155,7 +155,7 @@ def test_second_load_comes_from_the_cache(tmp_path, cache):
     first = Tokenizer.from_gguf(path)
     [entry] = (cache / "tokenizers").glob("*.json")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tokenizer_module, "_build", lambda *a: pytest.fail("rebuilt despite the cache"))
+        mp.setattr(vocab, "_build", lambda *a: pytest.fail("rebuilt despite the cache"))
         second = Tokenizer.from_gguf(path)
     assert second.encode(TEXTS[2]) == first.encode(TEXTS[2])
     entry.write_text("{ damaged")

@@ -144,7 +144,7 @@ def test_a_context_length_beyond_the_trained_positions_is_refused():
     from types import SimpleNamespace
 
     from verispec.errors import VerispecError
-    from verispec.nn.trunk import ContextBeyondTraining, TrunkModule
+    from verispec.nn.trunk_module import ContextBeyondTraining, TrunkModule
 
     config = SimpleNamespace(vocab_size=10, hidden_size=8, num_hidden_layers=1, max_position_embeddings=32768)
     sizes = SimpleNamespace()

@@ -47,7 +47,8 @@ _DECLARATIONS: dict[str, tuple[str, ...]] = {
     "draft_file": ("architectures", "speculators"),
     "checkpoint": ("pip_install", "is_default", "size_bytes"),
 }
-_ROW_KEYS = ("distribution", "version", "plugin", "kind", "name", "summary")
+#: the keys every row of `plugin_rows()` starts with; the kind's declarations follow them.
+ROW_KEYS = ("distribution", "version", "plugin", "kind", "name", "summary")
 #: the lazy "module:attr" references of each kind, imported by `verispec plugins --check`.
 _REFERENCES: dict[str, tuple[str, ...]] = {
     "speculator": ("factory", "decline"),
@@ -253,14 +254,14 @@ class _Builder:
         origin = (name, distribution, version)
         problem = self._add(origin, load)
         if problem:
-            logger.warning("verispec: %s skipped: %s", _origin(origin), problem)
+            logger.warning("verispec: %s skipped: %s", origin_text(origin), problem)
             self.errors.append(PluginError(name, distribution, version, problem))
 
     def _add(self, origin: tuple, load: Callable[[], Any]) -> str | None:
         """Load, register and call one plugin; returns why it was kept out, or None."""
         name = origin[0]
         if self.pm.has_plugin(name):
-            return f"plugin name {name!r} is already taken by {_origin(self.origins[name])}"
+            return f"plugin name {name!r} is already taken by {origin_text(self.origins[name])}"
         try:
             plugin = load()
         except Exception as exc:  # noqa: BLE001 - a broken plugin is reported, never fatal
@@ -325,60 +326,25 @@ class _Builder:
             if other.kind != entry.kind:
                 continue
             if other.name == entry.name:
-                return f"{entry.kind} name {entry.name!r} is already taken by {_origin(other.origin)}"
+                return f"{entry.kind} name {entry.name!r} is already taken by {origin_text(other.origin)}"
             shared = sorted(set(getattr(entry.spec, "architectures", ()))
                             & set(getattr(other.spec, "architectures", ())))
             if shared:
                 return (f"{entry.kind} {entry.name!r}: architecture {', '.join(shared)} is already loaded by "
-                        f"{entry.kind} {other.name!r} from {_origin(other.origin)}")
+                        f"{entry.kind} {other.name!r} from {origin_text(other.origin)}")
             if getattr(entry.spec, "is_default", False) and other.spec.is_default:
                 return (f"checkpoint {entry.name!r}: the default is already {other.name!r} "
-                        f"from {_origin(other.origin)}")
+                        f"from {origin_text(other.origin)}")
         return None
 
 
 def _row(entry: Entry) -> dict:
-    row = dict(zip(_ROW_KEYS, (entry.distribution, entry.version, entry.plugin, entry.kind, entry.name,
-                              entry.spec.summary)))
+    row = dict(zip(ROW_KEYS, (entry.distribution, entry.version, entry.plugin, entry.kind, entry.name,
+                             entry.spec.summary)))
     for key in _DECLARATIONS[entry.kind]:
         value = getattr(entry.spec, key)
         row[key] = list(value) if isinstance(value, tuple) else ref_text(value) if key == "decline" else value
     return row
-
-
-def format_plugin_table(rows: list[dict]) -> str:
-    """The human listing of `plugin_rows()`: one aligned line per row, declarations after the summary."""
-    if not rows:
-        return f"no verispec plugins are installed; e.g. {install_hint('plugins/ngram', 'models/gemma4')}"
-    table = [("DISTRIBUTION", "VERSION", "PLUGIN", "KIND", "NAME", "DETAILS")]
-    for row in rows:
-        if row["kind"] == "error":
-            details = "ERROR " + " ".join(row["error"].split())  # pluggy's messages span lines
-        else:
-            declarations = ", ".join(f"{k}={_show(v)}" for k, v in row.items() if k not in _ROW_KEYS)
-            details = f"{row['summary']} ({declarations})"
-        table.append((row["distribution"] or "-", row["version"] or "-", row["plugin"], row["kind"],
-                      row["name"] or "-", details))
-    widths = [max(len(line[i]) for line in table) for i in range(5)]
-    lines = ("  ".join([*(cell.ljust(w) for cell, w in zip(line, widths)), line[5]]) for line in table)
-    return "\n".join(lines)
-
-
-def format_check(rows: list[dict]) -> str:
-    """The human report of `check_references()`: one line per problem, naming the distribution,
-    then how many references were checked."""
-    problems = [row for row in rows if row["error"]]
-    lines = []
-    for row in problems:
-        where = _origin((row["plugin"], row["distribution"], row["version"]))
-        what = (f"{row['kind']} {row['name']!r}: {row['field']} {row['reference']!r} does not import: "
-                if row["reference"] else "kept out: ")
-        lines.append(f"{where}: {what}{' '.join(row['error'].split())}")
-    checked = sum(1 for row in rows if row["reference"])
-    verdict = f"{len(problems)} problem{'s' * (len(problems) != 1)}" if problems else "all import"
-    lines.append(f"checked {checked} reference{'s' * (checked != 1)} of {len({r['plugin'] for r in rows})} "
-                 f"plugin{'s' * (len({r['plugin'] for r in rows}) != 1)}: {verdict}")
-    return "\n".join(lines)
 
 
 def _import_problem(ref) -> str | None:
@@ -394,17 +360,14 @@ def _origin_row(origin: tuple) -> dict:
     return dict(zip(("plugin", "distribution", "version"), origin))
 
 
-def _show(value) -> str:
-    return (",".join(value) or "-") if isinstance(value, list) else str(value)
-
-
 def _load_order(ep) -> bool:
     """Sort key: verispec's own distributions first; otherwise the environment's order (sys.path)."""
     dist = ep.dist.name if ep.dist else ""
     return not (dist == "verispec" or dist.startswith("verispec-"))
 
 
-def _origin(origin: tuple) -> str:
+def origin_text(origin: tuple) -> str:
+    """A plugin as messages name it: "plugin 'ngram' (verispec-ngram 0.1.0)"."""
     plugin, distribution, version = origin
     return f"plugin {plugin!r}" + (f" ({distribution} {version})" if distribution else "")
 

@@ -1,17 +1,12 @@
 """The tokenizer and chat template a GGUF carries in its own metadata (`tokenizers`, jinja2).
 
-`Tokenizer.from_gguf(file)` builds a `tokenizers.Tokenizer` from the `tokenizer.ggml.*` keys
-with transformers' GGUF converter (`transformers.integrations.gguf.gguf_tokenizer_mapping.
-convert_gguf_tokenizer`), fed with our parsed metadata instead of its own reader. That covers
+`Tokenizer.from_gguf(file)` wraps the `tokenizers.Tokenizer` that `verispec.gguf.vocab` builds from
+the `tokenizer.ggml.*` keys with transformers' GGUF converter, and caches. That covers
 `tokenizer.ggml.model` "llama" (SentencePiece-style BPE; Gemma gets its respelled-space and
 file-order merge fixes), "gpt2" (byte-level BPE; the `tokenizer.ggml.pre` split regex, e.g.
-qwen2, llama3), "gemma4" and "t5". The result is cached as tokenizer.json under
-`cache_dir("tokenizers")`, keyed by a hash of the raw `tokenizer.ggml.*` metadata bytes, the
-architecture and the transformers version, so only the first start imports transformers
-(Gemma's 262k vocabulary on 2 shared cores: 4-7 s cold, 1-2 s warm, GGUF open included). Its
-sha256 is saved beside it and checked first (`cache_digest`; 0.02 s for Gemma's 33 MB): an
-entry that differs, even as valid JSON, or is not a file, is rebuilt; a cache that cannot be
-written costs one warning and the tokenizer is used uncached.
+qwen2, llama3), "gemma4" and "t5". Only the first start imports transformers (Gemma's 262k
+vocabulary on 2 shared cores: 4-7 s cold, 1-2 s warm, GGUF open included; the cache entry's
+sha256 check takes 0.02 s for Gemma's 33 MB).
 
 BOS/EOS follow llama.cpp: `tokenizer.ggml.add_bos_token` (default: on for "llama"
 vocabularies, off otherwise) and `add_eos_token`. Text passed to `encode` may contain
@@ -24,14 +19,13 @@ time and size; a template that fails raises its ChatTemplateError).
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from verispec import cache_digest
 from verispec.chat.template import DEFAULT_CHAT_TEMPLATES, ChatTemplate
-from verispec.errors import VerispecError, pip_install
+from verispec.errors import VerispecError
+from verispec.gguf import vocab
 from verispec.gguf.io import GGUFFile
 
 __all__ = [
@@ -45,8 +39,6 @@ __all__ = [
     "text_problem",
 ]
 
-# bump when the way the backend is built changes: old cache entries are then ignored
-_BUILD_VERSION = 1
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 # End-of-turn spellings that also end generation when the vocabulary has them
@@ -148,7 +140,10 @@ class Tokenizer:
         md = gguf.metadata
         model = gguf.require("tokenizer.ggml.model")
         tokens = gguf.require("tokenizer.ggml.tokens")
-        backend = _load_or_build(gguf, model, use_cache)
+        try:
+            backend = vocab.load_backend(gguf, model, use_cache)
+        except vocab.UnbuildableVocabulary as e:
+            raise UnsupportedTokenizer(model, gguf.architecture, e.reason) from None
         bos_id = md.get("tokenizer.ggml.bos_token_id")
         eos_id = md.get("tokenizer.ggml.eos_token_id")
         add_bos = bool(md.get("tokenizer.ggml.add_bos_token", model == "llama")) and bos_id is not None
@@ -306,94 +301,6 @@ class StreamDecoder:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special=self.skip_special) if ids else ""
-
-
-# --- building and caching the backend ---------------------------------------------------
-
-def _load_or_build(gguf: GGUFFile, model: str, use_cache: bool):
-    from tokenizers import Tokenizer as Backend
-
-    path = None
-    if use_cache:
-        from verispec.checkpoints import cache_dir
-
-        path = cache_dir("tokenizers") / f"{_cache_key(gguf)}.json"
-        if cache_digest.intact(path, "tokenizer"):
-            try:
-                return Backend.from_file(str(path))
-            except Exception as e:  # noqa: BLE001 -- tokenizers raises bare Exception; a damaged entry is rebuilt
-                cache_digest.discard(path, "tokenizer", f"does not load ({type(e).__name__})")
-    backend = _build(gguf, model)
-    if path is not None:
-        cache_digest.save(path, lambda partial: _save(backend, partial))  # a cache it cannot write: one warning
-    return backend
-
-
-def _save(backend, path) -> None:
-    try:
-        backend.save(str(path))
-    except OSError:
-        raise
-    except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception for an I/O error
-        raise cache_digest.io_error(e) from e
-
-
-def _cache_key(gguf: GGUFFile) -> str:
-    import hashlib
-
-    from importlib_metadata import PackageNotFoundError, version
-
-    try:
-        converter = version("transformers")
-    except PackageNotFoundError:
-        converter = "none"
-    head = json.dumps([_BUILD_VERSION, gguf.architecture, converter, gguf.metadata_digest("tokenizer.ggml.")])
-    return hashlib.sha256(head.encode()).hexdigest()[:32]
-
-
-def _build(gguf: GGUFFile, model: str):
-    """A `tokenizers.Tokenizer` from the file's tokenizer metadata, via transformers' converter."""
-    try:
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-            GGUF_TOKENIZER_MAPPING,
-            convert_gguf_tokenizer,
-        )
-    except ImportError as e:
-        raise UnsupportedTokenizer(model, gguf.architecture,
-                                   f"building it the first time needs transformers ({e}); "
-                                   + pip_install("'transformers>=5.23'")) from None
-    md = gguf.metadata
-    spec = {name: md[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
-            if f"tokenizer.{key}" in md}
-    for name in ("scores", "token_type"):  # the converter zips and compares them as Python values
-        if name in spec:
-            spec[name] = spec[name].tolist()
-    if model == "gpt2" and "tokenizer.ggml.merges" not in md:
-        raise UnsupportedTokenizer(model, gguf.architecture, "the file has no tokenizer.ggml.merges, which a "
-                                   "byte-level BPE vocabulary needs; reconvert the model with its merges")
-    try:
-        backend, _ = convert_gguf_tokenizer(gguf.architecture, spec)
-    except ValueError as e:
-        raise UnsupportedTokenizer(model, gguf.architecture, str(e)) from None
-    except Exception as e:  # noqa: BLE001 -- the converter and tokenizers fail on bad metadata in many ways
-        # (a KeyError for a missing key, the Rust side's bare Exception for a merge naming an absent token)
-        lines = str(e).strip().splitlines()
-        raise UnsupportedTokenizer(model, gguf.architecture, f"its tokenizer.ggml metadata does not build "
-                                   f"({type(e).__name__}: {lines[0] if lines else 'no message'}); reconvert "
-                                   "the model") from None
-    _set_unknown_token(backend, md)
-    return backend
-
-
-def _set_unknown_token(backend, md: Mapping[str, Any]) -> None:
-    """Byte-level BPE gets no unknown token from the converter, so a byte missing from the
-    vocabulary would vanish silently. Real vocabularies hold all 256 bytes and never reach
-    this; trimmed fixture vocabularies (verispec.testing.fixture_writer) map it to <unk>."""
-    from tokenizers.models import BPE
-
-    unk_id = md.get("tokenizer.ggml.unknown_token_id")
-    if isinstance(backend.model, BPE) and backend.model.unk_token is None and unk_id is not None:
-        backend.model.unk_token = md["tokenizer.ggml.tokens"][unk_id]
 
 
 def _stop_ids(md: Mapping[str, Any], tokens: Sequence[str]) -> list[int]:

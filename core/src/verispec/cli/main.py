@@ -77,7 +77,8 @@ def load_engine(args):
 
 
 def cmd_plugins(args) -> int:
-    from verispec.registry import Registry, format_check, format_plugin_table
+    from verispec.cli.plugin_listing import format_check, format_plugin_table
+    from verispec.registry import Registry
 
     registry = Registry.discover()
     if args.check:

@@ -14,8 +14,8 @@
   sequences; a sequence's `PooledKVCache` holds its blocks' indices (`PagedKVCache`'s semantics).
 - `state`: `RecurrentState` and `SequenceState`, which holds a sequence's per-layer state kinds
   and keeps a verify's rows or truncates a prefix.
-- `trunk`: the seam written once (`SequenceTrunk`: sequences, batched forward, keep) and the
-  families' nn.Module base (`TrunkModule`).
+- `trunk`: the seam written once (`SequenceTrunk`: sequences, batched forward, keep).
+- `trunk_module`: the families' nn.Module base on it (`TrunkModule`: sizes, LM head, placement on a device).
 - `nextn_head`: a NextN / MTP draft head's bookkeeping (`NextNHead`, `NextNState`: its KV, queued
   catch-up pairs, provisional entries); a family writes only its block's math.
 - `parallel`: tensor-parallel shards of the shared layer kinds (column / row / vocabulary-parallel,

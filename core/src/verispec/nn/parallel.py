@@ -12,7 +12,7 @@ A rank of W holds a slice of every layer and runs the reference forward on it:
 
 So a family adds TP per layer kind with sizes from `shard_config` (or `Shards.size` /
 `Shards.heads`) and `reduce_partial` after each row-parallel linear; it never rewrites the layer.
-`TrunkModule` (verispec.nn.trunk) does the vocabulary-parallel embedding rows and LM head (the
+`TrunkModule` (verispec.nn.trunk_module) does the vocabulary-parallel embedding rows and LM head (the
 final softcap after the gather). Which rows and columns of a stored tensor a rank reads:
 `verispec.gguf.shard`. The process model (who calls the trunk): `verispec.tensor_parallel`.
 

@@ -6,7 +6,8 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from verispec.registry import Registry, format_check
+from verispec.cli.plugin_listing import format_check
+from verispec.registry import Registry
 
 
 def assert_plugin_loads(module: ModuleType | str | Any) -> Registry:

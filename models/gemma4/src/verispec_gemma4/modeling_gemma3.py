@@ -21,7 +21,7 @@ column-parallel; o_proj and down_proj are row-parallel, their partial sums all-r
 (nn.parallel.reduce_partial) before post_attention_layernorm / post_feedforward_layernorm, which
 need the whole row. The q/k norms are per head (every rank holds the whole [Dh] weight), and so
 are the attention softcap and the sliding window. The tied embedding / LM head is
-vocabulary-parallel (nn.trunk.TrunkModule): the √D scale multiplies the all-reduced row, and the
+vocabulary-parallel (nn.trunk_module.TrunkModule): the √D scale multiplies the all-reduced row, and the
 final logit softcap runs after the vocabulary gather (one process's op on the whole [r, V] row,
 not per shard: an elementwise tanh over a different width need not round the same way under
 vectorisation). Such a layer runs op by op (the fused C layer has no collective).
@@ -45,7 +45,8 @@ from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.parallel import Shards, reduce_partial, shard_config
 from verispec.nn.rope import RotaryEmbedding, linear_scaling
-from verispec.nn.trunk import Rows, TrunkModule
+from verispec.nn.trunk import Rows
+from verispec.nn.trunk_module import TrunkModule
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

@@ -40,7 +40,8 @@ from verispec.nn.kv_cache import MAX_VERIFY_ROWS, PagedKVCache, RingKVCache
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.rope import RotaryEmbedding, default_inv_freq
-from verispec.nn.trunk import Rows, TrunkModule
+from verispec.nn.trunk import Rows
+from verispec.nn.trunk_module import TrunkModule
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

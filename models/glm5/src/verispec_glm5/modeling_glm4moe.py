@@ -45,7 +45,8 @@ from verispec.nn.mlp import GatedMLP
 from verispec.nn.moe import TopkRouter, routed_experts
 from verispec.nn.norm import RMSNorm
 from verispec.nn.rope import RotaryEmbedding
-from verispec.nn.trunk import Rows, TrunkModule
+from verispec.nn.trunk import Rows
+from verispec.nn.trunk_module import TrunkModule
 
 __all__ = ["ARCHITECTURES", "Glm4MoeConfig", "Glm4MoeForCausalLM", "UnsupportedGlm4MoeVariant",
            "check_file_kind"]

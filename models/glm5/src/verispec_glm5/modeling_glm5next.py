@@ -47,7 +47,8 @@ from verispec.nn.mlp import GatedMLP
 from verispec.nn.moe import TopkRouter, routed_experts
 from verispec.nn.norm import RMSNorm
 from verispec.nn.state import RecurrentState
-from verispec.nn.trunk import Rows, TrunkModule
+from verispec.nn.trunk import Rows
+from verispec.nn.trunk_module import TrunkModule
 
 from verispec_glm5.mla import DsaIndexer, MlaAttention, MlaLayerCache
 from verispec_glm5.modeling_glm4moe import SIGMOID_GATING, UnsupportedGlm4MoeVariant

@@ -32,7 +32,8 @@ from torch import nn
 from verispec.gguf.io import MissingTensor, arch_value
 from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
-from verispec.nn.trunk import Rows, TrunkModule
+from verispec.nn.trunk import Rows
+from verispec.nn.trunk_module import TrunkModule
 
 from verispec_glm5.mla import DsaIndexer, MlaAttention, MlaLayerCache, PairRope
 from verispec_glm5.modeling_glm4moe import (SIGMOID_GATING, Glm4MoeMoE, UnsupportedGlm4MoeVariant,

@@ -29,7 +29,7 @@ computed alone (`spec_batch_invariant`, declared by `TrunkModule` from the linea
 Tensor parallelism (`shards`, verispec.nn.parallel): the same modules built with one rank's
 sizes (nn.parallel.shard_config: H/W and Hkv/W heads, its run of I and of V) and an all-reduce after the
 two row-parallel linears, o_proj and down_proj (the o bias after it); the embedding and LM head
-are vocabulary-parallel (nn.trunk.TrunkModule). Such a layer runs op by op (the fused C layer has no collective).
+are vocabulary-parallel (nn.trunk_module.TrunkModule). Such a layer runs op by op (the fused C layer has no collective).
 Sources: transformers models/llama/modeling_llama.py, models/qwen2/modeling_qwen2.py (5.24);
 llama.cpp src/models/llama.cpp, src/models/qwen2.cpp.
 """
@@ -50,7 +50,8 @@ from verispec.nn.mlp import GatedMLP
 from verispec.nn.norm import RMSNorm
 from verispec.nn.parallel import Shards, reduce_partial, shard_config
 from verispec.nn.rope import RotaryEmbedding, default_inv_freq, freq_factors, linear_scaling
-from verispec.nn.trunk import Rows, TrunkModule
+from verispec.nn.trunk import Rows
+from verispec.nn.trunk_module import TrunkModule
 
 __all__ = [
     "ROPE_STYLES",

@@ -48,7 +48,8 @@ from verispec.nn.norm import RMSNorm
 from verispec.nn.kv_cache import PagedKVCache
 from verispec.nn.moe import TopkRouter, routed_experts
 from verispec.nn.state import RecurrentState
-from verispec.nn.trunk import Rows, TrunkModule
+from verispec.nn.trunk import Rows
+from verispec.nn.trunk_module import TrunkModule
 
 __all__ = ["ARCHITECTURES", "LAYER_TYPES", "NemotronHConfig", "NemotronHForCausalLM",
            "UnsupportedNemotronVariant"]

@@ -45,7 +45,8 @@ from verispec.nn.norm import RMSNorm
 from verispec.nn.rope import RotaryEmbedding
 from verispec.nn.kv_cache import PagedKVCache
 from verispec.nn.state import RecurrentState
-from verispec.nn.trunk import Rows, TrunkModule
+from verispec.nn.trunk import Rows
+from verispec.nn.trunk_module import TrunkModule
 
 __all__ = ["ARCHITECTURES", "Qwen35Config", "Qwen35ForCausalLM", "UnsupportedQwen35Variant", "check_file_kind"]
 
