@@ -435,9 +435,7 @@ def test_without_the_kernels_the_default_falls_back_to_int8(monkeypatch):
     (T.Q8_0, 0, np.inf, "1 inf of"),  # d, the block's scale
     (T.Q8_0, 0, np.nan, "1 NaN of"),
     (T.Q4_1, 2, np.nan, "1 NaN of"),  # m, the block's min
-    pytest.param(T.Q4_K, 0, np.nan, "NaN of", marks=pytest.mark.xfail(  # d, the super-block's scale factor
-        strict=True, reason="a K type's scales are kept as uint8 bytes (fp16 factors and int8 sub-scales), "
-        "which check_drafter_values passes unread: WeightPlan.convert must check the unpacked fp32 scales")),
+    (T.Q4_K, 0, np.nan, "NaN of"),  # d, the super-block's factor (kept as bytes: checked unpacked)
 ], ids=["Q8_0-d-inf", "Q8_0-d-nan", "Q4_1-m-nan", "Q4_K-d-nan"])
 def test_a_non_finite_block_scale_is_refused_naming_the_tensor(tmp_path, ggml_type, offset, value, counts):
     """finite=True on a block linear: its scales and mins are checked as they are kept, packed

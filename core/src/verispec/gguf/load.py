@@ -45,7 +45,7 @@ from torch import nn
 from verispec.gguf.checks import check_drafter_values, check_finite, check_numbers
 from verispec.gguf.io import GGUFFile
 from verispec.gguf.table import Tensor, TensorSource, expand_table
-from verispec.weights.gguf_blocks import GGUFBlocks
+from verispec.weights.gguf_blocks import BLOCK_FORMATS, GGUFBlocks, unpack
 from verispec.weights.gguf_mode import resolve_gguf_linears
 from verispec.weights.quant import Float32Linear, PartwiseLinear
 from verispec.weight_cache import cached_state
@@ -124,9 +124,12 @@ class WeightPlan:
             elif job.linear is not None and hasattr(type(job.linear), "from_gguf"):
                 blocks = [self._blocks(part, job.expert) for part in job.parts]
                 entries = _prefixed(name, type(job.linear).from_gguf(blocks))
-                if finite:
-                    for values in entries.values():
-                        check_drafter_values(self.gguf.path, " + ".join(job.parts), values, of="block scales")
+                if finite:  # the scales as the kernel multiplies them (a K type keeps d and sc apart, as bytes)
+                    for part, stored in zip(job.parts, blocks):
+                        unpacked = unpack(stored) if stored.ggml_type in BLOCK_FORMATS else None
+                        for values in ((unpacked.s, unpacked.m) if unpacked is not None else entries.values()):
+                            if values is not None:
+                                check_drafter_values(self.gguf.path, part, values, of="block scales")
                 state |= entries
             else:
                 if job.expert is None:
