@@ -131,3 +131,17 @@ def test_a_declared_nextn_block_without_its_tensors_is_refused(tiny_glm, tmp_pat
                          drop_tensors=[t for t in tensors if t.startswith(f"blk.{n}.")])
     with pytest.raises(UnsupportedGlm4MoeVariant, match="drop the key"):
         a.load(trunk_only, dtype="float32", use_cache=False)
+
+
+@pytest.mark.parametrize("arch", ["glm4moe", "glm-dsa", "glm5-next"])
+def test_a_nextn_block_with_non_finite_weights_is_refused_at_load(tiny_glm, tmp_path, arch):
+    """The NextN block is a draft head inside the trunk's file: a NaN in it is named at load, as a
+    drafter file's would be (it would draft junk without a word)."""
+    from verispec.errors import DamagedFile
+    from verispec.testing.fixture_writer import plant_values
+
+    hf_model, _, path = tiny_glm(arch)
+    name = f"blk.{hf_model.config.num_hidden_layers}.nextn.eh_proj.weight"
+    bad = plant_values(path, tmp_path / "bad-head.gguf", name, [float("nan")])
+    with pytest.raises(DamagedFile, match=f"tensor '{name}' holds 1 NaN of "):
+        ARCHS[arch].load(bad, dtype="float32", use_cache=False)

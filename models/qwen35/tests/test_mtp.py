@@ -128,3 +128,21 @@ def test_a_standalone_mtp_file_with_non_finite_weights_is_refused(tiny_fixture, 
         load_mtp_file(bad, trunk, use_cache=False)
     message = str(info.value)
     assert message.startswith(f"{bad}: tensor '{name}' holds {counts} ") and "train it again" in message
+
+
+def test_a_main_files_mtp_block_with_non_finite_weights_is_refused_and_the_trunks_own_are_not(tiny_fixture, tmp_path):
+    """The MTP block inside a main file is a draft head: a NaN there is named at load (it would draft
+    junk without a word); a NaN in the trunk's own layers loads (check_weights names it when a
+    forward's logits go bad), as it always has."""
+    from verispec.errors import DamagedFile
+    from verispec.testing.fixture_writer import plant_values
+
+    _, _, combined = _split_files(tiny_fixture, tmp_path)
+    n = load(combined, dtype="float32", use_cache=False).config.num_hidden_layers
+    head = f"blk.{n}.nextn.eh_proj.weight"
+    bad = plant_values(combined, tmp_path / "bad-head.gguf", head, [float("nan")])
+    with pytest.raises(DamagedFile) as info:
+        load(bad, dtype="float32", use_cache=False)
+    assert str(info.value).startswith(f"{bad}: tensor '{head}' holds 1 NaN of ")
+    trunk_bad = plant_values(combined, tmp_path / "bad-trunk.gguf", "blk.0.ffn_up.weight", [float("nan")])
+    assert load(trunk_bad, dtype="float32", use_cache=False).config.num_mtp_layers == 1

@@ -100,7 +100,7 @@ class WeightPlan:
             for part, shape in zip(job.parts or (), job.part_shapes):
                 self.gguf.expect_shape(part, shape)
 
-    def convert(self, progress: bool | None = None, *, finite: bool = False) -> dict[str, torch.Tensor]:
+    def convert(self, progress: bool | None = None, *, finite: bool | str = False) -> dict[str, torch.Tensor]:
         """The model's state dict read from the file, no cache: for each linear, the entries of
         `type(linear).from_float(weight)` (fp32 / bf16 [out, in], int8 [out, in'] + bf16 scales
         [out], int4 packed groups: see weights.quant), or of `from_gguf(blocks)` when the class has
@@ -110,7 +110,8 @@ class WeightPlan:
 
         progress: tqdm bar (None: on a terminal, after a second).
         finite: refuse a non-finite value as it is read (a draft head's file: checks.check_drafter_values
-          on each dequantised tensor, or on a block linear's scales), naming the GGUF tensor.
+          on each dequantised tensor, or on a block linear's scales), naming the GGUF tensor; True:
+          every tensor, a str: those whose state names start with it (a trunk file's draft head).
         Raises what `check` raises, gguf.errors.UnsupportedTensorType, errors.DamagedFile (finite)."""
         from tqdm.auto import tqdm
 
@@ -119,12 +120,13 @@ class WeightPlan:
         experts: dict[tuple[str, ...], list[torch.Tensor]] = {}  # the last 3-D source, dequantised once
         for name, job in tqdm(self.jobs.items(), desc="converting weights", unit="tensor",
                               disable=None if progress is None else not progress, delay=1.0):
+            checked = finite if isinstance(finite, bool) else name.startswith(finite)
             if job.parts is None:
                 state[name] = job.default.clone()
             elif job.linear is not None and hasattr(type(job.linear), "from_gguf"):
                 blocks = [self._blocks(part, job.expert) for part in job.parts]
                 entries = _prefixed(name, type(job.linear).from_gguf(blocks))
-                if finite:  # the scales as the kernel multiplies them (a K type keeps d and sc apart, as bytes)
+                if checked:  # the scales as the kernel multiplies them (a K type keeps d and sc apart, as bytes)
                     for part, stored in zip(job.parts, blocks):
                         unpacked = unpack(stored) if stored.ggml_type in BLOCK_FORMATS else None
                         for values in ((unpacked.s, unpacked.m) if unpacked is not None else entries.values()):
@@ -133,10 +135,10 @@ class WeightPlan:
                 state |= entries
             else:
                 if job.expert is None:
-                    tensors = [self._read(part, finite) for part in job.parts]
+                    tensors = [self._read(part, checked) for part in job.parts]
                 else:
                     if job.parts not in experts:
-                        experts = {job.parts: [self._read(part, finite) for part in job.parts]}
+                        experts = {job.parts: [self._read(part, checked) for part in job.parts]}
                     tensors = [stacked[job.expert] for stacked in experts[job.parts]]
                 tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
                 if job.linear is None:
@@ -159,7 +161,7 @@ class WeightPlan:
         return GGUFBlocks.from_raw(raw, ggml_type, shape)
 
     def load(self, *, dtype: str, layout: str, use_cache: bool = True, progress: bool | None = None,
-             finite: bool = False) -> None:
+             finite: bool | str = False) -> None:
         """Fill the model: `check`, the converted state from `weight_cache.cached_state` (read
         back from the cache, else `convert`ed and saved), `load_state_dict(assign=True)`, then
         eval mode.
@@ -310,6 +312,11 @@ class Arch:
     ignored: `config -> tensor names` the file may hold and the math deliberately does not read
       (llama.cpp skips them too, e.g. GLM-5.2's indexer on layers that reuse another's
       selection); not refused as unused.
+    draft_head: the state-name prefix of a draft head the file may carry (a NextN / MTP block,
+      "mtp."): its tensors are checked for NaN and infinities as they convert, as a drafter
+      file's are (a damaged head drafts junk without a word; the trunk's own weights are
+      checked when a forward's logits are unusable). Costs one isfinite pass over the head's
+      dequantised tensors on the first load (the converted state is cached after it).
     """
 
     config: Callable[[GGUFFile], Any]
@@ -321,6 +328,7 @@ class Arch:
     default_dtype: str = "int8"
     check_kind: Callable[[GGUFFile], None] | None = None
     ignored: Callable[[Any], Iterable[str]] | None = None
+    draft_head: str | None = None
 
 
 def load_trunk(path: str | os.PathLike, archs: Mapping[str, Arch], *, dtype: str | None = None,
@@ -369,7 +377,7 @@ def load_trunk(path: str | os.PathLike, archs: Mapping[str, Arch], *, dtype: str
     unused = plan.unused_tensors(read_elsewhere=arch.read_elsewhere | ignored)
     if unused:
         raise UnusedTensors(path, arch.family, unused)
-    plan.load(dtype=dtype, layout=layout, use_cache=use_cache, progress=progress)
+    plan.load(dtype=dtype, layout=layout, use_cache=use_cache, progress=progress, finite=arch.draft_head or False)
     model.check_weights = functools.partial(check_finite, gguf)  # the seam's `check_weights` declaration
     if tokenizer:
         from verispec.tokenizer import Tokenizer

@@ -57,7 +57,8 @@ main_tensors = with_nextn(TENSORS)
 
 ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), Glm5NextForCausalLM, main_tensors,
                     layout="glm5-next", family=name, default_dtype=DEFAULT_DTYPE,
-                    check_kind=lambda gguf: check_file_kind(gguf.metadata, gguf, source=gguf.path))
+                    check_kind=lambda gguf: check_file_kind(gguf.metadata, gguf, source=gguf.path),
+                    draft_head="mtp.")
          for name in ARCHITECTURES}
 
 

@@ -68,7 +68,7 @@ def shared_layer_indexers(config: GlmDsaConfig) -> list[str]:
 ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), GlmDsaForCausalLM, main_tensors, layout="glm-dsa",
                     family=name, default_dtype=DEFAULT_DTYPE,
                     check_kind=lambda gguf: check_file_kind(gguf.metadata, gguf, source=gguf.path),
-                    ignored=shared_layer_indexers)
+                    ignored=shared_layer_indexers, draft_head="mtp.")
          for name in ARCHITECTURES}
 
 

@@ -107,7 +107,7 @@ def main_tensors(config: Qwen35Config) -> tuple[Tensor, ...]:
 
 ARCHS = {name: Arch(lambda gguf: config_from_gguf(gguf), Qwen35ForCausalLM, main_tensors, layout="qwen35",
                    family=name, check_kind=lambda gguf: check_file_kind(gguf, source=gguf.path),
-                   default_dtype=DEFAULT_DTYPE)
+                   default_dtype=DEFAULT_DTYPE, draft_head="mtp.")
          for name in ARCHITECTURES}
 
 
