@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from verispec import hookimpl
+from verispec import hookimpl, registers
 from verispec.cli.plugin_listing import format_check, format_plugin_table
 from verispec.install_hints import DEFAULT_CHECKPOINT_INSTALL, checkout_root
 from verispec.registry import NoDefaultCheckpoint, PluginError, Registry, UnknownArchitecture, UnknownCheckpoint
@@ -275,6 +275,17 @@ def test_the_speculator_a_file_names_uses_it_without_requiring_a_head_and_no_fal
     assert choice.unused_drafter == ("--spec-type theirs does not draft with it; the installed speculators that draft "
                                      "with a draft head are bigblock, blocky (--spec-type draft-head or block picks "
                                      "among them, or name one)")
+
+
+def test_registers_is_a_hook_registering_each_spec_in_order():
+    """`register_speculators = registers(A, B)` in a plugin module registers A then B, as the decorated
+    `@hookimpl def register_speculators(register)` calling register(A), register(B) does."""
+    first, second = spec("first"), spec("second")
+    plugin = types.SimpleNamespace(register_speculators=registers(first, second),
+                                   register_trunks=registers(trunk_spec("toy-trunk", "toyarch")))
+    registry = Registry.from_plugins({"toys": plugin})
+    assert [entry.spec for entry in registry.speculators.values()] == [first, second]
+    assert registry.trunk_for_architecture("toyarch").name == "toy-trunk"
 
 
 def test_draft_file_rows_list_their_speculators():

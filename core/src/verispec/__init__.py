@@ -1,8 +1,8 @@
 """verispec: speculative decoding as plugins. See docs/design.md; `verispec.load` is the Python API."""
-from verispec.hookspecs import hookimpl
+from verispec.hookspecs import hookimpl, registers
 from verispec.specs import CheckpointSpec, Decline, DraftFileSpec, SpeculatorSpec, TrunkSpec
 
-__all__ = ["hookimpl", "SpeculatorSpec", "TrunkSpec", "DraftFileSpec", "CheckpointSpec", "Decline", "load"]
+__all__ = ["hookimpl", "registers", "SpeculatorSpec", "TrunkSpec", "DraftFileSpec", "CheckpointSpec", "Decline", "load"]
 __version__ = "0.1.0"
 
 

@@ -2,11 +2,23 @@
 
 Each hook receives a `register` callback; the host validates what is registered and
 records which plugin it came from. Specs may gain keyword arguments, never lose one.
+A hook that only registers specs the module declares can be written `registers(...)`:
+`register_speculators = registers(SPEC)` is `@hookimpl def register_speculators(register): register(SPEC)`.
 """
 import pluggy
 
 hookspec = pluggy.HookspecMarker("verispec")
 hookimpl = pluggy.HookimplMarker("verispec")
+
+
+def registers(*specs):
+    """A hook implementation that calls `register(spec)` for each of `specs`, in order; assign it to
+    the hook's name in the plugin module (`register_speculators = registers(SPEC)`)."""
+    @hookimpl
+    def register_each(register):
+        for spec in specs:
+            register(spec)
+    return register_each
 
 
 @hookspec

@@ -1,6 +1,7 @@
 """Tiny random llama / qwen2 models in transformers, written to GGUF as llama.cpp's converter would.
 
-`build_hf_model(name)` builds the seeded transformers model of `TINY_CONFIGS[name]`;
+`build_hf_model(name)` builds the seeded transformers model of `TINY_CONFIGS[name]` (its weights
+redrawn by `redraw_unit_gain`, which other packages' tiny llama targets share);
 `write_fixture(model, path)` maps its state dict to GGUF names and layout (`hf_to_gguf`:
 llama's Q/K row permutation, llama3 `rope_freqs`) and writes it with
 `verispec.testing.fixture_writer`. conftest's `tiny_fixture(name)` caches both per session.
@@ -57,6 +58,13 @@ def build_hf_model(name: str, seed: int = 0):
     config = AutoConfig.for_model(arch, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+    return redraw_unit_gain(model, seed)
+
+
+def redraw_unit_gain(model, seed: int = 0):
+    """Redraw every weight of a transformers llama / qwen2 `model` in place from one seeded generator,
+    in parameter order, at ~unit gain: norms 1 + 0.2·N(0, 1), biases 0.3·N(0, 1), embedding and LM
+    head rows N(0, 1), every other matrix N(0, 1/in). Returns the model."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():

@@ -6,7 +6,7 @@ with block-quantised linears serves the taps from its fused C decoder layers, bi
 
 The perfect-copy pair: a trunk whose layers write nothing to the residual (attention and FFN
 output projections zero) and whose embedding rows share one direction e0 (token c's row 3·e0), so
-its greedy continuation is c forever; the drafter's sublayer outputs are zero too, so its block
+its greedy continuation is c forever (verispec.testing.make_copy_model); the drafter's sublayer outputs are zero too, so its block
 rows are the mask's embedding ≈ e0 and it drafts c with confidence ≈ 1. Degenerate models, but
 every pass of the real code runs (taps, Pass A/B rings, Pass C, readout, gate, keep/commit).
 """
@@ -19,7 +19,8 @@ from tiny_dflash import MASK_ID, TARGET, build_target, make_drafter
 pytest.importorskip("dflash.model", reason="the reference oracle: pip install --no-deps dflash==0.1.0")
 
 from verispec.seams import Segment  # noqa: E402
-from verispec.testing import run_greedy, run_greedy_requests  # noqa: E402
+from verispec.testing import (assert_second_turn_streams_plain, assert_staggered_streams_plain,  # noqa: E402
+                              make_copy_model, run_greedy)
 from verispec.testing.fixture_writer import byte_level_vocab  # noqa: E402
 from verispec_dflash.gguf_writer import write_dflash_gguf  # noqa: E402
 from verispec_dflash.loader import load  # noqa: E402
@@ -48,26 +49,8 @@ def _hf_target(family, *, copy=False):
 
         model = make_hf_gemma3()
     if copy:
-        _make_constant(model)
+        make_copy_model(model, COPY_TOKEN)
     return model
-
-
-def _make_constant(model):
-    """Zero every sublayer's output projection; embedding rows e0 + small noise, token COPY_TOKEN's 3·e0."""
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.zero_()
-        emb = model.model.embed_tokens.weight
-        e0 = torch.randn(emb.shape[1], generator=g)
-        emb.copy_(e0 + 0.01 * torch.randn(emb.shape, generator=g))
-        emb[COPY_TOKEN] = 3 * e0
-        if getattr(model.config, "tie_word_embeddings", False) is False:
-            model.lm_head.weight.copy_(0.01 * torch.randn(model.lm_head.weight.shape, generator=g))
-            model.lm_head.weight[COPY_TOKEN] = e0 / e0.norm()
-        if hasattr(model.model, "norm"):
-            model.model.norm.weight.fill_(1.0 if "Llama" in type(model).__name__ else 0.0)  # gemma stores w, runs 1+w
 
 
 def _write_trunk(family, model, path):
@@ -144,16 +127,9 @@ def test_random_drafter_streams_equal_plain_greedy(pair, family, dtype):
     _, trunk_path, _, drafter_path = pair(family)
     trunk = _load_trunk(family, trunk_path, dtype)
     head = load(drafter_path, trunk)
-    limits = (48, 24, 12)
-    want = [run_greedy(trunk, list(p), n)[0] for p, n in zip(PROMPTS, limits)]
     speculator = BlockSpeculator(head, max_draft_tokens=5, min_draft_prob=0.0)
     # staggered: solo speculative steps, batched steps (the head sees batched decode rows), solo again
-    runs = run_greedy_requests(trunk, [list(p) for p in PROMPTS], limits, speculator, submit_at=(0, 6, 9),
-                               max_draft_tokens=5)
-    assert [tokens for tokens, _ in runs] == want
-    stats = [ex.stats for _, ex in runs]
-    assert sum(s.num_draft_tokens for s in stats) > 20
-    assert sum(s.num_accepted_tokens for s in stats) < sum(s.num_draft_tokens for s in stats)  # rollbacks ran
+    assert_staggered_streams_plain(trunk, speculator, PROMPTS, (48, 24, 12), submit_at=(0, 6, 9), max_draft_tokens=5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -190,15 +166,8 @@ def test_second_turn_after_prefix_reuse_streams_plain_greedy(pair):
     it drafts from the next committed rows on, and the stream stays the plain one."""
     _, trunk_path, _, drafter_path = pair("llama")
     trunk = _load_trunk("llama", trunk_path)
-    head = load(drafter_path, trunk)
-    first = list(PROMPTS[0])
-    second = first + run_greedy(trunk, first, 10)[0] + [4, 9, 2]
-    want = run_greedy(trunk, second, 24)[0]
-    speculator = BlockSpeculator(head, max_draft_tokens=4, min_draft_prob=0.0)
-    runs = run_greedy_requests(trunk, [first, second], [10, 24], speculator, max_running=1, max_draft_tokens=4)
-    assert runs[1][1].seq == runs[0][1].seq  # turn 2 took turn 1's sequence over: a reused prefix
-    assert runs[1][0] == want
-    assert runs[1][1].stats.num_draft_tokens > 0
+    speculator = BlockSpeculator(load(drafter_path, trunk), max_draft_tokens=4, min_draft_prob=0.0)
+    assert_second_turn_streams_plain(trunk, speculator, PROMPTS[0], max_draft_tokens=4)
 
 
 def test_taps_through_fused_decoder_layers(tmp_path):

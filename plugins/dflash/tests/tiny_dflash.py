@@ -38,18 +38,11 @@ def build_target(seed: int = 0, **overrides):
     (tiny_llama's recipe)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from tiny_llama import redraw_unit_gain
+
     config = AutoConfig.for_model("llama", **{**TARGET, **overrides})
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("embed_tokens.weight") or name == "lm_head.weight":
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-    return model
+    return redraw_unit_gain(model, seed)
 
 
 def make_drafter(variant: str = "d1_noncausal", *, seed: int = 0, hf_taps=(0, 2), num_layers: int = 2,

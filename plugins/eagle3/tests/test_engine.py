@@ -5,7 +5,7 @@ prefix; the speculator conformance suite on the trunk.
 
 The perfect pair: a trunk whose layers write nothing to the residual (attention and FFN output
 projections zero) and whose embedding rows share one direction e0 (token COPY's row 3·e0), so its
-greedy continuation is COPY forever; the head's fc passes the first tap through, its attention and
+greedy continuation is COPY forever (verispec.testing.make_copy_model); the head's fc passes the first tap through, its attention and
 FFN outputs are zero, so its pre-norm row is that tap (≈ e0) at every step, and its LM head's row
 for COPY is e0/|e0|: it drafts COPY with confidence ≈ 1. Degenerate weights, but every pass of the
 real code runs (taps, fc, the layer, the KV, keep/commit, d2t, the gate).
@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_eagle3 import TAPS, build_target, head_tensors, write_head
-from verispec.testing import SpeculatorConformance, run_greedy, run_greedy_requests
+from verispec.testing import (SpeculatorConformance, assert_second_turn_streams_plain, assert_staggered_streams_plain,
+                              make_copy_model, run_greedy)
 from verispec_eagle3.loader import load
 from verispec_eagle3.speculator import Eagle3Speculator
 
@@ -37,17 +38,7 @@ def copy_pair(tmp_path_factory):
 
     hf = build_target()
     g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.zero_()
-        emb = hf.model.embed_tokens.weight
-        e0 = torch.randn(emb.shape[1], generator=g)
-        emb.copy_(e0 + 0.01 * torch.randn(emb.shape, generator=g))
-        emb[COPY_TOKEN] = 3 * e0
-        hf.lm_head.weight.copy_(0.01 * torch.randn(hf.lm_head.weight.shape, generator=g))
-        hf.lm_head.weight[COPY_TOKEN] = e0 / e0.norm()
-        hf.model.norm.weight.fill_(1.0)
+    e0 = make_copy_model(hf, COPY_TOKEN, generator=g)  # g goes on to draw the head's LM head noise
     directory = tmp_path_factory.mktemp("copy")
     trunk_path = write_fixture(hf, directory / "trunk.gguf")
     tensors, d2t = head_tensors(seed=5)
@@ -76,16 +67,9 @@ def test_random_head_streams_equal_plain_greedy(target, random_head, dtype):
     head = load(random_head, trunk)
     linear = {"float32": Float32Linear, "int8": Int8Linear, "gguf": Int8Linear}[dtype]  # gguf: float-read -> int8
     assert all(type(m) is linear for m in (head.layer.fc, head.layer.q_proj, head.layer.lm_head))
-    limits = (48, 24, 12)
-    want = [run_greedy(trunk, list(p), n)[0] for p, n in zip(PROMPTS, limits)]
     speculator = Eagle3Speculator(head, max_draft_tokens=5, min_draft_prob=0.0)
     # staggered: solo speculative steps, batched steps (the head sees batched decode rows), solo again
-    runs = run_greedy_requests(trunk, [list(p) for p in PROMPTS], limits, speculator, submit_at=(0, 6, 9),
-                               max_draft_tokens=5)
-    assert [tokens for tokens, _ in runs] == want
-    stats = [ex.stats for _, ex in runs]
-    assert sum(s.num_draft_tokens for s in stats) > 20
-    assert sum(s.num_accepted_tokens for s in stats) < sum(s.num_draft_tokens for s in stats)  # rollbacks ran
+    assert_staggered_streams_plain(trunk, speculator, PROMPTS, (48, 24, 12), submit_at=(0, 6, 9), max_draft_tokens=5)
 
 
 def test_qwen2_trunk_serves_the_taps_and_streams_stay_plain(tmp_path, random_head):
@@ -147,15 +131,8 @@ def test_second_turn_after_prefix_reuse_streams_plain_greedy(target, random_head
     """can_arm_after_prefix_reuse: the reused rows reach the head without taps (holes in its KV); it
     drafts from the next committed rows on, and the stream stays the plain one."""
     trunk = _load_trunk(target[1])
-    head = load(random_head, trunk)
-    first = list(PROMPTS[0])
-    second = first + run_greedy(trunk, first, 10)[0] + [4, 9, 2]
-    want = run_greedy(trunk, second, 24)[0]
-    speculator = Eagle3Speculator(head, max_draft_tokens=4, min_draft_prob=0.0)
-    runs = run_greedy_requests(trunk, [first, second], [10, 24], speculator, max_running=1, max_draft_tokens=4)
-    assert runs[1][1].seq == runs[0][1].seq  # turn 2 took turn 1's sequence over: a reused prefix
-    assert runs[1][0] == want
-    assert runs[1][1].stats.num_draft_tokens > 0
+    speculator = Eagle3Speculator(load(random_head, trunk), max_draft_tokens=4, min_draft_prob=0.0)
+    assert_second_turn_streams_plain(trunk, speculator, PROMPTS[0], max_draft_tokens=4)
 
 
 def test_drafts_stop_at_the_window_and_under_the_gate(copy_pair):

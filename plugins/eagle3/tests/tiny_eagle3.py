@@ -32,20 +32,11 @@ def build_target(seed: int = 0, arch: str = "llama", **overrides):
     carry biases), fp32, unit-gain weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from tiny_llama import redraw_unit_gain
+
     config = AutoConfig.for_model(arch, **{**TARGET, **overrides})
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith(".bias"):
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-            elif name.endswith("embed_tokens.weight") or name == "lm_head.weight":
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-    return model
+    return redraw_unit_gain(model, seed)
 
 
 def head_tensors(seed: int = 0, *, hidden: int = 48, target_hidden: int = 48, intermediate: int = 29,

@@ -4,7 +4,7 @@ head drafts on a second turn that reuses the first turn's sequence and again aft
 interlude (1 -> N -> 1), since it holds nothing the trunk does not."""
 import pytest
 import torch
-from verispec.testing import run_greedy, run_greedy_requests
+from verispec.testing import assert_second_turn_streams_plain, run_greedy, run_greedy_requests
 from verispec_gemma4.loader import load as load_trunk
 from verispec_gemma4_assistant.loader import load
 from verispec_gemma4_assistant.speculator import AssistantSpeculator
@@ -62,15 +62,9 @@ def test_drafts_on_the_second_turn_after_prefix_reuse(pair_files):
     _, _, trunk_path, assistant_path = pair_files("dense_31b_style")
     trunk = _trunk(trunk_path)
     head = load(assistant_path, trunk, use_cache=False)
-    first = PROMPT
-    second = first + run_greedy(trunk, first, 10)[0] + [4, 9, 2]  # turn 1's answer, then turn 2's text
-    want = run_greedy(trunk, second, 24)[0]
     events = []
     speculator = Recording(head, events, max_draft_tokens=3, min_draft_prob=0.0)
-    runs = run_greedy_requests(trunk, [first, second], [10, 24], speculator, max_running=1, max_draft_tokens=3)
-    assert runs[1][1].seq == runs[0][1].seq  # turn 2 took turn 1's sequence over: a reused prefix
-    assert runs[1][0] == want
-    assert runs[1][1].stats.num_draft_tokens > 0
+    second = assert_second_turn_streams_plain(trunk, speculator, PROMPT, max_draft_tokens=3)
     assert any(n and pos >= len(second) for _, pos, n in events)
 
 

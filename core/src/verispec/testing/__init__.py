@@ -6,6 +6,11 @@
 - `NextNHeadSuite` (with `NextNCase`, `NextNTraining`): a NextN / MTP draft head's suite (see `nextn_suite`).
 - `ToyTrunk`, `MarkovTrunk`, `ScriptedSpeculator`, `oracle_speculator`: toy trunks and drafters (see `toy`;
   `toy_plugin`: a whole toy plugin, trunk family, BLOCK head from its own drafter file, block speculator).
+- `run_greedy`, `run_greedy_requests`: greedy streams through the engine's scheduler;
+  `assert_staggered_streams_plain` (a mostly wrong drafter, requests arriving apart) and
+  `assert_second_turn_streams_plain` (a drafter over a reused prefix) on them (see `conformance`).
+- `make_copy_model`: a transformers model rebuilt to continue one token forever, the trunk of a
+  perfect-drafter test (see `copy_model`).
 - `fixture_writer`: writes tiny GGUF fixtures with llama.cpp's key and tensor names.
 - `our_perplexity`, `llama_cpp_perplexity`: llama-perplexity's score, ours and llama.cpp's, and
   `run_llama_cpp`, any llama.cpp tool's output for a cross-check (see `perplexity`).
@@ -25,6 +30,8 @@ _EXPORTS = {
     "assert_plugin_loads": "verispec.testing.registration",
     "run_greedy": "verispec.testing.conformance",
     "run_greedy_requests": "verispec.testing.conformance",
+    "assert_second_turn_streams_plain": "verispec.testing.conformance",
+    "assert_staggered_streams_plain": "verispec.testing.conformance",
     "forward_one": "verispec.testing.conformance",
     "plain_logits": "verispec.testing.conformance",
     "teacher_forced_logits": "verispec.testing.conformance",
@@ -32,6 +39,7 @@ _EXPORTS = {
     "NextNHeadSuite": "verispec.testing.nextn_suite",
     "NextNCase": "verispec.testing.nextn_suite",
     "NextNTraining": "verispec.testing.nextn_suite",
+    "make_copy_model": "verispec.testing.copy_model",
     "ToyTrunk": "verispec.testing.toy",
     "MarkovTrunk": "verispec.testing.toy",
     "ScriptedSpeculator": "verispec.testing.toy",

@@ -31,7 +31,9 @@ window ends the step there; (j) requests arriving beside a speculating one, and 
 leave, each give their solo plain stream.
 
 The loops run the engine's path: each greedy stream is a request of a `Scheduler` over the
-trunk (`run_greedy`, `run_greedy_requests`), speculating as under `--spec-adaptive off`.
+trunk (`run_greedy`, `run_greedy_requests`), speculating as under `--spec-adaptive off`;
+`assert_staggered_streams_plain` runs a mostly wrong drafter through requests arriving apart, and
+`assert_second_turn_streams_plain` a drafter over a chat's second turn on a reused prefix.
 The speculator suite checks a drafter's stream, its window and stop tokens, one speculator
 serving requests in turn (each drafts what it drafts alone), and requests beside each other.
 """
@@ -111,6 +113,39 @@ def run_greedy(trunk, prompt, max_tokens, speculator=None, *, stop_at=None,
     (see `run_greedy_requests`); returns (tokens, its SpeculativeExecution)."""
     return run_greedy_requests(trunk, [prompt], max_tokens, speculator, stop_at=stop_at,
                                max_draft_tokens=max_draft_tokens)[0]
+
+
+def assert_staggered_streams_plain(trunk, speculator, prompts, max_tokens, *, submit_at, max_draft_tokens: int,
+                                   min_draft_tokens: int = 20) -> list:
+    """A drafter that is mostly wrong (a random head) through requests arriving at the steps of
+    `submit_at` (a request drafting alone, then beside others in batched forwards, then alone again):
+    every stream equals its plain greedy one, more than `min_draft_tokens` drafts were made in all,
+    and some were rejected (rollbacks ran). Returns the runs, as run_greedy_requests does."""
+    limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    want = [run_greedy(trunk, list(p), n)[0] for p, n in zip(prompts, limits)]
+    runs = run_greedy_requests(trunk, [list(p) for p in prompts], limits, speculator, submit_at=submit_at,
+                               max_draft_tokens=max_draft_tokens)
+    assert [tokens for tokens, _ in runs] == want
+    stats = [ex.stats for _, ex in runs]
+    assert sum(s.num_draft_tokens for s in stats) > min_draft_tokens
+    assert sum(s.num_accepted_tokens for s in stats) < sum(s.num_draft_tokens for s in stats), "no draft rejected"
+    return runs
+
+
+def assert_second_turn_streams_plain(trunk, speculator, prompt, *, max_draft_tokens: int) -> list[int]:
+    """A chat's second turn over a reused prefix: request 1 decodes 10 tokens of `prompt`; request 2,
+    submitted after it, is `prompt` + those 10 + three more ids and decodes 24. Asserts that request 2
+    took request 1's idle sequence over (the reused prefix: the speculator gets no commit for it),
+    streamed the plain greedy tokens, and drafted. Returns request 2's prompt."""
+    first = list(prompt)
+    second = first + run_greedy(trunk, first, 10)[0] + [4, 9, 2]  # turn 1's answer, then turn 2's text
+    want = run_greedy(trunk, second, 24)[0]
+    runs = run_greedy_requests(trunk, [first, second], [10, 24], speculator, max_running=1,
+                               max_draft_tokens=max_draft_tokens)
+    assert runs[1][1].seq == runs[0][1].seq, "turn 2 did not take turn 1's sequence over: no reused prefix"
+    assert runs[1][0] == want
+    assert runs[1][1].stats.num_draft_tokens > 0, "the speculator never drafted on the second turn"
+    return second
 
 
 def forward_one(trunk, seq, tokens, *, logits="all", hidden=False, tap_layers=None, verify=False):

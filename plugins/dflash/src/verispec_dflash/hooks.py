@@ -6,7 +6,7 @@ drafting with a BLOCK head; `auto` picks it when --draft-model names a `dflash` 
 
 `SPEC` is the one place the speculator's declarations live; `BlockSpeculator` reads them from it.
 """
-from verispec.hookspecs import hookimpl
+from verispec.hookspecs import hookimpl, registers
 from verispec.specs import CheckpointSpec, DraftFileSpec, SpeculatorSpec
 
 #: the trained drafter shipped as package data (scripts/train_drafter.py writes it): alias, file, sha256, bytes.
@@ -31,20 +31,15 @@ SPEC = SpeculatorSpec(
     priority=30,
 )
 
+DRAFT_FILE = DraftFileSpec(
+    name="dflash",
+    summary="DFlash / DFlash2 block drafter GGUF (llama.cpp mainline schema), bound to its target like a LoRA",
+    architectures=ARCHITECTURES,
+    loader="verispec_dflash.loader:load",
+)
 
-@hookimpl
-def register_speculators(register):
-    register(SPEC)
-
-
-@hookimpl
-def register_draft_files(register):
-    register(DraftFileSpec(
-        name="dflash",
-        summary="DFlash / DFlash2 block drafter GGUF (llama.cpp mainline schema), bound to its target like a LoRA",
-        architectures=ARCHITECTURES,
-        loader="verispec_dflash.loader:load",
-    ))
+register_speculators = registers(SPEC)
+register_draft_files = registers(DRAFT_FILE)
 
 
 @hookimpl

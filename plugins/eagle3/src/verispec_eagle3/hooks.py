@@ -2,7 +2,7 @@
 
 `SPEC` is the one place the speculator's declarations live; `Eagle3Speculator` reads them from it.
 """
-from verispec.hookspecs import hookimpl
+from verispec.hookspecs import registers
 from verispec.specs import DraftFileSpec, SpeculatorSpec
 
 #: GGUF general.architecture of an EAGLE-3 head (llama.cpp's `LLM_ARCH_EAGLE3`).
@@ -27,18 +27,13 @@ SPEC = SpeculatorSpec(
     priority=22,
 )
 
+DRAFT_FILE = DraftFileSpec(
+    name="eagle3",
+    summary="EAGLE-3 head GGUF (llama.cpp's eagle3: fc over three trunk taps, one decoder layer, d2t draft "
+            "vocabulary), bound to its target like a LoRA",
+    architectures=ARCHITECTURES,
+    loader="verispec_eagle3.loader:load",
+)
 
-@hookimpl
-def register_speculators(register):
-    register(SPEC)
-
-
-@hookimpl
-def register_draft_files(register):
-    register(DraftFileSpec(
-        name="eagle3",
-        summary="EAGLE-3 head GGUF (llama.cpp's eagle3: fc over three trunk taps, one decoder layer, d2t draft "
-                "vocabulary), bound to its target like a LoRA",
-        architectures=ARCHITECTURES,
-        loader="verispec_eagle3.loader:load",
-    ))
+register_speculators = registers(SPEC)
+register_draft_files = registers(DRAFT_FILE)

@@ -2,7 +2,7 @@
 
 `SPEC` is the one place the speculator's declarations live; `AssistantSpeculator` reads them from it.
 """
-from verispec.hookspecs import hookimpl
+from verispec.hookspecs import registers
 from verispec.specs import DraftFileSpec, SpeculatorSpec
 
 #: GGUF general.architecture values: llama.cpp's spelling first, then the forks'.
@@ -22,18 +22,13 @@ SPEC = SpeculatorSpec(
     priority=21,
 )
 
+DRAFT_FILE = DraftFileSpec(
+    name="gemma4-assistant",
+    summary="Gemma 4 assistant (MTP drafter) GGUF: Q-only layers over the trunk's KV, paired with its Gemma 4 model",
+    architectures=ARCHITECTURES,
+    loader="verispec_gemma4_assistant.loader:load",
+    trunks=("gemma4",),
+)
 
-@hookimpl
-def register_speculators(register):
-    register(SPEC)
-
-
-@hookimpl
-def register_draft_files(register):
-    register(DraftFileSpec(
-        name="gemma4-assistant",
-        summary="Gemma 4 assistant (MTP drafter) GGUF: Q-only layers over the trunk's KV, paired with its Gemma 4 model",
-        architectures=ARCHITECTURES,
-        loader="verispec_gemma4_assistant.loader:load",
-        trunks=("gemma4",),
-    ))
+register_speculators = registers(SPEC)
+register_draft_files = registers(DRAFT_FILE)

@@ -2,7 +2,7 @@
 
 `SPEC` is the one place the speculator's declarations live; `NGramSpeculator` reads them from it.
 """
-from verispec.hookspecs import hookimpl
+from verispec.hookspecs import registers
 from verispec.specs import SpeculatorSpec
 
 SPEC = SpeculatorSpec(
@@ -16,7 +16,4 @@ SPEC = SpeculatorSpec(
     priority=10,
 )
 
-
-@hookimpl
-def register_speculators(register):
-    register(SPEC)
+register_speculators = registers(SPEC)
