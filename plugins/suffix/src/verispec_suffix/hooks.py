@@ -2,7 +2,7 @@
 
 `SPEC` is the one place the speculator's declarations live; `SuffixSpeculator` reads them from it.
 """
-from verispec.hookspecs import hookimpl
+from verispec.hookspecs import registers
 from verispec.specs import SpeculatorSpec
 
 SPEC = SpeculatorSpec(
@@ -21,6 +21,4 @@ SPEC = SpeculatorSpec(
 )
 
 
-@hookimpl
-def register_speculators(register):
-    register(SPEC)
+register_speculators = registers(SPEC)
