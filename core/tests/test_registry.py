@@ -540,7 +540,7 @@ def test_plugin_rows_and_table():
     assert by_kind["speculator"] == {
         "distribution": None, "version": None, "plugin": "m", "kind": "speculator", "name": "lookup",
         "summary": "toy lookup", "requires_draft_head": False, "can_arm_after_prefix_reuse": True,
-        "needs_hidden_state": False, "default_min_draft_prob": 0.0, "priority": 3, "decline": None}
+        "needs_hidden_state": False, "scores_drafts": False, "default_min_draft_prob": 0.0, "priority": 3, "decline": None}
     assert by_kind["trunk"]["architectures"] == ["gemma3"]
     assert (by_kind["checkpoint"]["pip_install"], by_kind["checkpoint"]["is_default"],
             by_kind["checkpoint"]["size_bytes"]) == ("tiny-gguf", True, 1234)
@@ -615,8 +615,8 @@ def test_discover_lists_plugins_without_importing_torch(tmp_path):
     assert rows["toygood"] == {
         "distribution": "toy-good", "version": "1.2.3", "plugin": "toygood", "kind": "speculator",
         "name": "toy-lookup", "summary": "toy lookup", "requires_draft_head": True,
-        "can_arm_after_prefix_reuse": True, "needs_hidden_state": False, "default_min_draft_prob": 0.25,
-        "priority": 7, "decline": None}
+        "can_arm_after_prefix_reuse": True, "needs_hidden_state": False, "scores_drafts": False,
+        "default_min_draft_prob": 0.25, "priority": 7, "decline": None}
     broken = rows["toybroken"]
     assert (broken["kind"], broken["distribution"], broken["version"]) == ("error", "toy-broken", "0.0.1")
     assert "needs libtoy 2.0" in broken["error"]

@@ -42,7 +42,7 @@ SPEC_TYPE_GROUPS: tuple[str, ...] = ("auto", "draft-head", "block")
 #: declarations listed by `verispec plugins`, per kind.
 _DECLARATIONS: dict[str, tuple[str, ...]] = {
     "speculator": ("requires_draft_head", "can_arm_after_prefix_reuse", "needs_hidden_state",
-                   "default_min_draft_prob", "priority", "decline"),
+                   "scores_drafts", "default_min_draft_prob", "priority", "decline"),
     "trunk": ("architectures",),
     "draft_file": ("architectures", "speculators"),
     "checkpoint": ("pip_install", "is_default", "size_bytes"),
