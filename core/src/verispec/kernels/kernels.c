@@ -222,7 +222,9 @@ typedef struct {
 } job;
 
 /* Units of up to ROWS_PER_UNIT rows of one sequence, flattened over sequences; job `task` of
- * `tasks` takes every tasks-th unit from its own index. */
+ * `tasks` takes every tasks-th unit from its own index. A sequence of n rows is cut into units of
+ * min(ROWS_PER_UNIT, ceil(n / tasks)) rows, so a verify's few rows are shared between the threads
+ * (9 rows on 2 threads: 5 + 4, not 8 + 1); a row's arithmetic is the same in any unit. */
 static void run_job(void *arg, int64_t task, int64_t tasks) {
     job *jb = (job *)arg + task;
     const int64_t T16 = (jb->max_slots + 15) & ~(int64_t)15, group = jb->H / jb->Hkv;
@@ -237,9 +239,10 @@ static void run_job(void *arg, int64_t task, int64_t tasks) {
     for (int64_t i = 0; i < jb->num_seqs; i++) {
         const int64_t *dsc = jb->desc + i * DESC_FIELDS;
         const int64_t *slot_pos = (const int64_t *)(intptr_t)dsc[SLOT_POS];
-        for (int64_t r0 = 0; r0 < dsc[N_ROWS]; r0 += R, index++) {
+        const int64_t share = (dsc[N_ROWS] + tasks - 1) / tasks, unit = share < R ? share : R;
+        for (int64_t r0 = 0; r0 < dsc[N_ROWS]; r0 += unit, index++) {
             if (index % tasks != task) continue;
-            const int64_t n = dsc[N_ROWS] - r0 < R ? dsc[N_ROWS] - r0 : R;
+            const int64_t n = dsc[N_ROWS] - r0 < unit ? dsc[N_ROWS] - r0 : unit;
             for (int64_t r = 0; r < n; r++) {
                 const int64_t p = dsc[START_POS] + r0 + r;
                 T[r] = dsc[NUM_SLOTS];
