@@ -68,58 +68,77 @@ static void pv(const float *e, const float *v, int64_t len, int64_t D, float *o,
     }
 }
 
+/* The machine's own vectors (vn, VN_LANES floats) and how many of them each head keeps in flight
+ * across a pass of scores_heads (slots) or pv_heads (columns): 4 of 16 lanes where there are 32
+ * registers of 512 bits (AVX-512), 2 of 8 elsewhere (AVX2's 16 registers of 256 bits: v16 arrays of
+ * 4 heads x 64 lanes spilled through memory on every step, and GCC keeps only native-width vector
+ * arrays in registers). Lanes are independent elements, so the width changes no result. */
+#if defined(__AVX512F__)
+typedef float vn __attribute__((vector_size(64)));
+#define VN_LANES 16
+#define PASS_VECTORS 4
+#else
+typedef float vn __attribute__((vector_size(32)));
+#define VN_LANES 8
+#define PASS_VECTORS 2
+#endif
+#define PASS_LANES (VN_LANES * PASS_VECTORS)
+static inline vn loadn(const float *x) { vn r; memcpy(&r, x, sizeof r); return r; }
+static inline void storen(float *x, vn r) { memcpy(x, &r, sizeof r); }
+static inline vn splatn(float x) { return (vn){0} + x; }
+
 /* The same two loops for G <= 4 query heads of one row at once (the heads of one KV head share
  * each K and V load; per head the arithmetic is scores' and pv's, in the same order). */
 static inline __attribute__((always_inline)) void scores_heads(const float *q, int64_t G, const float *k,
                                                                int64_t stride, int64_t len, int64_t D,
                                                                float scaling, float *s, int64_t ld) {
     int64_t l = 0;
-    for (; l + 64 <= len; l += 64) {
-        v16 a[4][4];
+    for (; l + PASS_LANES <= len; l += PASS_LANES) {
+        vn a[4][PASS_VECTORS];
         for (int64_t h = 0; h < G; h++)
-            for (int i = 0; i < 4; i++) a[h][i] = splat(0.0f);
+            for (int i = 0; i < PASS_VECTORS; i++) a[h][i] = splatn(0.0f);
         for (int64_t d = 0; d < D; d++) {
             const float *kd = k + d * stride + l;
-            const v16 k0 = load16(kd), k1 = load16(kd + 16), k2 = load16(kd + 32), k3 = load16(kd + 48);
+            vn kv[PASS_VECTORS];
+            for (int i = 0; i < PASS_VECTORS; i++) kv[i] = loadn(kd + VN_LANES * i);
             for (int64_t h = 0; h < G; h++) {
-                const v16 qd = splat(q[h * D + d]);
-                a[h][0] = a[h][0] + qd * k0, a[h][1] = a[h][1] + qd * k1;
-                a[h][2] = a[h][2] + qd * k2, a[h][3] = a[h][3] + qd * k3;
+                const vn qd = splatn(q[h * D + d]);
+                for (int i = 0; i < PASS_VECTORS; i++) a[h][i] = a[h][i] + qd * kv[i];
             }
         }
         for (int64_t h = 0; h < G; h++)
-            for (int i = 0; i < 4; i++) store16(s + h * ld + l + 16 * i, a[h][i] * splat(scaling));
+            for (int i = 0; i < PASS_VECTORS; i++) storen(s + h * ld + l + VN_LANES * i, a[h][i] * splatn(scaling));
     }
     if (l < len)
         for (int64_t h = 0; h < G; h++) scores(q + h * D, k + l, stride, len - l, D, scaling, s + h * ld + l);
 }
 
 /* o[h][d] += e[h][t] v[t][d], den[h] += e[h][t] for G <= 4 heads whose masked slots (e = 0)
- * coincide (one row's heads), D % 64 == 0: D in runs of 64 columns, den with the first. */
+ * coincide (one row's heads), D % 64 == 0: D in runs of PASS_LANES columns, den with the first. */
 static inline __attribute__((always_inline)) void pv_heads(const float *e, int64_t ld, int64_t G, const float *v,
                                                            int64_t len, int64_t D, float *o, float *den) {
-    for (int64_t c = 0; c < D; c += 64) {
-        v16 a[4][4];
+    for (int64_t c = 0; c < D; c += PASS_LANES) {
+        vn a[4][PASS_VECTORS];
         float dn[4];
         for (int64_t h = 0; h < G; h++) {
             dn[h] = den[h];
-            for (int i = 0; i < 4; i++) a[h][i] = load16(o + h * D + c + 16 * i);
+            for (int i = 0; i < PASS_VECTORS; i++) a[h][i] = loadn(o + h * D + c + VN_LANES * i);
         }
         for (int64_t t = 0; t < len; t++) {
             if (e[t] == 0.0f) continue; /* masked for every head of the row */
             const float *vt = v + t * D + c;
-            const v16 v0 = load16(vt), v1 = load16(vt + 16), v2 = load16(vt + 32), v3 = load16(vt + 48);
+            vn vv[PASS_VECTORS];
+            for (int i = 0; i < PASS_VECTORS; i++) vv[i] = loadn(vt + VN_LANES * i);
             for (int64_t h = 0; h < G; h++) {
                 const float eh = e[h * ld + t];
-                const v16 et = splat(eh);
+                const vn et = splatn(eh);
                 if (c == 0) dn[h] = dn[h] + eh;
-                a[h][0] = a[h][0] + et * v0, a[h][1] = a[h][1] + et * v1;
-                a[h][2] = a[h][2] + et * v2, a[h][3] = a[h][3] + et * v3;
+                for (int i = 0; i < PASS_VECTORS; i++) a[h][i] = a[h][i] + et * vv[i];
             }
         }
         for (int64_t h = 0; h < G; h++) {
             den[h] = dn[h];
-            for (int i = 0; i < 4; i++) store16(o + h * D + c + 16 * i, a[h][i]);
+            for (int i = 0; i < PASS_VECTORS; i++) storen(o + h * D + c + VN_LANES * i, a[h][i]);
         }
     }
 }
