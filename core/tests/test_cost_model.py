@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from verispec.cost_model import (
     CALIBRATION_EDGES,
     COLD_PROPOSE_CALLS,
+    PROBE_MAX_DRAFTS,
     PLAN_MARGIN,
     OPTIMISTIC_ALPHA,
     PRIOR_ACCEPT_RATE,
@@ -324,8 +325,10 @@ def test_calibration_measures_each_probability_bin_apart():
     for _ in range(40):
         cal.record([0.6, 0.6], 2)
     assert cal.alpha(0.6) > 0.9
-    assert cal.survivals([0.6, 0.99]) == pytest.approx([cal.alpha(0.6), cal.alpha(0.6) * cal.alpha(0.99)])
+    assert cal.survivals([0.6, 0.99, 0.99]) == pytest.approx(
+        [cal.alpha(0.6), cal.alpha(0.6) * cal.alpha(0.99), cal.alpha(0.6) * cal.alpha(0.99) ** 2])
     assert cal.survivals([]) == []
+    assert len(cal.survivals([0.6, 0.99, 0.4, 0.4])) == PROBE_MAX_DRAFTS  # the 0.4 bin is unmeasured: probed cheaply
     with pytest.raises(ValueError, match="accepted"):
         cal.record([0.5], 2)
 

@@ -188,13 +188,16 @@ class Calibration:
     the measured acceptance of drafts in that bin, passed / judged, a draft judged as in
     `Acceptance.record` (the drafts up to the first rejection). Both sums decay by DRAFTER_DECAY
     per judged draft of their bin and start from PRIOR_JUDGED drafts at the bin's middle p (the
-    drafter is believed until measured: optimism under uncertainty, as `Acceptance`'s)."""
+    drafter is believed until measured: optimism under uncertainty, as `Acceptance`'s). As with
+    `Acceptance`, the belief is tried cheaply: while a bin has fewer than MIN_OWN_JUDGED judged
+    drafts of its own, a proposal reaching it offers the plan at most PROBE_MAX_DRAFTS drafts."""
 
     def __init__(self) -> None:
         lows = (0.0, *CALIBRATION_EDGES)
         highs = (*CALIBRATION_EDGES, 1.0)
         self._passed = [PRIOR_JUDGED * (lo + hi) / 2 for lo, hi in zip(lows, highs)]
         self._judged = [PRIOR_JUDGED] * len(self._passed)
+        self._own = [0] * len(self._passed)  # judged drafts per bin, undecayed
 
     @staticmethod
     def _bin(p: float) -> int:
@@ -206,7 +209,10 @@ class Calibration:
         return self._passed[b] / self._judged[b]
 
     def survivals(self, probs: list[float]) -> list[float]:
-        """[s_1 .. s_k]: s_j = alpha(p_1) · … · alpha(p_j), the chance that drafts 1..j all pass."""
+        """[s_1 .. s_k]: s_j = alpha(p_1) · … · alpha(p_j), the chance that drafts 1..j all pass;
+        only the first PROBE_MAX_DRAFTS while a bin among the probs is unmeasured (class docstring)."""
+        if any(self._own[self._bin(p)] < MIN_OWN_JUDGED for p in probs):
+            probs = probs[:PROBE_MAX_DRAFTS]
         return list(itertools.accumulate((self.alpha(p) for p in probs), lambda a, b: a * b))
 
     def record(self, probs: list[float], num_accepted: int) -> None:
@@ -217,6 +223,7 @@ class Calibration:
             b = self._bin(p)
             self._passed[b] = DRAFTER_DECAY * self._passed[b] + (j < num_accepted)
             self._judged[b] = DRAFTER_DECAY * self._judged[b] + 1
+            self._own[b] += 1
 
     def summary(self) -> dict:
         """Measured acceptance by bin, keyed by the bin's upper edge."""
