@@ -268,6 +268,8 @@ class SpeculativeExecution:
         proposed = None if ctx is None else self._plugin_call("propose", self.speculator.propose, self._state, ctx)
         self.end_draft(proposed, self.clock() - started)
         self._step.ahead = True
+        if not self.cost_model.adaptive:  # forced drafting (--spec-adaptive off): the whole proposal
+            return [1.0] * len(self._step.probs)
         return self.cost_model.calibration.survivals(self._step.probs)
 
     def step(self, sampler, on_token: OnToken) -> bool:
