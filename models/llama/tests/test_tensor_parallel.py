@@ -118,24 +118,29 @@ def test_a_killed_rank_gives_a_clear_error_within_the_timeout(tiny_fixture):
         tp.close()
 
 
-def test_a_hung_rank_gives_a_clear_error_once_the_timeout_passes(tiny_fixture):
-    _, path = tiny_fixture("qwen2")
-    timeout = 3.0
-    tp = load_parallel_trunk(load, path, world_size=2, dtype="fp32", threads=1, timeout_s=timeout)
-    (follower,) = tp._group.followers
+def _stopping_a_follower_is_named(tp, follower: int, message: str, timeout: float) -> None:
+    """Stop follower `follower` (alive, sockets open, answering nothing) after one forward: the
+    next forward raises RankLost matching `message` within about one collective `timeout`."""
     try:
         seq = tp.new_sequence()
         forward_one(tp, seq, PROMPT[:6])
-        follower.send_signal(signal.SIGSTOP)  # alive, sockets open, answering nothing
+        tp._group.followers[follower].send_signal(signal.SIGSTOP)
         began = time.monotonic()
-        with pytest.raises(RankLost, match=r"rank 1 \(stopped by a signal\) of 2 tensor-parallel ranks stopped "
-                                           r"answering during forward \(collective timeout 3 s\)"):
+        with pytest.raises(RankLost, match=message):
             forward_one(tp, seq, PROMPT[6:9])
         assert timeout - 0.5 < time.monotonic() - began < timeout + 3.0
     finally:
-        follower.kill()
-        follower.wait()
+        for process in tp._group.followers:
+            process.kill()
+            process.wait()
         tp.close()
+
+
+def test_a_hung_rank_gives_a_clear_error_once_the_timeout_passes(tiny_fixture):
+    _, path = tiny_fixture("qwen2")
+    tp = load_parallel_trunk(load, path, world_size=2, dtype="fp32", threads=1, timeout_s=3.0)
+    _stopping_a_follower_is_named(tp, 0, r"rank 1 \(stopped by a signal\) of 2 tensor-parallel ranks stopped "
+                                         r"answering during forward \(collective timeout 3 s\)", 3.0)
 
 
 def test_a_hung_rank_of_three_is_named_not_the_rank_that_timed_out_waiting_for_it(tmp_path, monkeypatch):
@@ -147,20 +152,6 @@ def test_a_hung_rank_of_three_is_named_not_the_rank_that_timed_out_waiting_for_i
         "vocab_size": 139, "hidden_size": 48, "intermediate_size": 41, "num_hidden_layers": 2,
         "num_attention_heads": 6, "num_key_value_heads": 3, "tie_word_embeddings": False}))
     path = tiny_llama.write_fixture(tiny_llama.build_hf_model("qwen2_tp3"), tmp_path / "tp3.gguf")
-    timeout = 3.0
-    tp = load_parallel_trunk(load, path, world_size=3, dtype="fp32", threads=1, timeout_s=timeout)
-    first, second = tp._group.followers
-    try:
-        seq = tp.new_sequence()
-        forward_one(tp, seq, PROMPT[:6])
-        second.send_signal(signal.SIGSTOP)
-        began = time.monotonic()
-        with pytest.raises(RankLost, match=r"^rank 2 \(stopped by a signal\) of 3 tensor-parallel ranks stopped "
-                                           r"answering during forward \(collective timeout 3 s\)"):
-            forward_one(tp, seq, PROMPT[6:9])
-        assert timeout - 0.5 < time.monotonic() - began < timeout + 3.0
-    finally:
-        for follower in (first, second):
-            follower.kill()
-            follower.wait()
-        tp.close()
+    tp = load_parallel_trunk(load, path, world_size=3, dtype="fp32", threads=1, timeout_s=3.0)
+    _stopping_a_follower_is_named(tp, 1, r"^rank 2 \(stopped by a signal\) of 3 tensor-parallel ranks stopped "
+                                         r"answering during forward \(collective timeout 3 s\)", 3.0)
