@@ -121,6 +121,10 @@ def _metadata_mutants(trunk):
         if (key.startswith(f"{arch}.") and isinstance(value, (list, np.ndarray)) and len(value) == num_layers
                 and not key.endswith("rope.dimension_sections")):
             yield f"{key.removeprefix(arch + '.')} short", {key: value[:-1]}, key.removeprefix(arch + ".")
+    if f"{arch}.attention.sliding_window" in metadata:  # a negative window; Gemma 4's sliding layers need one
+        yield "sliding_window=-1", {f"{arch}.attention.sliding_window": _i32(-1)}, "sliding_window"
+        if arch == "gemma4":
+            yield "sliding_window=0", {f"{arch}.attention.sliding_window": 0}, "sliding_window"
     if f"{arch}.attention.shared_kv_layers" in metadata:  # every layer reads K/V no layer computes
         yield "shared_kv_layers=all", {f"{arch}.attention.shared_kv_layers": num_layers}, "shared_kv_layers"
     rows = trunk.tensors["token_embd.weight"].shape[0]
@@ -358,6 +362,8 @@ ASSISTANT = [("block_count=1e9", {"block_count": 10**9}, {}, "block_count"),
              ("embedding_length_out=1e9", {"embedding_length_out": 10**9}, {}, "embedding_length_out"),
              ("feed_forward_length=1e9", {"feed_forward_length": 10**9}, {}, "feed_forward_length"),
              ("sliding_window=1e9", {"attention.sliding_window": 10**9}, {}, "sliding_window"),
+             ("sliding_window=-1", {"attention.sliding_window": _i32(-1)}, {}, "sliding_window"),
+             ("sliding_window=0", {"attention.sliding_window": 0}, {}, "sliding_window"),
              ("centroid_top_k=1e9", {"centroid_top_k": 10**9}, {}, "top-k"),
              ("rope.freq_base=nan", {"rope.freq_base": float("nan")}, {}, "rope.freq_base"),
              ("rope.freq_base_swa=0", {"rope.freq_base_swa": 0.0}, {}, "rope.freq_base_swa"),

@@ -74,6 +74,9 @@ def check_numbers(gguf: GGUFFile) -> None:
     _check_experts(gguf)
     _check_floats(gguf, count)
     window, context = gguf.arch_key("attention.sliding_window", None), gguf.arch_key("context_length", None)
+    if window is not None and not (_is_int(window) and window >= 0):
+        raise DamagedFile(source, f"{arch}.attention.sliding_window is {window!r}: a window is a non-negative "
+                          "integer (0: none)")
     if _is_int(window) and _is_int(context) and window > context:
         raise DamagedFile(source, f"{arch}.attention.sliding_window is {window}, wider than the "
                           f"{context}-token context_length")

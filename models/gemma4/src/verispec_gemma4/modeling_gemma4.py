@@ -168,7 +168,7 @@ class Gemma4Config:
             intermediate_size=_per_layer(key("feed_forward_length"), num_layers, "feed_forward_length", source),
             head_dim=int(key("attention.key_length_swa", global_head_dim)),
             global_head_dim=global_head_dim,
-            sliding_window=int(key("attention.sliding_window", 512)),
+            sliding_window=_sliding_window(key("attention.sliding_window", 512), source),
             num_kv_shared_layers=num_shared,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(key("rope.freq_base", 1_000_000.0)),
@@ -402,3 +402,14 @@ class Gemma4ForCausalLM(TrunkModule):
             x = layer(x, None if ple is None else ple[:, i], rows, self._cache_of_layer[i], rope, *cos_sin[kind])
         taps[self.num_layers] = x
         return m.norm(x), taps  # [n, D]: the hidden tap (pre-softcap)
+
+
+def _sliding_window(window: int, source: str) -> int:
+    """The sliding layers' window: at least 1 (each of this architecture's sliding layers must see
+    its own position). Raises errors.DamagedFile for 0 (check_numbers refuses negatives)."""
+    if int(window) < 1:
+        from verispec.errors import DamagedFile
+
+        raise DamagedFile(source, f"attention.sliding_window is {window}: this architecture's sliding layers "
+                          "need a window of at least 1")
+    return int(window)

@@ -89,10 +89,21 @@ class AssistantConfig:
             intermediate_size=_per_layer(key("feed_forward_length"), num_layers, "feed_forward_length", source),
             head_dim=int(key("attention.key_length_swa", global_head_dim)),
             global_head_dim=global_head_dim,
-            sliding_window=int(key("attention.sliding_window", 512)),
+            sliding_window=_sliding_window(key("attention.sliding_window", 512), source),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(key("rope.freq_base", 1_000_000.0)),
             rope_local_base_freq=float(key("rope.freq_base_swa", 10_000.0)),
             num_centroids=num_centroids,
             centroid_top_k=top_k if num_centroids else DEFAULT_CENTROID_TOP_K,
         )
+
+
+def _sliding_window(window: int, source: str) -> int:
+    """The sliding layers' window: at least 1 (each of this architecture's sliding layers must see
+    its own position). Raises errors.DamagedFile for 0 (check_numbers refuses negatives)."""
+    if int(window) < 1:
+        from verispec.errors import DamagedFile
+
+        raise DamagedFile(source, f"attention.sliding_window is {window}: this architecture's sliding layers "
+                          "need a window of at least 1")
+    return int(window)
