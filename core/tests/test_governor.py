@@ -8,6 +8,7 @@ import pytest
 
 from verispec.governor import (
     BOOTSTRAP_PLAIN_STEPS,
+    MAX_ZERO_ACCEPT_STEPS,
     MAX_DRAFT_STEPS_PER_TOKEN,
     PARK_TOKENS,
     PROBE_STEPS,
@@ -461,3 +462,21 @@ def test_a_request_resuming_after_a_batched_interlude_is_not_a_new_request():
     assert not gov.should_speculate()
     gov.resume_request(2)
     assert gov.should_speculate()
+
+
+def test_the_park_reason_names_the_rule_that_parked():
+    """Each rule that parks leaves its own line in GovernorStats.park_reason (the request's reason
+    quotes it), not always the cost comparison."""
+    clock = FakeClock()
+    gov = SpeculationCostGovernor(clock=clock)
+    assert gov.stats.park_reason is None
+    for _ in range(BOOTSTRAP_PLAIN_STEPS + 1):
+        gov.record_plain_step(0.010)
+    for _ in range(MAX_ZERO_ACCEPT_STEPS):
+        gov.record_spec_step(0.005, num_emitted=1, num_accepted=0, num_drafted=2)
+    assert gov.stats.state is GovernorState.PARKED
+    assert gov.stats.park_reason == f"rule 4: {MAX_ZERO_ACCEPT_STEPS} speculative steps in a row accepted nothing"
+    for _ in range(PARK_TOKENS[0]):
+        gov.record_plain_step(0.010)
+    gov.record_spec_step(0.050, num_emitted=2, num_accepted=1, num_drafted=1, draft_s=0.040)
+    assert gov.stats.park_reason.startswith("rule 12: propose took 40 ms to draft 1 token")

@@ -134,7 +134,7 @@ def test_measuring_then_parked_by_a_slow_drafter(model_path, registry):
     assert "parked" in probed["text"], probed
     parked = complete(client, max_tokens=8)  # the whole request inside the park
     assert parked["code"] == "parked" and "before the park" not in parked["text"], parked
-    assert "ms/token" in parked["text"] and "more tokens" in parked["text"]
+    assert "rule 12: propose took" in parked["text"] and "more tokens" in parked["text"]  # the rule that parked it
     assert reason_counts(client)["parked"] >= 1
 
 

@@ -140,12 +140,12 @@ class InferenceEngine:
         self.speculator = None
         self.fault = reason
         self.scheduler.set_speculation(None, SpeculationReason("faulted", f"{reason}; switched off for this "
-                                                                         "server, decoding plainly"))
+                                                                         "engine, decoding plainly"))
 
     def _plugin_origin(self) -> str:
-        """` from <distribution> <version>` of the chosen speculator, or "" when the registry does not say."""
+        """` (from <distribution> <version>)` of the chosen speculator, or "" when the registry does not say."""
         entry = self.registry.speculators.get(self.choice.name) if self.registry and self.choice else None
-        return f" from {entry.distribution} {entry.version}" if entry and entry.distribution else ""
+        return f" (from {entry.distribution} {entry.version})" if entry and entry.distribution else ""
 
     def _load_draft_head(self, model):
         """What --draft-model names (a GGUF path or checkpoint alias), by its general.architecture:

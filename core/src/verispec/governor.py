@@ -120,6 +120,9 @@ class GovernorStats:
     state: GovernorState
     #: tokens the current park still lasts (0 unless parked).
     park_tokens_left: int = 0
+    #: the rule that parked drafting last, with its numbers ("rule 4: 4 speculative steps in a row
+    #: accepted nothing"); None before any loss.
+    park_reason: str | None = None
 
     def line(self) -> str:
         """`governor plain=15.3ms/tok spec=29.1ms/tok wins=0 losses=2 parked=96` ("-" when unmeasured)."""
@@ -184,6 +187,7 @@ class SpeculationCostGovernor:
         self._steps_since_refresh = 0  # speculative steps
         self._refresh_left = 0  # plain steps
         self._wins = self._losses = self._parked_tokens = 0
+        self._park_reason: str | None = None
 
     # -- the loop's interface ------------------------------------------------------------
 
@@ -231,19 +235,20 @@ class SpeculationCostGovernor:
         self._last_step_plain = False
         self._spec.add(elapsed_s, num_emitted)
         speculating = self._state in (GovernorState.PROBE, GovernorState.WATCH)
-        if speculating and self._draft_loses(draft_s, num_drafted):
-            self._lose()
+        slow = self._draft_loses(draft_s, num_drafted) if speculating else None
+        if slow is not None:
+            self._lose(f"rule 12: {slow}")
         elif self._state is GovernorState.PROBE:
             self._zero_accept_run = self._zero_accept_run + 1 if num_accepted == 0 else 0
             self._probe_left -= 1
             if self._zero_accept_run >= MAX_ZERO_ACCEPT_STEPS:
-                self._lose()
+                self._lose(f"rule 4: {MAX_ZERO_ACCEPT_STEPS} speculative steps in a row accepted nothing")
             elif self._probe_left == 0:
                 self._judge_probe()
         elif self._state is GovernorState.WATCH:
             self._steps_since_refresh += 1
             if not self._spec_wins():
-                self._lose()
+                self._lose(self._cost_rule("rule 5: watched"))
             elif self._steps_since_refresh >= REFRESH_EVERY_STEPS:
                 self._state, self._refresh_left = GovernorState.REFRESH, REFRESH_PLAIN_STEPS
 
@@ -271,7 +276,7 @@ class SpeculationCostGovernor:
             if self._refresh_left == 0:
                 self._state, self._steps_since_refresh = GovernorState.WATCH, 0
                 if not self._spec_wins():
-                    self._lose()
+                    self._lose(self._cost_rule("rule 5: re-judged after a plain refresh"))
 
     @property
     def stats(self) -> GovernorStats:
@@ -279,7 +284,8 @@ class SpeculationCostGovernor:
                              spec_ms_per_token=self._spec.ms_per_token,
                              wins=self._wins, losses=self._losses, parked_tokens=self._parked_tokens,
                              state=self._state,
-                             park_tokens_left=self._park_left if self._state is GovernorState.PARKED else 0)
+                             park_tokens_left=self._park_left if self._state is GovernorState.PARKED else 0,
+                             park_reason=self._park_reason)
 
     def stats_line(self) -> str:
         return self.stats.line()
@@ -291,31 +297,37 @@ class SpeculationCostGovernor:
         spec, plain = self._spec.ms_per_token, self._plain.ms_per_token
         return spec is not None and plain is not None and spec < plain
 
-    def _draft_loses(self, draft_s: float, num_drafted: int) -> bool:
-        """Rule 12: drafting alone cost more than the plain steps the step could save. Reports the
-        first such step through on_slow_draft."""
+    def _draft_loses(self, draft_s: float, num_drafted: int) -> str | None:
+        """Rule 12: drafting alone cost more than the plain steps the step could save: the line
+        saying so, else None. Reports the first such step through on_slow_draft."""
         num_savable = max(num_drafted, 1)
         limit_ms = MAX_DRAFT_STEPS_PER_TOKEN * num_savable * self._plain.ms_per_token  # set after the bootstrap
         if 1e3 * draft_s <= limit_ms:
-            return False
+            return None
+        drafted = f"to draft {num_drafted} token{'s' * (num_drafted > 1)}" if num_drafted else "and drafted nothing"
+        steps = f"{num_savable} plain decode step{'s' * (num_savable > 1)}"
+        line = f"propose took {_ms(1e3 * draft_s)} {drafted}, more than the {_ms(limit_ms)} of the {steps} it could save"
         if not self._slow_draft_reported:
             self._slow_draft_reported = True
-            drafted = (f"to draft {num_drafted} token{'s' * (num_drafted > 1)}" if num_drafted
-                       else "and drafted nothing")
-            steps = f"{num_savable} plain decode step{'s' * (num_savable > 1)}"
-            self._on_slow_draft(f"propose took {_ms(1e3 * draft_s)} {drafted}, more than the {_ms(limit_ms)} "
-                                f"of the {steps} it could save")
-        return True
+            self._on_slow_draft(line)
+        return line
+
+    def _cost_rule(self, rule: str) -> str:
+        """`rule`'s verdict as a line: speculative steps' ms per token against plain's."""
+        spec, plain = self._spec.ms_per_token, self._plain.ms_per_token
+        return (f"{rule}, speculating cost {'-' if spec is None else f'{spec:.1f}'} ms/token, not under plain "
+                f"decoding's {'-' if plain is None else f'{plain:.1f}'} ms/token")
 
     def _judge_probe(self) -> None:
         if not self._spec_wins():
-            self._lose()
+            self._lose(self._cost_rule("rule 1: a probe"))
             return
         self._wins += 1
         self._losses_in_a_row = 0
         self._state, self._steps_since_refresh = GovernorState.WATCH, 0
 
-    def _lose(self) -> None:
+    def _lose(self, reason: str) -> None:
+        self._park_reason = reason
         self._losses += 1
         self._losses_in_a_row += 1
         self._park_left = PARK_TOKENS[min(self._losses_in_a_row, len(PARK_TOKENS)) - 1]

@@ -76,14 +76,12 @@ def _count(n: int, noun: str) -> str:
 
 def _plain_text(cause: str, speculator: str, stats, governor) -> str:
     if cause == "parked":
-        spec = "-" if governor is None or governor.spec_ms_per_token is None else f"{governor.spec_ms_per_token:.1f}"
-        plain = "-" if governor is None or governor.plain_ms_per_token is None else f"{governor.plain_ms_per_token:.1f}"
         left = f" for {governor.park_tokens_left} more tokens" if governor is not None and governor.park_tokens_left else ""
-        return (f"the cost governor parked speculator {speculator!r}{left}: speculating cost {spec} ms/token, "
-                f"plain decoding {plain} ms/token")
+        why = governor.park_reason if governor is not None and governor.park_reason else "it lost a probe"
+        return f"the cost governor parked speculator {speculator!r}{left} ({why})"
     if cause == "measuring":
         return (f"the cost governor was timing plain decode before its first probe of {speculator!r} "
-                "(once per server)")
+                "(once per engine)")
     if cause == "budget":
         line = stats.budget_line or "drafting cost more per expected token than plain decoding"
         return f"the cost model gave {speculator!r} no draft slot: {line}"
