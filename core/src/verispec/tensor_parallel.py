@@ -405,4 +405,8 @@ def _follow_main(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status:  # a lost group's transport threads may still run: interpreter teardown with them alive
+        sys.stderr.flush()  # aborts ("terminate called without an active exception", SIGABRT), which
+        os._exit(status)  # would turn the one-line exit 1 into a crash
+    sys.exit(status)
