@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 from verispec.errors import DamagedFile, UnsupportedArchitecture
 from verispec.gguf.io import MissingTensor, arch_value
-from verispec_gemma4.modeling_gemma4 import FULL, SLIDING, _layer_types, _per_layer
+from verispec_gemma4.modeling_gemma4 import FULL, SLIDING, _layer_types, _per_layer, _sliding_window
 
 from verispec_gemma4_assistant.hooks import ARCHITECTURES
 
@@ -97,13 +97,3 @@ class AssistantConfig:
             centroid_top_k=top_k if num_centroids else DEFAULT_CENTROID_TOP_K,
         )
 
-
-def _sliding_window(window: int, source: str) -> int:
-    """The sliding layers' window: at least 1 (each of this architecture's sliding layers must see
-    its own position). Raises errors.DamagedFile for 0 (check_numbers refuses negatives)."""
-    if int(window) < 1:
-        from verispec.errors import DamagedFile
-
-        raise DamagedFile(source, f"attention.sliding_window is {window}: this architecture's sliding layers "
-                          "need a window of at least 1")
-    return int(window)
