@@ -263,10 +263,7 @@ class SpeculativeExecution:
         first ids. None for any other speculator (it proposes in `next_segment`, k as planned)."""
         if self.cost_model is None or not self.speculator.spec.scores_drafts:
             return None
-        ctx = self.begin_draft(k, timed=timed)
-        started = self.clock()
-        proposed = None if ctx is None else self._plugin_call("propose", self.speculator.propose, self._state, ctx)
-        self.end_draft(proposed, self.clock() - started)
+        self._propose(k, timed)
         self._step.ahead = True
         if not self.cost_model.adaptive:  # forced drafting (--spec-adaptive off): the whole proposal
             return [1.0] * len(self._step.probs)
@@ -297,18 +294,27 @@ class SpeculativeExecution:
         if k == 0:
             self._begin(0, cause, timed)
             if cause == "budget" and self.cost_model is not None:
-                self.stats.budget_line = (
-                    "the speculator proposed no draft" if ahead is not None and not ahead.draft else
-                    self.cost_model.why_plain(self.cost_model.calibration.alpha(ahead.probs[0]), len(ahead.draft))
-                    if ahead is not None else
-                    self.cost_model.why_plain(self.acceptance.planning_alpha, self.draft_limit()[0]))
+                self.stats.budget_line = self._budget_line(ahead)
             if not self._deferred:
                 self._report_upkeep()
             return self.segment([self.last_token])
+        return self._propose(k, timed)
+
+    def _propose(self, k: int, timed: bool) -> Segment:
+        """begin_draft, the speculator's `propose` (timed as drafting), end_draft: the step's segment."""
         ctx = self.begin_draft(k, timed=timed)
         started = self.clock()
         proposed = None if ctx is None else self._plugin_call("propose", self.speculator.propose, self._state, ctx)
         return self.end_draft(proposed, self.clock() - started)
+
+    def _budget_line(self, ahead: "_Step | None") -> str:
+        """Why the cost model gave this step no draft: its costs at the request's acceptance, or at
+        the calibrated probability of a proposal made ahead (`draft_ahead`)."""
+        if ahead is None:
+            return self.cost_model.why_plain(self.acceptance.planning_alpha, self.draft_limit()[0])
+        if not ahead.draft:
+            return "the speculator proposed no draft"
+        return self.cost_model.why_plain(self.cost_model.calibration.alpha(ahead.probs[0]), len(ahead.draft))
 
     def begin_draft(self, k: int, *, timed: bool = False) -> DraftContext | None:
         """The first half of a drafting step (k >= 1): the speculator catches up (deferred commits,
